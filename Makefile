@@ -1,0 +1,68 @@
+# pdtool: `make demo` sets everything up and runs the main job; `make test` runs the tests.
+# Both create (or reuse) a virtual environment in .venv, install pdtool with torch 2.13.0 (CPU),
+# and install Debian's graphviz where they can.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PD := $(VENV)/bin/pd
+STAMP := $(VENV)/.pdtool-installed
+OUT ?= out
+
+.PHONY: demo test install graphviz profiles bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $@
+
+# Rendering falls back to .dot files with a warning when `dot` is missing, so failing here is not fatal.
+graphviz:
+	@command -v dot >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null) \
+	      || echo "warning: could not install graphviz; pictures will be written as .dot sources" >&2; \
+	  else \
+	    echo "warning: graphviz's dot is missing (install it: sudo apt-get install graphviz); pictures will be .dot sources" >&2; \
+	  fi; }
+
+PD_MODEL_demo = pdtool.zoo:resnet50
+PD_ARGS_demo = -a width=16 -a image_size=64 -a classes=10 -b 16 --repeats 5
+
+demo: install graphviz
+	@mkdir -p $(OUT)
+	$(MAKE) --no-print-directory PD=$(PD) $(OUT)/demo.profile.json
+	$(PD) show $(OUT)/demo.profile.json
+
+test: install graphviz
+	$(PY) -m pytest -q
+
+# ----- shipped profiles, measured on this machine: `make profiles` regenerates them all -----
+PROFILES := mlp vgg16-small vgg16 resnet50-small resnet50 gpt-small gpt
+PD_MODEL_mlp = pdtool.zoo:mlp
+PD_ARGS_mlp = -b 64
+PD_MODEL_vgg16-small = pdtool.zoo:vgg16
+PD_ARGS_vgg16-small = -a width=16 -a image_size=64 -a hidden=256 -a classes=10 -b 16
+PD_MODEL_vgg16 = pdtool.zoo:vgg16
+PD_ARGS_vgg16 = -b 8 --repeats 5
+PD_MODEL_resnet50-small = pdtool.zoo:resnet50
+PD_ARGS_resnet50-small = -a width=16 -a image_size=64 -a classes=10 -b 16
+PD_MODEL_resnet50 = pdtool.zoo:resnet50
+PD_ARGS_resnet50 = -b 8 --repeats 5
+PD_MODEL_gpt-small = pdtool.zoo:gpt
+PD_ARGS_gpt-small = -a vocab=1024 -a seq_len=128 -a d_model=256 -a heads=4 -a layers=4 -b 8
+PD_MODEL_gpt = pdtool.zoo:gpt
+PD_ARGS_gpt = -a seq_len=128 -b 4 --repeats 5
+
+profiles: install
+	$(MAKE) --no-print-directory -B PD=$(PD) $(PROFILES:%=profiles/%.profile.json)
+
+bench: install
+	$(PY) bench/profile_speed.py
+
+clean:
+	rm -rf $(OUT) .pytest_cache
+
+include cli/pd.mk

@@ -1,0 +1,11 @@
+"""pdtool: PipeDream pipeline-parallel training for current PyTorch.
+
+Three phases, each a `pd` sub-command: `profile` (layer graph with costs), `plan`
+(PipeDream's partitioning optimizer) and `train` (torch.distributed workers).
+"""
+from importlib import metadata as _metadata
+
+try:
+    __version__ = _metadata.version("pdtool")
+except _metadata.PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0+unknown"

@@ -1,0 +1,92 @@
+"""Reading typed fields out of parsed JSON, with errors that name the file and the field.
+
+Artifacts (profile, plan, ...) are parsed with these helpers so that every malformed file
+gets the same kind of one-line message: `FILE: FIELD: PROBLEM; FIX`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import ArtifactError
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+               list: "a list", dict: "an object"}
+
+
+class Fields:
+    """A view of one JSON object that reads required fields with type checks.
+
+    `source` names the file, `where` the object's path inside it (e.g. `layers[3]`).
+    """
+
+    def __init__(self, data: Any, source: str, where: str = "", known: tuple[str, ...] | None = None):
+        self.source = source
+        self.where = where
+        if not isinstance(data, dict):
+            self.fail(f"expected an object, found {_describe(data)}", "regenerate the file")
+        self.data = data
+        if known is not None:
+            unknown = sorted(set(data) - set(known))
+            if unknown:
+                self.fail(f"unknown field {unknown[0]!r}", f"remove it (known fields: {', '.join(sorted(known))})")
+
+    def fail(self, problem: str, fix: str, key: str | None = None) -> None:
+        path = ".".join(p for p in (self.where, key) if p)
+        location = f"{self.source}: {path}: " if path else f"{self.source}: "
+        raise ArtifactError(f"{location}{problem}; {fix}")
+
+    def get(self, key: str, kind: type | tuple[type, ...], optional: bool = False, default: Any = None) -> Any:
+        if key not in self.data:
+            if optional:
+                return default
+            self.fail("missing field", "regenerate the file with the current pdtool", key)
+        value = self.data[key]
+        if optional and value is None:
+            return default
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+            wanted = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+            self.fail(f"expected {wanted}, found {_describe(value)}", "fix the value or regenerate the file", key)
+        return value
+
+    def number(self, key: str, minimum: float = 0.0) -> float:
+        value = self.get(key, float)
+        if value < minimum:
+            self.fail(f"must be >= {minimum:g}, found {value:g}", "fix the value or regenerate the file", key)
+        return value
+
+    def count(self, key: str, minimum: int = 0) -> int:
+        value = self.get(key, int)
+        if value < minimum:
+            self.fail(f"must be >= {minimum}, found {value}", "fix the value or regenerate the file", key)
+        return value
+
+    def items(self, key: str) -> list[tuple[str, "Fields | Any"]]:
+        """The elements of list field `key`, each paired with its path."""
+        return [(f"{self.where + '.' if self.where else ''}{key}[{i}]", item)
+                for i, item in enumerate(self.get(key, list))]
+
+    def child(self, key: str, known: tuple[str, ...] | None = None) -> "Fields":
+        path = f"{self.where}.{key}" if self.where else key
+        return Fields(self.get(key, dict), self.source, path, known)
+
+
+def check_schema(data: Any, expected: str, source: str) -> None:
+    """Refuse a file whose `schema` field is not `expected`, naming what it is instead."""
+    if not isinstance(data, dict) or "schema" not in data:
+        raise ArtifactError(f"{source}: no 'schema' field; this is not a pdtool artifact (expected {expected})")
+    if data["schema"] != expected:
+        raise ArtifactError(
+            f"{source}: schema is {data['schema']!r}, expected {expected!r}; "
+            "give a file of the right kind or regenerate it with this pdtool"
+        )
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return f"{_TYPE_NAMES.get(type(value), type(value).__name__)} ({value!r:.40})"

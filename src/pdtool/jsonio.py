@@ -1,0 +1,102 @@
+"""Canonical, atomic JSON files.
+
+Canonical: sorted keys, indent 2, trailing newline, floats rounded to `SIGNIFICANT_DIGITS`
+significant digits, no NaN or infinity. The same data always gives the same bytes, so plan
+files diff well and Make sees no change when nothing changed.
+
+Atomic: the text goes to a temporary file in the target's folder, then `os.replace` moves it
+into place. A reader (or Make) never sees half a file, and a failure leaves the old file as
+it was. The path "-" means standard output.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import ArtifactError
+
+SIGNIFICANT_DIGITS = 6
+
+
+def _round(value: Any, path: str) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ArtifactError(f"cannot write {value} at {path or 'top level'}: JSON artifacts hold finite numbers only")
+        rounded = float(f"{value:.{SIGNIFICANT_DIGITS}g}")
+        return 0.0 if rounded == 0 else rounded
+    if isinstance(value, dict):
+        return {str(k): _round(v, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_round(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    raise ArtifactError(f"cannot write a {type(value).__name__} at {path or 'top level'} to JSON")
+
+
+def canonical_json(data: Any) -> str:
+    """The canonical text of `data` (a tree of dicts, lists, str, int, float, bool, None)."""
+    return json.dumps(_round(data, ""), sort_keys=True, indent=2, allow_nan=False) + "\n"
+
+
+def check_writable(path: str | os.PathLike) -> Path | None:
+    """Fail early, before long work, if `path` cannot be written; returns its folder ("-": None)."""
+    if str(path) == "-":
+        return None
+    target = Path(path)
+    folder = target.parent
+    if not folder.is_dir():
+        raise ArtifactError(f"cannot write {target}: folder {folder} does not exist; create it first")
+    if target.is_dir():
+        raise ArtifactError(f"cannot write {target}: it is a folder; give a file name")
+    if not os.access(folder, os.W_OK):
+        raise ArtifactError(f"cannot write {target}: folder {folder} is not writable; choose another output")
+    return folder
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` atomically; "-" writes to standard output."""
+    folder = check_writable(path)
+    if folder is None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | os.PathLike, data: Any) -> None:
+    """Write `data` canonically and atomically to `path` ("-" for standard output)."""
+    write_text_atomic(path, canonical_json(data))
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read a JSON file, turning every failure into one clear `ArtifactError`."""
+    try:
+        text = sys.stdin.read() if str(path) == "-" else Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: no such file; check the path or create it first") from None
+    except IsADirectoryError:
+        raise ArtifactError(f"{path}: is a folder, not a JSON file; give the file inside it") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{path}: cannot read it ({exc}); check the file and its permissions") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(
+            f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+            "regenerate the file or fix it by hand"
+        ) from None

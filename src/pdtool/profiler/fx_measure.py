@@ -1,0 +1,82 @@
+"""Per-layer forward and backward times of a model split into one submodule per layer.
+
+PipeDream's profiler (Narayanan et al., SOSP 2019, section 3.1) times each layer's forward
+and backward pass separately. Here every layer is a submodule made by `split_module`; one
+forward pass of the whole split model records each submodule's inputs, then each
+submodule is run on its own: forward (timed), then backward from a gradient of ones on its
+differentiable outputs (timed), `repeats` times after `warmup` untimed rounds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_map
+
+from .timing import Clock, backward_from, nbytes, summarize, tensors_in
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Measured cost of one layer: ms (median and spread) and output bytes."""
+
+    fwd_ms: float
+    fwd_ms_spread: float
+    bwd_ms: float
+    bwd_ms_spread: float
+    act_bytes: int
+
+
+class _RecordCalls(fx.Interpreter):
+    """Runs the split model and keeps, for every `submod_<i>` call, its inputs and outputs."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.calls: list[tuple[str, tuple, dict, Any]] = []
+
+    def call_module(self, target, args, kwargs):
+        out = super().call_module(target, args, kwargs)
+        if str(target).startswith("submod_"):
+            self.calls.append((str(target), args, kwargs, out))
+        return out
+
+
+def measure_split(split: fx.GraphModule, inputs: tuple[torch.Tensor, ...], *, repeats: int, warmup: int,
+                  clock: Clock, progress: Callable[[str], None]) -> list[LayerCost]:
+    """Time every `submod_<i>` of `split` on the activations a real forward pass gives it."""
+    recorder = _RecordCalls(split)
+    with torch.no_grad():
+        recorder.run(*inputs)
+    originals = {id(t) for t in inputs}
+
+    def as_leaf(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+            return value
+        leaf = value.detach()
+        if leaf.is_floating_point() and id(value) not in originals:
+            leaf.requires_grad_(True)  # an activation from another layer: its gradient is sent back
+        return leaf
+
+    costs = []
+    for name, args, kwargs, out in recorder.calls:
+        progress(name)
+        sub = split.get_submodule(name)
+        args, kwargs = tree_map(as_leaf, args), tree_map(as_leaf, kwargs)
+        leaves = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+        fwd, bwd = [], []
+        for round_ in range(warmup + repeats):
+            sub.zero_grad(set_to_none=True)
+            for leaf in leaves:
+                leaf.grad = None
+            start = clock()
+            result = sub(*args, **kwargs)
+            middle = clock()
+            backward_from(result)
+            end = clock()
+            if round_ >= warmup:
+                fwd.append(middle - start)
+                bwd.append(end - middle)
+        costs.append(LayerCost(*summarize(fwd), *summarize(bwd), act_bytes=nbytes(out)))
+    return costs

@@ -1,0 +1,69 @@
+"""Clocks and summary statistics for the profiler.
+
+Times are taken with `time.perf_counter` after a device synchronisation on CUDA, so that a
+measured interval covers the kernels launched inside it. Summaries are the median and the
+interquartile range (the spread), both in milliseconds.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+
+class Clock:
+    """Reads wall time in seconds, synchronising the device first when it is a GPU."""
+
+    def __init__(self, device: torch.device):
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else None
+
+    def __call__(self) -> float:
+        if self._sync is not None:
+            self._sync()
+        return time.perf_counter()
+
+
+def summarize(seconds: list[float]) -> tuple[float, float]:
+    """(median, interquartile range) of `seconds`, both in milliseconds."""
+    ms = sorted(s * 1000.0 for s in seconds)
+    if len(ms) < 2:
+        return (ms[0] if ms else 0.0), 0.0
+    q1, _, q3 = statistics.quantiles(ms, n=4, method="inclusive")
+    return statistics.median(ms), q3 - q1
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside a nested structure of tuples, lists and dicts."""
+    leaves, _ = tree_flatten(value)
+    return (leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+
+def nbytes(value: Any) -> int:
+    """Bytes of all tensors inside `value` (the whole minibatch)."""
+    return sum(t.numel() * t.element_size() for t in tensors_in(value))
+
+
+def backward_from(output: Any) -> None:
+    """Back-propagate a gradient of ones from every differentiable tensor in `output`."""
+    roots = [t for t in tensors_in(output) if t.requires_grad]
+    if roots:
+        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+
+
+def measure_step(module: nn.Module, inputs: tuple[torch.Tensor, ...], target: Any,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], *, repeats: int, warmup: int,
+                 clock: Clock) -> tuple[float, float]:
+    """(median, spread) in ms of a whole training step: forward, loss and backward."""
+    samples = []
+    for round_ in range(warmup + repeats):
+        module.zero_grad(set_to_none=True)
+        start = clock()
+        loss_fn(module(*inputs), target).backward()
+        end = clock()
+        if round_ >= warmup:
+            samples.append(end - start)
+    return summarize(samples)

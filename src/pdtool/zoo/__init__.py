@@ -1,0 +1,18 @@
+"""A small model zoo in plain torch, each with a configurable size.
+
+Use them as `pd profile --model pdtool.zoo:NAME [--model-arg key=value ...]`:
+
+- `mlp`: a stack of Linear + ReLU layers (a chain);
+- `vgg16`: VGG-16 (13 convolutions, 3 fully connected layers);
+- `resnet50`: ResNet-50 with bottleneck blocks (skip connections cross layers);
+- `gpt`: a GPT-style decoder-only transformer language model.
+
+Every factory returns a `ModelBundle` whose batch maker draws synthetic data of the right
+shape; default sizes are the published ones, small sizes are a keyword away.
+"""
+from .gpt import gpt
+from .mlp import mlp
+from .resnet import resnet50
+from .vgg import vgg16
+
+__all__ = ["gpt", "mlp", "resnet50", "vgg16"]

@@ -1,0 +1,128 @@
+import pytest
+
+from pdtool.errors import ModelError, ProfileError
+from pdtool.modelspec import load_model
+from pdtool.profile import ModelRef, Profile
+from pdtool.profiler import profile_model
+
+FAST = dict(repeats=2, warmup=1)
+
+
+def run(spec, model_kwargs=None, batch_size=4, **options) -> Profile:
+    return profile_model(ModelRef(spec, model_kwargs or {}), batch_size=batch_size, **FAST, **options)
+
+
+def names(profile):
+    return [layer.name for layer in profile.layers]
+
+
+def edges_by_name(profile):
+    return {(profile.layers[s].name, profile.layers[d].name) for s, d in profile.edges}
+
+
+def assert_times_positive(profile):
+    assert all(l.fwd_ms > 0 and l.bwd_ms > 0 for l in profile.layers)
+    assert profile.step_ms > 0 and profile.layer_sum_over_step > 0
+
+
+def test_mlp_layers_have_exact_parameter_and_activation_bytes():
+    profile = run("pdtool.zoo:mlp", dict(in_features=12, hidden=8, depth=2, classes=3), batch_size=6)
+    assert names(profile) == ["0", "2", "4"]  # each ReLU folded into the Linear before it
+    assert [l.ops for l in profile.layers] == [("_0", "_1"), ("_2", "_3"), ("_4",)]
+    assert [l.param_bytes for l in profile.layers] == [(12 * 8 + 8) * 4, (8 * 8 + 8) * 4, (8 * 3 + 3) * 4]
+    assert [l.act_bytes for l in profile.layers] == [6 * 8 * 4, 6 * 8 * 4, 6 * 3 * 4]
+    assert profile.edges == ((0, 1), (1, 2))
+    assert profile.batch_size == 6 and profile.inputs[0].shape == (6, 12) and profile.method == "fx"
+    assert_times_positive(profile)
+
+
+def test_residual_block_edges_include_the_skip_connection():
+    profile = run("pdtool.zoo:resnet50", dict(width=4, image_size=32, classes=3, blocks=[1]))
+    edges = edges_by_name(profile)
+    # the block input (after maxpool) feeds both the main path and the downsample path
+    assert {("maxpool", "layer1.0.conv1"), ("maxpool", "layer1.0.downsample.0")} <= edges
+    # the addition folds into bn3's layer, which therefore reads the downsampled skip path
+    assert ("layer1.0.downsample.1", "layer1.0.bn3") in edges
+    bn3 = profile.layers[names(profile).index("layer1.0.bn3")]
+    assert {"add", "layer1_0_relu_2"} <= set(bn3.ops)
+    # the skip edge crosses several layers
+    downsample = names(profile).index("layer1.0.downsample.1")
+    assert names(profile).index("layer1.0.bn3") > downsample + 1
+    assert_times_positive(profile)
+
+
+def test_parameters_are_counted_once_and_completely():
+    for spec, kwargs in [("pdtool.zoo:resnet50", dict(width=4, image_size=32, blocks=[1, 1])),
+                         ("pdtool.zoo:gpt", dict(vocab=40, seq_len=8, d_model=16, heads=2, layers=2))]:
+        profile = run(spec, kwargs)
+        module = load_model(ModelRef(spec, kwargs)).module
+        assert profile.param_bytes == sum(p.numel() * 4 for p in module.parameters())
+
+
+def test_gpt_layers_fold_views_and_keep_the_residual_stream():
+    profile = run("pdtool.zoo:gpt", dict(vocab=40, seq_len=8, d_model=16, heads=2, layers=1), batch_size=2)
+    assert names(profile) == ["tok_emb", "blocks.0.ln1", "blocks.0.attn.qkv",
+                              "blocks.0.attn.scaled_dot_product_attention", "blocks.0.attn.proj",
+                              "blocks.0.ln2", "blocks.0.fc", "blocks.0.out", "ln_f", "head"]
+    assert ("tok_emb", "blocks.0.attn.proj") in edges_by_name(profile)  # x + attn(ln1(x))
+    tok = profile.layers[0]
+    assert tok.param_bytes == (40 * 16 + 8 * 16) * 4  # token and position embeddings
+    assert profile.layers[2].act_bytes == 3 * 2 * 8 * 16 * 4  # q, k and v go on
+    assert profile.inputs[0].dtype == "int64"
+
+
+def test_op_granularity_keeps_every_op_and_depth_makes_blocks_layers():
+    kwargs = dict(width=4, image_size=32, blocks=[1, 1])
+    module_level = run("pdtool.zoo:resnet50", kwargs)
+    op_level = run("pdtool.zoo:resnet50", kwargs, granularity="op")
+    assert len(op_level.layers) > len(module_level.layers)
+    assert "layer1.0.relu" in names(op_level)
+    blocks = run("pdtool.zoo:resnet50", kwargs, depth=2)
+    assert names(blocks) == ["conv1", "bn1", "maxpool", "layer1.0", "layer2.0", "avgpool", "fc"]
+    assert blocks.layers[3].kind == "Bottleneck" and blocks.depth == 2
+
+
+def test_untraceable_models_fall_back_to_leaf_modules_with_exact_edges():
+    messages = []
+    profile = profile_model(ModelRef("toymodels:dynamic"), batch_size=4, progress=messages.append, **FAST)
+    assert profile.method == "modules"
+    assert any("torch.fx cannot trace" in m for m in messages)
+    assert names(profile) == ["a", "b", "c"]  # the ReLU module folded into a
+    assert profile.layers[0].ops == ("a", "act")
+    assert set(profile.edges) == {(0, 1), (1, 2), (0, 2)}  # y + h is a functional skip from a to c
+    # the loose `scale` parameter (used between modules) counts toward the next layer, b
+    assert [l.param_bytes for l in profile.layers] == [(8 * 16 + 16) * 4, (16 * 16 + 16 + 16) * 4, (16 * 4 + 4) * 4]
+    assert [l.act_bytes for l in profile.layers] == [4 * 16 * 4, 4 * 16 * 4, 4 * 4 * 4]
+    assert_times_positive(profile)
+
+
+def test_forcing_fx_on_an_untraceable_model_is_a_clear_error():
+    with pytest.raises(ProfileError, match="torch.fx cannot trace .*use --method modules"):
+        run("toymodels:dynamic", method="fx")
+
+
+def test_forcing_modules_works_on_traceable_models_too():
+    profile = run("pdtool.zoo:mlp", dict(in_features=12, hidden=8, depth=2), method="modules")
+    assert profile.method == "modules" and names(profile) == ["0", "2", "4"]
+    assert profile.edges == ((0, 1), (1, 2))
+
+
+def test_a_model_that_rejects_its_input_is_one_clear_error():
+    with pytest.raises(ProfileError, match=r"toymodels:wrong_shape rejected its sample input \[\(4, 5\) float32\]"):
+        run("toymodels:wrong_shape")
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused():
+    with pytest.raises(ProfileError, match="must return a scalar"):
+        run("toymodels:vector_loss")
+
+
+def test_unavailable_devices_are_refused():
+    with pytest.raises(ProfileError, match="use cpu or cuda"):
+        profile_model(ModelRef("toymodels:dynamic"), device="tpu", **FAST)
+
+
+def test_fixed_samples_set_the_profile_batch_size():
+    assert profile_model(ModelRef("toymodels:fixed_sample"), **FAST).batch_size == 3
+    with pytest.raises(ModelError):
+        profile_model(ModelRef("toymodels:fixed_sample"), batch_size=4, **FAST)

@@ -1,0 +1,56 @@
+"""Small models for the tests, loaded through model specs such as `toymodels:dynamic`."""
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Dynamic(nn.Module):
+    """Data-dependent control flow (torch.fx cannot trace it) and a functional skip connection."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 16)
+        self.act = nn.ReLU()
+        self.c = nn.Linear(16, 4)
+        self.scale = nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        h = self.act(self.a(x))
+        if h.sum() > -1e9:
+            h = h * self.scale
+        y = self.b(h)
+        return self.c(y + h)
+
+
+def _batch(n):
+    return torch.randn(n, 8), torch.randint(0, 4, (n,))
+
+
+def dynamic():
+    return Dynamic(), _batch, F.cross_entropy
+
+
+def fixed_sample():
+    """A factory that returns one fixed minibatch of 3 instead of a batch maker."""
+    return nn.Linear(8, 4), (torch.randn(3, 8), torch.randint(0, 4, (3,))), F.cross_entropy
+
+
+def wrong_shape():
+    """A model whose sample input has the wrong width: the model rejects it."""
+    return nn.Linear(8, 4), (lambda n: (torch.randn(n, 5), torch.randint(0, 4, (n,)))), F.cross_entropy
+
+
+def raises(reason="no such size"):
+    raise ValueError(reason)
+
+
+def not_a_model():
+    return 42
+
+
+def vector_loss():
+    return nn.Linear(8, 4), _batch, lambda out, target: out  # not a scalar
+
+
+NOT_CALLABLE = 3
