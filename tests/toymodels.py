@@ -54,3 +54,23 @@ def vector_loss():
 
 
 NOT_CALLABLE = 3
+
+
+def inplace():
+    """torchvision style: ReLU(inplace=True) and an in-place residual addition."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+            self.relu = nn.ReLU(inplace=True)
+            self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+            self.head = nn.Linear(4 * 8 * 8, 2)
+
+        def forward(self, x):
+            y = self.relu(self.conv1(x))
+            z = self.conv2(y)
+            z += y
+            return self.head(self.relu(z).flatten(1))
+
+    return Net(), (lambda n: (torch.randn(n, 3, 8, 8), torch.randint(0, 2, (n,)))), F.cross_entropy

@@ -126,3 +126,12 @@ def test_fixed_samples_set_the_profile_batch_size():
     assert profile_model(ModelRef("toymodels:fixed_sample"), **FAST).batch_size == 3
     with pytest.raises(ModelError):
         profile_model(ModelRef("toymodels:fixed_sample"), batch_size=4, **FAST)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(granularity="op"), dict(method="modules"),
+                                     dict(method="modules", granularity="op")])
+def test_in_place_ops_profile_at_every_granularity(options):
+    profile = run("toymodels:inplace", **options)
+    assert_times_positive(profile)
+    first, last = profile.layers[0].name, profile.layers[-1].name
+    assert first == "conv1" and last.startswith("head")

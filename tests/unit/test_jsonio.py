@@ -36,6 +36,15 @@ def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
     assert os.listdir(tmp_path) == ["out.json"]  # no temporary file left behind
 
 
+def test_written_files_get_the_usual_permissions(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        write_json(tmp_path / "x.json", {})
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "x.json").stat().st_mode & 0o777 == 0o644
+
+
 def test_writing_into_a_missing_folder_is_one_clear_error(tmp_path):
     with pytest.raises(ArtifactError, match="does not exist"):
         write_json(tmp_path / "nope" / "x.json", {})

@@ -59,6 +59,13 @@ def measure_split(split: fx.GraphModule, inputs: tuple[torch.Tensor, ...], *, re
             leaf.requires_grad_(True)  # an activation from another layer: its gradient is sent back
         return leaf
 
+    def fresh(value: Any) -> Any:
+        # a differentiable copy, so that a layer that works in place on its input cannot
+        # touch the leaf (or the next round's input)
+        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+            return value
+        return value.clone()
+
     costs = []
     for name, args, kwargs, out in recorder.calls:
         progress(name)
@@ -70,8 +77,9 @@ def measure_split(split: fx.GraphModule, inputs: tuple[torch.Tensor, ...], *, re
             sub.zero_grad(set_to_none=True)
             for leaf in leaves:
                 leaf.grad = None
+            call_args, call_kwargs = tree_map(fresh, args), tree_map(fresh, kwargs)
             start = clock()
-            result = sub(*args, **kwargs)
+            result = sub(*call_args, **call_kwargs)
             middle = clock()
             backward_from(result)
             end = clock()
