@@ -56,13 +56,16 @@ def cli() -> None:
 
     \b
     pd profile  measure a model layer by layer -> PROFILE.json
-    pd show     print a readable summary of a profile
+    pd plan     partition it over a cluster    -> PLAN.json
+    pd show     print a readable summary of a profile or a plan
     """
 
 
 @cli.command()
-@click.option("--model", "-m", "spec", required=True, metavar="PKG.MODULE:FACTORY",
+@click.option("--model", "-m", "spec", metavar="PKG.MODULE:FACTORY",
               help="Model factory to profile, e.g. pdtool.zoo:resnet50 (the current folder is importable).")
+@click.option("--from-pipedream", "graph_txt", type=click.Path(dir_okay=False), metavar="GRAPH.TXT",
+              help="Instead of measuring, convert a profile of the original PipeDream (its graph.txt).")
 @click.option("--model-arg", "-a", "model_args", multiple=True, metavar="KEY=VALUE",
               help="Keyword argument for the factory (value parsed as JSON, else a string); repeatable.")
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
@@ -81,18 +84,33 @@ def cli() -> None:
 @click.option("--method", type=click.Choice(["auto", "fx", "modules"]), default="auto", show_default=True,
               help="How to find layers: torch.fx, leaf modules in execution order, or fx with a fallback.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
-def profile(spec, model_args, output, batch_size, device, repeats, warmup, granularity, depth, method, quiet):
+def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, warmup, granularity, depth, method,
+            quiet):
     """Measure a model layer by layer and write its profile (pdtool.profile/1).
 
     Per layer: forward and backward time (ms, median of --repeats), output activation bytes,
     parameter bytes, and the edges between layers. The whole training step is timed too, and
     the ratio of the summed layer times to it is recorded.
+
+    With --from-pipedream GRAPH.TXT, convert a profile of the original PipeDream instead
+    (--batch-size is needed when it cannot be inferred from a 224x224 image input).
     """
+    if (spec is None) == (graph_txt is None):
+        raise click.UsageError("give exactly one of --model and --from-pipedream")
+    check_writable(output)
+    if graph_txt is not None:
+        from .pipedream_import import load_pipedream_graph
+
+        imported = load_pipedream_graph(graph_txt, batch_size)
+        imported.save(output)
+        if output != "-" and not quiet:
+            click.echo(f"wrote {output}: {len(imported.layers)} layers imported from {graph_txt}", err=True)
+        return
+
     from .modelspec import parse_model_args
     from .profile import ModelRef
     from .profiler import profile_model
 
-    check_writable(output)
     progress = _Progress(quiet)
     ref = ModelRef(spec, parse_model_args(model_args))
     try:
@@ -108,15 +126,62 @@ def profile(spec, model_args, output, batch_size, device, repeats, warmup, granu
 
 
 @cli.command()
+@click.argument("profile_path", metavar="PROFILE.json", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--cluster", "-c", "cluster_spec", required=True, metavar="SPEC",
+              help="Levels innermost first, COUNTxBANDWIDTH,... (e.g. 4x12GB/s,4x10Gbit/s), a JSON file, "
+                   "or a preset (cluster-a[:SERVERS], cluster-b[:SERVERS]).")
+@click.option("--memory", metavar="SIZE", help="Memory per worker, e.g. 16GiB; stages that do not fit are ruled out.")
+@click.option("--straight", is_flag=True, help="No replicated stages: every stage runs on one unit of each level.")
+@click.option("--cost-model", type=click.Choice(["pdtool", "pipedream"]), default="pdtool", show_default=True,
+              help="pdtool: max(compute, all-reduce, transfer) per stage; pipedream: the original optimizer's formulas.")
+@click.option("--mode", type=click.Choice(["pipedream", "vsync", "2bw", "flush", "gpipe"]), default="pipedream",
+              show_default=True, help="Schedule mode the plan is to be trained with.")
+@click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True,
+              help="Optimizer state counted in the memory model (sgd with momentum: 1 buffer, adam: 2).")
+@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
+              help="Plan JSON to write ('-' for stdout). Written atomically.")
+def plan(profile_path, cluster_spec, memory, straight, cost_model, mode, optimizer, output):
+    """Partition a profiled model over a cluster with PipeDream's optimizer (pdtool.plan/1).
+
+    Chooses stage boundaries and replicas per stage to minimise the time per minibatch of the
+    slowest stage, level by level over the cluster, and records the prediction.
+    """
+    import os
+
+    from .cluster import parse_cluster
+    from .plan import make_plan
+    from .profile import Profile
+
+    check_writable(output)
+    cluster = parse_cluster(cluster_spec, memory)
+    profile = Profile.load(profile_path)
+    command = " ".join(["pd plan", os.path.basename(profile_path), "--cluster", cluster_spec]
+                       + (["--memory", memory] if memory else []) + (["--straight"] if straight else [])
+                       + ["--cost-model", cost_model, "--mode", mode, "--optimizer", optimizer])
+    result = make_plan(profile, cluster, cost_model=cost_model, straight=straight, mode=mode,
+                       optimizer_slots=2 if optimizer == "adam" else 1, command=command)
+    result.save(output)
+    if output != "-":
+        pred = result.predicted
+        click.echo(f"wrote {output}: {len(result.stages)} stages, {pred.time_ms:.3f} ms per minibatch, "
+                   f"{pred.speedup_over_single:.2f}x over one worker, {pred.speedup_over_data_parallel:.2f}x over "
+                   "data parallel", err=True)
+
+
+@cli.command()
 @click.argument("artifact", type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--top", type=click.IntRange(min=1), default=15, show_default=True,
-              help="How many of the heaviest layers to list.")
+              help="Profiles: how many of the heaviest layers to list.")
 def show(artifact, top):
-    """Print a readable summary of a profile JSON file."""
+    """Print a readable summary of a profile or plan JSON file."""
+    from .plan import SCHEMA as PLAN_SCHEMA, Plan
     from .profile import SCHEMA as PROFILE_SCHEMA, Profile
-    from .show import profile_table
+    from .show import plan_table, profile_table
 
     data = read_json(artifact)
+    if isinstance(data, dict) and data.get("schema") == PLAN_SCHEMA:
+        click.echo(plan_table(Plan.from_json(data, artifact)), nl=False)
+        return
     check_schema(data, PROFILE_SCHEMA, artifact)
     click.echo(profile_table(Profile.from_json(data, artifact), top), nl=False)
 

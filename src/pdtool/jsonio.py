@@ -107,3 +107,20 @@ def read_json(path: str | os.PathLike) -> Any:
             f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
             "regenerate the file or fix it by hand"
         ) from None
+
+
+def round_sig(value: float) -> float:
+    """`value` as a canonical file stores it (SIGNIFICANT_DIGITS significant digits)."""
+    return _round(value, "")
+
+
+def round_float_fields(obj: Any) -> None:
+    """Round every float field of a frozen dataclass in place, as the file will hold it.
+
+    Artifacts call this when they are made, so that what is in memory equals what a save
+    and load give back, and values derived from the fields (ratios, speedups) agree too.
+    """
+    for name in getattr(obj, "__dataclass_fields__", {}):
+        value = getattr(obj, name)
+        if isinstance(value, float):
+            object.__setattr__(obj, name, round_sig(value))

@@ -18,7 +18,7 @@ from typing import Any
 import networkx as nx
 
 from .fields import Fields, check_schema
-from .jsonio import read_json, write_json
+from .jsonio import read_json, round_float_fields, write_json
 
 SCHEMA = "pdtool.profile/1"
 METHODS = ("fx", "modules", "pipedream")
@@ -55,6 +55,9 @@ class Layer:
     bwd_ms_spread: float = 0.0
     ops: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        round_float_fields(self)
+
     @property
     def total_ms(self) -> float:
         return self.fwd_ms + self.bwd_ms
@@ -90,6 +93,7 @@ class Profile:
     source: InitVar[str] = "profile"
 
     def __post_init__(self, source: str) -> None:
+        round_float_fields(self)
         _validate(self, source)
 
     # ----- derived figures -----------------------------------------------------------------

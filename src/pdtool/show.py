@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from .plan import Plan
 from .profile import Profile
 
 MB = 1e6
@@ -46,3 +47,61 @@ def profile_table(profile: Profile, top: int = 15) -> str:
         table,
     ]
     return "\n".join(lines) + "\n"
+
+
+def plan_table(plan: Plan) -> str:
+    """Per-stage table of a plan (layers, replicas, ranks, times, memory) and its predictions."""
+    pred = plan.predicted
+    rows = []
+    for index, s in enumerate(plan.stages):
+        rows.append({
+            "stage": index,
+            "layers": f"{s.first}-{s.last}",
+            "from .. to": f"{s.first_name} .. {s.last_name}",
+            "replicas": s.replicas,
+            "ranks": _ranks(s.ranks),
+            "compute ms": s.compute_ms,
+            "allreduce ms": s.allreduce_ms,
+            "transfer ms": s.transfer_ms,
+            "time ms": s.time_ms,
+            "in flight": s.in_flight,
+            "memory GiB": s.memory_bytes / 2**30,
+            "": "<- bottleneck" if pred.bottleneck.startswith(f"stage {index} ") else "",
+        })
+    table = pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.3f}")
+    lines = [
+        f"plan         {len(plan.stages)} stages on {plan.workers} workers ({plan.cluster.describe()}), "
+        f"mode {plan.mode}, cost model {plan.cost_model}{', straight' if plan.straight else ''}",
+        f"profile      {plan.profile.model['spec'] if plan.profile.model else '(imported)'}, "
+        f"batch {plan.profile.batch_size}, {plan.profile.layers} layers",
+        "",
+        table,
+    ]
+    if plan.groups:
+        groups = pd.DataFrame({
+            "level": g.level, "layers": f"{g.first}-{g.last}", "units": g.units, "compute ms": g.compute_ms,
+            "allreduce ms": g.allreduce_ms, "transfer ms": g.transfer_ms, "time ms": g.time_ms,
+        } for g in plan.groups)
+        lines += ["", "outer-level stages (each runs the inner stages of its layers on every unit):",
+                  groups.to_string(index=False, float_format=lambda x: f"{x:.3f}")]
+    lines += [
+        "",
+        f"predicted    {pred.time_ms:.3f} ms per minibatch ({plan.samples_per_s:.1f} samples/s); "
+        f"bottleneck: {pred.bottleneck}",
+        f"one worker   {pred.single_worker_ms:.3f} ms -> speedup {pred.speedup_over_single:.2f}x",
+        f"data parallel on {plan.workers} workers  {pred.data_parallel_ms:.3f} ms -> speedup "
+        f"{pred.speedup_over_data_parallel:.2f}x",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    """Ranks compactly: 0-3,8-11."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(f"{start}-{r}" if r != start else f"{r}")
+            start = None
+    return ",".join(parts)

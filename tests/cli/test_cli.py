@@ -1,10 +1,13 @@
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from pdtool.cli import cli
 from pdtool.profile import Profile
+
+PIPEDREAM = Path(__file__).resolve().parents[2] / "profiles" / "pipedream"
 
 TINY = ["--model", "pdtool.zoo:mlp", "-a", "in_features=12", "-a", "hidden=8", "-a", "depth=2",
         "-b", "4", "--repeats", "2", "--warmup", "0"]
@@ -81,7 +84,7 @@ def test_a_failed_profile_leaves_the_old_output_untouched(tmp_path):
 
 def test_missing_model_is_a_usage_error():
     result = invoke("profile", "-o", "x.json")
-    assert result.exit_code == 2 and "Missing option '--model'" in result.stderr
+    assert result.exit_code == 2 and "give exactly one of --model and --from-pipedream" in result.stderr
 
 
 def test_output_into_a_missing_folder_is_one_line(tmp_path):
@@ -101,6 +104,76 @@ def test_show_rejects_bad_files_in_one_line(tmp_path, content, fragment):
     if content is not None:
         path.write_text(content)
     assert_one_line_error(invoke("show", str(path)), fragment)
+
+
+# ----- pd profile --from-pipedream, pd plan, pd show PLAN -------------------------------------------
+VGG = str(PIPEDREAM / "vgg16.graph.txt")
+
+
+def imported(tmp_path, model="vgg16"):
+    out = tmp_path / f"{model}.profile.json"
+    result = invoke("profile", "--from-pipedream", str(PIPEDREAM / f"{model}.graph.txt"), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_from_pipedream_writes_a_profile(tmp_path):
+    profile = Profile.load(imported(tmp_path))
+    assert profile.method == "pipedream" and profile.batch_size == 128 and len(profile.layers) == 40
+
+
+def test_from_pipedream_needs_a_batch_size_when_it_cannot_infer_one(tmp_path):
+    out = tmp_path / "g.json"
+    result = invoke("profile", "--from-pipedream", str(PIPEDREAM / "gnmt.graph.txt"), "-o", str(out))
+    assert_one_line_error(result, "--batch-size")
+    assert not out.exists()
+    assert invoke("profile", "--from-pipedream", str(PIPEDREAM / "gnmt.graph.txt"), "-b", "64",
+                  "-o", str(out)).exit_code == 0
+
+
+def test_plan_writes_the_original_figures_and_show_explains_them(tmp_path):
+    profile = imported(tmp_path)
+    out = tmp_path / "vgg16.plan.json"
+    result = invoke("plan", str(profile), "--cluster", "4x1.25e9B/s", "--cost-model", "pipedream", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert "3.81x over one worker, 2.84x over data parallel" in result.stderr
+    data = json.loads(out.read_text())
+    assert [s["replicas"] for s in data["stages"]] == [3, 1]
+    assert data["provenance"]["command"] == ("pd plan vgg16.profile.json --cluster 4x1.25e9B/s --cost-model pipedream "
+                                             "--mode pipedream --optimizer sgd")
+    shown = invoke("show", str(out))
+    assert shown.exit_code == 0
+    assert "<- bottleneck" in shown.stdout and "speedup 3.81x" in shown.stdout and "speedup 2.84x" in shown.stdout
+
+
+def test_plan_is_byte_identical_when_run_twice(tmp_path):
+    profile = imported(tmp_path)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for out in (a, b):
+        assert invoke("plan", str(profile), "-c", "cluster-a:2", "-o", str(out)).exit_code == 0
+    assert a.read_bytes() == b.read_bytes()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--cluster", "4x12GB"], "12GB"),
+    (["--cluster", "0x12GB/s"], "0"),
+    (["--cluster", "4x12GB/s", "--memory", "1MiB"], "no plan fits in 1 MiB per worker"),
+    (["--cluster", "nosuchpreset"], "cluster-a"),
+])
+def test_plan_bad_input_is_one_line_and_no_file(tmp_path, args, fragment):
+    profile = imported(tmp_path)
+    out = tmp_path / "p.json"
+    assert_one_line_error(invoke("plan", str(profile), *args, "-o", str(out)), fragment)
+    assert not out.exists()
+
+
+def test_plan_refuses_a_profile_with_a_dangling_edge(tmp_path):
+    profile = imported(tmp_path)
+    data = json.loads(profile.read_text())
+    data["edges"].append([3, 99])
+    profile.write_text(json.dumps(data))
+    assert_one_line_error(invoke("plan", str(profile), "-c", "4x12GB/s", "-o", str(tmp_path / "p.json")),
+                          "edge 3->99 names a layer that does not exist")
 
 
 def test_help_and_version():

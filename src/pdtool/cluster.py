@@ -1,0 +1,258 @@
+"""The cluster a plan is made for: levels of workers, innermost first, and memory per worker.
+
+A cluster is a hierarchy (PipeDream, SOSP 2019, section 3.1): level 0 groups `count` workers
+(GPUs of one server) linked at `bandwidth` bytes/s; level 1 groups `count` of those groups
+(servers) at its own bandwidth; and so on. The number of workers is the product of the counts.
+
+`parse_cluster` reads the three ways a user names one:
+
+- levels, innermost first: `4x12GB/s,4x10Gbit/s` (spaces allowed, `4x V100 @ 12 GB/s` too);
+- a JSON file: `{"levels": [{"count": 4, "bandwidth": "12GB/s"}, ...], "memory": "16GiB"}`
+  (a bandwidth may also be a number in bytes/s, a memory size a number of bytes);
+- a preset for the PipeDream paper's clusters: `cluster-a` or `cluster-b`, with the number of
+  servers after a colon (`cluster-a:2`; 4 when omitted).
+
+Bandwidths are bytes per second and memory is bytes everywhere in the code; text always
+carries its unit (see `units`). Pure: no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import PlanError
+from .fields import Fields
+from .jsonio import read_json
+from .units import (BANDWIDTH_FORMS, exact_bandwidth, exact_bytes, format_bandwidth, format_bytes,
+                    parse_bandwidth, parse_bytes)
+
+SCHEMA = "pdtool.cluster/1"
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level of the hierarchy: `count` units (workers at level 0, servers at level 1, ...)
+    and the `bandwidth` in bytes/s of the link between two units of this level."""
+
+    count: int
+    bandwidth: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise PlanError(f"a cluster level needs a count >= 1, not {self.count!r}; e.g. 4x12GB/s")
+        if isinstance(self.bandwidth, bool) or not isinstance(self.bandwidth, (int, float)) \
+                or not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
+            raise PlanError(f"a cluster level needs a positive bandwidth in bytes/s, not {self.bandwidth!r}; "
+                            f"e.g. {BANDWIDTH_FORMS}")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Levels innermost first, memory in bytes per worker (None = unlimited), and the preset
+    `name` (e.g. "cluster-a:4") when it was built from one."""
+
+    levels: tuple[Level, ...]
+    memory: int | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.levels, tuple) or not self.levels \
+                or not all(isinstance(level, Level) for level in self.levels):
+            raise PlanError("a cluster needs at least one level (a tuple of Level); e.g. 4x12GB/s,4x10Gbit/s")
+        if self.memory is not None and (isinstance(self.memory, bool) or not isinstance(self.memory, int)
+                                        or self.memory < 1):
+            raise PlanError(f"memory per worker must be a whole number of bytes >= 1 or None, not {self.memory!r}")
+
+    @property
+    def workers(self) -> int:
+        """Number of workers (GPUs): the product of the level counts."""
+        return math.prod(level.count for level in self.levels)
+
+    def describe(self) -> str:
+        """One human line, e.g. "cluster-a:4 = 4x 12 GB/s, 4x 10 Gbit/s, 16 GiB per worker"."""
+        parts = [f"{level.count}x {format_bandwidth(level.bandwidth, 'auto')}" for level in self.levels]
+        parts.append("no memory limit" if self.memory is None else f"{format_bytes(self.memory)} per worker")
+        text = ", ".join(parts)
+        return f"{self.name} = {text}" if self.name else text
+
+    # ----- JSON ----------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        """The JSON tree: bandwidths and memory as text with units that parse back exactly."""
+        return {
+            "schema": SCHEMA,
+            "name": self.name,
+            "levels": [{"count": level.count, "bandwidth": exact_bandwidth(level.bandwidth)}
+                       for level in self.levels],
+            "memory": None if self.memory is None else exact_bytes(self.memory),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "cluster") -> "Cluster":
+        """Parse and validate a cluster; every problem is an `ArtifactError` naming `source`.
+
+        `schema` may be left out (hand-written files); when present it must be this one.
+        """
+        top = Fields(data, source, known=("schema", "name", "levels", "memory"))
+        schema = top.get("schema", str, optional=True)
+        if schema is not None and schema != SCHEMA:
+            top.fail(f"schema is {schema!r}, expected {SCHEMA!r}", "give a cluster file or remove the field", "schema")
+        items = top.items("levels")
+        if not items:
+            top.fail("a cluster needs at least one level", 'list levels innermost first, e.g. '
+                     '[{"count": 4, "bandwidth": "12GB/s"}, {"count": 4, "bandwidth": "10Gbit/s"}]', "levels")
+        levels = []
+        for where, item in items:
+            f = Fields(item, source, where, known=("count", "bandwidth"))
+            count = f.count("count", 1)
+            bandwidth = f.get("bandwidth", (str, float))
+            if isinstance(bandwidth, str):
+                try:
+                    bandwidth = parse_bandwidth(bandwidth)
+                except PlanError as exc:
+                    f.fail(str(exc), "fix the value", "bandwidth")
+            elif not (math.isfinite(bandwidth) and bandwidth > 0):
+                f.fail(f"must be positive, found {bandwidth!r}",
+                       f"give bytes/s as a number or text with a unit ({BANDWIDTH_FORMS})", "bandwidth")
+            levels.append(Level(count, float(bandwidth)))
+        memory = top.get("memory", (str, int, float), optional=True)
+        if isinstance(memory, str):
+            try:
+                memory = parse_bytes(memory)
+            except PlanError as exc:
+                top.fail(str(exc), "fix the value or write null for no limit", "memory")
+        elif memory is not None:
+            if not (math.isfinite(memory) and memory >= 1 and memory == int(memory)):
+                top.fail(f"must be a whole number of bytes >= 1, found {memory!r}",
+                         'fix it, write it with a unit ("16GiB") or write null for no limit', "memory")
+            memory = int(memory)
+        return cls(levels=tuple(levels), memory=memory, name=top.get("name", str, optional=True))
+
+
+# ----- presets -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Preset:
+    """A cluster of the PipeDream paper: `gpus` per server at `intra` bytes/s, servers at `inter`."""
+
+    gpus: int
+    intra: float
+    inter: float
+    memory: int
+    about: str
+
+
+_V100_MEMORY = 16 * 1024**3
+# V100 16 GB (HBM2, 16 GiB on the card; CUDA reports about 15.8 GiB usable, and the original
+# optimizer's default --memory_size is 16e9 bytes). Override with `--memory`.
+
+PRESETS: dict[str, _Preset] = {
+    # PipeDream (SOSP 2019), section 5.1, Cluster-A: Azure NC24 v3 servers, 4 V100 each over
+    # PCIe, 10 Gbit/s Ethernet between servers. Intra-server figure is an assumption: PCIe 3.0
+    # x16 peaks at 15.75 GB/s per direction (8 GT/s x 16 lanes x 128/130); GPU-to-GPU copies
+    # reach about 12 GB/s in practice, so 12 GB/s.
+    "cluster-a": _Preset(gpus=4, intra=12e9, inter=10e9 / 8, memory=_V100_MEMORY,
+                         about="4 V100 per server over PCIe (12 GB/s), 10 Gbit/s between servers"),
+    # Cluster-B: AWS p3.16xlarge servers, 8 V100 each over NVLink, 25 Gbit/s between servers.
+    # Intra-server figure is an assumption: one NVLink 2.0 link moves 25 GB/s per direction. A
+    # V100 has 6 links; in the DGX-1-style hybrid cube-mesh of p3.16xlarge a GPU pair shares
+    # one or two links (25 or 50 GB/s) or none (two hops), so 25 GB/s per unit link is the
+    # conservative figure for a directly linked pair.
+    "cluster-b": _Preset(gpus=8, intra=25e9, inter=25e9 / 8, memory=_V100_MEMORY,
+                         about="8 V100 per server over NVLink (25 GB/s), 25 Gbit/s between servers"),
+}
+DEFAULT_SERVERS = 4
+
+_FORMS = ("levels innermost first like 4x12GB/s,4x10Gbit/s, a JSON file like cluster.json, "
+          f"or a preset ({', '.join(f'{name}[:SERVERS]' for name in PRESETS)})")
+_PRESET_RE = re.compile(r"^(?P<name>[A-Za-z][\w.-]*)(?:\s*:\s*(?P<servers>.*))?$")
+_LEVEL_START_RE = re.compile(r"^[+-]?\d+\s*[xX*]")
+_LEVEL_RE = re.compile(r"^(?P<count>[+-]?\d+)\s*[xX*]\s*(?:(?P<label>[^@]*?)\s*@\s*)?(?P<bandwidth>.+)$")
+
+
+def preset(name: str, servers: int = DEFAULT_SERVERS) -> Cluster:
+    """The preset cluster `name` with `servers` servers (see `PRESETS` for the figures)."""
+    key = name.strip().lower()
+    if key not in PRESETS:
+        raise PlanError(f"unknown cluster preset {name!r}; use one of: "
+                        + "; ".join(f"{n} ({p.about})" for n, p in PRESETS.items()))
+    if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
+        raise PlanError(f"preset {key} needs a server count >= 1, not {servers!r}; e.g. {key}:{DEFAULT_SERVERS}")
+    p = PRESETS[key]
+    return Cluster(levels=(Level(p.gpus, p.intra), Level(servers, p.inter)), memory=p.memory,
+                   name=f"{key}:{servers}")
+
+
+def parse_cluster(spec: str, memory: str | None = None) -> Cluster:
+    """The cluster named by `spec` (levels, JSON file or preset); `memory` (e.g. "16GiB"), when
+    given, replaces the memory per worker the spec says.
+
+    A malformed spec raises `PlanError`, a bad JSON file `ArtifactError`: one line each,
+    naming what was given and the accepted forms.
+    """
+    text = spec.strip() if isinstance(spec, str) else ""
+    if not text:
+        raise PlanError(f"empty cluster spec {spec!r}; give {_FORMS}")
+    match = _PRESET_RE.match(text)
+    if match and match["name"].lower() in PRESETS:
+        cluster = preset(match["name"], _servers(match["name"].lower(), match["servers"]))
+    elif os.path.isfile(text):
+        cluster = Cluster.from_json(read_json(text), text)
+    elif _LEVEL_START_RE.match(text):
+        cluster = _parse_levels(text)
+    elif _is_bandwidth(text):
+        raise PlanError(f"cluster spec {text!r} gives a bandwidth but no count; write COUNTxBANDWIDTH levels "
+                        f"innermost first, e.g. 8x{text.replace(' ', '')} or 4x12GB/s,4x10Gbit/s")
+    elif text.lower().endswith(".json") or "/" in text or os.sep in text:
+        cluster = Cluster.from_json(read_json(text), text)  # read_json names the missing file
+    elif match:
+        raise PlanError(f"unknown cluster preset {text!r}; give {_FORMS}")
+    else:
+        raise PlanError(f"cluster spec {text!r} is not understood; give {_FORMS}")
+    if memory is not None:
+        cluster = dataclasses.replace(cluster, memory=parse_bytes(memory))
+    return cluster
+
+
+def _is_bandwidth(text: str) -> bool:
+    try:
+        parse_bandwidth(text)
+    except PlanError:
+        return False
+    return True
+
+
+def _servers(name: str, text: str | None) -> int:
+    if text is None:
+        return DEFAULT_SERVERS
+    if not re.fullmatch(r"\s*[+-]?\d+\s*", text) or int(text) < 1:
+        raise PlanError(f"server count {text!r} in '{name}:{text}' must be a whole number >= 1; "
+                        f"e.g. {name}:{DEFAULT_SERVERS}")
+    return int(text)
+
+
+def _parse_levels(text: str) -> Cluster:
+    """`COUNTxBANDWIDTH[,COUNTxBANDWIDTH...]`, innermost first; a level may read `4x V100 @ 12GB/s`."""
+    levels = []
+    parts = text.split(",")
+    for index, raw in enumerate(parts, 1):
+        part = raw.strip()
+        where = f"cluster level {index} of {len(parts)}"
+        if not part:
+            raise PlanError(f"{where} in {text!r} is empty; write COUNTxBANDWIDTH levels joined by commas, "
+                            "e.g. 4x12GB/s,4x10Gbit/s")
+        match = _LEVEL_RE.match(part)
+        if match is None:
+            raise PlanError(f"{where} {part!r} is malformed; write COUNTxBANDWIDTH, e.g. 4x12GB/s or 4x10Gbit/s")
+        count = int(match["count"])
+        if count < 1:
+            raise PlanError(f"{where} {part!r} has count {count}; a level needs at least 1 unit, e.g. 4x12GB/s")
+        try:
+            bandwidth = parse_bandwidth(match["bandwidth"])
+        except PlanError as exc:
+            raise PlanError(f"{where} {part!r}: {exc}") from None
+        levels.append(Level(count, bandwidth))
+    return Cluster(levels=tuple(levels))
+

@@ -1,0 +1,217 @@
+"""The planner's cost models: how long a stage takes per minibatch and how much memory it needs.
+
+Everything here is per minibatch of the profile's batch size, in seconds and bytes. Layers
+are numbered in the profile's topological order and a stage is a contiguous range
+`first..last` of them (design notes, section 3).
+
+**Cut bytes.** `cut[k]` is what crosses the boundary between layer k and k+1: the bytes of
+every output of a layer <= k read by some layer > k, each output counted once however many
+consumers it has (a skip connection over the boundary is sent too).
+
+**pdtool's default model** (`DefaultModel`). A stage of `r` replicas on units of one level
+of the cluster (bandwidth `B` bytes/s per unit link) takes per minibatch
+
+    max(unit_time / r, allreduce / r, (in_bytes + out_bytes) / (B * r))
+
+where `unit_time` is the stage's compute on one unit (at the innermost level the sum of its
+layers' forward + backward times; at an outer level the best pipeline of those layers inside
+one unit), `allreduce = 2 (r - 1) / r * param_bytes / B` is one ring all-reduce of the
+stage's parameters, done once per round of r minibatches, and `in_bytes`/`out_bytes` are the
+cut bytes at the stage's two boundaries (activations one way, gradients the other, on
+full-duplex links; a boundary at the edge of the model, or of the range a unit of the outer
+level owns, is not charged here). Communication overlaps compute, hence the max.
+
+**The original's model** (`PipeDreamModel`, `--cost-model pipedream`), copied from
+`optimizer_graph_hierarchical.py` (see ../shared/pipedream-reference.md, section 2): compute
+and sync add up, sync is `4 (r - 1) |w| / (r B)`; a range that is one whole stage of a level
+divides that sync by the workers inside a unit (`W`), a later stage does not (quirk 2);
+activation transfers `2 a / (B r)` are charged on the consuming stage's `r` replicas, for
+its input and (unless it ends the model) its output, and the first stage pays none.
+
+**Memory** (both models): a worker of a stage holding `k` minibatches in flight keeps
+`k` weight versions (weight stashing), one gradient and `optimizer_slots` optimizer buffers
+of its parameters, and `k` sets of stashed activations (its input plus every layer output):
+
+    param_bytes * (k + 1 + optimizer_slots) + k * (in_bytes + sum of its layers' act_bytes)
+
+Under 1F1B with round-robin replication, a stage with `R` replicas after `before` workers of
+earlier stages, in a pipeline of `W` workers, has `k = floor((W - 1 - before) / R) + 1`
+(stage s of a straight d-stage pipeline: d - s).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .profile import Profile
+
+MS = 1e-3
+
+
+@dataclass(frozen=True)
+class ChainCosts:
+    """Per-layer costs of a profile in planner units (seconds, bytes), with prefix sums.
+
+    `compute[i]` is layer i's forward + backward seconds; `cut[k]` the bytes crossing the
+    boundary after layer k (`cut[n-1]` = 0).
+    """
+
+    compute: np.ndarray
+    params: np.ndarray
+    acts: np.ndarray
+    cut: np.ndarray
+
+    @classmethod
+    def from_profile(cls, profile: Profile) -> "ChainCosts":
+        n = len(profile.layers)
+        last_use = list(range(n))
+        for src, dst in profile.edges:
+            last_use[src] = max(last_use[src], dst)
+        alive = np.zeros(n + 1)
+        for layer in profile.layers:  # output of u crosses boundaries u .. last_use[u] - 1
+            if last_use[layer.id] > layer.id:
+                alive[layer.id] += layer.act_bytes
+                alive[last_use[layer.id]] -= layer.act_bytes
+        return cls(
+            compute=np.array([l.total_ms * MS for l in profile.layers], dtype=float),
+            params=np.array([l.param_bytes for l in profile.layers], dtype=float),
+            acts=np.array([l.act_bytes for l in profile.layers], dtype=float),
+            cut=np.cumsum(alive)[:n],
+        )
+
+    @property
+    def n(self) -> int:
+        return len(self.compute)
+
+    def range_sums(self, values: np.ndarray, empty: float = 0.0) -> np.ndarray:
+        """Matrix `S[p, q]` = sum of values[p..q] for p <= q, `empty` below the diagonal."""
+        prefix = np.concatenate([[0.0], np.cumsum(values)])
+        sums = prefix[None, 1:] - prefix[:-1, None]
+        return np.where(np.triu(np.ones((self.n, self.n), dtype=bool)), sums, empty)
+
+    def cut_before(self) -> np.ndarray:
+        """Vector: bytes crossing into layer p from before it (0 for p = 0)."""
+        return np.concatenate([[0.0], self.cut[:-1]])
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The per-worker memory model: limit in bytes and optimizer buffers per parameter."""
+
+    limit: float
+    optimizer_slots: int = 1  # SGD with momentum; Adam keeps 2
+
+    @staticmethod
+    def in_flight(workers: int, before: int, replicas: int) -> int:
+        """Minibatches a replica holds at once under 1F1B-RR (design notes, section 4)."""
+        return (workers - 1 - before) // replicas + 1
+
+    def need(self, params: np.ndarray | float, stashed: np.ndarray | float, in_flight: int):
+        """Bytes one worker needs: versions, gradient and optimizer state, plus stashed activations."""
+        return params * (in_flight + 1 + self.optimizer_slots) + in_flight * stashed
+
+
+class CostModel:
+    """Stage times for the dynamic program; subclasses are the pluggable models.
+
+    `stage_times` returns, for every range p..q (a matrix, +inf where q < p), the time per
+    minibatch of that range as one stage of `r` replicas at a level of bandwidth `bandwidth`
+    whose units hold `inner` workers each. `unit` is the range's time on one unit. `first`
+    says the stage starts its sub-problem (no stage before it), `charge_out` whether its
+    output boundary is paid (a later stage follows it, or the original's rule).
+    """
+
+    name = "abstract"
+    exact_workers = False  # True: a level must use all its units (the original's rule)
+
+    def stage_times(self, costs: ChainCosts, unit: np.ndarray, params: np.ndarray, r: int, bandwidth: float,
+                    inner: int, first: bool, charge_out: bool | np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def data_parallel(self, costs: ChainCosts, counts: list[int], bandwidths: list[float]) -> float:
+        """Time per minibatch of plain data parallelism over every worker of the cluster."""
+        raise NotImplementedError
+
+    def terms(self, unit: float, params: float, cut_in: float, cut_out: float, r: int, bandwidth: float,
+              inner: int, first: bool, charge_out: bool) -> dict[str, float]:
+        """One stage's time split into `compute`, `allreduce` and `transfer` (seconds per
+        minibatch, each already divided by the replicas) and their combination `time`,
+        which equals `stage_times` for the same stage."""
+        raise NotImplementedError
+
+    def final_charge(self, n: int) -> bool | np.ndarray:
+        """Whether the last stage of a sub-problem ending at layer q pays its output boundary."""
+        return False
+
+
+class DefaultModel(CostModel):
+    """pdtool's model: max(compute / r, all-reduce / r, transfers / r); see the module doc."""
+
+    name = "pdtool"
+
+    def stage_times(self, costs, unit, params, r, bandwidth, inner, first, charge_out):
+        allreduce = 2.0 * (r - 1) / r * params / bandwidth
+        cut_in = 0.0 if first else costs.cut_before()[:, None]
+        cut_out = np.where(charge_out, costs.cut[None, :], 0.0)
+        transfer = (cut_in + cut_out) / bandwidth
+        return np.maximum(np.maximum(unit, allreduce), transfer) / r
+
+    def terms(self, unit, params, cut_in, cut_out, r, bandwidth, inner, first, charge_out):
+        parts = {
+            "compute": unit / r,
+            "allreduce": 2.0 * (r - 1) / r * params / bandwidth / r,
+            "transfer": ((0.0 if first else cut_in) + (cut_out if charge_out else 0.0)) / bandwidth / r,
+        }
+        return {**parts, "time": max(parts.values())}
+
+    def data_parallel(self, costs, counts, bandwidths):
+        time = float(costs.compute.sum())
+        total = float(costs.params.sum())
+        for count, bandwidth in zip(counts, bandwidths):
+            time = max(time, 2.0 * (count - 1) / count * total / bandwidth) / count
+        return time
+
+
+class PipeDreamModel(CostModel):
+    """The original optimizer's formulas (reference, section 2), quirks included."""
+
+    name = "pipedream"
+    exact_workers = True
+
+    def __init__(self, activation_compression_ratio: float | None = 1.0):
+        self.ratio = activation_compression_ratio
+
+    def stage_times(self, costs, unit, params, r, bandwidth, inner, first, charge_out):
+        if first:  # the base case: one replicated stage, sync divided by the inner workers
+            return (unit + 4.0 * (r - 1) * params / (bandwidth * r) / inner) / r
+        time = (unit + 4.0 * (r - 1) * params / (bandwidth * r)) / r
+        if self.ratio is None:
+            return time
+        transfer_in = 2.0 * costs.cut_before()[:, None] / (bandwidth * r) / self.ratio
+        transfer_out = np.where(charge_out, 2.0 * costs.cut[None, :] / (bandwidth * r) / self.ratio, 0.0)
+        return np.maximum(time, np.maximum(transfer_in, transfer_out))
+
+    def final_charge(self, n):
+        return np.arange(n) != n - 1  # the original charges every output but the model's last
+
+    def terms(self, unit, params, cut_in, cut_out, r, bandwidth, inner, first, charge_out):
+        sync = 4.0 * (r - 1) * params / (bandwidth * r) / (inner if first else 1) / r
+        transfer = 0.0
+        if not first and self.ratio is not None:
+            transfer = 2.0 * max(cut_in, cut_out if charge_out else 0.0) / (bandwidth * r) / self.ratio
+        return {"compute": unit / r, "allreduce": sync, "transfer": transfer,
+                "time": max(unit / r + sync, transfer)}
+
+    def data_parallel(self, costs, counts, bandwidths):
+        time = float(costs.compute.sum())
+        total = float(costs.params.sum())
+        inner = 1
+        for count, bandwidth in zip(counts, bandwidths):
+            time = (time + 4.0 * (count - 1) * total / (bandwidth * count) / inner) / count
+            inner *= count
+        return time
+
+
+COST_MODELS = {"pdtool": DefaultModel, "pipedream": PipeDreamModel}
+

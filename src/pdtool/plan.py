@@ -1,0 +1,381 @@
+"""The plan artifact (`pdtool.plan/1`) and the planner that makes it from a profile.
+
+A plan says which layers each stage runs, on how many replicas and on which ranks, in which
+schedule mode, and what the cost model predicts: time per minibatch per stage (compute,
+all-reduce and transfer), memory per worker, the bottleneck, and the speedup over one worker
+and over data parallelism on every worker. It is canonical JSON, byte-identical for identical
+inputs, so it can be checked in and diffed. `pd train` executes it.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import InitVar, dataclass
+from typing import Any
+
+from . import __version__
+import numpy as np
+
+from .cluster import Cluster
+from .costmodel import COST_MODELS, ChainCosts, CostModel, Memory
+from .errors import PlanError
+from .fields import Fields, check_schema
+from .jsonio import canonical_json, read_json, round_float_fields, write_json
+from .partition import Pipeline, Solver, Stage
+from .profile import Profile
+from .units import format_bytes
+
+SCHEMA = "pdtool.plan/1"
+MODES = ("pipedream", "vsync", "2bw", "flush", "gpipe")
+MS = 1e3
+
+
+@dataclass(frozen=True)
+class PlanStage:
+    """One pipeline stage: layers first..last (inclusive), replicated on `ranks`.
+
+    Times are ms per minibatch as the cost model charges them (already divided by all
+    replicas), `memory_bytes` what one of its workers needs, `in_flight` the minibatches
+    each of its workers holds at once under 1F1B.
+    """
+
+    first: int
+    last: int
+    first_name: str
+    last_name: str
+    ranks: tuple[int, ...]
+    in_flight: int
+    compute_ms: float
+    allreduce_ms: float
+    transfer_ms: float
+    time_ms: float
+    memory_bytes: int
+
+    def __post_init__(self) -> None:
+        round_float_fields(self)
+
+    @property
+    def replicas(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class PlanGroup:
+    """A stage of an outer cluster level (e.g. across servers): layers first..last on `units`
+    units of `level`, each running the inner stages it contains; ms per minibatch.
+    `compute_ms` is the inner pipeline's time divided by the units."""
+
+    level: int
+    first: int
+    last: int
+    units: int
+    compute_ms: float
+    allreduce_ms: float
+    transfer_ms: float
+    time_ms: float
+
+    def __post_init__(self) -> None:
+        round_float_fields(self)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model predicts for the whole plan (ms per minibatch of the profile's size)."""
+
+    time_ms: float
+    bottleneck: str
+    single_worker_ms: float
+    data_parallel_ms: float
+
+    def __post_init__(self) -> None:
+        round_float_fields(self)
+
+    @property
+    def speedup_over_single(self) -> float:
+        return self.single_worker_ms / self.time_ms if self.time_ms else 0.0
+
+    @property
+    def speedup_over_data_parallel(self) -> float:
+        return self.data_parallel_ms / self.time_ms if self.time_ms else 0.0
+
+
+@dataclass(frozen=True)
+class ProfileRef:
+    """What the plan needs of its profile: identity, and how to rebuild the model's layers."""
+
+    sha256: str
+    fingerprint: str
+    model: dict[str, Any] | None
+    batch_size: int
+    layers: int
+    method: str
+    granularity: str
+    depth: int | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    profile: ProfileRef
+    cluster: Cluster
+    cost_model: str
+    straight: bool
+    mode: str
+    stages: tuple[PlanStage, ...]
+    groups: tuple[PlanGroup, ...]
+    predicted: Prediction
+    command: str
+    pdtool_version: str
+    schema: str = SCHEMA
+    source: InitVar[str] = "plan"
+
+    def __post_init__(self, source: str) -> None:
+        _validate(self, source)
+
+    @property
+    def workers(self) -> int:
+        return self.cluster.workers
+
+    @property
+    def used_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(r for s in self.stages for r in s.ranks))
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.profile.batch_size / (self.predicted.time_ms / MS) if self.predicted.time_ms else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        p, pred = self.profile, self.predicted
+        return {
+            "schema": self.schema,
+            "profile": {"sha256": p.sha256, "fingerprint": p.fingerprint, "model": p.model,
+                        "batch_size": p.batch_size, "layers": p.layers, "method": p.method,
+                        "granularity": p.granularity, "depth": p.depth},
+            "cluster": self.cluster.to_json(),
+            "cost_model": self.cost_model,
+            "straight": self.straight,
+            "mode": self.mode,
+            "stages": [
+                {"id": i, "layers": [s.first, s.last], "first_layer": s.first_name, "last_layer": s.last_name,
+                 "replicas": s.replicas, "ranks": list(s.ranks), "in_flight": s.in_flight,
+                 "compute_ms": s.compute_ms, "allreduce_ms": s.allreduce_ms, "transfer_ms": s.transfer_ms,
+                 "time_ms": s.time_ms, "memory_bytes": s.memory_bytes}
+                for i, s in enumerate(self.stages)
+            ],
+            "groups": [
+                {"level": g.level, "layers": [g.first, g.last], "units": g.units, "compute_ms": g.compute_ms,
+                 "allreduce_ms": g.allreduce_ms,
+                 "transfer_ms": g.transfer_ms, "time_ms": g.time_ms}
+                for g in self.groups
+            ],
+            "predicted": {
+                "time_per_minibatch_ms": pred.time_ms, "bottleneck": pred.bottleneck,
+                "samples_per_s": self.samples_per_s,
+                "single_worker_ms": pred.single_worker_ms, "data_parallel_ms": pred.data_parallel_ms,
+                "speedup_over_single": pred.speedup_over_single,
+                "speedup_over_data_parallel": pred.speedup_over_data_parallel,
+            },
+            "provenance": {"command": self.command, "pdtool_version": self.pdtool_version},
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "plan") -> "Plan":
+        check_schema(data, SCHEMA, source)
+        top = Fields(data, source, known=("schema", "profile", "cluster", "cost_model", "straight", "mode",
+                                          "stages", "groups", "predicted", "provenance"))
+        pf = top.child("profile", known=("sha256", "fingerprint", "model", "batch_size", "layers", "method",
+                                          "granularity", "depth"))
+        profile = ProfileRef(pf.get("sha256", str), pf.get("fingerprint", str), pf.get("model", dict, optional=True),
+                             pf.count("batch_size", 1), pf.count("layers", 1), pf.get("method", str),
+                             pf.get("granularity", str), pf.get("depth", int, optional=True))
+        stages = []
+        for where, item in top.items("stages"):
+            f = Fields(item, source, where, known=("id", "layers", "first_layer", "last_layer", "replicas", "ranks",
+                                                   "in_flight", "compute_ms", "allreduce_ms", "transfer_ms",
+                                                   "time_ms", "memory_bytes"))
+            first, last = _pair(f, "layers")
+            ranks = f.get("ranks", list)
+            if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+                f.fail("every rank must be an integer", "fix the list", "ranks")
+            if f.count("replicas", 1) != len(ranks):
+                f.fail(f"replicas is {f.get('replicas', int)} but {len(ranks)} ranks are listed",
+                       "make replicas equal the number of ranks", "ranks")
+            if f.count("id") != len(stages):
+                f.fail(f"id is {f.get('id', int)}, expected {len(stages)}", "number stages 0, 1, 2, ...", "id")
+            stages.append(PlanStage(first, last, f.get("first_layer", str), f.get("last_layer", str), tuple(ranks),
+                                    f.count("in_flight", 1), f.number("compute_ms"), f.number("allreduce_ms"),
+                                    f.number("transfer_ms"), f.number("time_ms"), f.count("memory_bytes")))
+        groups = []
+        for where, item in top.items("groups"):
+            f = Fields(item, source, where, known=("level", "layers", "units", "compute_ms", "allreduce_ms",
+                                                   "transfer_ms", "time_ms"))
+            first, last = _pair(f, "layers")
+            groups.append(PlanGroup(f.count("level"), first, last, f.count("units", 1), f.number("compute_ms"),
+                                    f.number("allreduce_ms"),
+                                    f.number("transfer_ms"), f.number("time_ms")))
+        pr = top.child("predicted", known=("time_per_minibatch_ms", "bottleneck", "samples_per_s", "single_worker_ms",
+                                           "data_parallel_ms", "speedup_over_single", "speedup_over_data_parallel"))
+        prov = top.child("provenance", known=("command", "pdtool_version"))
+        return cls(profile=profile, cluster=Cluster.from_json(top.get("cluster", dict), source),
+                   cost_model=top.get("cost_model", str), straight=top.get("straight", bool), mode=top.get("mode", str),
+                   stages=tuple(stages), groups=tuple(groups),
+                   predicted=Prediction(pr.number("time_per_minibatch_ms"), pr.get("bottleneck", str),
+                                        pr.number("single_worker_ms"), pr.number("data_parallel_ms")),
+                   command=prov.get("command", str), pdtool_version=prov.get("pdtool_version", str), source=source)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        return cls.from_json(read_json(path), str(path))
+
+    def save(self, path: str | os.PathLike) -> None:
+        write_json(path, self.to_json())
+
+
+def _pair(f: Fields, key: str) -> tuple[int, int]:
+    value = f.get(key, list)
+    if not (len(value) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in value)):
+        f.fail(f"expected [first, last] layer ids, found {value!r:.40}", "fix the range", key)
+    return value[0], value[1]
+
+
+def _validate(plan: Plan, source: str) -> None:
+    """The invariants a plan holds; a hand edit that breaks one gets one clear line."""
+    top = Fields({}, source)
+    if plan.mode not in MODES:
+        top.fail(f"unknown mode {plan.mode!r}", f"use one of {', '.join(MODES)}", "mode")
+    if plan.cost_model not in COST_MODELS:
+        top.fail(f"unknown cost model {plan.cost_model!r}", f"use one of {', '.join(COST_MODELS)}", "cost_model")
+    if not plan.stages:
+        top.fail("a plan needs at least one stage", "regenerate the plan with pd plan", "stages")
+    expected = 0
+    seen: dict[int, int] = {}
+    for index, stage in enumerate(plan.stages):
+        where = f"stages[{index}]"
+        if stage.first > stage.last:
+            top.fail(f"layers [{stage.first}, {stage.last}] is an empty stage", "give every stage at least one layer", where)
+        if stage.first != expected:
+            problem = (f"layer {stage.first} is already in stages[{index - 1}]" if stage.first < expected
+                       else f"layers {expected}..{stage.first - 1} are in no stage")
+            top.fail(f"starts at layer {stage.first}: {problem}", "stages must cover the layers in order, each once", where)
+        expected = stage.last + 1
+        if not stage.ranks:
+            top.fail("no ranks", "give every stage at least one rank", where)
+        for rank in stage.ranks:
+            if not 0 <= rank < plan.cluster.workers:
+                top.fail(f"rank {rank} does not exist in a cluster of {plan.cluster.workers} workers",
+                         f"use ranks 0..{plan.cluster.workers - 1}", where)
+            if rank in seen:
+                top.fail(f"rank {rank} is also in stages[{seen[rank]}]", "give every rank to one stage only", where)
+            seen[rank] = index
+    if expected != plan.profile.layers:
+        top.fail(f"stages end at layer {expected - 1} but the profile has {plan.profile.layers} layers",
+                 "make the last stage end at the last layer", "stages")
+
+
+# ----- the planner ---------------------------------------------------------------------------
+
+def profile_sha256(profile: Profile) -> str:
+    """sha256 of the profile's canonical JSON text (what `pd profile` writes)."""
+    return hashlib.sha256(canonical_json(profile.to_json()).encode()).hexdigest()
+
+
+def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool", straight: bool = False,
+              mode: str = "pipedream", optimizer_slots: int = 1, command: str = "") -> Plan:
+    """Run PipeDream's optimizer on `profile` for `cluster` and describe the result as a Plan."""
+    if mode not in MODES:
+        raise PlanError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    if cost_model not in COST_MODELS:
+        raise PlanError(f"unknown cost model {cost_model!r}; use one of {', '.join(COST_MODELS)}")
+    model = COST_MODELS[cost_model]()
+    costs = ChainCosts.from_profile(profile)
+    counts = [level.count for level in cluster.levels]
+    bandwidths = [level.bandwidth for level in cluster.levels]
+    memory = Memory(float(cluster.memory), optimizer_slots) if cluster.memory else None
+    solver = Solver(costs, counts, bandwidths, model, straight=straight, memory=memory)
+    pipeline = solver.solve()
+    if pipeline is None:
+        raise PlanError(_no_plan_reason(profile, costs, counts, bandwidths, model, straight, memory, cluster))
+    stages, groups = _describe(pipeline, profile, costs, model, solver, memory or Memory(float("inf"), optimizer_slots))
+    items = [(s.time_ms, f"stage {i} {_dominant(s.compute_ms, s.allreduce_ms, s.transfer_ms)}")
+             for i, s in enumerate(stages)]
+    items += [(g.time_ms, f"level-{g.level} group of layers {g.first}-{g.last} "
+                          f"{_dominant(g.compute_ms, g.allreduce_ms, g.transfer_ms)}") for g in groups]
+    slowest = max(time for time, _ in items)
+    bottleneck = next(label for time, label in items if time >= slowest * (1 - 1e-9))  # stages win ties
+    prediction = Prediction(time_ms=pipeline.time * MS, bottleneck=bottleneck,
+                            single_worker_ms=float(costs.compute.sum()) * MS,
+                            data_parallel_ms=model.data_parallel(costs, counts, bandwidths) * MS)
+    ref = ProfileRef(profile_sha256(profile), profile.fingerprint,
+                     None if profile.model is None else {"spec": profile.model.spec, "kwargs": dict(profile.model.kwargs)},
+                     profile.batch_size, len(profile.layers), profile.method, profile.granularity, profile.depth)
+    return Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=mode,
+                stages=tuple(stages), groups=tuple(groups), predicted=prediction, command=command,
+                pdtool_version=__version__)
+
+
+def _dominant(compute: float, allreduce: float, transfer: float) -> str:
+    """Which term sets a stage's time (ties go to compute, then all-reduce)."""
+    parts = {"compute": compute, "allreduce": allreduce, "transfer": transfer}
+    return max(parts, key=parts.get)
+
+
+def _describe(pipeline: Pipeline, profile: Profile, costs: ChainCosts, model: CostModel, solver: Solver,
+              memory: Memory) -> tuple[list[PlanStage], list[PlanGroup]]:
+    """Flatten the nested pipeline into plan stages (innermost) and groups (outer levels)."""
+    stages: list[PlanStage] = []
+    groups: list[PlanGroup] = []
+    final = model.final_charge(costs.n)
+    cut_before = costs.cut_before()
+
+    def walk(p: Pipeline, bases: list[int], outer: int) -> None:
+        size = solver.inner[p.level]
+        for index, stage in enumerate(p.stages):
+            last_in_pipeline = index == len(p.stages) - 1
+            charge = True if not last_in_pipeline else bool(np.asarray(final).reshape(-1)[stage.last]
+                                                             if np.ndim(final) else final)
+            unit = stage.inner.time if stage.inner is not None else float(costs.compute[stage.first:stage.last + 1].sum())
+            terms = model.terms(unit, float(costs.params[stage.first:stage.last + 1].sum()),
+                                float(cut_before[stage.first]), float(costs.cut[stage.last]), stage.replicas,
+                                solver.bandwidths[p.level], size, index == 0, charge)
+            units = range(stage.units_before, stage.units_before + stage.replicas)
+            here = [base + u * size for base in bases for u in units]
+            if stage.inner is None:
+                stages.append(_leaf(stage, terms, outer, sorted(here), profile, costs, solver, memory, stages))
+            else:
+                groups.append(PlanGroup(p.level, stage.first, stage.last, stage.replicas,
+                                        terms["compute"] / outer * MS, terms["allreduce"] / outer * MS, terms["transfer"] / outer * MS,
+                                        terms["time"] / outer * MS))
+                walk(stage.inner, here, outer * stage.replicas)
+
+    walk(pipeline, [0], 1)
+    return stages, groups
+
+
+def _leaf(stage: Stage, terms: dict, outer: int, ranks: list[int], profile: Profile, costs: ChainCosts,
+          solver: Solver, memory: Memory, earlier: list[PlanStage]) -> PlanStage:
+    before = sum(s.replicas for s in earlier)
+    k = Memory.in_flight(solver.workers, before, len(ranks))
+    need = memory.need(float(solver.params[stage.first, stage.last]), float(solver.stashed[stage.first, stage.last]), k)
+    return PlanStage(stage.first, stage.last, profile.layers[stage.first].name, profile.layers[stage.last].name,
+                     tuple(ranks), k, terms["compute"] / outer * MS, terms["allreduce"] / outer * MS,
+                     terms["transfer"] / outer * MS, terms["time"] / outer * MS, int(round(need)))
+
+
+def _no_plan_reason(profile, costs, counts, bandwidths, model, straight, memory, cluster) -> str:
+    """Why no plan exists: name the stage that does not fit and by how much, when memory is why."""
+    if memory is not None:
+        free = Solver(costs, counts, bandwidths, model, straight=straight).solve()
+        if free is not None:
+            fake = Memory(float("inf"), memory.optimizer_slots)
+            solver = Solver(costs, counts, bandwidths, model, straight=straight)
+            stages, _ = _describe(free, profile, costs, model, solver, fake)
+            worst_index, worst = max(enumerate(stages), key=lambda item: item[1].memory_bytes)
+            over = worst.memory_bytes - memory.limit
+            return (f"no plan fits in {format_bytes(memory.limit)} per worker: the fastest plan's stage {worst_index} "
+                    f"(layers {worst.first}-{worst.last}, {worst.first_name}..{worst.last_name}) needs "
+                    f"{worst.memory_bytes / 2**30:.3f} GiB per worker, {over / 2**30:.3f} GiB over, and no other "
+                    "partition fits either; raise --memory, add workers or profile a smaller batch")
+    if model.exact_workers:
+        return (f"the pipedream cost model uses exactly every worker and no partition of {len(profile.layers)} layers "
+                f"does on {cluster.workers} workers{' with --straight' if straight else ''}; "
+                "use fewer workers, drop --straight, or use --cost-model pdtool")
+    return "no partition exists for this profile and cluster; check the cluster description"

@@ -1,0 +1,121 @@
+"""The plan artifact and the planner, including the original optimizer's published figures."""
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from pdtool.cluster import parse_cluster
+from pdtool.errors import ArtifactError, PlanError
+from pdtool.jsonio import canonical_json
+from pdtool.pipedream_import import load_pipedream_graph
+from pdtool.plan import Plan, make_plan
+from pdtool.profile import Layer, Profile
+
+PIPEDREAM = Path(__file__).resolve().parents[2] / "profiles" / "pipedream"
+
+
+def imported(model):
+    return load_pipedream_graph(PIPEDREAM / f"{model}.graph.txt", 64 if model == "gnmt" else None)
+
+
+def chain_profile(times, params, acts, skips=()):
+    layers = tuple(Layer(id=i, name=f"l{i}", kind="Linear", fwd_ms=t / 3, bwd_ms=2 * t / 3, act_bytes=a, param_bytes=p)
+                   for i, (t, p, a) in enumerate(zip(times, params, acts)))
+    edges = tuple(sorted({(i, i + 1) for i in range(len(layers) - 1)} | set(skips)))
+    return Profile(model=None, batch_size=32, inputs=(), device="cpu", torch_version="", fingerprint="f" * 64,
+                   method="pipedream", granularity="module", depth=None, repeats=1, step_ms=0.0, step_ms_spread=0.0,
+                   layers=layers, edges=edges)
+
+
+# ----- the original optimizer's figures (issue 3, acceptance) ------------------------------------
+def test_vgg16_on_4_workers_matches_the_original_optimizer():
+    plan = make_plan(imported("vgg16"), parse_cluster("4x1.25e9B/s"), cost_model="pipedream")
+    assert [s.replicas for s in plan.stages] == [3, 1]
+    assert plan.predicted.time_ms / 1000 == pytest.approx(0.176349, rel=5e-5)
+    assert plan.predicted.speedup_over_single == pytest.approx(3.81, abs=0.005)
+    assert plan.predicted.speedup_over_data_parallel == pytest.approx(2.84, abs=0.005)
+
+
+def test_gnmt_on_4_workers_is_a_straight_pipeline_as_in_the_original():
+    plan = make_plan(imported("gnmt"), parse_cluster("4x1.25e9B/s"), cost_model="pipedream")
+    assert [s.replicas for s in plan.stages] == [1, 1, 1, 1]
+    assert plan.predicted.time_ms / 1000 == pytest.approx(0.025868, rel=5e-5)
+    assert plan.predicted.speedup_over_single == pytest.approx(3.46, abs=0.005)
+
+
+# ----- the plan file --------------------------------------------------------------------------------
+def test_plans_round_trip_and_are_byte_identical_for_identical_inputs():
+    profile = imported("resnet18")
+    texts = {canonical_json(make_plan(profile, parse_cluster("4x12GB/s,2x10Gbit/s")).to_json()) for _ in range(2)}
+    assert len(texts) == 1
+    text = texts.pop()
+    again = Plan.from_json(json.loads(text), "p.json")
+    assert canonical_json(again.to_json()) == text
+
+
+def test_a_plan_covers_every_layer_once_and_uses_distinct_ranks():
+    plan = make_plan(imported("resnet18"), parse_cluster("4x12GB/s,4x10Gbit/s"))
+    assert plan.stages[0].first == 0 and plan.stages[-1].last == len(imported("resnet18").layers) - 1
+    assert all(a.last + 1 == b.first for a, b in zip(plan.stages, plan.stages[1:]))
+    ranks = plan.used_ranks
+    assert len(ranks) == len(set(ranks)) and set(ranks) <= set(range(16))
+    assert plan.predicted.time_ms == pytest.approx(max([s.time_ms for s in plan.stages] + [g.time_ms for g in plan.groups]))
+
+
+def test_in_flight_counts_follow_1f1b():
+    # a compute-bound chain on a slow network: a straight pipeline, stage s holds d - s minibatches
+    profile = chain_profile([10.0] * 8, [4e8] * 8, [1e3] * 8)
+    plan = make_plan(profile, parse_cluster("4x1GB/s"))
+    assert [s.replicas for s in plan.stages] == [1, 1, 1, 1]
+    assert [s.in_flight for s in plan.stages] == [4, 3, 2, 1]
+
+
+def test_memory_limit_rules_out_plans_and_says_by_how_much():
+    profile = chain_profile([10.0] * 4, [2.5e9, 1e7, 1e7, 1e7], [1e6] * 4)
+    roomy = make_plan(profile, parse_cluster("2x10GB/s", memory="64GiB"))
+    assert [(s.first, s.last, s.replicas) for s in roomy.stages] == [(0, 1, 1), (2, 3, 1)]
+    assert roomy.stages[0].memory_bytes > 9 * 2**30  # 4 copies of 2.51 GB: 2 versions, gradient, momentum
+    tight = make_plan(profile, parse_cluster("2x10GB/s", memory="9GiB"))
+    assert [(s.first, s.last, s.replicas) for s in tight.stages] == [(0, 3, 2)]  # data parallel: 1 in flight
+    assert tight.stages[0].memory_bytes <= 9 * 2**30
+    with pytest.raises(PlanError, match=r"no plan fits in 1 GiB per worker: .*stage 0 \(layers 0-1, l0..l1\) "
+                                        r"needs 9.35\d GiB per worker, 8.35\d GiB over"):
+        make_plan(profile, parse_cluster("2x10GB/s", memory="1GiB"))
+
+
+def test_straight_plans_never_replicate():
+    plan = make_plan(imported("vgg16"), parse_cluster("4x1.25e9B/s"), straight=True)
+    assert all(s.replicas == 1 for s in plan.stages)
+
+
+def test_exact_worker_counts_that_cannot_be_met_are_one_clear_error():
+    with pytest.raises(PlanError, match="uses exactly every worker"):
+        make_plan(chain_profile([1.0, 1.0], [1.0, 1.0], [1, 1]), parse_cluster("4x1GB/s"),
+                  cost_model="pipedream", straight=True)
+
+
+def _plan_json():
+    return json.loads(canonical_json(make_plan(imported("vgg16"), parse_cluster("4x1.25e9B/s"),
+                                               cost_model="pipedream").to_json()))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["stages"][0].update(ranks=[0, 1]), r"stages\[0\].ranks: replicas is \d but 2 ranks"),
+    (lambda d: d["stages"][-1].update(ranks=[0], replicas=1), r"rank 0 is also in stages\[0\]"),
+    (lambda d: d["stages"][-1].update(ranks=[9], replicas=1), "rank 9 does not exist in a cluster of 4 workers"),
+    (lambda d: d["stages"][0].update(layers=[5, 4]), r"stages\[0\]: layers \[5, 4\] is an empty stage"),
+    (lambda d: d["stages"][1].update(layers=[d["stages"][0]["layers"][1], 39]), "is already in stages"),
+    (lambda d: d["stages"][1].update(layers=[d["stages"][0]["layers"][1] + 2, 39]), "are in no stage"),
+    (lambda d: d["stages"][-1].update(layers=[d["stages"][-1]["layers"][0], 30]), "stages end at layer 30"),
+    (lambda d: d.update(stages=[]), "at least one stage"),
+    (lambda d: d.update(mode="fast"), "unknown mode 'fast'"),
+    (lambda d: d.update(schema="pdtool.profile/1"), "expected 'pdtool.plan/1'"),
+    (lambda d: d["stages"][0].pop("ranks"), r"stages\[0\].ranks: missing field"),
+])
+def test_hand_edited_inconsistent_plans_are_refused_in_one_line(edit, message):
+    data = copy.deepcopy(_plan_json())
+    edit(data)
+    with pytest.raises(ArtifactError, match=message) as info:
+        Plan.from_json(data, "m.plan.json")
+    assert str(info.value).startswith("m.plan.json: ") and "\n" not in str(info.value)
