@@ -1,0 +1,32 @@
+"""Schedules as data: what every worker does, in order (design.md section 4).
+
+One generator builds a `Schedule` for each mode; the runtime, the reference executor and the
+simulator all interpret it, and `validate` checks it without running anything.
+
+    >>> s = generate("pipedream", (1, 1, 1, 1), 8)
+    >>> " ".join(map(str, s.workers[0][:9]))
+    '0F0 0F1 0F2 0F3 0B0 0U 0F4 0B1 0U'
+
+Modes (PipeDream SOSP'19 sections 3.2-3.3; PipeDream-2BW/Flush arXiv 2006.09503 sections 3.1-3.2):
+`pipedream` (1F1B with weight stashing), `vsync` (1F1B, one staleness for all stages), `2bw`
+(1F1B, double-buffered weights, a step every m microbatches), `flush` (1F1B per batch of m, then
+a flush and a step), `gpipe` (all forwards, all backwards, a step, per batch of m).
+
+The code lives in three modules, all pure standard library:
+- `schedule_core`: `Action`, `Schedule` (ranks, text form, `versions`), the per-mode rules
+  (`warmup_forwards`, `default_group`, `step_group`, `steps`, `stash_depth`) and `peak_versions`;
+- `schedule_gen`: `generate`;
+- `schedule_check`: `validate`.
+Import the names from here.
+"""
+from .schedule_check import validate
+from .schedule_core import (
+    KINDS, MODES, Action, Schedule, check_parameters, default_group, peak_versions, stash_depth, step_group, steps,
+    warmup_forwards,
+)
+from .schedule_gen import generate
+
+__all__ = [
+    "KINDS", "MODES", "Action", "Schedule", "check_parameters", "default_group", "generate", "peak_versions",
+    "stash_depth", "step_group", "steps", "validate", "warmup_forwards",
+]

@@ -1,0 +1,217 @@
+"""`validate`: check a schedule without running anything (design.md section 4).
+
+The checks run in this order, and the first broken rule raises a one-line `ScheduleError`
+naming the worker ("w3 s1r0"), the action and the fix:
+1. every action belongs to the worker's stage, names a minibatch of the run, and runs on its
+   round-robin replica b mod r_s (1F1B-RR, PipeDream SOSP'19 section 3.2);
+2. each (stage, minibatch) has exactly one forward and one backward;
+3. on its worker, every forward comes before its backward;
+4. every worker of stage s runs `steps` U actions (so replicas step together), and the t-th U
+   closes step group t: it follows the worker's backwards of group t and precedes later ones;
+5. no worker ever holds more than `stash_depth` minibatches in flight;
+6. no deadlock: all workers execute their lists in order; an action runs once its dependencies
+   have (forward of b on stage s-1 before forward on s; backward on s+1 before backward on s;
+   own forward before backward), and the k-th U of the replicas of a replicated stage is one
+   collective all of them must reach;
+7. weight versions (`Schedule.versions`): no action uses a version its worker does not have
+   yet; 2bw holds at most two versions per worker (arXiv 2006.09503 section 3.1); flush and
+   gpipe run every microbatch of batch t on version t (gradient accumulation).
+"""
+from __future__ import annotations
+
+from .errors import ScheduleError
+from .schedule_core import Action, Schedule, peak_versions, stash_depth, step_group, steps
+
+_MAX_LISTED = 6  # stuck workers named in a deadlock message
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError (one line: which worker, which action, what is wrong) unless `schedule` is sound."""
+    _check_placement(schedule)
+    where = _check_once(schedule)
+    _check_forward_first(schedule, where)
+    _check_steps(schedule)
+    _check_in_flight(schedule)
+    _check_deadlock(schedule)
+    _check_versions(schedule)
+
+
+def _check_placement(schedule: Schedule) -> None:
+    n = schedule.minibatches
+    for rank, actions in enumerate(schedule.workers):
+        stage, replica = schedule.position(rank)
+        for action in actions:
+            if action.stage != stage:
+                raise ScheduleError(f"{schedule.label(rank)}: {action} is an action of stage {action.stage}, but this "
+                                    f"worker runs stage {stage}; move it to a worker of stage {action.stage}")
+            if action.kind == "U":
+                continue
+            if action.minibatch >= n:
+                raise ScheduleError(f"{schedule.label(rank)}: {action} names minibatch {action.minibatch}, but the run "
+                                    f"has {n} (0..{n - 1}); remove it or raise minibatches")
+            owner = schedule.replica_of(stage, action.minibatch)
+            if owner != replica:
+                raise ScheduleError(
+                    f"{schedule.label(rank)}: {action} runs on replica {replica} of stage {stage}, but minibatch "
+                    f"{action.minibatch} belongs to replica {owner} ({action.minibatch} mod {schedule.replicas[stage]}); "
+                    f"move it to {schedule.label(schedule.rank(stage, owner))}")
+
+
+def _check_once(schedule: Schedule) -> dict[Action, tuple[int, int]]:
+    """(rank, index) of every F and B action, each present exactly once."""
+    where: dict[Action, tuple[int, int]] = {}
+    for rank, actions in enumerate(schedule.workers):
+        for index, action in enumerate(actions):
+            if action.kind == "U":
+                continue
+            if action in where:
+                first_rank, first_index = where[action]
+                raise ScheduleError(f"{schedule.label(rank)}: {action} appears twice (actions {first_index} and "
+                                    f"{index}); each minibatch runs one {_NAMES[action.kind]} per stage, remove one")
+            where[action] = (rank, index)
+    for stage in range(schedule.stages):
+        for minibatch in range(schedule.minibatches):
+            for kind in ("F", "B"):
+                action = Action(kind, stage, minibatch)
+                if action not in where:
+                    owner = schedule.label(schedule.rank(stage, schedule.replica_of(stage, minibatch)))
+                    raise ScheduleError(f"{owner}: the {_NAMES[kind]} {action} of minibatch {minibatch} is missing; "
+                                        f"every minibatch needs one forward and one backward on every stage")
+    return where
+
+
+def _check_forward_first(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> None:
+    for action, (rank, index) in where.items():
+        if action.kind == "B":
+            forward = Action("F", action.stage, action.minibatch)
+            if where[forward][1] > index:
+                raise ScheduleError(f"{schedule.label(rank)}: {action} (action {index}) comes before its forward "
+                                    f"{forward} (action {where[forward][1]}); run the forward first")
+
+
+def _check_steps(schedule: Schedule) -> None:
+    for stage in range(schedule.stages):
+        ranks = [schedule.rank(stage, i) for i in range(schedule.replicas[stage])]
+        counts = [sum(a.kind == "U" for a in schedule.workers[rank]) for rank in ranks]
+        for rank, count in zip(ranks, counts):
+            if count != counts[0]:
+                raise ScheduleError(
+                    f"{schedule.label(rank)}: {count} optimizer steps, but {schedule.label(ranks[0])} has {counts[0]}; "
+                    f"the replicas of stage {stage} all-reduce and step together, so each needs the same number of "
+                    f"{stage}U")
+        size, needed = step_group(schedule, stage), steps(schedule, stage)
+        if counts[0] != needed:
+            raise ScheduleError(
+                f"{schedule.label(ranks[0])}: {counts[0]} optimizer steps, but mode {schedule.mode!r} with "
+                f"{schedule.minibatches} minibatches, {size} per step on stage {stage}, needs {needed}; "
+                f"add or remove {stage}U actions")
+        for rank in ranks:
+            done = 0
+            for action in schedule.workers[rank]:
+                if action.kind == "U":
+                    done += 1
+                elif action.kind == "B" and done != action.minibatch // size:
+                    t = action.minibatch // size
+                    raise ScheduleError(
+                        f"{schedule.label(rank)}: {action} comes after {done} optimizer steps, but minibatch "
+                        f"{action.minibatch} belongs to step group {t} (minibatches {t * size}..{(t + 1) * size - 1}); "
+                        f"the step closing group {t} must follow it and the earlier steps precede it")
+
+
+def _check_in_flight(schedule: Schedule) -> None:
+    for rank, actions in enumerate(schedule.workers):
+        stage, _ = schedule.position(rank)
+        depth = stash_depth(schedule, stage)
+        flight: list[int] = []
+        for action in actions:
+            if action.kind == "F":
+                flight.append(action.minibatch)
+                if len(flight) > depth:
+                    raise ScheduleError(
+                        f"{schedule.label(rank)}: {len(flight)} minibatches in flight after {action} "
+                        f"({', '.join(map(str, flight))}), but mode {schedule.mode!r} lets stage {stage} hold at most "
+                        f"{depth}; run a backward before this forward")
+            elif action.kind == "B":
+                flight.remove(action.minibatch)
+
+
+def _check_deadlock(schedule: Schedule) -> None:
+    last = schedule.stages - 1
+    done: set[Action] = set()
+    pos = [0] * len(schedule.workers)
+    stepped = [0] * len(schedule.workers)
+    peers = [[schedule.rank(s, i) for i in range(schedule.replicas[s])] for s in range(schedule.stages)]
+
+    def waits_for(action: Action) -> str | None:
+        """What `action` still waits for, or None when it can run."""
+        s, b = action.stage, action.minibatch
+        needs = [Action("F", s - 1, b)] if action.kind == "F" and s > 0 else []
+        if action.kind == "B":
+            needs = [Action("F", s, b)] + ([Action("B", s + 1, b)] if s < last else [])
+        missing = [str(need) for need in needs if need not in done]
+        return " and ".join(missing) or None
+
+    def at_step(rank: int, count: int) -> bool:
+        actions = schedule.workers[rank]
+        return pos[rank] < len(actions) and actions[pos[rank]].kind == "U" and stepped[rank] == count
+
+    progress = True
+    while progress:
+        progress = False
+        for rank, actions in enumerate(schedule.workers):
+            while pos[rank] < len(actions):
+                action = actions[pos[rank]]
+                if action.kind == "U":
+                    group = peers[action.stage]
+                    if not all(at_step(peer, stepped[rank]) for peer in group):
+                        break
+                    for peer in group:
+                        pos[peer] += 1
+                        stepped[peer] += 1
+                elif waits_for(action) is None:
+                    done.add(action)
+                    pos[rank] += 1
+                else:
+                    break
+                progress = True
+    stuck = [rank for rank, actions in enumerate(schedule.workers) if pos[rank] < len(actions)]
+    if not stuck:
+        return
+    notes = []
+    for rank in stuck[:_MAX_LISTED]:
+        action = schedule.workers[rank][pos[rank]]
+        reason = (f"the other replicas' step {stepped[rank] + 1}" if action.kind == "U" else waits_for(action))
+        notes.append(f"{schedule.label(rank)} at {action} waits for {reason}")
+    more = f"; and {len(stuck) - _MAX_LISTED} more" if len(stuck) > _MAX_LISTED else ""
+    total = sum(map(len, schedule.workers))
+    raise ScheduleError(f"deadlock after {sum(pos)} of {total} actions: {'; '.join(notes)}{more}; "
+                        "reorder the actions so that each one's dependency can run first")
+
+
+def _check_versions(schedule: Schedule) -> None:
+    table = schedule.versions()
+    for rank, actions in enumerate(schedule.workers):
+        live = 0
+        for action in actions:
+            if action.kind == "U":
+                live += 1
+                continue
+            version = table[(action.kind, action.stage, action.minibatch)]
+            if action.kind == "F" and version > live:
+                raise ScheduleError(
+                    f"{schedule.label(rank)}: {action} needs version {version} of stage {action.stage} under mode "
+                    f"{schedule.mode!r}, but only {live} steps have run there; move it after step {version}")
+            batch = action.minibatch // schedule.group
+            if schedule.mode in ("flush", "gpipe") and version != batch:
+                raise ScheduleError(
+                    f"{schedule.label(rank)}: {action} runs on version {version}, but mode {schedule.mode!r} runs "
+                    f"batch {batch} (microbatches {batch * schedule.group}..{(batch + 1) * schedule.group - 1}) on "
+                    f"version {batch}; run it after step {batch} and before step {batch + 1}")
+    if schedule.mode == "2bw":
+        for rank, peak in peak_versions(schedule).items():
+            if peak > 2:
+                raise ScheduleError(f"{schedule.label(rank)}: holds {peak} weight versions at once, but mode '2bw' "
+                                    f"keeps at most 2; use a larger group (now {schedule.group}) or fewer in flight")
+
+
+_NAMES = {"F": "forward", "B": "backward"}

@@ -1,0 +1,355 @@
+"""Schedule types, their text form, the per-mode rules and the weight-version analysis.
+
+A `Schedule` lists, for every worker (stage s, replica i), its actions: `F` (forward of one
+minibatch), `B` (backward of one minibatch) and `U` (optimizer step; on a replicated stage the
+replicas all-reduce their gradients first and step together). Sends and receives are implied:
+forward of b on stage s > 0 needs forward of b on stage s-1, backward of b on stage s < last
+needs backward of b on stage s+1. Minibatch b runs on replica b mod r_s of every stage s, forward
+and backward (1F1B-RR, PipeDream SOSP'19 section 3.2).
+
+"Minibatch" means microbatch in the modes that accumulate gradients (2bw, flush, gpipe).
+Every stage steps once per *step group* of consecutive minibatches (`step_group`): r_s for
+pipedream/vsync (one round of the replicas), `group` = m for 2bw/flush/gpipe. The t-th `U` of a
+worker closes step group t: it follows every backward of that group on the worker and precedes
+every backward of later groups. "Version v of stage s" is stage s's weights after v optimizer
+steps, i.e. holding the updates of minibatches 0 .. min(N, v * g_s) - 1.
+
+Import the public names from `pdtool.schedule`. Pure standard library.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+from .errors import ScheduleError
+
+MODES = ("pipedream", "vsync", "2bw", "flush", "gpipe")
+KINDS = ("F", "B", "U")
+
+_ACTION_RE = re.compile(r"(\d+)([FB])(\d+)|(\d+)U")
+_WORKER_RE = re.compile(r"w(\d+)\s+s(\d+)r(\d+):(.*)")
+_HEADER_KEYS = ("mode", "replicas", "minibatches", "group")
+
+
+# ----- actions ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Action:
+    """One step of one worker: `F`/`B` of `minibatch` on `stage`, or `U` (optimizer step, no minibatch)."""
+
+    kind: str
+    stage: int
+    minibatch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ScheduleError(f"action kind {self.kind!r} is unknown; use 'F' (forward), 'B' (backward) or 'U' (step)")
+        if not _is_count(self.stage):
+            raise ScheduleError(f"action stage {self.stage!r} is not a stage index; use an integer >= 0")
+        if self.kind == "U" and self.minibatch is not None:
+            raise ScheduleError(f"a 'U' action takes no minibatch (found {self.minibatch!r}); write it as {self.stage}U")
+        if self.kind != "U" and not _is_count(self.minibatch):
+            raise ScheduleError(
+                f"a {self.kind!r} action needs a minibatch index >= 0 (found {self.minibatch!r}); e.g. {self.stage}{self.kind}0")
+
+    def __str__(self) -> str:
+        return f"{self.stage}U" if self.kind == "U" else f"{self.stage}{self.kind}{self.minibatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        """Read the compact form written by `str`: "0F3", "1B3", "0U"."""
+        match = _ACTION_RE.fullmatch(text.strip()) if isinstance(text, str) else None
+        if match is None:
+            raise ScheduleError(
+                f"bad action {text!r}: expected <stage>F<minibatch>, <stage>B<minibatch> or <stage>U, e.g. 0F3, 1B3, 0U")
+        if match.group(4) is not None:
+            return cls("U", int(match.group(4)))
+        return cls(match.group(2), int(match.group(1)), int(match.group(3)))
+
+
+# ----- the schedule ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Schedule:
+    """Every worker's actions, in order, for a run of `minibatches` minibatches in `mode`.
+
+    `replicas[s]` is the replica count of stage s (stage 0 takes the input). Ranks are
+    stage-major: rank = sum(replicas[:s]) + i for replica i of stage s, and `workers[rank]` is
+    that worker's action list. `group` is the microbatches per optimizer step for 2bw, flush and
+    gpipe (m) and 1 for pipedream and vsync. Construction checks these parameters, not the
+    actions: `validate` does that.
+    """
+
+    mode: str
+    replicas: tuple[int, ...]
+    minibatches: int
+    group: int
+    workers: tuple[tuple[Action, ...], ...]
+
+    def __post_init__(self) -> None:
+        check_parameters(self.mode, self.replicas, self.minibatches, self.group)
+        object.__setattr__(self, "replicas", tuple(self.replicas))  # lists in, tuples kept: hashable, comparable
+        object.__setattr__(self, "workers", tuple(tuple(actions) for actions in self.workers))
+        if len(self.workers) != sum(self.replicas):
+            raise ScheduleError(
+                f"schedule has {len(self.workers)} workers but replicas {self.replicas} need {sum(self.replicas)}; "
+                "give one action list per worker")
+        for rank, actions in enumerate(self.workers):
+            for action in actions:
+                if not isinstance(action, Action):
+                    raise ScheduleError(f"{self.label(rank)}: {action!r} is not an Action; build it with Action.parse")
+
+    # ----- ranks ---------------------------------------------------------------------------
+    @property
+    def stages(self) -> int:
+        return len(self.replicas)
+
+    def rank(self, stage: int, replica: int) -> int:
+        """Rank of replica `replica` of stage `stage` (stage-major numbering)."""
+        if not (0 <= stage < self.stages and 0 <= replica < self.replicas[stage]):
+            raise ScheduleError(f"no worker s{stage}r{replica} in replicas {self.replicas}; use a stage "
+                                f"0..{self.stages - 1} and a replica 0..r_s - 1 of it")
+        return sum(self.replicas[:stage]) + replica
+
+    def position(self, rank: int) -> tuple[int, int]:
+        """(stage, replica) of `rank`."""
+        if not 0 <= rank < len(self.workers):
+            raise ScheduleError(f"rank {rank} is out of range for {len(self.workers)} workers; use 0..{len(self.workers) - 1}")
+        for stage, count in enumerate(self.replicas):
+            if rank < count:
+                return stage, rank
+            rank -= count
+        raise AssertionError("unreachable")
+
+    def replica_of(self, stage: int, minibatch: int) -> int:
+        """The replica of `stage` that runs `minibatch`: round robin, minibatch mod r_s (1F1B-RR)."""
+        if not 0 <= stage < self.stages:
+            raise ScheduleError(f"stage {stage} is out of range for {self.stages} stages; use 0..{self.stages - 1}")
+        return minibatch % self.replicas[stage]
+
+    def label(self, rank: int) -> str:
+        """"w<rank> s<stage>r<replica>", how errors and the text form name a worker."""
+        stage, replica = self.position(rank)
+        return f"w{rank} s{stage}r{replica}"
+
+    # ----- text ----------------------------------------------------------------------------
+    def to_text(self) -> str:
+        """A header line, then one line per worker: "w0 s0r0: 0F0 0F1 0B0 0U ..."; `from_text` reads it back."""
+        header = (f"schedule mode={self.mode} replicas={','.join(map(str, self.replicas))} "
+                  f"minibatches={self.minibatches} group={self.group}")
+        lines = [header]
+        for rank, actions in enumerate(self.workers):
+            lines.append(f"{self.label(rank)}: {' '.join(map(str, actions))}".rstrip())
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> "Schedule":
+        """Parse `to_text` output (blank lines and lines starting with '#' are skipped)."""
+        lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1)]
+        lines = [(n, line) for n, line in lines if line and not line.startswith("#")]
+        if not lines:
+            raise ScheduleError("schedule text is empty; expected a 'schedule mode=... replicas=... "
+                                "minibatches=... group=...' line followed by one line per worker")
+        params = _parse_header(*lines[0])
+        workers = []
+        for n, line in lines[1:]:
+            match = _WORKER_RE.fullmatch(line)
+            if match is None:
+                raise ScheduleError(f"schedule text line {n}: expected 'w<rank> s<stage>r<replica>: <actions>', "
+                                    f"found {line!r:.60}")
+            rank, stage, replica = (int(match.group(i)) for i in (1, 2, 3))
+            if rank != len(workers):
+                raise ScheduleError(f"schedule text line {n}: worker w{rank} out of order; expected w{len(workers)}")
+            workers.append((n, stage, replica, tuple(Action.parse(a) for a in match.group(4).split())))
+        schedule = cls(**params, workers=tuple(actions for *_, actions in workers))
+        for rank, (n, stage, replica, _) in enumerate(workers):
+            if schedule.position(rank) != (stage, replica):
+                raise ScheduleError(f"schedule text line {n}: w{rank} is {schedule.label(rank)} for replicas "
+                                    f"{schedule.replicas}, not s{stage}r{replica}")
+        return schedule
+
+    # ----- weight versions -----------------------------------------------------------------
+    def versions(self) -> dict[tuple[str, int, int], int]:
+        """The weight version of its stage that every ("F"|"B", stage, minibatch) uses.
+
+        The backward of b uses exactly the version its forward used (weight stashing,
+        PipeDream SOSP'19 section 3.3). Which version the forward uses is the mode's rule, read
+        off the schedule order ("live" = the U actions before it on its worker):
+        - pipedream, flush, gpipe: the newest, i.e. the live version when the forward runs.
+        - vsync (SOSP'19 section 3.3, vertical sync): let v0 be stage 0's live version when b's
+          forward runs there, k = min(N, v0 * g_0) the minibatches whose updates it holds; every
+          stage s runs b on its newest version holding no update from a minibatch >= k, which is
+          k // g_s. All stages see the same staleness.
+        - 2bw (arXiv 2006.09503 section 3.1): the version is fixed when a batch enters the
+          pipeline: every microbatch of batch t on every stage uses stage 0's live version when
+          the batch's first microbatch t*m starts its forward there. With m >= d that is t-1
+          (0 for t = 0): W(t+1) = W(t) - lr * grad f(W(t-1)), one step of delay at every stage.
+        """
+        live: dict[tuple[int, int], int] = {}
+        for actions in self.workers:
+            made = 0
+            for action in actions:
+                if action.kind == "U":
+                    made += 1
+                elif action.kind == "F":
+                    live[(action.stage, action.minibatch)] = made
+        table: dict[tuple[str, int, int], int] = {}
+        for (stage, minibatch), version in live.items():
+            table[("F", stage, minibatch)] = self._rule(stage, minibatch, version, live)
+        for actions in self.workers:
+            for action in actions:
+                if action.kind == "B":
+                    key = ("F", action.stage, action.minibatch)
+                    if key not in table:
+                        raise ScheduleError(f"{action} has no forward {Action('F', *key[1:])}, so it has no weight "
+                                            "version; run validate() on the schedule first")
+                    table[("B", action.stage, action.minibatch)] = table[key]
+        return table
+
+    def _rule(self, stage: int, minibatch: int, live_version: int, live: dict[tuple[int, int], int]) -> int:
+        if self.mode in ("pipedream", "flush", "gpipe"):
+            return live_version
+        entry = minibatch if self.mode == "vsync" else minibatch - minibatch % self.group
+        if (0, entry) not in live:
+            raise ScheduleError(f"{Action('F', stage, minibatch)}: mode {self.mode!r} fixes its version when "
+                                f"{Action('F', 0, entry)} runs, which the schedule lacks; run validate() first")
+        if self.mode == "2bw":
+            return live[(0, entry)]
+        seen = min(self.minibatches, live[(0, entry)] * step_group(self, 0))
+        return seen // step_group(self, stage)
+
+
+# ----- per-mode rules --------------------------------------------------------------------------
+def warmup_forwards(replicas: Sequence[int], stage: int) -> int:
+    """Forwards a replica of `stage` runs before its first backward under 1F1B.
+
+    floor((W - 1 - sum(r_i for i < s)) / r_s) with W workers in all: 3, 2, 1, 0 on a straight
+    4-stage pipeline, 1, 0 on replicas (3, 1). This keeps NOAM = ceil(W / r_0) minibatches in
+    the pipeline (PipeDream SOSP'19 section 3.2). A replica with fewer minibatches runs them all.
+    """
+    return (sum(replicas) - 1 - sum(replicas[:stage])) // replicas[stage]
+
+
+def default_group(replicas: Sequence[int]) -> int:
+    """The smallest microbatches-per-step (m) that 2bw accepts, and the default m of 2bw, flush, gpipe.
+
+    max(d, max_s warmup_s * r_s): at least the d stages (arXiv 2006.09503 section 3.1, m >= d), and
+    at least the span of minibatches one worker of a replicated stage has in flight
+    (warmup_s * r_s); below that, some batch would need a version a stage has not made yet, or a
+    worker would hold three. Equals d on a straight pipeline.
+    """
+    spans = (warmup_forwards(replicas, s) * r for s, r in enumerate(replicas))
+    return max(len(replicas), *spans)
+
+
+def step_group(schedule: Schedule, stage: int) -> int:
+    """Minibatches per optimizer step of `stage`: r_s for pipedream/vsync (one round of the replicas), m otherwise."""
+    return schedule.replicas[stage] if schedule.mode in ("pipedream", "vsync") else schedule.group
+
+
+def steps(schedule: Schedule, stage: int) -> int:
+    """How many U actions every worker of `stage` runs: one per (possibly partial, last) step group."""
+    return -(-schedule.minibatches // step_group(schedule, stage))
+
+
+def stash_depth(schedule: Schedule, stage: int) -> int:
+    """The most minibatches a worker of `stage` may hold in flight (forward done, backward not yet).
+
+    pipedream, vsync, 2bw: warmup + 1 (1F1B never holds more; PipeDream SOSP'19 section 3.2);
+    flush: the same, within one batch of m; gpipe: the whole batch's share, ceil(m / r_s). Never
+    more than the minibatches a replica of the stage gets at all (ceil(N / r_s), or per batch).
+    """
+    if not 0 <= stage < schedule.stages:
+        raise ScheduleError(f"stage {stage} is out of range for {schedule.stages} stages; use 0..{schedule.stages - 1}")
+    r = schedule.replicas[stage]
+    share = -(-(schedule.minibatches if schedule.mode in ("pipedream", "vsync", "2bw") else schedule.group) // r)
+    if schedule.mode == "gpipe":
+        return share
+    return min(warmup_forwards(schedule.replicas, stage) + 1, share)
+
+
+def peak_versions(schedule: Schedule) -> dict[int, int]:
+    """Per rank: the most weight versions of its stage it holds at once.
+
+    A version is held from the step that makes it until it is both superseded by the next step
+    and done with (its last forward or backward on the worker has run); the live weights count.
+    """
+    table = schedule.versions()
+    peaks = {}
+    for rank, actions in enumerate(schedule.workers):
+        created = [0]  # created[v]: the point (actions done) from which version v exists
+        first, last = {}, {}
+        for index, action in enumerate(actions):
+            if action.kind == "U":
+                created.append(index + 1)
+            else:
+                version = table[(action.kind, action.stage, action.minibatch)]
+                first.setdefault(version, index)
+                last[version] = index
+        delta = [0] * (len(actions) + 2)
+        for version in set(range(len(created))) | set(last):
+            if version < len(created):  # made here: held until superseded (or the end) and done with
+                start = created[version]
+                end = created[version + 1] if version + 1 < len(created) else len(actions) + 1
+            else:  # used but never made (a broken schedule; validate reports it): held while used
+                start, end = first[version], 0
+            delta[start] += 1
+            delta[max(end, last.get(version, -1) + 1)] -= 1
+        held = peak = 0
+        for change in delta:
+            held += change
+            peak = max(peak, held)
+        peaks[rank] = peak
+    return peaks
+
+
+# ----- parameters ------------------------------------------------------------------------------
+def check_parameters(mode: str, replicas: Sequence[int], minibatches: int, group: int) -> None:
+    """Raise ScheduleError (one line) unless mode, replicas, minibatches and group fit together."""
+    if mode not in MODES:
+        raise ScheduleError(f"unknown schedule mode {mode!r}; use one of {', '.join(MODES)}")
+    if not isinstance(replicas, (tuple, list)) or not replicas:
+        raise ScheduleError(f"replicas {replicas!r} is empty or not a sequence; give one replica count >= 1 "
+                            "per stage, e.g. (1, 1, 1, 1) or (3, 1)")
+    for stage, count in enumerate(replicas):
+        if not _is_count(count) or count < 1:
+            raise ScheduleError(f"replicas {tuple(replicas)!r}: stage {stage} has {count!r} replicas; "
+                                "every stage needs an integer count >= 1")
+    if not _is_count(minibatches) or minibatches < 1:
+        raise ScheduleError(f"minibatches={minibatches!r}; the run needs an integer number of minibatches >= 1")
+    if not _is_count(group) or group < 1:
+        raise ScheduleError(f"group={group!r}; the microbatches per step must be an integer >= 1")
+    if mode in ("pipedream", "vsync"):
+        if group != 1:
+            raise ScheduleError(f"group={group} does not apply to mode {mode!r}, which steps after every minibatch "
+                                "(every round of the replicas); leave group unset or 1, or use 2bw, flush or gpipe")
+        return
+    if mode == "2bw" and group < default_group(replicas):
+        raise ScheduleError(
+            f"group={group} is too small for mode '2bw' on replicas {tuple(replicas)}: two weight versions suffice "
+            f"only with at least {default_group(replicas)} microbatches per step (>= the {len(replicas)} stages, "
+            "and >= the minibatches a worker spans in flight); pass group >= "
+            f"{default_group(replicas)}")
+    if minibatches % group:
+        below, above = minibatches - minibatches % group, minibatches - minibatches % group + group
+        hint = f"{below} or {above}" if below else f"{above}"
+        raise ScheduleError(f"minibatches={minibatches} is not a multiple of group={group} for mode {mode!r} "
+                            f"(every step accumulates exactly {group} microbatches); use {hint}, or another group")
+
+
+def _parse_header(line_number: int, line: str) -> dict:
+    words = line.split()
+    fields = dict(word.split("=", 1) for word in words[1:] if "=" in word)
+    if not words or words[0] != "schedule" or sorted(fields) != sorted(_HEADER_KEYS) or len(fields) != len(words) - 1:
+        raise ScheduleError(f"schedule text line {line_number}: expected 'schedule mode=<mode> replicas=<r0,r1,...> "
+                            f"minibatches=<N> group=<m>', found {line!r:.80}")
+    try:
+        return dict(mode=fields["mode"], replicas=tuple(int(r) for r in fields["replicas"].split(",")),
+                    minibatches=int(fields["minibatches"]), group=int(fields["group"]))
+    except ValueError:
+        raise ScheduleError(f"schedule text line {line_number}: replicas, minibatches and group must be integers "
+                            f"(replicas comma-separated, e.g. replicas=3,1), found {line!r:.80}") from None
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+

@@ -1,0 +1,85 @@
+"""`generate`: one schedule builder for every mode (design.md section 4).
+
+Every worker (stage s, replica i) runs the minibatches b = i, i + r_s, i + 2 r_s, ... (1F1B-RR,
+PipeDream SOSP'19 section 3.2), in one of two orders:
+- 1F1B: `warmup_forwards` forwards, then strictly one forward and one backward, then the
+  remaining backwards. pipedream, vsync and 2bw run it over the whole run (PipeDream SOSP'19
+  section 3.2; PipeDream-2BW arXiv 2006.09503 section 3.1); flush runs it inside each batch of m
+  microbatches and drains the pipeline before the step (PipeDream-Flush, arXiv 2006.09503
+  section 3.2).
+- gpipe: per batch of m, all its forwards, then all its backwards in the same order.
+Then the optimizer steps go in: the step closing step group t (`step_group` minibatches) comes
+right after the worker's last backward of a minibatch of groups 0..t, or first of all if it has
+none. On a replicated stage every replica thus runs one U per group, including groups it had no
+minibatch of (with round robin, a final partial round of pipedream/vsync, or a replica that gets
+no microbatch of a batch): it joins the all-reduce with no gradient of its own.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .schedule_core import Action, Schedule, check_parameters, default_group, step_group, steps, warmup_forwards
+
+
+def generate(mode: str, replicas: Sequence[int], minibatches: int, group: int | None = None) -> Schedule:
+    """The schedule of `mode` for `minibatches` minibatches on stages with `replicas` replicas each.
+
+    `group` is m, the microbatches per optimizer step, for 2bw, flush and gpipe; it defaults to
+    `default_group(replicas)` (the number of stages on a straight pipeline), and `minibatches`
+    must be a multiple of it. pipedream and vsync take no group (None or 1).
+    """
+    if group is None:
+        group = 1 if mode in ("pipedream", "vsync") else default_group(replicas) if _sane(replicas) else 1
+    check_parameters(mode, replicas, minibatches, group)
+    shell = Schedule(mode, tuple(replicas), minibatches, group, tuple(() for _ in range(sum(replicas))))
+    workers = []
+    for stage, count in enumerate(shell.replicas):
+        for replica in range(count):
+            own = list(range(replica, minibatches, count))
+            order = _forward_backward_order(shell, stage, own)
+            workers.append(_with_steps(shell, stage, order))
+    return Schedule(mode, shell.replicas, minibatches, group, tuple(workers))
+
+
+def _forward_backward_order(shell: Schedule, stage: int, own: list[int]) -> list[Action]:
+    """F and B actions of one worker for its minibatches `own`, before the steps go in."""
+    if shell.mode in ("pipedream", "vsync", "2bw"):
+        batches = [own]
+    else:
+        batches = [[b for b in own if b // shell.group == t] for t in range(shell.minibatches // shell.group)]
+    order: list[Action] = []
+    for batch in batches:
+        if shell.mode == "gpipe":
+            order += [Action("F", stage, b) for b in batch] + [Action("B", stage, b) for b in batch]
+            continue
+        warmup = min(warmup_forwards(shell.replicas, stage), len(batch))
+        order += [Action("F", stage, b) for b in batch[:warmup]]
+        for forward, backward in zip(batch[warmup:], batch):
+            order += [Action("F", stage, forward), Action("B", stage, backward)]
+        order += [Action("B", stage, b) for b in batch[len(batch) - warmup:]]
+    return order
+
+
+def _with_steps(shell: Schedule, stage: int, order: list[Action]) -> tuple[Action, ...]:
+    """`order` with the U of step group t after the worker's last backward of groups 0..t."""
+    size = step_group(shell, stage)
+    last = [-1] * steps(shell, stage)  # last[t]: index in `order` of the worker's last backward of group t
+    for index, action in enumerate(order):
+        if action.kind == "B":
+            last[action.minibatch // size] = max(last[action.minibatch // size], index)
+    follows: dict[int, int] = {}  # index in `order` (-1: the start) -> how many U come right after it
+    latest = -1
+    for t in range(len(last)):
+        latest = max(latest, last[t])
+        follows[latest] = follows.get(latest, 0) + 1
+    result = [Action("U", stage)] * follows.get(-1, 0)
+    for index, action in enumerate(order):
+        result.append(action)
+        result += [Action("U", stage)] * follows.get(index, 0)
+    return tuple(result)
+
+
+def _sane(replicas: Sequence[int]) -> bool:
+    """Whether `default_group` can run; if not, check_parameters reports the bad replicas."""
+    return isinstance(replicas, (tuple, list)) and bool(replicas) and all(
+        isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in replicas)
