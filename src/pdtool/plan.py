@@ -34,9 +34,13 @@ MS = 1e3
 class PlanStage:
     """One pipeline stage: layers first..last (inclusive), replicated on `ranks`.
 
-    Times are ms per minibatch as the cost model charges them (already divided by all
-    replicas), `memory_bytes` what one of its workers needs, `in_flight` the minibatches
-    each of its workers holds at once under 1F1B.
+    `fwd_ms`/`bwd_ms` are one minibatch's forward/backward time on one worker (the sum over
+    its layers), `param_bytes` its parameters, `in_bytes`/`out_bytes` what crosses its
+    input/output boundary per minibatch (each way), `activation_bytes` what one minibatch in
+    flight keeps stashed for its backward (its input plus its layers' outputs). `compute_ms`, `allreduce_ms`,
+    `transfer_ms` and `time_ms` are ms per minibatch as the cost model charges them (already
+    divided by all replicas), `memory_bytes` what one of its workers needs, `in_flight` the
+    minibatches each of its workers holds at once under 1F1B.
     """
 
     first: int
@@ -45,6 +49,12 @@ class PlanStage:
     last_name: str
     ranks: tuple[int, ...]
     in_flight: int
+    fwd_ms: float
+    bwd_ms: float
+    param_bytes: int
+    in_bytes: int
+    out_bytes: int
+    activation_bytes: int
     compute_ms: float
     allreduce_ms: float
     transfer_ms: float
@@ -157,6 +167,8 @@ class Plan:
             "stages": [
                 {"id": i, "layers": [s.first, s.last], "first_layer": s.first_name, "last_layer": s.last_name,
                  "replicas": s.replicas, "ranks": list(s.ranks), "in_flight": s.in_flight,
+                 "fwd_ms": s.fwd_ms, "bwd_ms": s.bwd_ms, "param_bytes": s.param_bytes,
+                 "in_bytes": s.in_bytes, "out_bytes": s.out_bytes, "activation_bytes": s.activation_bytes,
                  "compute_ms": s.compute_ms, "allreduce_ms": s.allreduce_ms, "transfer_ms": s.transfer_ms,
                  "time_ms": s.time_ms, "memory_bytes": s.memory_bytes}
                 for i, s in enumerate(self.stages)
@@ -190,7 +202,8 @@ class Plan:
         stages = []
         for where, item in top.items("stages"):
             f = Fields(item, source, where, known=("id", "layers", "first_layer", "last_layer", "replicas", "ranks",
-                                                   "in_flight", "compute_ms", "allreduce_ms", "transfer_ms",
+                                                   "in_flight", "fwd_ms", "bwd_ms", "param_bytes", "in_bytes",
+                                                   "out_bytes", "activation_bytes", "compute_ms", "allreduce_ms", "transfer_ms",
                                                    "time_ms", "memory_bytes"))
             first, last = _pair(f, "layers")
             ranks = f.get("ranks", list)
@@ -202,7 +215,10 @@ class Plan:
             if f.count("id") != len(stages):
                 f.fail(f"id is {f.get('id', int)}, expected {len(stages)}", "number stages 0, 1, 2, ...", "id")
             stages.append(PlanStage(first, last, f.get("first_layer", str), f.get("last_layer", str), tuple(ranks),
-                                    f.count("in_flight", 1), f.number("compute_ms"), f.number("allreduce_ms"),
+                                    f.count("in_flight", 1), f.number("fwd_ms"), f.number("bwd_ms"),
+                                    f.count("param_bytes"), f.count("in_bytes"), f.count("out_bytes"),
+                                    f.count("activation_bytes"),
+                                    f.number("compute_ms"), f.number("allreduce_ms"),
                                     f.number("transfer_ms"), f.number("time_ms"), f.count("memory_bytes")))
         groups = []
         for where, item in top.items("groups"):
@@ -355,8 +371,11 @@ def _leaf(stage: Stage, terms: dict, outer: int, ranks: list[int], profile: Prof
     before = sum(s.replicas for s in earlier)
     k = Memory.in_flight(solver.workers, before, len(ranks))
     need = memory.need(float(solver.params[stage.first, stage.last]), float(solver.stashed[stage.first, stage.last]), k)
-    return PlanStage(stage.first, stage.last, profile.layers[stage.first].name, profile.layers[stage.last].name,
-                     tuple(ranks), k, terms["compute"] / outer * MS, terms["allreduce"] / outer * MS,
+    layers = profile.layers[stage.first:stage.last + 1]
+    return PlanStage(stage.first, stage.last, layers[0].name, layers[-1].name, tuple(ranks), k,
+                     sum(l.fwd_ms for l in layers), sum(l.bwd_ms for l in layers), sum(l.param_bytes for l in layers),
+                     int(costs.cut_before()[stage.first]), int(costs.cut[stage.last]),
+                     int(solver.stashed[stage.first, stage.last]), terms["compute"] / outer * MS, terms["allreduce"] / outer * MS,
                      terms["transfer"] / outer * MS, terms["time"] / outer * MS, int(round(need)))
 
 
