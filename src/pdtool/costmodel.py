@@ -140,6 +140,13 @@ class CostModel:
         which equals `stage_times` for the same stage."""
         raise NotImplementedError
 
+    def stage_bound(self, r: int, bandwidth: float, inner: int) -> tuple[float, float, bool]:
+        """(alpha, beta, additive): a later (not first) stage of r units of `inner` workers
+        takes at least `alpha * compute + beta * params` when `additive`, else at least
+        `max(alpha * compute, beta * params)` (compute in worker-seconds, params in bytes).
+        The planner prunes with it, so it must never exceed `stage_times`."""
+        raise NotImplementedError
+
     def final_charge(self, n: int) -> bool | np.ndarray:
         """Whether the last stage of a sub-problem ending at layer q pays its output boundary."""
         return False
@@ -156,6 +163,10 @@ class DefaultModel(CostModel):
         cut_out = np.where(charge_out, costs.cut[None, :], 0.0)
         transfer = (cut_in + cut_out) / bandwidth
         return np.maximum(np.maximum(unit, allreduce), transfer) / r
+
+    def stage_bound(self, r, bandwidth, inner):
+        # a unit of `inner` workers needs at least compute / inner for any pipeline of a range
+        return 1.0 / (r * inner), 2.0 * (r - 1) / (r * r * bandwidth), False
 
     def terms(self, unit, params, cut_in, cut_out, r, bandwidth, inner, first, charge_out):
         parts = {
@@ -191,6 +202,9 @@ class PipeDreamModel(CostModel):
         transfer_in = 2.0 * costs.cut_before()[:, None] / (bandwidth * r) / self.ratio
         transfer_out = np.where(charge_out, 2.0 * costs.cut[None, :] / (bandwidth * r) / self.ratio, 0.0)
         return np.maximum(time, np.maximum(transfer_in, transfer_out))
+
+    def stage_bound(self, r, bandwidth, inner):
+        return 1.0 / (r * inner), 4.0 * (r - 1) / (bandwidth * r * r), True
 
     def final_charge(self, n):
         return np.arange(n) != n - 1  # the original charges every output but the model's last

@@ -123,6 +123,8 @@ class Solver:
         self.stashed = costs.range_sums(costs.acts) + costs.cut_before()[:, None]
         self.compute = costs.range_sums(costs.compute, empty=INF)  # +inf: no such range
         self.final = model.final_charge(self.n)
+        self._compute_prefix = np.concatenate([[0.0], np.cumsum(costs.compute)])
+        self._param_prefix = np.concatenate([[0.0], np.cumsum(costs.params)])
         self._tables: dict[tuple[int, Context | None], np.ndarray] = {}
         self._stages: dict[tuple, np.ndarray] = {}
 
@@ -172,7 +174,7 @@ class Solver:
         return self._stages[key]
 
     def _replica_choices(self, m: int) -> range:
-        return range(1, 2) if self.straight else range(1, m)
+        return range(1, min(2, m)) if self.straight else range(1, m)
 
     def _row(self, level: int, context: Context | None, a: int, track: bool = False):
         """Best pipelines of layers a..q on level `level` for every end q.
@@ -195,22 +197,61 @@ class Solver:
             if a + 1 >= n:
                 continue
             for r in self._replica_choices(m):
-                prev = F[m - r, a:n - 1][:, None]  # prefix a..p-1 for p = a+1 .. n-1
                 for table, choices, final in ((F, choice_F, False), (T, choice_T, True)):
-                    block = np.maximum(prev, self._stage(level, context, r, m - r, False, final)[a + 1:, a + 1:])
-                    where = block.argmin(axis=0)
-                    values = block[where, np.arange(n - a - 1)]
-                    better = values < table[m, a + 1:]
-                    table[m, a + 1:] = np.where(better, values, table[m, a + 1:])
-                    if track:
-                        cols = np.nonzero(better)[0]
-                        choices[m, a + 1 + cols, 0] = a + 1 + where[cols]
-                        choices[m, a + 1 + cols, 1] = r
+                    stage = self._stage(level, context, r, m - r, False, final)
+                    self._relax(table, choices, F[m - r], stage, level, a, m, r)
         if self.model.exact_workers:
             best = T[M]
         else:
             best = T[1:].min(axis=0)
         return (best, F, T, choice_F, choice_T) if track else (best,)
+
+    def _relax(self, table, choices, prev, stage, level, a, m, r) -> None:
+        """table[m][q] = min(table[m][q], min over a < p <= q of max(prev[p-1], stage[p, q])).
+
+        Only a band of boundaries p is evaluated for each q: the cost model's lower bound
+        on the stage p..q (`stage_bound`, non-increasing in p) and the smallest prefix time
+        over p' >= p (non-decreasing in p) must both be below the best time already known
+        for q; no other p can do better, so the result is exact. With `choices`, the
+        arg-min is recorded (the earliest p wins ties, a later r only when strictly better).
+        """
+        n = len(prev)
+        if a + 1 >= n:
+            return
+        q = np.arange(a + 1, n)
+        known = table[m, a + 1:] * (1.0 + 1e-9)  # a little slack against rounding in the bounds
+        # the prefix side: p - 1 runs over a .. n - 2; its suffix minimum does not decrease with p
+        suffix_min = np.minimum.accumulate(prev[a:n - 1][::-1])[::-1]
+        hi = np.minimum(a + np.searchsorted(suffix_min, known, side="left"), q)
+        # the stage side: alpha * C(p..q) (+ or max) beta * P(p..q) < known, solved on prefix sums
+        alpha, beta, additive = self.model.stage_bound(r, self.bandwidths[level], self.inner[level])
+        compute, params = self._compute_prefix, self._param_prefix
+        if additive:
+            mixed = alpha * compute + beta * params
+            lo = np.searchsorted(mixed, mixed[q + 1] - known, side="right")
+        else:
+            lo = np.searchsorted(compute, compute[q + 1] - known / alpha, side="right")
+            if beta > 0:
+                lo = np.maximum(lo, np.searchsorted(params, params[q + 1] - known / beta, side="right"))
+        lo = np.maximum(lo, a + 1)
+        width = np.maximum(hi - lo + 1, 0)
+        keep = np.nonzero(width > 0)[0]
+        if len(keep) == 0:
+            return
+        q, lo, width = q[keep], lo[keep], width[keep]
+        starts = np.concatenate([[0], np.cumsum(width)[:-1]])
+        p = np.repeat(lo - starts, width) + np.arange(int(width.sum()))
+        values = np.maximum(prev[p - 1], stage[p, np.repeat(q, width)])
+        best = np.minimum.reduceat(values, starts)
+        better = best < table[m, q]
+        table[m, q] = np.where(better, best, table[m, q])
+        if choices is not None and better.any():
+            segment = np.repeat(np.arange(len(q)), width)
+            hits = np.nonzero(values == best[segment])[0]
+            first_hit = hits[np.unique(segment[hits], return_index=True)[1]]
+            chosen = np.nonzero(better)[0]
+            choices[m, q[chosen], 0] = p[first_hit[chosen]]
+            choices[m, q[chosen], 1] = r
 
     # ----- reconstruction ------------------------------------------------------------------
     def _reconstruct(self, level: int, context: Context | None, a: int, b: int) -> Pipeline | None:

@@ -129,3 +129,47 @@ def test_same_input_same_answer():
     first = Solver(costs, [4, 4], [1e10, 1.25e9], DefaultModel()).solve()
     again = Solver(costs, [4, 4], [1e10, 1.25e9], DefaultModel()).solve()
     assert first == again
+
+
+class ReferenceDP:
+    """The recurrence of partition.py written plainly (every boundary, scalar cost terms):
+    checks the banded search on instances too big for exhaustive search."""
+
+    def __init__(self, costs, counts, bandwidths, model):
+        self.c, self.counts, self.bw, self.model = costs, counts, bandwidths, model
+        self.inner = [math.prod(counts[:l]) for l in range(len(counts))]
+        self.final = model.final_charge(costs.n)
+        self.memo = {}
+
+    def stage(self, level, p, q, r, first, last):
+        unit = self.c.compute[p:q + 1].sum() if level == 0 else self.best(level - 1, p, q)
+        charge = (bool(np.asarray(self.final).reshape(-1)[q]) if np.ndim(self.final) else bool(self.final)) if last else True
+        return self.model.terms(unit, self.c.params[p:q + 1].sum(), self.c.cut[p - 1] if p else 0.0, self.c.cut[q], r,
+                                self.bw[level], self.inner[level], first, charge)["time"]
+
+    def pipe(self, level, a, q, m, last):
+        key = ("pipe", level, a, q, m, last)
+        if key not in self.memo:
+            best = self.stage(level, a, q, m, True, last)
+            for p in range(a + 1, q + 1):
+                for r in range(1, m):
+                    best = min(best, max(self.pipe(level, a, p - 1, m - r, False), self.stage(level, p, q, r, False, last)))
+            self.memo[key] = best
+        return self.memo[key]
+
+    def best(self, level, a, b):
+        M = self.counts[level]
+        options = [M] if self.model.exact_workers else range(1, M + 1)
+        return min(self.pipe(level, a, b, m, True) for m in options)
+
+
+@pytest.mark.parametrize("model", [DefaultModel(), PipeDreamModel()], ids=["pdtool", "pipedream"])
+@pytest.mark.parametrize("counts", [[4], [3, 2]])
+def test_banded_search_equals_the_plain_recurrence_on_larger_instances(model, counts):
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        costs = random_costs(rng, 18)
+        bandwidths = list(rng.uniform(2e8, 2e10, len(counts)))
+        found = Solver(costs, counts, bandwidths, model).solve()
+        expected = ReferenceDP(costs, counts, bandwidths, model).best(len(counts) - 1, 0, costs.n - 1)
+        assert found.time == pytest.approx(expected, rel=1e-9)

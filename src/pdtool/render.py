@@ -1,0 +1,280 @@
+"""Graphviz pictures of a plan: the profile's layer graph cut into the plan's stages.
+
+`plan_graph` builds the picture as graphviz source (pure text, deterministic: the same plan
+and profile give the same `.dot` text); `render_plan` writes it as SVG, PNG, PDF or the
+`.dot` source itself, choosing by the file name's extension, atomically. This is the only
+module that imports the `graphviz` package; laying out needs graphviz's `dot` program, and
+without it `render_plan` writes the `.dot` source and says how to render it by hand.
+
+Layout: one node per layer (name, kind, forward + backward ms), one coloured `cluster_stage_S`
+box per stage, read like newspaper columns: layers run top to bottom inside a column, and
+stages stand side by side from left to right. A stage of more than `MAX_ROWS` layers wraps
+into several columns inside its box, so a 100-layer model fits a landscape page instead of
+a 100-node strip. Edges that cross a stage boundary (what the pipeline sends) are heavy and
+labelled with the bytes of the source layer's output per minibatch; edges inside a stage are
+thin and unlabelled. The bottleneck stage has a bold red border.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import graphviz
+
+from .errors import ArtifactError, PdtoolError
+from .jsonio import check_writable, write_text_atomic
+from .plan import Plan, PlanStage, profile_sha256
+from .profile import Layer, Profile
+from .units import format_bytes
+
+FORMATS = ("svg", "png", "pdf", "dot")
+"""Picture formats `render_plan` writes, by file extension; "dot" is graphviz's source text."""
+
+MAX_ROWS = 30
+"""Most layers in one column (more on graphs of over 450 layers: sqrt(2 x layers), to keep the
+picture about twice as wide as tall); a longer stage wraps into equal columns."""
+
+SHORT_LABELS_FROM = 200
+"""From this many layers on, a node shows only its (shortened) name and total ms."""
+
+SHORT_NAME_CHARS = 24
+"""Longest layer name shown on a short label; longer names keep their start and end."""
+
+STAGE_COLOURS = ("#dbe9f6", "#fde0c5", "#d5f0d5", "#ece0f4", "#fff4c2", "#d2efee", "#f9d9e6", "#e4e4e4")
+"""Fill colours of the stage boxes (pastels, cycled); nodes are white on top of them."""
+
+BOTTLENECK_COLOUR = "#d62728"
+_BOTTLENECK_RE = re.compile(r"^stage (\d+)\b")
+
+
+def plan_graph(plan: Plan, profile: Profile) -> graphviz.Digraph:
+    """The picture of `plan` over the layer graph of `profile`, as graphviz source.
+
+    Raises `ArtifactError` when the plan was not made from this profile (sha256 or layer
+    count differ). Deterministic: nodes, clusters and edges appear in layer/stage order.
+    """
+    _check_pair(plan, profile)
+    stage_of = [0] * len(profile.layers)
+    for index, stage in enumerate(plan.stages):
+        for layer_id in range(stage.first, stage.last + 1):
+            stage_of[layer_id] = index
+    column_of = _columns(plan, max(MAX_ROWS, math.ceil(math.sqrt(2 * len(profile.layers)))))
+    bottleneck = _bottleneck_stage(plan)
+    short = len(profile.layers) >= SHORT_LABELS_FROM
+
+    graph = graphviz.Digraph(name="plan")
+    graph.attr("graph", rankdir="TB", newrank="true", nodesep="0.2", ranksep="0.22",
+               fontname="Helvetica", fontsize="16", labelloc="t", labeljust="l",
+               label=_title(plan, profile))
+    graph.attr("node", shape="box", style="rounded,filled", fillcolor="white", color="#555555",
+               fontname="Helvetica", fontsize="10", margin="0.08,0.03", height="0.3")
+    graph.attr("edge", color="#777777", arrowsize="0.6", fontname="Helvetica", fontsize="10")
+
+    for index, stage in enumerate(plan.stages):
+        is_bottleneck = index == bottleneck
+        with graph.subgraph(name=f"cluster_stage_{index}") as box:
+            box.attr(label=_stage_label(index, stage, plan, is_bottleneck), fontsize="13",
+                     fontcolor=BOTTLENECK_COLOUR if is_bottleneck else "black",
+                     style="filled,rounded,bold" if is_bottleneck else "filled,rounded",
+                     fillcolor=STAGE_COLOURS[index % len(STAGE_COLOURS)],
+                     color=BOTTLENECK_COLOUR if is_bottleneck else "#888888",
+                     penwidth="4" if is_bottleneck else "1", margin="12")
+            for layer in profile.layers[stage.first:stage.last + 1]:
+                box.node(_node(layer.id), _node_label(layer, short), tooltip=_tooltip(layer))
+
+    # Column heads share the top rank and stand left to right in layer order (newrank lets a
+    # rank=same group span clusters); the invisible chain between them fixes that order.
+    heads = [first for first, _ in column_of]
+    if len(heads) > 1:
+        with graph.subgraph(name="column_heads") as top:
+            top.attr(rank="same")
+            for first in heads:
+                top.node(_node(first))
+            for left, right in zip(heads, heads[1:]):
+                top.edge(_node(left), _node(right), style="invis")
+
+    column = {layer_id: c for c, (first, last) in enumerate(column_of) for layer_id in range(first, last + 1)}
+    for src, dst in profile.edges:
+        same_column = column[src] == column[dst]
+        attrs = {} if same_column else {"constraint": "false"}
+        if stage_of[src] != stage_of[dst]:
+            graph.edge(_node(src), _node(dst), label=format_bytes(profile.layers[src].act_bytes),
+                       penwidth="2.5", color="#222222", fontcolor="#222222", arrowsize="0.9", **attrs)
+        else:
+            graph.edge(_node(src), _node(dst), **attrs)
+    return graph
+
+
+def render_plan(plan: Plan, profile: Profile, path: str | os.PathLike) -> tuple[Path, str | None]:
+    """Write the picture of `plan` over `profile` to `path`; the format is its extension.
+
+    Returns the file actually written and a warning line or None. When graphviz's `dot`
+    program is missing (or fails), the `.dot` source goes next to `path` (same stem) and the
+    warning says how to install graphviz and render it by hand. Raises `PdtoolError` for an
+    extension not in `FORMATS` or a folder that cannot be written, `ArtifactError` when the
+    plan was not made from `profile`.
+    """
+    target = Path(path)
+    fmt = target.suffix[1:].lower()
+    if fmt not in FORMATS:
+        found = f"unknown picture format {target.suffix!r}" if target.suffix else "no extension to say the format"
+        raise PdtoolError(f"cannot render {target}: {found}; "
+                          f"end the file name with one of {', '.join('.' + f for f in FORMATS)}")
+    check_writable(target)
+    graph = plan_graph(plan, profile)
+    if fmt == "dot":
+        write_text_atomic(target, graph.source)
+        return target, None
+    source_path = target.with_suffix(".dot")
+    if shutil.which("dot") is None:
+        return _fallback(graph, target, source_path, fmt, "graphviz's `dot` program is not installed")
+    try:
+        picture = graph.pipe(format=fmt, engine="dot")
+    except graphviz.ExecutableNotFound:
+        return _fallback(graph, target, source_path, fmt, "graphviz's `dot` program is not installed")
+    except graphviz.CalledProcessError as exc:
+        last = (exc.stderr or b"").decode("utf-8", "replace").strip().splitlines()
+        why = f"graphviz's `dot` failed ({last[-1] if last else f'exit status {exc.returncode}'})"
+        return _fallback(graph, target, source_path, fmt, why)
+    _write_bytes_atomic(target, picture)
+    return target, None
+
+
+# ----- pieces ----------------------------------------------------------------------------------
+def _check_pair(plan: Plan, profile: Profile) -> None:
+    """Refuse a profile the plan was not made from (one line naming both)."""
+    sha = profile_sha256(profile)
+    if plan.profile.sha256 != sha or plan.profile.layers != len(profile.layers):
+        raise ArtifactError(
+            f"the plan was made from profile sha256 {plan.profile.sha256[:12]} ({plan.profile.layers} layers, "
+            f"{plan.profile.model['spec'] if plan.profile.model else 'imported'}) but the profile given is sha256 "
+            f"{sha[:12]} ({len(profile.layers)} layers, {profile.model.spec if profile.model else 'imported'}); "
+            "pass the profile the plan was made from")
+
+
+def _columns(plan: Plan, rows: int) -> list[tuple[int, int]]:
+    """(first, last) layer ids of every column: each stage split into equal runs of <= `rows`."""
+    columns = []
+    for stage in plan.stages:
+        count = stage.last - stage.first + 1
+        pieces = math.ceil(count / rows)
+        size = math.ceil(count / pieces)
+        for start in range(stage.first, stage.last + 1, size):
+            columns.append((start, min(start + size - 1, stage.last)))
+    return columns
+
+
+def _bottleneck_stage(plan: Plan) -> int | None:
+    """Index of the bottleneck stage, or None when the bottleneck is an outer-level group."""
+    match = _BOTTLENECK_RE.match(plan.predicted.bottleneck)
+    return int(match[1]) if match and int(match[1]) < len(plan.stages) else None
+
+
+def _node(layer_id: int) -> str:
+    return f"L{layer_id}"
+
+
+def _ms(value: float) -> str:
+    """Milliseconds with 3 significant digits, never in exponent notation."""
+    if value == 0:
+        return "0"
+    digits = max(0, 2 - math.floor(math.log10(abs(value))))
+    return f"{value:.{digits}f}"
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    """Ranks compactly: 0-3,8-11."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(f"{start}-{r}" if r != start else f"{r}")
+            start = None
+    return ",".join(parts)
+
+
+def _stage_label(index: int, stage: PlanStage, plan: Plan, is_bottleneck: bool) -> str:
+    """'stage S: layers a-b, R replicas (ranks ...), T ms', plus the bottleneck mark."""
+    replicas = f"{stage.replicas} replica{'s' if stage.replicas != 1 else ''}"
+    rank_word = "ranks" if stage.replicas != 1 else "rank"
+    label = (f"stage {index}: layers {stage.first}-{stage.last}, {replicas} ({rank_word} {_ranks(stage.ranks)}), "
+             f"{_ms(stage.time_ms)} ms\\l")
+    if is_bottleneck:
+        label += f"BOTTLENECK: {plan.predicted.bottleneck}\\l"
+    return label
+
+
+def _text(text: str) -> str:
+    """`text` shown literally in a label (a backslash in a name is not a graphviz escape)."""
+    return text.replace("\\", "\\\\")
+
+
+def _short_name(name: str) -> str:
+    if len(name) <= SHORT_NAME_CHARS:
+        return name
+    keep = SHORT_NAME_CHARS - 1
+    return name[:keep // 2] + "…" + name[-(keep - keep // 2):]
+
+
+def _node_label(layer: Layer, short: bool) -> str:
+    if short:
+        return f"{_text(_short_name(layer.name))} {_ms(layer.total_ms)} ms"
+    return f"{_text(layer.name)}\\n{_text(layer.kind)} · {_ms(layer.fwd_ms)}+{_ms(layer.bwd_ms)} ms"
+
+
+def _tooltip(layer: Layer) -> str:
+    """What hovering a node in an SVG shows: the layer's full figures."""
+    return (f"layer {layer.id} {_text(layer.name)} ({_text(layer.kind)}): "
+            f"fwd {layer.fwd_ms:g} ms, bwd {layer.bwd_ms:g} ms, "
+            f"output {format_bytes(layer.act_bytes)}, parameters {format_bytes(layer.param_bytes)}")
+
+
+def _title(plan: Plan, profile: Profile) -> str:
+    """The picture's heading: model, plan shape and the prediction."""
+    pred = plan.predicted
+    model = _text(profile.model.spec) if profile.model else "imported profile"
+    lines = [
+        f"{model}: {len(profile.layers)} layers, batch {profile.batch_size}, {len(plan.stages)} "
+        f"stage{'s' if len(plan.stages) != 1 else ''} on "
+        f"{plan.workers} workers ({plan.cluster.describe()}), mode {plan.mode}",
+        f"predicted {_ms(pred.time_ms)} ms per minibatch, bottleneck: {pred.bottleneck}; "
+        f"edge labels: bytes sent per minibatch",
+    ]
+    lines += [f"level-{g.level} group: layers {g.first}-{g.last} on {g.units} units, {_ms(g.time_ms)} ms"
+              for g in plan.groups]
+    return "".join(f"{line}\\l" for line in lines)
+
+
+def _fallback(graph: graphviz.Digraph, target: Path, source_path: Path, fmt: str, why: str) -> tuple[Path, str]:
+    """Write the `.dot` source instead of the picture, and the warning line that says so."""
+    write_text_atomic(source_path, graph.source)
+    return source_path, (f"{why}, so {source_path} holds the picture's graphviz source instead of {target}; "
+                         f"install graphviz (apt-get install graphviz) and render it by hand with "
+                         f"`dot -T{fmt} {source_path} -o {target}`")
+
+
+def _write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` via a temporary file in the same folder and `os.replace`."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, _file_mode())
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _file_mode() -> int:
+    """The mode a new file gets under the current umask (mkstemp makes 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
