@@ -1,10 +1,11 @@
-"""Readable tables of artifacts, for `pd show` (pandas renders them)."""
+"""Readable tables of artifacts, for `pd show`, and of simulated runs, for `pd simulate` (pandas renders them)."""
 from __future__ import annotations
 
 import pandas as pd
 
 from .plan import Plan
 from .profile import Profile
+from .simulate import SimResult
 
 MB = 1e6
 
@@ -105,3 +106,38 @@ def _ranks(ranks: tuple[int, ...]) -> str:
             parts.append(f"{start}-{r}" if r != start else f"{r}")
             start = None
     return ",".join(parts)
+
+
+def simulation_table(result: SimResult, plan: Plan) -> str:
+    """What `pd simulate` prints: the predicted steady state beside the plan's cost-model figure,
+    the bubble fraction, and per worker its busy share, weight versions, in-flight minibatches
+    and stashed activations."""
+    rows = []
+    for s, stage in enumerate(plan.stages):
+        for i, rank in enumerate(stage.ranks):
+            rows.append({
+                "rank": rank,
+                "stage": s,
+                "replica": i,
+                "busy %": 100.0 * result.busy_ms[rank] / result.makespan_ms if result.makespan_ms else 0.0,
+                "peak versions": result.peak_versions[rank],
+                "peak in-flight": result.peak_in_flight[rank],
+                "peak act MB": result.peak_activation_bytes[rank] / MB,
+            })
+    table = pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.1f}")
+    model = plan.predicted.time_ms
+    ratio = f", simulated / cost model = {result.time_per_minibatch_ms / model:.3f}" if model else ""
+    group = f", {result.group} microbatches per step" if result.mode not in ("pipedream", "vsync") else ""
+    lines = [
+        f"simulated    mode {result.mode}, {result.minibatches} minibatches{group}, {len(rows)} workers in "
+        f"{len(plan.stages)} stages ({plan.cluster.describe()})",
+        f"predicted    {result.time_per_minibatch_ms:.3f} ms per minibatch ({result.samples_per_s:.1f} samples/s) "
+        "in steady state",
+        f"cost model   {model:.3f} ms per minibatch ({plan.samples_per_s:.1f} samples/s), bottleneck: "
+        f"{plan.predicted.bottleneck}{ratio}",
+        f"run          {result.makespan_ms:.3f} ms for the whole run, bubble fraction {result.bubble_fraction:.3f} "
+        "(share of the workers' time not spent in F or B)",
+        "",
+        table,
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,327 @@
+"""The simulator: run a plan's schedule on the profile's costs, in simulated time (design.md section 4).
+
+One of the three interpreters of a schedule. It predicts time per minibatch, bubbles and memory
+at any cluster size, without processes. Pure: standard library and pdtool's own modules.
+
+The model (all times in ms):
+- Workers. The plan's stage s replica i is schedule rank (s, i) and runs on plan rank
+  `plan.stages[s].ranks[i]`; results are keyed by plan ranks. Every worker runs its action list
+  in order, one action at a time, each as soon as its worker is free and its input is there.
+- Compute. `F` of stage s takes the stage's `fwd_ms`, `B` its `bwd_ms` (one minibatch on one
+  worker, as profiled). Within a worker, `B` of b follows `F` of b by the schedule's order.
+- Transfers. `F` of b on stage s > 0 needs `F` of b on stage s-1 and then its activations,
+  `out_bytes` of stage s-1, sent to it; `B` of b on stage s < last needs `B` of b on stage s+1
+  and then its gradient, `in_bytes` of stage s+1, sent back. A message takes bytes / bandwidth,
+  where the bandwidth is that of the cluster level at which the two ranks part (`link_bandwidth`).
+  Sends are asynchronous (the sender computes on) but every directed link (rank x -> rank y)
+  carries one message at a time: messages queue on it in the order they are sent (FIFO). Links
+  are independent of one another: a rank's messages to two different ranks do not contend.
+- Steps. `U` on an unreplicated stage is the local optimizer step and costs 0 (its time is in
+  the profile's backward). On a stage with r > 1 replicas, the k-th `U` of every replica is one
+  collective: all start together when the last replica arrives, and it lasts a ring all-reduce,
+  2 (r - 1) / r * param_bytes / B with B the slowest link among the replicas' ranks. It is not
+  overlapped with computation (the replicas wait for it), so a replicated stage costs
+  (compute + all-reduce) / r per minibatch here, where the planner's default cost model charges
+  max(compute, all-reduce) / r: the simulator is the pessimistic side of that comparison.
+  All-reduces use links of their own, not those of pipeline messages.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .errors import ScheduleError
+from .plan import Plan
+from .schedule import Action, Schedule, default_group, generate, peak_versions, stash_depth, step_group
+from .trace import chrome_trace, write_trace
+
+__all__ = ["SimEvent", "SimResult", "SimTransfer", "allreduce_ms", "chrome_trace", "default_minibatches",
+           "link_bandwidth", "simulate", "steady_state_ms", "write_trace"]
+
+MS = 1e3  # ms per second
+
+
+@dataclass(frozen=True)
+class SimEvent:
+    """One action of one worker in simulated time: plan rank `rank`, `name` the action's compact
+    text ("0F3", "1B3", "0U"), `kind` "F", "B" or "U", its `stage` and `minibatch` (None for U),
+    `start_ms`/`end_ms` from the start of the run. A `U` of a replicated stage spans its all-reduce."""
+
+    rank: int
+    name: str
+    kind: str
+    stage: int
+    minibatch: int | None
+    start_ms: float
+    end_ms: float
+
+
+@dataclass(frozen=True)
+class SimTransfer:
+    """One message on the directed link `src` -> `dst` (plan ranks): the output of action `name`
+    ("0F3": stage 0's activations of minibatch 3, going to stage 1; "2B3": stage 2's input
+    gradient of minibatch 3, going to stage 1), `bytes` long, on the link from `start_ms` to `end_ms`."""
+
+    src: int
+    dst: int
+    name: str
+    bytes: int
+    start_ms: float
+    end_ms: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What a simulated run predicts. Times in ms, per-rank dicts keyed by plan rank.
+
+    `makespan_ms` runs from the first start to the last end. `time_per_minibatch_ms` is the
+    steady-state period (`steady_state_ms`); `samples_per_s` is the profile's batch size over it.
+    `bubble_fraction` is 1 - (F and B time of all workers) / (workers * makespan). `busy_ms` is
+    each worker's F and B time. `peak_versions` (from the schedule) is the most weight versions a
+    worker holds at once; `peak_in_flight` the most minibatches it holds between the start of a
+    forward and the end of its backward; `peak_activation_bytes` that times the stage's
+    `activation_bytes`. `events` are all actions, by start time; `transfers` all messages.
+    """
+
+    mode: str
+    minibatches: int
+    group: int
+    makespan_ms: float
+    time_per_minibatch_ms: float
+    samples_per_s: float
+    bubble_fraction: float
+    busy_ms: dict[int, float]
+    peak_versions: dict[int, int]
+    peak_in_flight: dict[int, int]
+    peak_activation_bytes: dict[int, int]
+    events: tuple[SimEvent, ...]
+    transfers: tuple[SimTransfer, ...] = ()
+
+
+def default_minibatches(workers: int, group: int) -> int:
+    """Minibatches for a steady state: max(16 * workers, 4 * group), rounded up to a multiple of group.
+
+    The warm-up and the drain each last up to `workers` minibatches and a replicated stage may
+    cycle over several rounds of its replicas, so `steady_state_ms` needs a long run; with 16
+    minibatches per worker its estimate is within about 1% of the long-run limit on the
+    PipeDream paper's VGG-16 plans (4 and 16 workers).
+    """
+    n = max(16 * workers, 4 * group)
+    return -(-n // group) * group
+
+
+def link_bandwidth(plan: Plan, x: int, y: int) -> float:
+    """Bytes/s between plan ranks x and y: the bandwidth of the level at which they part.
+
+    Units of level k hold prod(counts of levels below k) workers; x and y part at the outermost
+    level k where x // units_k != y // units_k (level 0 inside one server, level 1 across
+    servers, ...). Infinite for x == y.
+    """
+    if x == y:
+        return float("inf")
+    size, level = 1, 0
+    for k, lvl in enumerate(plan.cluster.levels):
+        if x // size != y // size:
+            level = k
+        size *= lvl.count
+    return plan.cluster.levels[level].bandwidth
+
+
+def allreduce_ms(plan: Plan, stage: int) -> float:
+    """One ring all-reduce of `stage`'s gradients among its replicas, in ms (0 when unreplicated):
+    2 (r - 1) / r * param_bytes / B, B the slowest link between two of its ranks."""
+    s = plan.stages[stage]
+    r = s.replicas
+    if r == 1 or s.param_bytes == 0:
+        return 0.0
+    slowest = min(link_bandwidth(plan, x, y) for x in s.ranks for y in s.ranks if x != y)
+    return 2 * (r - 1) / r * s.param_bytes / slowest * MS
+
+
+def steady_state_ms(completions: dict[int, float], minibatches: int, period: int = 1, tail: int = 0,
+                    start_ms: float = 0.0) -> float:
+    """Time per minibatch in steady state, from stage 0's backward completion times (ms by minibatch).
+
+    Let T(k) be when minibatches 0..k-1 have all completed (the latest of their completion
+    times). The estimate is the least-squares slope of T(k) against k over the last half of the
+    run, at k = k0, k0 + period, ..., k1:
+    - k0 is N / 2 rounded down to a multiple of `period` (stage 0's step group: m for 2bw,
+      flush and gpipe, r_0 for pipedream and vsync) and at least one period: the warm-up is
+      left out;
+    - k1 is N - `tail` rounded down likewise: `tail` (the most minibatches a stage holds in
+      flight; 0 for the modes that flush) leaves out the drain of a run that does not flush,
+      whose last minibatches finish faster once no new forwards compete.
+    Sampling at whole periods makes a flushing run's T(k) exactly linear (every batch, flush
+    included, takes the same time), so the slope is exact, and skips the steps of a staircase
+    (r_0 replicas finishing together); a run may also settle into a cycle of several periods
+    (replicated stages synchronising at their steps), which the fit averages over. On a
+    long pipedream run it is the bottleneck's period. A window of fewer than two points is
+    widened to k1 = N; if it still has one, there is no steady state to measure and the
+    estimate is (T(N) - start_ms) / N, fill and drain included.
+    """
+    n = minibatches
+    reached, done = [], float("-inf")
+    for b in range(n):
+        done = max(done, completions[b])
+        reached.append(done)  # reached[k - 1] = T(k)
+    k0 = max(period, (n // 2) // period * period)
+    for k1 in ((n - tail) // period * period, n):
+        ks = range(k0, k1 + 1, period)
+        if len(ks) >= 2:
+            mean_k, mean_t = sum(ks) / len(ks), sum(reached[k - 1] for k in ks) / len(ks)
+            return (sum((k - mean_k) * (reached[k - 1] - mean_t) for k in ks)
+                    / sum((k - mean_k) ** 2 for k in ks))
+    return (reached[-1] - start_ms) / n
+
+
+def simulate(plan: Plan, mode: str | None = None, minibatches: int | None = None,
+             group: int | None = None) -> SimResult:
+    """Simulate `minibatches` minibatches of `plan` under schedule `mode` (default: the plan's).
+
+    `group` is the microbatches per step of 2bw, flush and gpipe (default: the schedule's
+    `default_group`, the number of stages on a straight pipeline); `minibatches` defaults to
+    `default_minibatches`. An unknown mode, minibatches < 1 or a group the mode refuses raise
+    `ScheduleError` (the schedule's own checks).
+    """
+    mode = plan.mode if mode is None else mode
+    replicas = tuple(s.replicas for s in plan.stages)
+    if group is None:
+        group = 1 if mode in ("pipedream", "vsync") else default_group(replicas)
+    if minibatches is None:  # a bad group is reported by the schedule's checks, not here
+        minibatches = default_minibatches(sum(replicas), group if isinstance(group, int) and group >= 1 else 1)
+    schedule = generate(mode, replicas, minibatches, group)
+    run = _Run(plan, schedule)
+    run.go()
+    return run.result()
+
+
+class _Run:
+    """The state of one simulation; `go` advances every worker as far as its inputs allow."""
+
+    def __init__(self, plan: Plan, schedule: Schedule):
+        self.plan, self.schedule = plan, schedule
+        n = len(schedule.workers)
+        self.positions = [schedule.position(w) for w in range(n)]
+        self.ranks = [plan.stages[s].ranks[i] for s, i in self.positions]  # schedule rank -> plan rank
+        self.allreduce = [allreduce_ms(plan, s) for s in range(len(plan.stages))]
+        self.next = [0] * n            # index of each worker's next action
+        self.free = [0.0] * n          # when each worker is free, ms
+        self.steps_done = [0] * n      # U actions done by each worker
+        self.held = [0] * n            # minibatches in flight on each worker now
+        self.peak_held = [0] * n
+        self.arrived: dict[tuple[str, int, int], float] = {}  # (kind, stage, b): its input is at its worker
+        self.link_free: dict[tuple[int, int], float] = {}     # (src, dst) schedule ranks: link idle from
+        self.waiting: dict[tuple[int, int], dict[int, float]] = {}  # (stage, k): replica -> arrival at k-th U
+        self.events: list[tuple[float, int, int, SimEvent]] = []
+        self.transfers: list[SimTransfer] = []
+        self.todo: deque[int] = deque(range(n))
+        self.queued = set(range(n))
+
+    def go(self) -> None:
+        while self.todo:
+            worker = self.todo.popleft()
+            self.queued.discard(worker)
+            while self.next[worker] < len(self.schedule.workers[worker]) and self._step(worker):
+                pass
+        for worker, actions in enumerate(self.schedule.workers):
+            if self.next[worker] < len(actions):
+                raise ScheduleError(f"simulation stalled: {self.schedule.label(worker)} waits forever at "
+                                    f"{actions[self.next[worker]]}; run validate() on the schedule")
+
+    def _wake(self, worker: int) -> None:
+        if worker not in self.queued:
+            self.queued.add(worker)
+            self.todo.append(worker)
+
+    def _record(self, worker: int, action: Action, start: float, end: float) -> None:
+        event = SimEvent(self.ranks[worker], str(action), action.kind, action.stage, action.minibatch, start, end)
+        self.events.append((start, worker, self.next[worker], event))
+        self.free[worker] = end
+        self.next[worker] += 1
+
+    def _step(self, worker: int) -> bool:
+        """Run `worker`'s next action if it can start; False if it must wait for another worker."""
+        action = self.schedule.workers[worker][self.next[worker]]
+        if action.kind == "U":
+            return self._update(worker, action)
+        stage, b, last = action.stage, action.minibatch, self.schedule.stages - 1
+        needs = (action.kind == "F" and stage > 0) or (action.kind == "B" and stage < last)
+        key = (action.kind, stage, b)
+        if needs and key not in self.arrived:
+            return False
+        start = max(self.free[worker], self.arrived.get(key, 0.0))
+        s = self.plan.stages[stage]
+        end = start + (s.fwd_ms if action.kind == "F" else s.bwd_ms)
+        if action.kind == "F":
+            self.held[worker] += 1
+            self.peak_held[worker] = max(self.peak_held[worker], self.held[worker])
+        else:
+            self.held[worker] -= 1
+        self._record(worker, action, start, end)
+        if action.kind == "F" and stage < last:
+            self._send(worker, action, stage + 1, s.out_bytes, end)
+        elif action.kind == "B" and stage > 0:
+            self._send(worker, action, stage - 1, s.in_bytes, end)
+        return True
+
+    def _send(self, worker: int, action: Action, stage: int, size: int, ready: float) -> None:
+        """Queue `action`'s output on the link to the worker of `stage` that runs its minibatch."""
+        b = action.minibatch
+        dst = self.schedule.rank(stage, self.schedule.replica_of(stage, b))
+        link = (worker, dst)
+        start = max(ready, self.link_free.get(link, 0.0))
+        end = start + (size / link_bandwidth(self.plan, self.ranks[worker], self.ranks[dst]) * MS if size else 0.0)
+        self.link_free[link] = end
+        if size:
+            self.transfers.append(SimTransfer(self.ranks[worker], self.ranks[dst], str(action), size, start, end))
+        self.arrived[(action.kind, stage, b)] = end
+        self._wake(dst)
+
+    def _update(self, worker: int, action: Action) -> bool:
+        """The k-th U of a worker: alone when unreplicated, else together with every replica."""
+        stage = action.stage
+        if self.schedule.replicas[stage] == 1:
+            self._record(worker, action, self.free[worker], self.free[worker])
+            self.steps_done[worker] += 1
+            return True
+        key = (stage, self.steps_done[worker])
+        arrivals = self.waiting.setdefault(key, {})
+        arrivals[worker] = self.free[worker]
+        if len(arrivals) < self.schedule.replicas[stage]:
+            return False
+        del self.waiting[key]
+        start = max(arrivals.values())
+        for replica in sorted(arrivals):
+            self._record(replica, action, start, start + self.allreduce[stage])
+            self.steps_done[replica] += 1
+            if replica != worker:
+                self._wake(replica)
+        return True
+
+    def result(self) -> SimResult:
+        plan, schedule = self.plan, self.schedule
+        events = tuple(e for *_, e in sorted(self.events, key=lambda item: item[:3]))
+        first = min((e.start_ms for e in events), default=0.0)
+        makespan = max((e.end_ms for e in events), default=0.0) - first
+        busy = {rank: 0.0 for rank in self.ranks}
+        for e in events:
+            if e.kind != "U":
+                busy[e.rank] += e.end_ms - e.start_ms
+        workers = len(self.ranks)
+        bubble = 1 - sum(busy.values()) / (workers * makespan) if makespan > 0 else 0.0
+        completions = {e.minibatch: e.end_ms for e in events if e.kind == "B" and e.stage == 0}
+        flushes = schedule.mode in ("flush", "gpipe")
+        tail = 0 if flushes else max(stash_depth(schedule, s) * r for s, r in enumerate(schedule.replicas))
+        per_minibatch = steady_state_ms(completions, schedule.minibatches, step_group(schedule, 0), tail, first)
+        versions = peak_versions(schedule)
+        in_flight = {self.ranks[w]: self.peak_held[w] for w in range(workers)}
+        activations = {self.ranks[w]: self.peak_held[w] * plan.stages[s].activation_bytes
+                       for w, (s, _) in enumerate(self.positions)}
+        return SimResult(
+            mode=schedule.mode, minibatches=schedule.minibatches, group=schedule.group, makespan_ms=makespan,
+            time_per_minibatch_ms=per_minibatch,
+            samples_per_s=plan.profile.batch_size / (per_minibatch / MS) if per_minibatch > 0 else 0.0,
+            bubble_fraction=bubble, busy_ms=busy,
+            peak_versions={self.ranks[w]: versions[w] for w in range(workers)},
+            peak_in_flight=in_flight, peak_activation_bytes=activations, events=events,
+            transfers=tuple(sorted(self.transfers, key=lambda t: (t.start_ms, t.src, t.dst))))
