@@ -28,13 +28,22 @@ graphviz:
 	    echo "warning: graphviz's dot is missing (install it: sudo apt-get install graphviz); pictures will be .dot sources" >&2; \
 	  fi; }
 
+# The demo: profile a small ResNet-50, plan it as a 4-stage pipeline for 4 local CPU workers
+# (the cost model alone would pick data parallelism on so fast a link), draw and simulate it.
 PD_MODEL_demo = pdtool.zoo:resnet50
 PD_ARGS_demo = -a width=16 -a image_size=64 -a classes=10 -b 16 --repeats 5
+PD_CLUSTER_demo = 4x2GB/s
+PD_PLAN_ARGS_demo = --straight
 
 demo: install graphviz
 	@mkdir -p $(OUT)
-	$(MAKE) --no-print-directory PD=$(PD) $(OUT)/demo.profile.json
-	$(PD) show $(OUT)/demo.profile.json
+	$(MAKE) --no-print-directory PD=$(PD) $(OUT)/demo.profile.json $(OUT)/demo.plan.json $(OUT)/demo.svg
+	$(PD) show $(OUT)/demo.profile.json --top 5
+	$(PD) show $(OUT)/demo.plan.json
+	$(PD) simulate $(OUT)/demo.plan.json --trace $(OUT)/demo.trace.json
+	@echo
+	@echo "outputs: profile $(OUT)/demo.profile.json, plan $(OUT)/demo.plan.json, picture $(OUT)/demo.svg" \
+	      "(or demo.dot without graphviz), simulated trace $(OUT)/demo.trace.json (open in https://ui.perfetto.dev)"
 
 test: install graphviz
 	$(PY) -m pytest -q

@@ -2,8 +2,10 @@
 
 Prints one table: the original PipeDream profiles and synthetic layer chains (with skip
 connections every few layers, like a ResNet) of 100, 300 and 1000 layers, planned for 4
-workers, 16 (4x4), 64 (8x8) and 1024 (8x8x16), with both cost models. Times are the wall
-time of `make_plan` (dynamic program + plan description), measured here, in one run.
+workers, 16 (4x4), 64 (8x8) and 1024 (8x8x16), with both cost models. "pdtool s" and
+"pipedream s" are the planner's wall time (dynamic program + plan description, no
+simulation) for each cost model; "simulate s" is the extra time `pd plan` spends simulating
+the pdtool plan's schedule to record its figures. All measured here, in one run.
 
     python bench/plan_speed.py              # everything
     python bench/plan_speed.py --quick      # skip the 1000-layer rows
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from pdtool.cluster import parse_cluster
 from pdtool.pipedream_import import load_pipedream_graph
-from pdtool.plan import make_plan
+from pdtool.plan import _with_simulation, make_plan
 from pdtool.profile import Layer, Profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,18 +47,21 @@ def main() -> None:
                                                      64 if m == "gnmt" else None))
              for m in ("alexnet", "vgg16", "resnet18", "gnmt")]
     cases += [(f"synthetic {n}", synthetic(n)) for n in (100, 300) + (() if args.quick else (1000,))]
-    print("| profile | layers | workers | pdtool s | pipedream s | stages (pdtool) |")
-    print("|---|---|---|---|---|---|")
+    print("| profile | layers | workers | pdtool s | pipedream s | simulate s | stages (pdtool) |")
+    print("|---|---|---|---|---|---|---|")
     for label, profile in cases:
         for workers, spec in CLUSTERS:
             cluster = parse_cluster(spec)
             seconds, plans = [], []
             for model in ("pdtool", "pipedream"):
                 start = time.perf_counter()
-                plans.append(make_plan(profile, cluster, cost_model=model))
+                plans.append(make_plan(profile, cluster, cost_model=model, simulate=False))
                 seconds.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            _with_simulation(plans[0])
+            simulated = time.perf_counter() - start
             print(f"| {label} | {len(profile.layers)} | {workers} | {seconds[0]:.3f} | {seconds[1]:.3f} | "
-                  f"{len(plans[0].stages)} |", flush=True)
+                  f"{simulated:.3f} | {len(plans[0].stages)} |", flush=True)
 
 
 if __name__ == "__main__":

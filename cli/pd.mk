@@ -3,20 +3,48 @@
 #     include path/to/pdtool/cli/pd.mk
 #     PD_MODEL_resnet = pdtool.zoo:resnet50          # model spec for resnet.profile.json
 #     PD_ARGS_resnet  = -a width=16 -b 8             # its extra `pd profile` flags
-#     all: resnet.profile.json
+#     PD_CLUSTER      = 4x12GB/s,4x10Gbit/s          # cluster every plan is made for
+#     all: resnet.svg resnet.trace.json
 #
-# For a target NAME.profile.json the model is $(PD_MODEL_NAME), or pdtool.zoo:NAME when unset;
-# PD_PROFILE_FLAGS applies to every profile. Outputs are written atomically, so an interrupted
-# or failed command never leaves a half file that Make would take as up to date.
+# Targets, for a NAME:
+#   NAME.profile.json  pd profile: model $(PD_MODEL_NAME), or pdtool.zoo:NAME when unset;
+#                      flags $(PD_ARGS_NAME) and $(PD_PROFILE_FLAGS)
+#   NAME.plan.json     pd plan of NAME.profile.json for $(PD_CLUSTER_NAME) or $(PD_CLUSTER),
+#                      flags $(PD_PLAN_ARGS_NAME) and $(PD_PLAN_FLAGS); re-made only when the profile changed
+#   NAME.svg/.png/.pdf the plan drawn over the layer graph (pd show --render)
+#   NAME.trace.json    the simulated schedule as a Chrome trace (pd simulate --trace)
+#   NAME.profile.show / NAME.plan.show   print the summary tables
+# Outputs are written atomically, so an interrupted or failed command never leaves a half
+# file that Make would take as up to date.
 
 PD ?= pd
 PD_PROFILE_FLAGS ?=
+PD_CLUSTER ?= 4x12GB/s
+PD_PLAN_FLAGS ?=
+PD_SIMULATE_FLAGS ?=
 
 pd_name = $(notdir $*)
 
 %.profile.json:
 	$(PD) profile --model $(or $(PD_MODEL_$(pd_name)),pdtool.zoo:$(pd_name)) $(PD_ARGS_$(pd_name)) $(PD_PROFILE_FLAGS) -o $@
 
-# `make NAME.profile.show` prints the summary table of NAME.profile.json.
+%.plan.json: %.profile.json
+	$(PD) plan $< --cluster $(or $(PD_CLUSTER_$(pd_name)),$(PD_CLUSTER)) $(PD_PLAN_ARGS_$(pd_name)) $(PD_PLAN_FLAGS) -o $@
+
+%.svg: %.plan.json %.profile.json
+	$(PD) show $< --profile $(word 2,$^) --render $@ >/dev/null
+
+%.png: %.plan.json %.profile.json
+	$(PD) show $< --profile $(word 2,$^) --render $@ >/dev/null
+
+%.pdf: %.plan.json %.profile.json
+	$(PD) show $< --profile $(word 2,$^) --render $@ >/dev/null
+
+%.trace.json: %.plan.json
+	$(PD) simulate $< $(PD_SIMULATE_FLAGS) --trace $@
+
 %.profile.show: %.profile.json
+	$(PD) show $<
+
+%.plan.show: %.plan.json
 	$(PD) show $<

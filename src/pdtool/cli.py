@@ -5,6 +5,7 @@ Data goes to stdout (`-o -`), talk and progress to stderr. A `PdtoolError` becom
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -222,18 +223,42 @@ def simulate(plan_path, mode, minibatches, group, trace_path):
 @click.argument("artifact", type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--top", type=click.IntRange(min=1), default=15, show_default=True,
               help="Profiles: how many of the heaviest layers to list.")
-def show(artifact, top):
-    """Print a readable summary of a profile or plan JSON file."""
+@click.option("--render", "picture", type=click.Path(dir_okay=False), metavar="PICTURE",
+              help="Plans: also draw the layer graph with one coloured box per stage to PICTURE "
+                   "(.svg, .png, .pdf or .dot; the .dot source when graphviz's dot is missing).")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False), metavar="PROFILE.json",
+              help="Plans: the profile the plan was made from, for --render [default: X.profile.json beside X.plan.json].")
+def show(artifact, top, picture, profile_path):
+    """Print a readable summary of a profile or plan JSON file (and draw a plan)."""
     from .plan import SCHEMA as PLAN_SCHEMA, Plan
     from .profile import SCHEMA as PROFILE_SCHEMA, Profile
     from .show import plan_table, profile_table
 
     data = read_json(artifact)
     if isinstance(data, dict) and data.get("schema") == PLAN_SCHEMA:
-        click.echo(plan_table(Plan.from_json(data, artifact)), nl=False)
+        plan = Plan.from_json(data, artifact)
+        if picture:
+            from .render import render_plan
+
+            written, warning = render_plan(plan, Profile.load(profile_path or _sibling_profile(artifact)), picture)
+            if warning:
+                click.echo(f"pd: warning: {warning}", err=True)
+            click.echo(f"wrote {written}", err=True)
+        click.echo(plan_table(plan), nl=False)
         return
+    if picture or profile_path:
+        raise click.UsageError("--render and --profile apply to plan files only")
     check_schema(data, PROFILE_SCHEMA, artifact)
     click.echo(profile_table(Profile.from_json(data, artifact), top), nl=False)
+
+
+def _sibling_profile(plan_path: str) -> str:
+    """X.profile.json for X.plan.json (the Make convention); else ask for --profile."""
+    if plan_path.endswith(".plan.json"):
+        candidate = plan_path[: -len(".plan.json")] + ".profile.json"
+        if os.path.exists(candidate):
+            return candidate
+    raise click.UsageError(f"--render needs the layer graph of {plan_path}: give --profile PROFILE.json")
 
 
 def main() -> None:

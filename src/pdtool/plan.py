@@ -8,6 +8,7 @@ inputs, so it can be checked in and diffed. `pd train` executes it.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from dataclasses import InitVar, dataclass
@@ -90,12 +91,17 @@ class PlanGroup:
 
 @dataclass(frozen=True)
 class Prediction:
-    """What the cost model predicts for the whole plan (ms per minibatch of the profile's size)."""
+    """What the cost model predicts for the whole plan (ms per minibatch of the profile's size),
+    and what the simulator predicts for the plan's schedule (`simulated_*`; None when the plan
+    was made without simulating)."""
 
     time_ms: float
     bottleneck: str
     single_worker_ms: float
     data_parallel_ms: float
+    simulated_ms: float | None = None
+    simulated_bubble: float | None = None
+    simulated_minibatches: int | None = None
 
     def __post_init__(self) -> None:
         round_float_fields(self)
@@ -185,6 +191,9 @@ class Plan:
                 "single_worker_ms": pred.single_worker_ms, "data_parallel_ms": pred.data_parallel_ms,
                 "speedup_over_single": pred.speedup_over_single,
                 "speedup_over_data_parallel": pred.speedup_over_data_parallel,
+                "simulated": None if pred.simulated_ms is None else {
+                    "time_per_minibatch_ms": pred.simulated_ms, "bubble_fraction": pred.simulated_bubble,
+                    "minibatches": pred.simulated_minibatches},
             },
             "provenance": {"command": self.command, "pdtool_version": self.pdtool_version},
         }
@@ -229,13 +238,18 @@ class Plan:
                                     f.number("allreduce_ms"),
                                     f.number("transfer_ms"), f.number("time_ms")))
         pr = top.child("predicted", known=("time_per_minibatch_ms", "bottleneck", "samples_per_s", "single_worker_ms",
-                                           "data_parallel_ms", "speedup_over_single", "speedup_over_data_parallel"))
+                                           "data_parallel_ms", "speedup_over_single", "speedup_over_data_parallel",
+                                           "simulated"))
+        simulated = (None, None, None)
+        if pr.get("simulated", dict, optional=True) is not None:
+            sim = pr.child("simulated", known=("time_per_minibatch_ms", "bubble_fraction", "minibatches"))
+            simulated = (sim.number("time_per_minibatch_ms"), sim.number("bubble_fraction"), sim.count("minibatches", 1))
         prov = top.child("provenance", known=("command", "pdtool_version"))
         return cls(profile=profile, cluster=Cluster.from_json(top.get("cluster", dict), source),
                    cost_model=top.get("cost_model", str), straight=top.get("straight", bool), mode=top.get("mode", str),
                    stages=tuple(stages), groups=tuple(groups),
                    predicted=Prediction(pr.number("time_per_minibatch_ms"), pr.get("bottleneck", str),
-                                        pr.number("single_worker_ms"), pr.number("data_parallel_ms")),
+                                        pr.number("single_worker_ms"), pr.number("data_parallel_ms"), *simulated),
                    command=prov.get("command", str), pdtool_version=prov.get("pdtool_version", str), source=source)
 
     @classmethod
@@ -294,9 +308,16 @@ def profile_sha256(profile: Profile) -> str:
     return hashlib.sha256(canonical_json(profile.to_json()).encode()).hexdigest()
 
 
+SIMULATED_MINIBATCHES = 2048  # at most, so that planning a large cluster stays quick
+
+
 def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool", straight: bool = False,
-              mode: str = "pipedream", optimizer_slots: int = 1, command: str = "") -> Plan:
-    """Run PipeDream's optimizer on `profile` for `cluster` and describe the result as a Plan."""
+              mode: str = "pipedream", optimizer_slots: int = 1, command: str = "", simulate: bool = True) -> Plan:
+    """Run PipeDream's optimizer on `profile` for `cluster` and describe the result as a Plan.
+
+    With `simulate`, the plan's schedule is also run through the simulator (design notes,
+    section 4) and its steady-state time per minibatch and bubble fraction are recorded.
+    """
     if mode not in MODES:
         raise PlanError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     if cost_model not in COST_MODELS:
@@ -323,9 +344,23 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     ref = ProfileRef(profile_sha256(profile), profile.fingerprint,
                      None if profile.model is None else {"spec": profile.model.spec, "kwargs": dict(profile.model.kwargs)},
                      profile.batch_size, len(profile.layers), profile.method, profile.granularity, profile.depth)
-    return Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=mode,
+    plan = Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=mode,
                 stages=tuple(stages), groups=tuple(groups), predicted=prediction, command=command,
                 pdtool_version=__version__)
+    return _with_simulation(plan) if simulate else plan
+
+
+def _with_simulation(plan: Plan) -> Plan:
+    """The plan with the simulator's figures for its own schedule recorded in `predicted`."""
+    from . import simulate as simulator  # simulate imports plan: import here, not at the top
+    from .schedule import default_group
+
+    group = 1 if plan.mode in ("pipedream", "vsync") else default_group([s.replicas for s in plan.stages])
+    minibatches = min(simulator.default_minibatches(plan.workers, group), max(SIMULATED_MINIBATCHES // group, 1) * group)
+    result = simulator.simulate(plan, minibatches=minibatches, group=None if group == 1 else group)
+    return dataclasses.replace(plan, predicted=dataclasses.replace(
+        plan.predicted, simulated_ms=result.time_per_minibatch_ms, simulated_bubble=result.bubble_fraction,
+        simulated_minibatches=result.minibatches))
 
 
 def _dominant(compute: float, allreduce: float, transfer: float) -> str:

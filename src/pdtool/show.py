@@ -89,6 +89,8 @@ def plan_table(plan: Plan) -> str:
         "",
         f"predicted    {pred.time_ms:.3f} ms per minibatch ({plan.samples_per_s:.1f} samples/s); "
         f"bottleneck: {pred.bottleneck}",
+        *([f"simulated    {pred.simulated_ms:.3f} ms per minibatch, bubble {pred.simulated_bubble:.1%} "
+           f"({plan.mode} schedule, {pred.simulated_minibatches} minibatches)"] if pred.simulated_ms is not None else []),
         f"one worker   {pred.single_worker_ms:.3f} ms -> speedup {pred.speedup_over_single:.2f}x",
         f"data parallel on {plan.workers} workers  {pred.data_parallel_ms:.3f} ms -> speedup "
         f"{pred.speedup_over_data_parallel:.2f}x",

@@ -176,6 +176,29 @@ def test_plan_refuses_a_profile_with_a_dangling_edge(tmp_path):
                           "edge 3->99 names a layer that does not exist")
 
 
+def test_show_renders_a_plan_beside_its_profile(tmp_path):
+    profile = imported(tmp_path)
+    plan = tmp_path / "vgg16.plan.json"
+    invoke("plan", str(profile), "-c", "4x1.25e9B/s", "--cost-model", "pipedream", "-o", str(plan))
+    picture = tmp_path / "vgg16.dot"
+    result = invoke("show", str(plan), "--render", str(picture))  # the profile is found beside the plan
+    assert result.exit_code == 0, result.output
+    assert "cluster_stage_0" in picture.read_text() and f"wrote {picture}" in result.stderr
+
+
+def test_render_without_a_profile_or_on_a_profile_is_a_usage_error(tmp_path):
+    profile = imported(tmp_path)
+    plan = tmp_path / "elsewhere.json"
+    invoke("plan", str(profile), "-c", "4x12GB/s", "-o", str(plan))
+    result = invoke("show", str(plan), "--render", str(tmp_path / "x.svg"))
+    assert result.exit_code == 2 and "give --profile PROFILE.json" in result.stderr
+    assert invoke("show", str(profile), "--render", str(tmp_path / "x.svg")).exit_code == 2
+    wrong = tmp_path / "other.profile.json"
+    invoke("profile", "--from-pipedream", str(PIPEDREAM / "alexnet.graph.txt"), "-o", str(wrong))
+    assert_one_line_error(invoke("show", str(plan), "--render", str(tmp_path / "x.svg"), "--profile", str(wrong)),
+                          "pass the profile the plan was made from")
+
+
 def test_help_and_version():
     assert "profile" in invoke("--help").stdout
     assert "--granularity" in invoke("profile", "--help").stdout
