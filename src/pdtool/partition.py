@@ -14,12 +14,14 @@ model's time of layers p..q as one stage of r replicas (costmodel.py):
 
 F is the best pipeline over a..q with exactly m units whose last stage still pays its output
 boundary; the answer for a..b takes the same recurrence with the last stage's output free
-(or charged as the model says). Each (m, r) step is one vectorised min-max over all (p, q).
+(or charged as the model says). Each (m, r) step is a vectorised min-max over the
+boundaries p that lower bounds cannot rule out (`Solver._relax`), which keeps 1000 layers on
+1024 workers within seconds.
 
 The result is the exact optimum of the model: `tests/unit/test_partition.py` compares it
-with exhaustive search on small random instances. Ties go to the first candidate in the
-order above (fewer units for the last stage, then the earliest boundary), so the answer is
-deterministic.
+with exhaustive search on small random instances and with the plain recurrence on larger
+ones. Ties between equally good partitions are broken by a fixed rule (see `_relax`), so the
+answer is deterministic.
 
 With a memory limit, a stage's in-flight minibatches depend on how many workers come before
 it in the whole pipeline, so tables are solved per *context* `(before, outer)`: workers of
@@ -37,6 +39,7 @@ from .costmodel import ChainCosts, CostModel, Memory
 from .errors import PlanError
 
 INF = float("inf")
+_GUESS_WIDTH = 16  # mean band width per q above which `_relax` tries even splits first
 Context = tuple[int, int]  # (workers before, replication of the enclosing stages)
 
 
@@ -213,27 +216,19 @@ class Solver:
         on the stage p..q (`stage_bound`, non-increasing in p) and the smallest prefix time
         over p' >= p (non-decreasing in p) must both be below the best time already known
         for q; no other p can do better, so the result is exact. With `choices`, the
-        arg-min is recorded (the earliest p wins ties, a later r only when strictly better).
+        arg-min is recorded (ties keep the candidate found first: an even split when those
+        were tried, else the earliest p; a later r replaces an earlier one only when strictly
+        better).
         """
         n = len(prev)
         if a + 1 >= n:
             return
         q = np.arange(a + 1, n)
-        known = table[m, a + 1:] * (1.0 + 1e-9)  # a little slack against rounding in the bounds
-        # the prefix side: p - 1 runs over a .. n - 2; its suffix minimum does not decrease with p
-        suffix_min = np.minimum.accumulate(prev[a:n - 1][::-1])[::-1]
-        hi = np.minimum(a + np.searchsorted(suffix_min, known, side="left"), q)
-        # the stage side: alpha * C(p..q) (+ or max) beta * P(p..q) < known, solved on prefix sums
-        alpha, beta, additive = self.model.stage_bound(r, self.bandwidths[level], self.inner[level])
-        compute, params = self._compute_prefix, self._param_prefix
-        if additive:
-            mixed = alpha * compute + beta * params
-            lo = np.searchsorted(mixed, mixed[q + 1] - known, side="right")
-        else:
-            lo = np.searchsorted(compute, compute[q + 1] - known / alpha, side="right")
-            if beta > 0:
-                lo = np.maximum(lo, np.searchsorted(params, params[q + 1] - known / beta, side="right"))
-        lo = np.maximum(lo, a + 1)
+        lo, hi = self._band(table, prev, level, a, m, r, q)
+        if np.maximum(hi - lo + 1, 0).sum() > _GUESS_WIDTH * len(q):
+            # wide bands: the time known so far is poor; try the even splits first, then narrow
+            self._relax_guesses(table, choices, prev, stage, a, m, r, q)
+            lo, hi = self._band(table, prev, level, a, m, r, q)
         width = np.maximum(hi - lo + 1, 0)
         keep = np.nonzero(width > 0)[0]
         if len(keep) == 0:
@@ -252,6 +247,43 @@ class Solver:
             chosen = np.nonzero(better)[0]
             choices[m, q[chosen], 0] = p[first_hit[chosen]]
             choices[m, q[chosen], 1] = r
+
+    def _band(self, table, prev, level, a, m, r, q) -> tuple[np.ndarray, np.ndarray]:
+        """For every q, the first and last boundary p whose lower bounds stay below the best
+        time known for q (see `_relax`)."""
+        n = len(prev)
+        known = table[m, a + 1:] * (1.0 + 1e-9)  # a little slack against rounding in the bounds
+        # the prefix side: p - 1 runs over a .. n - 2; its suffix minimum does not decrease with p
+        suffix_min = np.minimum.accumulate(prev[a:n - 1][::-1])[::-1]
+        hi = np.minimum(a + np.searchsorted(suffix_min, known, side="left"), q)
+        # the stage side: alpha * C(p..q) (+ or max) beta * P(p..q) < known, solved on prefix sums
+        alpha, beta, additive = self.model.stage_bound(r, self.bandwidths[level], self.inner[level])
+        compute, params = self._compute_prefix, self._param_prefix
+        if additive:
+            mixed = alpha * compute + beta * params
+            lo = np.searchsorted(mixed, mixed[q + 1] - known, side="right")
+        else:
+            lo = np.searchsorted(compute, compute[q + 1] - known / alpha, side="right")
+            if beta > 0:
+                lo = np.maximum(lo, np.searchsorted(params, params[q + 1] - known / beta, side="right"))
+        return np.maximum(lo, a + 1), hi
+
+    def _relax_guesses(self, table, choices, prev, stage, a, m, r, q) -> None:
+        """Try, for every q, the boundaries that split the compute of a..q evenly between the
+        prefix's m - r units and the stage's r units: a good time found this way narrows the
+        bands `_relax` has to search."""
+        compute = self._compute_prefix
+        even = np.searchsorted(compute, (r * compute[a] + (m - r) * compute[q + 1]) / m)
+        p = np.clip(even[None, :] + np.array([[-1], [0], [1]]), a + 1, q[None, :])
+        values = np.maximum(prev[p - 1], stage[p, q[None, :]])
+        pick = values.argmin(axis=0)
+        columns = np.arange(len(q))
+        best, where = values[pick, columns], p[pick, columns]
+        better = best < table[m, q]
+        table[m, q[better]] = best[better]
+        if choices is not None:
+            choices[m, q[better], 0] = where[better]
+            choices[m, q[better], 1] = r
 
     # ----- reconstruction ------------------------------------------------------------------
     def _reconstruct(self, level: int, context: Context | None, a: int, b: int) -> Pipeline | None:

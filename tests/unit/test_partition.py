@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pdtool.costmodel import ChainCosts, DefaultModel, Memory, PipeDreamModel
+from pdtool import partition
 from pdtool.partition import Solver, flatten
 
 INF = math.inf
@@ -165,7 +166,9 @@ class ReferenceDP:
 
 @pytest.mark.parametrize("model", [DefaultModel(), PipeDreamModel()], ids=["pdtool", "pipedream"])
 @pytest.mark.parametrize("counts", [[4], [3, 2]])
-def test_banded_search_equals_the_plain_recurrence_on_larger_instances(model, counts):
+@pytest.mark.parametrize("guess_width", [16, 0], ids=["as-shipped", "always-guess"])
+def test_banded_search_equals_the_plain_recurrence_on_larger_instances(model, counts, guess_width, monkeypatch):
+    monkeypatch.setattr(partition, "_GUESS_WIDTH", guess_width)
     for seed in range(3):
         rng = np.random.default_rng(seed)
         costs = random_costs(rng, 18)
