@@ -74,3 +74,32 @@ def inplace():
             return self.head(self.relu(z).flatten(1))
 
     return Net(), (lambda n: (torch.randn(n, 3, 8, 8), torch.randint(0, 2, (n,)))), F.cross_entropy
+
+
+_CALLS = {"count": 0}
+
+
+@torch.fx.wrap
+def _explode_after(x, after: int):
+    """Kept as one call in the traced graph; raises once it has run `after` times in this process."""
+    _CALLS["count"] += 1
+    if _CALLS["count"] > after:
+        raise RuntimeError(f"boom after {after} forwards")
+    return x
+
+
+class _Exploding(nn.Module):
+    def __init__(self, after):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.after = after
+
+    def forward(self, x):
+        return _explode_after(self.lin(x), self.after)
+
+
+def exploding(after=6):
+    """A 3-layer chain whose last layer fails after `after` forwards (in the worker that runs it)."""
+    _CALLS["count"] = 0
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), _Exploding(after))
+    return model, (lambda n: (torch.randn(n, 8), torch.randint(0, 8, (n,)))), F.cross_entropy

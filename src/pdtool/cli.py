@@ -60,6 +60,7 @@ def cli() -> None:
     pd plan     partition it over a cluster    -> PLAN.json
     pd simulate run a plan's schedule in simulated time: throughput, bubbles, memory
     pd show     print a readable summary of a profile or a plan
+    pd train    run a plan on torch.distributed workers
     """
 
 
@@ -217,6 +218,74 @@ def simulate(plan_path, mode, minibatches, group, trace_path):
     click.echo(summary, nl=False)
     click.echo(f"wrote {trace_path}: {len(result.events)} actions and {len(result.transfers)} transfers on "
                f"{len(result.busy_ms)} workers; open it in https://ui.perfetto.dev", err=True)
+
+
+@cli.command()
+@click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
+@click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Optimizer steps of the input stage to train (pipedream/vsync: one per minibatch round; "
+                   "2bw/flush/gpipe: one per group of microbatches).")
+@click.option("--mode", type=click.Choice(["pipedream", "vsync", "2bw", "flush", "gpipe"]),
+              help="Schedule mode [default: the plan's].")
+@click.option("--group", "-g", type=click.IntRange(min=1),
+              help="2bw/flush/gpipe: microbatches per optimizer step [default: the number of stages, or more].")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the initial weights and the data.")
+@click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True)
+@click.option("--lr", type=float, default=0.01, show_default=True, help="Learning rate (stage 0's; see the README).")
+@click.option("--momentum", type=float, default=0.9, show_default=True, help="SGD momentum.")
+@click.option("--weight-decay", type=float, default=0.0, show_default=True)
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=60.0, show_default=True,
+              help="Seconds a worker waits on a peer before the job is declared failed.")
+@click.option("--threads", type=click.IntRange(min=1), help="Torch threads per worker [default: torch's].")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Machines in the job (each runs this same command).")
+@click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True, help="This machine's index.")
+@click.option("--nproc-per-node", type=click.IntRange(min=1),
+              help="Workers on this machine [default: the plan's workers / --nnodes].")
+@click.option("--master-addr", default="127.0.0.1", show_default=True, help="Address of the node-rank-0 machine.")
+@click.option("--master-port", type=click.IntRange(1, 65535), help="Its rendezvous port [default: a free one; "
+              "required with --nnodes > 1].")
+@click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False),
+              help="Write the loss of every minibatch as CSV (pandas reads it as is).")
+def train(plan_path, steps, mode, group, seed, optimizer, lr, momentum, weight_decay, timeout_s, threads, nnodes,
+          node_rank, nproc_per_node, master_addr, master_port, metrics_path):
+    """Train a plan on torch.distributed workers (gloo on CPU), one process per rank.
+
+    Every worker builds its stage from the model the plan names, checks the plan against the
+    world size and the model's fingerprint, then runs its schedule: 1F1B with weight stashing
+    (pipedream), vsync, 2bw, flush or gpipe. A failing worker stops the whole job.
+    """
+    from .plan import Plan
+    from .runtime.executor import OptimizerConfig
+    from .runtime.launch import Nodes, launch
+    from .runtime.worker import RunConfig
+
+    plan = Plan.load(plan_path)
+    if nnodes > 1 and master_port is None:
+        raise click.UsageError("--master-port is required with --nnodes > 1 (every machine must use the same one)")
+    if metrics_path:
+        check_writable(metrics_path)
+    config = RunConfig(plan_path=os.path.abspath(plan_path), steps=steps, mode=mode, group=group, seed=seed,
+                       optimizer=OptimizerConfig(optimizer, lr, momentum, weight_decay), timeout_s=timeout_s,
+                       threads=threads)
+    began = time.perf_counter()
+    reports = launch(config, len(plan.used_ranks), Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port))
+    wall = time.perf_counter() - began
+    losses = {b: loss for r in reports.values() for b, loss in r.losses.items()}
+    if metrics_path and losses:
+        from .jsonio import write_text_atomic
+
+        write_text_atomic(metrics_path, "minibatch,loss\n" + "".join(f"{b},{losses[b]:.6g}\n" for b in sorted(losses)))
+    if losses:
+        minibatches = len(losses)
+        slowest = max(r.wall_s for r in reports.values())
+        measured = slowest / minibatches * 1000
+        first, last = losses[min(losses)], losses[max(losses)]
+        click.echo(f"trained {minibatches} minibatches on {len(reports)} workers in {wall:.1f} s; loss {first:.4f} -> "
+                   f"{last:.4f}")
+        click.echo(f"time per minibatch: measured {measured:.3f} ms, predicted {plan.predicted.time_ms:.3f} ms "
+                   f"(cost model)" + (f", {plan.predicted.simulated_ms:.3f} ms (simulated)"
+                                      if plan.predicted.simulated_ms is not None else ""))
 
 
 @cli.command()

@@ -1,0 +1,263 @@
+"""Checkpoints: one shard per stage plus a manifest, keyed by qualified parameter names.
+
+Layout under a checkpoint root:
+
+    root/step-00000120/stage-0.pt     torch.save of {"tensors": {name: tensor}, "extra": {...}}
+    root/step-00000120/stage-1.pt
+    root/step-00000120/manifest.json  schema, step, plan sha256, per-shard file and sha256, meta
+
+Tensors are keyed by their qualified names in the full model (`layer3.0.conv1.weight`), so a
+checkpoint made under one plan can be resumed under another: merge the shards by name and
+hand every stage the names it holds. `extra` holds whatever else a stage saves, e.g. optimizer
+state tensors keyed by parameter name; its top-level keys must not repeat across shards.
+
+Every file is written atomically (temporary file in the same folder, then `os.replace`), and
+the manifest last: a checkpoint is complete only when its manifest exists and every shard's
+sha256 matches it. A crash part-way leaves an incomplete folder that `latest_complete` skips,
+and a new checkpoint never touches an older one. Shards are read with
+`torch.load(..., weights_only=True)`, so loading runs no pickled code.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .errors import ArtifactError
+from .jsonio import read_json, write_json
+
+SCHEMA = "pdtool.checkpoint/1"
+MANIFEST = "manifest.json"
+_FOLDER = re.compile(r"step-(\d{8,})")
+
+
+def checkpoint_folder(root: str | os.PathLike, step: int) -> Path:
+    """The folder of the checkpoint taken after `step` optimizer steps: root/step-<step:08d>."""
+    return Path(root) / f"step-{_check_step(step):08d}"
+
+
+def _check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ArtifactError(f"checkpoint step {step!r} is not a non-negative integer")
+    return step
+
+
+def shard_name(stage: int) -> str:
+    """The file name of stage `stage`'s shard."""
+    return f"stage-{stage}.pt"
+
+
+def save_shard(folder: str | os.PathLike, stage: int, tensors: dict[str, torch.Tensor],
+               extra: dict[str, Any] | None = None) -> str:
+    """Write stage `stage`'s shard into `folder` atomically; returns the file's sha256 (hex).
+
+    `tensors` maps qualified names to tensors (saved detached, on the CPU); `extra` is any
+    weights_only-loadable tree (dicts, lists, tensors, numbers, strings). The folder is made
+    if needed; a folder that already holds a complete checkpoint is refused, so that a
+    complete checkpoint is never damaged.
+    """
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
+        raise ArtifactError(f"stage {stage!r} is not a non-negative integer")
+    folder = Path(folder)
+    if (folder / MANIFEST).exists():
+        raise ArtifactError(f"{folder} already holds a complete checkpoint; never overwrite one, "
+                            "delete the folder first or save under another step")
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise ArtifactError(f"shard of stage {stage}: {name!r} must be a qualified name mapped to a tensor")
+    payload = {"tensors": {name: _portable(t) for name, t in tensors.items()}, "extra": dict(extra or {})}
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_bytes_atomic(folder / shard_name(stage), data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _portable(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` detached on the CPU, copied when it is a view (so the file holds it alone)."""
+    tensor = tensor.detach().cpu()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or not tensor.is_contiguous():
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
+def _write_bytes_atomic(target: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_manifest(folder: str | os.PathLike, step: int, plan_sha256: str, shards: dict[int, str],
+                   meta: dict[str, Any] | None = None) -> None:
+    """Complete the checkpoint in `folder`: write its manifest (canonical JSON, atomically).
+
+    Call it last, once every stage's shard is written; `shards` maps stage to the sha256
+    that `save_shard` returned. `meta` is free JSON data (e.g. the plan's schedule mode, the
+    number of samples seen). Shards are checked to exist; their hashes are checked on load.
+    """
+    folder = Path(folder)
+    _check_step(step)
+    if (folder / MANIFEST).exists():
+        raise ArtifactError(f"{folder} already holds a complete checkpoint; never overwrite one, "
+                            "delete the folder first or save under another step")
+    if not isinstance(plan_sha256, str):
+        raise ArtifactError(f"plan sha256 {plan_sha256!r} is not a string; pass the plan file's hex digest")
+    if not shards:
+        raise ArtifactError(f"{folder}: a checkpoint needs at least one shard")
+    missing = [s for s in sorted(shards) if not (folder / shard_name(s)).is_file()]
+    if missing:
+        raise ArtifactError(f"{folder}: no shard for stage(s) {missing}; save every stage's shard before the manifest")
+    write_json(folder / MANIFEST, {
+        "schema": SCHEMA,
+        "step": step,
+        "plan_sha256": plan_sha256,
+        "shards": {str(s): {"file": shard_name(s), "sha256": shards[s]} for s in sorted(shards)},
+        "meta": meta or {},
+    })
+
+
+def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of the checkpoint in `folder`, checked for schema and fields (not hashes)."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{folder}: no {MANIFEST}, so the checkpoint is incomplete; use an older one")
+    manifest = read_json(path)
+    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
+        found = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ArtifactError(f"{path}: schema {found!r} is not {SCHEMA!r}; this is not a pdtool checkpoint manifest")
+    for key, kind in (("step", int), ("plan_sha256", str), ("shards", dict), ("meta", dict)):
+        if not isinstance(manifest.get(key), kind):
+            raise ArtifactError(f"{path}: field {key!r} is missing or not a {kind.__name__}; the manifest is damaged")
+    for stage, entry in manifest["shards"].items():
+        if not (stage.isdigit() and isinstance(entry, dict) and isinstance(entry.get("file"), str)
+                and isinstance(entry.get("sha256"), str) and "/" not in entry["file"] and entry["file"] != ".."):
+            raise ArtifactError(f"{path}: shard entry {stage!r} is damaged; it needs a file name and a sha256")
+    return manifest
+
+
+def _read_shard(folder: Path, stage: str, entry: dict[str, str]) -> bytes:
+    path = folder / entry["file"]
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: shard of stage {stage} is missing; the checkpoint is incomplete") from None
+    except OSError as exc:
+        raise ArtifactError(f"{path}: cannot read the shard ({exc}); check the file and its permissions") from None
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise ArtifactError(f"{path}: sha256 differs from the manifest's, the shard is corrupt; use an older checkpoint")
+    return data
+
+
+def verify_checkpoint(folder: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of `folder` once every shard's sha256 is checked; ArtifactError if not complete."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    for stage, entry in manifest["shards"].items():
+        _read_shard(folder, stage, entry)
+    return manifest
+
+
+def load_checkpoint(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    """(manifest, tensors of all shards merged by qualified name, extras merged) of `folder`.
+
+    Every shard's sha256 is checked against the manifest and the shard is read with
+    `weights_only=True`, on the CPU. A name in two shards is an error.
+    """
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    tensors: dict[str, torch.Tensor] = {}
+    extras: dict[str, Any] = {}
+    owner: dict[tuple[str, str], str] = {}
+    for stage, entry in sorted(manifest["shards"].items(), key=lambda item: int(item[0])):
+        data = _read_shard(folder, stage, entry)
+        path = folder / entry["file"]
+        try:
+            payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise ArtifactError(f"{path}: cannot load the shard ({type(exc).__name__}: {_first_line(exc)})") from None
+        if not (isinstance(payload, dict) and isinstance(payload.get("tensors"), dict)
+                and isinstance(payload.get("extra"), dict)):
+            raise ArtifactError(f"{path}: not a pdtool shard (no 'tensors' and 'extra'); it was not written by save_shard")
+        for kind, merged in (("tensors", tensors), ("extra", extras)):
+            for name, value in payload[kind].items():
+                if (kind, name) in owner:
+                    raise ArtifactError(f"{folder}: {kind} entry {name!r} is in the shards of stages "
+                                        f"{owner[kind, name]} and {stage}; each name belongs to one stage")
+                owner[kind, name] = stage
+                merged[name] = value
+    return manifest, tensors, extras
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+def _step_folders(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every step-<n> folder under root, newest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _FOLDER.fullmatch(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return sorted(found, reverse=True)
+
+
+def latest_complete(root: str | os.PathLike, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest complete checkpoint folder under `root`, or None if there is none.
+
+    Newer folders that are incomplete or corrupt are skipped; `warn` gets one line for each,
+    saying why. Hashes are checked only until a complete checkpoint is found.
+    """
+    for step, folder in _step_folders(Path(root)):
+        try:
+            manifest = verify_checkpoint(folder)
+            if manifest["step"] != step:
+                raise ArtifactError(f"{folder / MANIFEST}: says step {manifest['step']}, the folder step {step}")
+        except ArtifactError as exc:
+            if warn is not None:
+                warn(f"skipping checkpoint {folder}: {exc}")
+            continue
+        return folder
+    return None
+
+
+def prune(root: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete the checkpoint folders older than the `keep` newest complete ones; returns them.
+
+    Folders newer than the oldest kept one are left alone, complete or not (one may be
+    being written). Nothing is deleted unless `keep` complete checkpoints exist.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ArtifactError(f"keep {keep!r} is not a positive integer; keep at least the newest checkpoint")
+    kept = 0
+    removed: list[Path] = []
+    for _step, folder in _step_folders(Path(root)):
+        if kept >= keep:
+            shutil.rmtree(folder)
+            removed.append(folder)
+            continue
+        try:
+            verify_checkpoint(folder)
+        except ArtifactError:
+            continue
+        kept += 1
+    return removed

@@ -1,0 +1,66 @@
+"""Point-to-point messages between neighbouring stages, over torch.distributed.
+
+A stage only talks to the stage before it and the stage after it (skip connections are
+relayed through the stages in between, see `runtime.stages`). Minibatch b goes to replica
+b mod r of every stage (1F1B-RR), so the peer of every message follows from the plan. Shapes
+and dtypes of every message are known in advance (`Boundary`), so receives are posted
+ahead of need into preallocated buffers and transfers overlap compute; sends never block.
+Messages carry a tag made of the minibatch, the tensor's position and the direction, so
+that no two messages between the same two workers can be confused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+ACTIVATION, GRADIENT = 0, 1
+_MAX_TENSORS = 256
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def tag(minibatch: int, position: int, direction: int) -> int:
+    return (minibatch * _MAX_TENSORS + position) * 2 + direction
+
+
+class Link:
+    """Messages of one worker: activations from the previous stage and to the next one,
+    gradients from the next stage and to the previous one."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pending: dict[tuple[int, int], tuple[list, list[torch.Tensor]]] = {}
+        self.sends: list = []
+
+    def post_recv(self, key: tuple[int, int], peer: int, specs: list[TensorSpec], direction: int) -> None:
+        """Start receiving message `key` = (direction, minibatch) from `peer` into new buffers."""
+        if key in self.pending:
+            return
+        buffers = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
+        works = [dist.irecv(t, src=peer, tag=tag(key[1], i, direction)) for i, t in enumerate(buffers)]
+        self.pending[key] = (works, buffers)
+
+    def wait_recv(self, key: tuple[int, int]) -> list[torch.Tensor]:
+        works, buffers = self.pending.pop(key)
+        for work in works:
+            work.wait()
+        return buffers
+
+    def send(self, tensors: list[torch.Tensor], peer: int, minibatch: int, direction: int) -> None:
+        """Send without waiting; the tensors are kept alive until the transfer completes."""
+        for i, t in enumerate(tensors):
+            t = t.contiguous()
+            self.sends.append((dist.isend(t, dst=peer, tag=tag(minibatch, i, direction)), t))
+        self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+
+    def flush(self) -> None:
+        for work, _ in self.sends:
+            work.wait()
+        self.sends = []

@@ -1,0 +1,192 @@
+"""One worker's share of training: forward, backward and optimizer step of one stage replica.
+
+`StageWorker` is the numerical core that both interpreters of a schedule use that run
+tensors: the distributed runtime (one `StageWorker` per process, messages over
+torch.distributed) and the reference executor (all of them in one process, messages in
+dictionaries). It knows nothing about communication.
+
+**Weight versions** (design notes, section 4). "Version v" of a stage is its weights after v
+optimizer steps; the schedule says which version every forward and backward uses
+(`Schedule.versions`). A forward runs the stage with `torch.func.functional_call` on the
+tensors of its version, so autograd records exactly those tensors and the backward computes
+gradients for that version, however many steps the live weights have taken since (weight
+stashing without swapping `.data`). Versions are copies of the live weights, made lazily: the
+live weights are copied when a forward needs the current version, and before a step when a
+later action still needs the current version. A version is freed after its last use.
+
+**Gradients and learning rate.** Each backward adds its parameter gradients to the live
+weights' `.grad`. A step first sums the gradients over the stage's replicas (the caller's
+`allreduce`, with the number of backwards they cover) and divides by that number: every step
+applies the mean gradient of the minibatches of its step group. In the asynchronous modes
+(`pipedream`, `vsync`) a replicated stage steps once per round of its r_s replicas where an
+unreplicated one steps every minibatch; as in the original PipeDream, its learning rate is
+scaled by r_s / r_0 (r_0: replicas of the input stage) so that stages move at the same pace.
+In `2bw`, `flush` and `gpipe` every stage steps once per group of m microbatches with the
+plain learning rate: `flush` and `gpipe` are then exactly single-process gradient
+accumulation over m microbatches (mean of the m losses' gradients).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.func import functional_call
+
+from ..errors import LaunchError
+from ..schedule import Action, Schedule
+
+ASYNC_MODES = ("pipedream", "vsync")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer settings shared by every stage: `sgd` (with momentum) or `adam`."""
+
+    name: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+
+    def build(self, params: list[torch.nn.Parameter], lr_scale: float) -> torch.optim.Optimizer:
+        lr = self.lr * lr_scale
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        if self.name == "adam":
+            return torch.optim.Adam(params, lr=lr, weight_decay=self.weight_decay)
+        raise LaunchError(f"unknown optimizer {self.name!r}; use sgd or adam")
+
+
+def lr_scale(schedule: Schedule, stage: int) -> float:
+    """The learning-rate factor of `stage` (see the module docstring)."""
+    if schedule.mode in ASYNC_MODES:
+        return schedule.replicas[stage] / schedule.replicas[0]
+    return 1.0
+
+
+Allreduce = Callable[[torch.Tensor], None]  # sums a flat gradient buffer over the stage's replicas, in place
+
+
+class StageWorker:
+    """Replica `replica` of stage `stage` (a `runtime.stages.Stage`) running `schedule`.
+
+    `loss_fn(output, target)` is given to the last stage only. `forward` and `backward`
+    take and return dictionaries of tensors keyed by the stage's boundary names.
+    """
+
+    def __init__(self, stage, schedule: Schedule, replica: int, optimizer: OptimizerConfig,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None):
+        self.stage = stage
+        self.index = stage.index
+        self.schedule = schedule
+        self.replica = replica
+        self.rank = schedule.rank(stage.index, replica)
+        self.actions: tuple[Action, ...] = schedule.workers[self.rank]
+        self.last = stage.index == schedule.stages - 1
+        self.loss_fn = loss_fn
+        self.names = [name for name, _ in stage.module.named_parameters()]
+        self.live = [p for _, p in stage.module.named_parameters()]
+        self.optimizer = optimizer.build(self.live, lr_scale(schedule, stage.index)) if self.live else None
+        version = schedule.versions()
+        self.version_of = {(a.kind, a.minibatch): version[(a.kind, a.stage, a.minibatch)]
+                           for a in self.actions if a.kind != "U"}
+        self.uses: dict[int, int] = {}
+        for key, v in self.version_of.items():
+            self.uses[v] = self.uses.get(v, 0) + 1
+        self.current = 0          # version of the live weights
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.peak_versions = 0    # most stashed versions held at once (live weights not counted)
+        self.stash: dict[int, tuple[dict, Any, int]] = {}
+        self.backwards = 0        # backwards since the last step
+        self.losses: dict[int, float] = {}
+
+    # ----- versions ------------------------------------------------------------------------
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in zip(self.names, self.live)}
+
+    def _version(self, v: int) -> dict[str, torch.Tensor]:
+        if v not in self.versions:
+            if v != self.current:
+                raise LaunchError(f"worker {self.rank}: weight version {v} was needed but not kept "
+                                  f"(live version {self.current}); the schedule is inconsistent")
+            self.versions[v] = self._snapshot()
+            self.peak_versions = max(self.peak_versions, len(self.versions))
+        return self.versions[v]
+
+    def _used(self, v: int) -> None:
+        self.uses[v] -= 1
+        if self.uses[v] == 0:
+            self.versions.pop(v, None)
+
+    # ----- actions -------------------------------------------------------------------------
+    def forward(self, b: int, inputs: dict[str, torch.Tensor], target: Any = None):
+        """Forward of minibatch b on its version; returns the outputs to send (detached),
+        or on the last stage the loss (a float)."""
+        v = self.version_of[("F", b)]
+        params = self._version(v)
+        leaves = {k: (t.detach().requires_grad_(True) if t.is_floating_point() else t) for k, t in inputs.items()}
+        with torch.enable_grad():
+            outputs = functional_call(self.stage.module, params, (leaves,))
+            if self.last:
+                outputs = self.loss_fn(outputs["output"], target)
+        self._used(v)
+        self.stash[b] = (leaves, outputs, v)
+        if self.last:
+            loss = float(outputs.detach())
+            self.losses[b] = loss
+            return loss
+        return {k: o.detach() for k, o in outputs.items()}
+
+    def backward(self, b: int, grads: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Backward of minibatch b on the version its forward used; adds parameter gradients to
+        the live weights and returns the gradients of the inputs (floating ones only)."""
+        leaves, outputs, v = self.stash.pop(b)
+        if self.version_of[("B", b)] != v:
+            raise LaunchError(f"worker {self.rank}: minibatch {b} ran forward on version {v} but the schedule "
+                              f"puts its backward on version {self.version_of[('B', b)]}")
+        if self.last:
+            roots, seeds = [outputs], [None]
+        else:
+            pairs = [(outputs[k], grads[k]) for k in outputs if outputs[k].requires_grad and grads.get(k) is not None]
+            roots, seeds = [p[0] for p in pairs], [p[1] for p in pairs]
+        params = self.versions[v]  # kept: this backward is one of its uses
+        wanted_inputs = [k for k, t in leaves.items() if t.requires_grad]
+        targets = list(params.values()) + [leaves[k] for k in wanted_inputs]
+        found = torch.autograd.grad(roots, targets, seeds, allow_unused=True) if roots and targets else [None] * len(targets)
+        for live, grad in zip(self.live, found[:len(params)]):
+            if grad is not None:
+                live.grad = grad.detach().clone() if live.grad is None else live.grad.add_(grad)
+        self._used(v)
+        self.backwards += 1
+        return {k: g for k, g in zip(wanted_inputs, found[len(params):]) if g is not None}
+
+    def step(self, allreduce: Allreduce | None = None) -> None:
+        """Optimizer step: sum gradients (and backward counts) over the replicas, apply their mean."""
+        buffer = self.gradient_buffer()
+        if allreduce is not None:
+            allreduce(buffer)
+        self.apply_step(buffer)
+
+    def gradient_buffer(self) -> torch.Tensor:
+        """This replica's gradients, flattened, followed by how many backwards they sum."""
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.live]
+        dtype = self.live[0].dtype if self.live else torch.float32
+        return torch.cat(grads + [torch.tensor([float(self.backwards)], dtype=dtype)])
+
+    def apply_step(self, summed: torch.Tensor) -> None:
+        """Step with the mean gradient from `summed` (a `gradient_buffer` summed over the replicas)."""
+        if self.uses.get(self.current, 0) > 0 and self.current not in self.versions:
+            self.versions[self.current] = self._snapshot()  # a later action still needs this version
+            self.peak_versions = max(self.peak_versions, len(self.versions))
+        count = max(float(summed[-1]), 1.0)
+        offset = 0
+        for p in self.live:
+            p.grad = (summed[offset:offset + p.numel()] / count).view_as(p).clone()
+            offset += p.numel()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.backwards = 0
+        self.current += 1
+        if self.uses.get(self.current - 1, 0) == 0:
+            self.versions.pop(self.current - 1, None)

@@ -1,0 +1,89 @@
+"""Starting the workers of a plan with torch.distributed's own launcher (torchelastic).
+
+On one machine `launch` starts one process per rank of the plan and waits for them; across
+machines every machine runs the same command with `--nnodes`, `--node-rank` and the address
+of the rendezvous, and the launcher forms one job (static rendezvous: ranks are node-major,
+`node_rank * nproc_per_node + local_rank`). A worker that fails makes the launcher stop the
+others at once; the failing rank's error comes back as one `LaunchError` line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import LaunchError
+from .worker import RunConfig, WorkerReport
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Where the workers run: `nnodes` machines of `nproc_per_node` workers, this one `node_rank`."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    nproc_per_node: int | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+
+def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes()) -> dict[int, WorkerReport]:
+    """Run the plan's workers; returns this machine's reports by global rank."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    per_node = nodes.nproc_per_node or workers // nodes.nnodes
+    if per_node * nodes.nnodes != workers:
+        raise LaunchError(f"the plan needs {workers} workers but {nodes.nnodes} machines x {per_node} workers "
+                          f"make {per_node * nodes.nnodes}; set --nproc-per-node so that they match")
+    port = nodes.master_port or _free_port()
+    settings = LaunchConfig(
+        min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=per_node,
+        run_id=f"pdtool-{uuid.uuid4().hex[:8]}" if nodes.nnodes == 1 else "pdtool",
+        rdzv_backend="static", rdzv_endpoint=f"{nodes.master_addr}:{port}",
+        rdzv_configs={"rank": nodes.node_rank, "timeout": int(config.timeout_s) + 60},
+        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(),
+    )
+    try:
+        results = elastic_launch(settings, _entry)(config)
+    except ChildFailedError as failure:
+        raise LaunchError(_explain(failure)) from None
+    return {report.rank: report for report in results.values()}
+
+
+def _entry(config: RunConfig) -> WorkerReport:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from .worker import worker_main
+
+    return record(worker_main)(config)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _explain(failure) -> str:
+    """One line: which rank failed first, and its error message."""
+    rank, info = min(failure.failures.items(), key=lambda item: item[1].timestamp)
+    message = ""
+    if info.error_file and Path(info.error_file).is_file():
+        try:
+            data = json.loads(Path(info.error_file).read_text())
+            message = data.get("message", {}).get("message", "") if isinstance(data.get("message"), dict) else str(data.get("message", ""))
+        except (OSError, ValueError):
+            message = ""
+    if not message:
+        message = f"exit code {info.exitcode}" + (f" ({info.signal_name()})" if info.exitcode < 0 else "")
+    first = message.strip().splitlines()[-1] if message.strip() else message
+    for prefix in ("pdtool.errors.LaunchError: ", "pdtool.errors."):
+        if first.startswith(prefix):
+            first = first[len(prefix):]
+    return f"worker rank {rank} failed: {first}; the other workers were stopped"

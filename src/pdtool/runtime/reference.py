@@ -1,0 +1,95 @@
+"""The reference executor: every worker of a schedule in one process, plain tensors.
+
+The test oracle for the distributed runtime (design notes, section 4): it runs the same
+`StageWorker`s on the same schedule, but with messages in dictionaries and the replicas'
+all-reduce as a plain sum, in any order that respects the data dependencies. Whatever the
+runtime adds (processes, point-to-point messages, process groups, routing) must not change
+a single number.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..errors import ScheduleError
+from ..schedule import Schedule
+from .executor import OptimizerConfig, StageWorker
+
+
+@dataclass
+class ReferenceRun:
+    """What a reference run gives: loss per minibatch, the final weights by qualified name
+    (of replica 0 of each stage), and the most stashed weight versions each rank held."""
+
+    losses: dict[int, float]
+    weights: dict[str, torch.Tensor]
+    peak_versions: dict[int, int]
+
+
+def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
+                  loss_fn: Callable[[Any, Any], torch.Tensor], batch: Callable[[int], tuple]) -> ReferenceRun:
+    """Run `schedule` on `stages` (from `runtime.stages.build_stages`); `batch(b)` gives
+    minibatch b as (inputs tuple, target). The stages' modules are copied per replica."""
+    workers: dict[int, StageWorker] = {}
+    for s, stage in enumerate(stages):
+        for i in range(schedule.replicas[s]):
+            replica = copy.deepcopy(stage)
+            workers[schedule.rank(s, i)] = StageWorker(replica, schedule, i, optimizer,
+                                                       loss_fn if s == len(stages) - 1 else None)
+    activations: dict[tuple[int, int], tuple[dict, Any]] = {}  # (stage, b) -> outputs of stage, target
+    gradients: dict[tuple[int, int], dict] = {}                # (stage, b) -> gradients of stage's outputs
+    position = {rank: 0 for rank in workers}
+    last = len(stages) - 1
+
+    def ready(rank: int) -> bool:
+        action = schedule.workers[rank][position[rank]]
+        if action.kind == "F":
+            return action.stage == 0 or (action.stage - 1, action.minibatch) in activations
+        if action.kind == "B":
+            return action.stage == last or (action.stage, action.minibatch) in gradients
+        peers = [schedule.rank(action.stage, i) for i in range(schedule.replicas[action.stage])]
+        return all(position[p] < len(schedule.workers[p]) and schedule.workers[p][position[p]].kind == "U"
+                   for p in peers)
+
+    while any(position[r] < len(schedule.workers[r]) for r in workers):
+        progressed = False
+        for rank, worker in workers.items():
+            if position[rank] >= len(schedule.workers[rank]) or not ready(rank):
+                continue
+            action = schedule.workers[rank][position[rank]]
+            s, b = action.stage, action.minibatch
+            if action.kind == "F":
+                if s == 0:
+                    inputs, target = batch(b)
+                    values = dict(zip(stages[0].inputs, inputs))
+                else:
+                    values, target = activations.pop((s - 1, b))
+                out = worker.forward(b, values, target)
+                if s < last:
+                    activations[(s, b)] = (out, target)
+                position[rank] += 1
+            elif action.kind == "B":
+                grads = worker.backward(b, None if s == last else gradients.pop((s, b)))
+                if s > 0:
+                    gradients[(s - 1, b)] = grads
+                position[rank] += 1
+            else:
+                peers = [schedule.rank(s, i) for i in range(schedule.replicas[s])]
+                total = sum(workers[p].gradient_buffer() for p in peers)
+                for p in peers:
+                    workers[p].apply_step(total.clone())
+                    position[p] += 1
+            progressed = True
+        if not progressed:
+            raise ScheduleError("the reference executor is stuck: the schedule deadlocks")
+    losses: dict[int, float] = {}
+    weights: dict[str, torch.Tensor] = {}
+    for rank, worker in workers.items():
+        losses.update(worker.losses)
+        if worker.replica == 0:
+            for name, p in worker.stage.module.named_parameters():
+                weights[worker.stage.param_names[name]] = p.detach().clone()
+    return ReferenceRun(losses, weights, {rank: w.peak_versions for rank, w in workers.items()})

@@ -1,0 +1,254 @@
+"""A plan's pipeline stages, built at run time from the model itself (no generated source).
+
+The model is traced with torch.fx and grouped into layers exactly as `pd profile` grouped it
+(`profiler.graph.build_layer_graph`, so layer i is group i); every fx node goes to the stage
+whose layer range holds its group, and each stage becomes an `fx.GraphModule` made of its own
+nodes only (design notes, sections 4 and 5):
+
+- **Dict in, dict out.** Stage s takes the values of boundary s-1 by name and returns the
+  values of boundary s; stage 0 takes the model inputs by placeholder name, the last stage
+  returns `{"output": <the model's output>}`. Value names are fx node names (deterministic).
+- **Relaying.** Boundary k holds every value produced at a stage <= k (model inputs count as
+  produced before stage 0) and consumed at a stage > k, each once, in graph order. A skip
+  connection over a whole stage, or a model input read late, therefore passes *through* the
+  stages in between, which return it as the very tensor object they received: stage s only
+  ever receives from s-1 and sends to s+1, and autograd hands a relayed value's gradient
+  straight back.
+- **Parameter ownership.** A stage module holds references to (not copies of) the leaf
+  modules it calls and the tensors it reads by attribute, at their qualified names in the
+  whole model; `Stage.param_names` maps them to the model's own names (for a parameter with
+  two names, the first one `named_parameters` gives), so checkpoints key parameters by
+  whole-model names and a run can resume under another plan. A parameter read by `get_attr`
+  (a position embedding added in `forward`) is a real parameter of the stage that reads it,
+  never an input; a parameter used in two stages (tied weights) is refused. Buffers and
+  constants read by `get_attr` in several stages are shared by those stages.
+
+Every stage works under `torch.func.functional_call(stage.module, params, (values,))` with
+`params` keyed by the stage module's own parameter names (weight stashing, section 4).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from ..errors import LaunchError
+from ..modelspec import fingerprint
+from ..plan import Plan
+from ..profiler.graph import FxUntraceable, Group, build_layer_graph, trace
+
+OUTPUT = "output"
+_REPROFILE = "re-run pd profile and pd plan for this model"
+
+
+@dataclass
+class Stage:
+    """One pipeline stage: `module(values)` maps the dict of boundary `index - 1` (named
+    `inputs`) to the dict of boundary `index` (named `outputs`).
+
+    `module`'s parameters and buffers are exactly this stage's; `param_names` and
+    `buffer_names` map the module's own names to qualified names in the whole model.
+    `layers` is the (first, last) layer id range the stage runs, inclusive.
+    """
+
+    index: int
+    module: nn.Module
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    param_names: dict[str, str]
+    buffer_names: dict[str, str] = field(default_factory=dict)
+    layers: tuple[int, int] = (0, 0)
+
+    def forward(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run the stage on the values of its input boundary; returns its output boundary."""
+        return self.module(values)
+
+
+def build_stages(module: nn.Module, ranges: list[tuple[int, int]], *, method: str, granularity: str,
+                 depth: int | None, layer_names: dict[int, str] | None = None) -> list[Stage]:
+    """Split `module` into one `Stage` per (first, last) layer range of `ranges`.
+
+    `method`, `granularity` and `depth` are the profile's (how its layers were found);
+    `layer_names` (layer id -> name, e.g. each plan stage's first and last layer) are checked
+    against the traced model's layers. Raises `LaunchError` when the model does not match.
+    """
+    if method == "modules":
+        raise LaunchError("the plan's profile found layers with --method modules: stages of models that torch.fx "
+                          "cannot trace cannot be built yet; make the model traceable by torch.fx, then "
+                          "re-run pd profile --method fx and pd plan")
+    if method != "fx":
+        raise LaunchError(f"the plan's layers come from a {method!r} profile, not from a model traced by pdtool, so "
+                          "its stages cannot be built; re-run pd profile --method fx and pd plan for this model")
+    count = _check_ranges(ranges)
+    layers = _layer_graph(module, granularity, depth)
+    _check_layers(layers.groups, count, layer_names, granularity, depth)
+    gm = trace(module, depth)  # the same trace build_layer_graph made, node for node
+    stage_of_group = [s for s, (first, last) in enumerate(ranges) for _ in range(first, last + 1)]
+    stage_of = {name: stage_of_group[g] for g, group in enumerate(layers.groups) for name in group.nodes}
+    computing = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    if {n.name for n in computing} != set(stage_of):
+        raise LaunchError("tracing the model twice gave two different graphs (is its forward random?); "
+                          "make the model's forward deterministic under torch.fx tracing")
+    node_stage = {n: stage_of[n.name] for n in computing}
+    boundaries = _boundaries(gm, node_stage, len(ranges))
+    stages = []
+    for s, (first, last) in enumerate(ranges):
+        if s == 0:
+            inputs = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
+        else:
+            inputs = tuple(n.name for n in boundaries[s - 1])
+        outputs = (OUTPUT,) if s == len(ranges) - 1 else tuple(n.name for n in boundaries[s])
+        graph = _stage_graph(gm, node_stage, s, len(ranges), inputs, outputs)
+        stage_module = fx.GraphModule(gm, graph, class_name=f"Stage{s}")
+        stages.append(Stage(s, stage_module, inputs, outputs, {}, {}, (first, last)))
+    _name_state(module, stages)
+    return stages
+
+
+def plan_stages(plan: Plan, module: nn.Module) -> list[Stage]:
+    """`check_model`, then the plan's stages of `module` (the plan's layer ranges and names)."""
+    _check_fingerprint(plan, module)
+    p = plan.profile
+    return build_stages(module, [(s.first, s.last) for s in plan.stages], method=p.method,
+                        granularity=p.granularity, depth=p.depth, layer_names=_plan_layer_names(plan))
+
+
+def check_model(plan: Plan, module: nn.Module) -> None:
+    """Raise `LaunchError` (one line) unless `module` is the model `plan` was made for: the same
+    parameter names and shapes (fingerprint) and, for fx profiles, the same layers."""
+    _check_fingerprint(plan, module)
+    p = plan.profile
+    if p.method != "fx":
+        return  # the layers of a --method modules profile come from running the model, not from its code
+    groups = _layer_graph(module, p.granularity, p.depth).groups
+    _check_layers(groups, p.layers, _plan_layer_names(plan), p.granularity, p.depth)
+
+
+# ----- checks ---------------------------------------------------------------------------------
+
+def _check_fingerprint(plan: Plan, module: nn.Module) -> None:
+    found = fingerprint(module)
+    if found != plan.profile.fingerprint:
+        model = plan.profile.model
+        args = "".join(f" {k}={v}" for k, v in sorted((model or {}).get("kwargs", {}).items()))
+        spec = f" {model['spec']}{args}," if model else ""
+        count = sum(1 for _ in module.named_parameters())
+        raise LaunchError(f"the model's parameter names and shapes (fingerprint {found[:12]}, {count} tensors) differ "
+                          f"from those of{spec} the model the plan was made for (fingerprint "
+                          f"{plan.profile.fingerprint[:12]}); use that model, or {_REPROFILE}")
+
+
+def _check_ranges(ranges: list[tuple[int, int]]) -> int:
+    """The layer count the ranges cover; `LaunchError` unless they tile 0..count-1 in order."""
+    if not ranges:
+        raise LaunchError("a plan needs at least one stage; regenerate the plan with pd plan")
+    expected = 0
+    for s, (first, last) in enumerate(ranges):
+        if first != expected or last < first:
+            raise LaunchError(f"stage {s} runs layers {first}..{last}, but stages must cover the layers in order, "
+                              f"each once (expected it to start at layer {expected}); regenerate the plan with pd plan")
+        expected = last + 1
+    return expected
+
+
+def _layer_graph(module: nn.Module, granularity: str, depth: int | None):
+    try:
+        return build_layer_graph(module, granularity, depth)
+    except FxUntraceable as exc:
+        raise LaunchError(f"the plan was made from a torch.fx profile, but torch.fx cannot trace this model ({exc}); "
+                          f"{_REPROFILE}") from None
+
+
+def _check_layers(groups: list[Group], count: int, names: dict[int, str] | None, granularity: str,
+                  depth: int | None) -> None:
+    how = f"granularity {granularity}" + (f", depth {depth}" if depth is not None else "")
+    if len(groups) != count:
+        raise LaunchError(f"the plan has {count} layers but this model has {len(groups)} at {how}: the plan was "
+                          f"made for a different model or granularity; {_REPROFILE}")
+    for layer, name in sorted((names or {}).items()):
+        found = groups[layer].name if 0 <= layer < len(groups) else None
+        if found != name:
+            raise LaunchError(f"the plan's layer {layer} is {name!r} but this model's is {found!r} at {how}: the plan "
+                              f"was made for a different model or granularity; {_REPROFILE}")
+
+
+def _plan_layer_names(plan: Plan) -> dict[int, str]:
+    names = {}
+    for stage in plan.stages:
+        names[stage.first] = stage.first_name
+        names[stage.last] = stage.last_name
+    return names
+
+
+# ----- splitting --------------------------------------------------------------------------------
+
+def _boundaries(gm: fx.GraphModule, node_stage: dict[fx.Node, int], stages: int) -> list[list[fx.Node]]:
+    """Boundary k (k = 0..stages-2): the values produced at a stage <= k and consumed at a stage
+    > k, in graph order. Attribute reads (`get_attr`) are never sent: each stage reads its own."""
+    last = stages - 1
+    boundaries: list[list[fx.Node]] = [[] for _ in range(last)]
+    for node in gm.graph.nodes:
+        if node.op in ("get_attr", "output"):
+            continue
+        made = node_stage.get(node, -1)  # placeholders: before stage 0
+        used = [last if u.op == "output" else node_stage[u] for u in node.users]
+        if any(s < made for s in used):  # cannot happen: the layer grouping keeps data flowing forward
+            raise LaunchError(f"value {node.name} is used before the stage that computes it; "
+                              "this model's layer grouping is not a pipeline, please report it")
+        for k in range(max(made, 0), max(used, default=made)):
+            boundaries[k].append(node)
+    return boundaries
+
+
+def _stage_graph(gm: fx.GraphModule, node_stage: dict[fx.Node, int], s: int, stages: int,
+                 inputs: tuple[str, ...], outputs: tuple[str, ...]) -> fx.Graph:
+    """The graph of stage `s`: `forward(values)` reads its inputs from the dict `values`, runs
+    its own nodes in the original order and returns the dict of its outputs."""
+    graph = fx.Graph()
+    values = graph.placeholder("values")
+    by_name = {n.name: n for n in gm.graph.nodes}
+    received = set(inputs)
+    env: dict[fx.Node, fx.Node] = {}
+
+    def local(node: fx.Node) -> fx.Node:
+        """This stage's node for `node`: made on first use for attributes and received values."""
+        if node not in env:
+            if node.op == "get_attr":
+                env[node] = graph.get_attr(node.target)
+            elif node.name in received:
+                env[node] = graph.create_node("call_function", operator.getitem, (values, node.name), name=node.name)
+            else:
+                raise LaunchError(f"stage {s} needs value {node.name} that its input boundary lacks; please report it")
+        return env[node]
+
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" and node_stage.get(node) == s:
+            env[node] = graph.node_copy(node, local)
+    if s == stages - 1:
+        result = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        graph.output({OUTPUT: fx.map_arg(result, local)})
+    else:
+        graph.output({name: local(by_name[name]) for name in outputs})
+    return graph
+
+
+def _name_state(module: nn.Module, stages: list[Stage]) -> None:
+    """Fill each stage's `param_names`/`buffer_names`; `LaunchError` for a parameter in two stages."""
+    param_name = {}
+    for name, p in module.named_parameters():
+        param_name.setdefault(id(p), name)
+    buffer_name = {}
+    for name, b in module.named_buffers():
+        buffer_name.setdefault(id(b), name)
+    owner: dict[int, int] = {}
+    for stage in stages:
+        for name, p in stage.module.named_parameters():
+            whole = param_name.get(id(p), name)
+            if owner.setdefault(id(p), stage.index) != stage.index:
+                raise LaunchError(f"parameter {whole} is used by stages {owner[id(p)]} and {stage.index} (tied weights), "
+                                  "which pdtool cannot split yet; untie the weights, or profile with a --depth that keeps both uses in one layer")
+            stage.param_names[name] = whole
+        stage.buffer_names.update({name: buffer_name[id(b)] for name, b in stage.module.named_buffers()
+                                   if id(b) in buffer_name})

@@ -1,0 +1,212 @@
+"""One process of `pd train`: builds its stage from the plan and runs its actions.
+
+Rank and world size come from the environment that torch.distributed's launcher sets
+(`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`). Before any process group
+is made the worker checks the plan against the world size and the model's fingerprint, so a
+mismatch is one clear error instead of a hang.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import LaunchError
+from ..modelspec import load_model
+from ..plan import Plan
+from ..profile import ModelRef
+from ..schedule import Schedule, default_group, generate
+from .comm import ACTIVATION, GRADIENT, Link, TensorSpec
+from .executor import ASYNC_MODES, OptimizerConfig, StageWorker
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a worker needs besides the plan file (picklable: it crosses the launcher)."""
+
+    plan_path: str
+    steps: int
+    mode: str | None = None
+    group: int | None = None
+    seed: int = 0
+    optimizer: OptimizerConfig = OptimizerConfig()
+    timeout_s: float = 60.0
+    threads: int | None = None
+    return_weights: bool = False
+
+
+@dataclass
+class WorkerReport:
+    """What a worker reports when it ends: its losses (last stage), time spent computing and
+    waiting, the most weight versions it stashed, and (on request) its final weights."""
+
+    rank: int
+    stage: int
+    replica: int
+    losses: dict[int, float] = field(default_factory=dict)
+    busy_s: float = 0.0
+    wall_s: float = 0.0
+    peak_versions: int = 0
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def make_schedule(plan: Plan, config: RunConfig) -> Schedule:
+    """The schedule the plan runs: its mode (or --mode), config.steps steps of stage 0."""
+    mode = config.mode or plan.mode
+    replicas = [s.replicas for s in plan.stages]
+    if mode in ASYNC_MODES:
+        return generate(mode, replicas, config.steps * replicas[0])
+    group = config.group or default_group(replicas)
+    return generate(mode, replicas, config.steps * group, group)
+
+
+def place(plan: Plan, rank: int) -> tuple[int, int]:
+    """(stage, replica) that global `rank` runs in the plan."""
+    for s, stage in enumerate(plan.stages):
+        if rank in stage.ranks:
+            return s, stage.ranks.index(rank)
+    raise LaunchError(f"rank {rank} has no stage in the plan (ranks {list(plan.used_ranks)}); "
+                      "start one worker per rank of the plan")
+
+
+def worker_main(config: RunConfig) -> WorkerReport:
+    """Entry point of every worker process."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    plan = Plan.load(config.plan_path)
+    used = plan.used_ranks
+    if world != len(used) or used != tuple(range(world)):
+        raise LaunchError(f"the plan runs on ranks {_ranges(used)} but {world} workers were started; "
+                          f"start exactly {len(used)} workers (pd train does that on one machine)")
+    if plan.profile.model is None:
+        raise LaunchError(f"{config.plan_path} was planned from an imported profile with no model; "
+                          "profile the model with pd profile --model and plan that profile")
+    stage_index, replica = place(plan, rank)
+    torch.manual_seed(config.seed)  # every worker builds the same initial weights
+    bundle = load_model(ModelRef(plan.profile.model["spec"], plan.profile.model.get("kwargs", {})))
+    from .stages import build_stages, check_model
+
+    check_model(plan, bundle.module)
+    stages = build_stages(bundle.module, [(s.first, s.last) for s in plan.stages], method=plan.profile.method,
+                          granularity=plan.profile.granularity, depth=plan.profile.depth,
+                          layer_names=_layer_names(plan))
+    schedule = make_schedule(plan, config)
+    batch = synthetic_batches(bundle, plan.profile.batch_size, config.seed)
+    specs = boundary_specs(stages, batch(0))
+    device = torch.device("cpu")
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=config.timeout_s))
+    try:
+        groups = {s: dist.new_group(list(st.ranks)) for s, st in enumerate(plan.stages) if st.replicas > 1}
+        stage = stages[stage_index]
+        last = stage_index == len(stages) - 1
+        worker = StageWorker(stage, schedule, replica, config.optimizer, bundle.loss_fn if last else None)
+        report = _run(plan, schedule, worker, stages, specs, batch, groups.get(stage_index), device)
+        report.peak_versions = worker.peak_versions
+        if config.return_weights:
+            report.weights = {stage.param_names[n]: p.detach().clone() for n, p in stage.module.named_parameters()}
+        dist.barrier()
+        return report
+    finally:
+        dist.destroy_process_group()
+
+
+def synthetic_batches(bundle, batch_size: int, seed: int):
+    """Minibatch b of the factory's synthetic data, the same in every process."""
+
+    def batch(b: int):
+        with torch.random.fork_rng():
+            torch.manual_seed(seed * 1_000_003 + b + 1)
+            _, inputs, target = bundle.batch(batch_size)
+        return inputs, target
+
+    return batch
+
+
+def boundary_specs(stages, sample) -> list[list[TensorSpec]]:
+    """Per stage, the names, shapes and dtypes of what it sends on, and last the target's."""
+    inputs, target = sample
+    values = dict(zip(stages[0].inputs, inputs))
+    specs = []
+    with torch.no_grad():
+        for stage in stages[:-1]:
+            values = stage.forward(values)
+            specs.append([TensorSpec(n, tuple(values[n].shape), values[n].dtype) for n in stage.outputs])
+    specs.append([TensorSpec("target", tuple(target.shape), target.dtype)])
+    return specs
+
+
+def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, batch, group, device) -> WorkerReport:
+    s, replica = worker.index, worker.replica
+    last = s == len(stages) - 1
+    target_spec = specs[-1]
+    in_specs = (specs[s - 1] if s > 0 else []) + target_spec
+    grad_specs = [t for t in specs[s] if t.dtype.is_floating_point] if not last else []
+    link = Link(device)
+    report = WorkerReport(rank=worker.rank, stage=s, replica=replica)
+    peer = lambda stage, b: plan.stages[stage].ranks[b % plan.stages[stage].replicas]  # noqa: E731
+    actions = schedule.workers[schedule.rank(s, replica)]
+
+    def post(action) -> None:
+        if action.kind == "F" and s > 0:
+            link.post_recv((ACTIVATION, action.minibatch), peer(s - 1, action.minibatch), in_specs, ACTIVATION)
+        elif action.kind == "B" and not last:
+            link.post_recv((GRADIENT, action.minibatch), peer(s + 1, action.minibatch), grad_specs, GRADIENT)
+
+    allreduce = (lambda buffer: dist.all_reduce(buffer, group=group)) if group is not None else None
+    start = time.perf_counter()
+    busy = 0.0
+    for i, action in enumerate(actions):
+        post(action)
+        if i + 1 < len(actions):
+            post(actions[i + 1])
+        b = action.minibatch
+        if action.kind == "F":
+            if s == 0:
+                inputs, target = batch(b)
+                values = dict(zip(stages[0].inputs, inputs))
+            else:
+                received = link.wait_recv((ACTIVATION, b))
+                values = {t.name: x for t, x in zip(specs[s - 1], received)}
+                target = received[-1]
+            began = time.perf_counter()
+            out = worker.forward(b, values, target)
+            busy += time.perf_counter() - began
+            if not last:
+                link.send([out[t.name] for t in specs[s]] + [target], peer(s + 1, b), b, ACTIVATION)
+        elif action.kind == "B":
+            grads = None
+            if not last:
+                grads = {t.name: g for t, g in zip(grad_specs, link.wait_recv((GRADIENT, b)))}
+            began = time.perf_counter()
+            input_grads = worker.backward(b, grads)
+            busy += time.perf_counter() - began
+            if s > 0:
+                sent = [input_grads.get(t.name, torch.zeros(t.shape, dtype=t.dtype)) for t in specs[s - 1]
+                        if t.dtype.is_floating_point]
+                link.send(sent, peer(s - 1, b), b, GRADIENT)
+        else:
+            began = time.perf_counter()
+            worker.step(allreduce)
+            busy += time.perf_counter() - began
+    link.flush()
+    report.losses = dict(worker.losses)
+    report.busy_s = busy
+    report.wall_s = time.perf_counter() - start
+    return report
+
+
+def _layer_names(plan: Plan) -> dict[int, str]:
+    names = {}
+    for stage in plan.stages:
+        names[stage.first] = stage.first_name
+        names[stage.last] = stage.last_name
+    return names
+
+
+def _ranges(ranks) -> str:
+    return f"0..{max(ranks)}" if ranks == tuple(range(len(ranks))) else ",".join(map(str, ranks))

@@ -1,0 +1,71 @@
+"""Shared set-up for the distributed tests: small plans with chosen splits, and oracles."""
+import dataclasses
+
+import torch
+
+from pdtool.cluster import parse_cluster
+from pdtool.modelspec import load_model
+from pdtool.plan import make_plan
+from pdtool.profile import ModelRef
+from pdtool.profiler import profile_model
+from pdtool.runtime.executor import OptimizerConfig
+from pdtool.runtime.reference import run_reference
+from pdtool.runtime.stages import plan_stages
+from pdtool.runtime.worker import RunConfig, make_schedule, synthetic_batches
+
+MLP = ModelRef("pdtool.zoo:mlp", {"in_features": 12, "hidden": 8, "depth": 3, "classes": 3})
+SGD = OptimizerConfig("sgd", 0.05, 0.9, 0.0)
+
+
+def plan_with(tmp_path, split, mode="pipedream", ref=MLP, batch_size=4, name="p.plan.json"):
+    """A plan of `ref` whose stages are `split`: [((first, last), replicas), ...]; saved in tmp_path."""
+    profile = profile_model(ref, batch_size=batch_size, repeats=1, warmup=0)
+    workers = sum(r for _, r in split)
+    plan = make_plan(profile, parse_cluster(f"{workers}x1GB/s"), mode=mode, simulate=False)
+    template = plan.stages[0]
+    stages, rank = [], 0
+    for (first, last), replicas in split:
+        stages.append(dataclasses.replace(template, first=first, last=last,
+                                          first_name=profile.layers[first].name, last_name=profile.layers[last].name,
+                                          ranks=tuple(range(rank, rank + replicas))))
+        rank += replicas
+    plan = dataclasses.replace(plan, stages=tuple(stages), groups=())
+    path = tmp_path / name
+    plan.save(path)
+    return plan, path
+
+
+def reference(plan, config, ref=MLP):
+    """The reference executor's run of the same plan and schedule."""
+    torch.manual_seed(config.seed)
+    bundle = load_model(ref)
+    stages = plan_stages(plan, bundle.module)
+    batch = synthetic_batches(bundle, plan.profile.batch_size, config.seed)
+    return run_reference(stages, make_schedule(plan, config), config.optimizer, bundle.loss_fn, batch)
+
+
+def gradient_accumulation(plan, config, ref=MLP):
+    """One process, no pipeline: per step, the mean gradient of `group` microbatches."""
+    schedule = make_schedule(plan, config)
+    torch.manual_seed(config.seed)
+    bundle = load_model(ref)
+    model = bundle.module
+    optimizer = config.optimizer.build(list(model.parameters()), 1.0)
+    batch = synthetic_batches(bundle, plan.profile.batch_size, config.seed)
+    losses = {}
+    for step in range(config.steps):
+        optimizer.zero_grad()
+        for k in range(schedule.group):
+            b = step * schedule.group + k
+            inputs, target = batch(b)
+            loss = bundle.loss_fn(model(*inputs), target)
+            losses[b] = float(loss.detach())
+            (loss / schedule.group).backward()
+        optimizer.step()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def config_for(path, **overrides):
+    values = dict(plan_path=str(path), steps=3, seed=0, optimizer=SGD, return_weights=True, timeout_s=30.0)
+    values.update(overrides)
+    return RunConfig(**values)

@@ -1,0 +1,36 @@
+"""`pd train` from the command line (click's CliRunner; workers are real processes)."""
+import csv
+
+from click.testing import CliRunner
+from helpers import plan_with
+
+from pdtool.cli import cli
+
+
+def test_pd_train_runs_a_plan_and_reports_loss_and_time(tmp_path):
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="pipedream")
+    metrics = tmp_path / "metrics.csv"
+    result = CliRunner().invoke(cli, ["train", str(path), "--steps", "5", "--metrics", str(metrics)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "trained 5 minibatches on 2 workers" in result.stdout
+    assert "time per minibatch: measured" in result.stdout and "predicted" in result.stdout
+    rows = list(csv.DictReader(metrics.open()))
+    assert [int(r["minibatch"]) for r in rows] == [0, 1, 2, 3, 4] and all(float(r["loss"]) > 0 for r in rows)
+
+
+def test_pd_train_failure_is_one_line_and_exit_1(tmp_path):
+    from pdtool.profile import ModelRef
+
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=ModelRef("toymodels:exploding", {"after": 4}))
+    result = CliRunner().invoke(cli, ["train", str(path), "--steps", "10"])
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("pd: error: worker rank 1 failed:") and "boom after 4 forwards" in lines[-1]
+
+
+def test_pd_train_bad_plan_file_is_one_line(tmp_path):
+    bad = tmp_path / "x.plan.json"
+    bad.write_text("{}")
+    result = CliRunner().invoke(cli, ["train", str(bad)])
+    assert result.exit_code == 1 and "no 'schema' field" in result.stderr

@@ -1,0 +1,65 @@
+"""The distributed runtime on CPU with gloo: every number equal to its oracle."""
+import time
+
+import pytest
+import torch
+
+from helpers import config_for, gradient_accumulation, plan_with, reference
+
+from pdtool.errors import LaunchError
+from pdtool.profile import ModelRef
+from pdtool.runtime.launch import launch
+
+
+def merged(reports):
+    losses, weights = {}, {}
+    for report in reports.values():
+        losses.update(report.losses)
+        if report.replica == 0:
+            weights.update(report.weights)
+    return losses, weights
+
+
+@pytest.mark.parametrize("mode, split", [
+    ("pipedream", [((0, 1), 2), ((2, 3), 1)]),
+    ("vsync", [((0, 0), 1), ((1, 2), 1), ((3, 3), 1)]),
+    ("2bw", [((0, 1), 1), ((2, 3), 1)]),
+], ids=["pipedream 2-1", "vsync 1-1-1", "2bw 1-1"])
+def test_asynchronous_modes_equal_the_reference_executor(tmp_path, mode, split):
+    plan, path = plan_with(tmp_path, split, mode=mode)
+    config = config_for(path, steps=4)
+    losses, weights = merged(launch(config, len(plan.used_ranks)))
+    run = reference(plan, config)
+    assert losses == pytest.approx(run.losses, rel=1e-6)
+    assert weights.keys() == run.weights.keys()
+    for name, expected in run.weights.items():
+        torch.testing.assert_close(weights[name], expected)
+
+
+@pytest.mark.parametrize("mode, split", [
+    ("flush", [((0, 1), 2), ((2, 3), 1)]),
+    ("gpipe", [((0, 1), 1), ((2, 3), 1)]),
+], ids=["flush 2-1", "gpipe 1-1"])
+def test_flush_and_gpipe_equal_single_process_gradient_accumulation(tmp_path, mode, split):
+    plan, path = plan_with(tmp_path, split, mode=mode)
+    config = config_for(path, steps=3)
+    losses, weights = merged(launch(config, len(plan.used_ranks)))
+    expected_losses, expected_weights = gradient_accumulation(plan, config)
+    assert losses == pytest.approx(expected_losses, rel=1e-6)
+    for name, expected in expected_weights.items():
+        torch.testing.assert_close(weights[name], expected)
+
+
+def test_a_failing_worker_stops_the_job_quickly_with_its_error(tmp_path):
+    ref = ModelRef("toymodels:exploding", {"after": 6})
+    plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=ref)
+    began = time.monotonic()
+    with pytest.raises(LaunchError, match=r"worker rank 1 failed: .*boom after 6 forwards; the other workers were stopped"):
+        launch(config_for(path, steps=20, return_weights=False), 2)
+    assert time.monotonic() - began < 30
+
+
+def test_a_plan_for_another_world_size_is_refused_before_any_process_group(tmp_path):
+    plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
+    with pytest.raises(LaunchError, match="the plan runs on ranks 0..1 but 1 workers were started"):
+        launch(config_for(path, steps=1), 1, )

@@ -1,0 +1,59 @@
+"""Small dataset factories for the tests, loaded through data specs such as `toydata:squares`."""
+import numpy as np
+import torch
+
+
+class Squares(torch.utils.data.Dataset):
+    """Item i is (tensor [i, i], i * i): easy to tell which samples a minibatch holds."""
+
+    def __init__(self, size: int = 10):
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i), float(i)]), i * i
+
+
+def squares(size: int = 10):
+    return Squares(size)
+
+
+def two_inputs():
+    """Items with two inputs (a tuple) and NumPy values."""
+    return [((np.full(3, i, dtype=np.float32), torch.tensor([i])), np.int64(i % 2)) for i in range(6)]
+
+
+def raises():
+    raise ValueError("no such split")
+
+
+def not_a_dataset():
+    return 42
+
+
+def bare_tensors():
+    """Items that are single tensors, not (input, target) pairs."""
+    return [torch.zeros(2) for _ in range(8)]
+
+
+def ragged():
+    """Item 3 has a different input shape from the others."""
+    return [(torch.zeros(2 if i != 3 else 5), 0) for i in range(8)]
+
+
+def strings():
+    return [("text", 0) for _ in range(8)]
+
+
+def empty():
+    return []
+
+
+NOT_CALLABLE = 3
+
+
+def objects():
+    """Inputs that are NumPy arrays of Python objects."""
+    return [(np.array([object()]), 0) for _ in range(8)]

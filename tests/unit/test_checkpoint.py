@@ -1,0 +1,202 @@
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from pdtool.checkpoint import (checkpoint_folder, latest_complete, load_checkpoint, prune, save_shard,
+                               write_manifest)
+from pdtool.errors import ArtifactError
+from pdtool.jsonio import canonical_json
+
+PLAN = "ab" * 32
+
+
+class NotATensor:
+    """An arbitrary class: weights_only loading must refuse to unpickle it."""
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
+
+
+def _save(root, step, parts, extras=None, meta=None):
+    """Save one shard per dict in `parts` and the manifest; returns the folder."""
+    folder = checkpoint_folder(root, step)
+    hashes = {s: save_shard(folder, s, part, (extras or {}).get(s)) for s, part in enumerate(parts)}
+    write_manifest(folder, step, PLAN, hashes, meta or {"mode": "pipedream"})
+    return folder
+
+
+def _split(state, prefixes):
+    """The state dict split into stages by the first component of each name."""
+    return [{k: v for k, v in state.items() if k.split(".")[0] in group} for group in prefixes]
+
+
+def test_round_trip_keeps_tensors_extras_and_manifest(tmp_path):
+    weight = torch.randn(3, 2, requires_grad=True)
+    momentum = torch.randn(3, 2)
+    folder = _save(tmp_path, 120, [{"fc.weight": weight, "fc.count": torch.tensor(7)}],
+                   {0: {"fc.weight": {"momentum_buffer": momentum}, "fc.count": {"step": 5}}}, {"lr": 0.1})
+    assert folder == tmp_path / "step-00000120"
+    assert sorted(p.name for p in folder.iterdir()) == ["manifest.json", "stage-0.pt"]
+    manifest, tensors, extras = load_checkpoint(folder)
+    assert manifest["step"] == 120 and manifest["plan_sha256"] == PLAN and manifest["meta"] == {"lr": 0.1}
+    assert torch.equal(tensors["fc.weight"], weight.detach()) and not tensors["fc.weight"].requires_grad
+    assert tensors["fc.count"].item() == 7
+    assert torch.equal(extras["fc.weight"]["momentum_buffer"], momentum) and extras["fc.count"] == {"step": 5}
+    text = (folder / "manifest.json").read_text()
+    assert text == canonical_json(json.loads(text))
+    assert latest_complete(tmp_path) == folder
+
+
+def test_a_view_is_saved_alone(tmp_path):
+    big = torch.randn(1000, 100)
+    folder = checkpoint_folder(tmp_path, 1)
+    save_shard(folder, 0, {"row": big[3]})
+    assert (folder / "stage-0.pt").stat().st_size < 100 * 4 + 4096
+
+
+def test_shards_of_two_stages_merge_into_the_full_state_and_resplit_under_another_plan(tmp_path):
+    model = _model()
+    state = model.state_dict()
+    folder = _save(tmp_path, 10, _split(state, [{"0", "1", "2"}, {"3", "4"}]))
+    _, tensors, _ = load_checkpoint(folder)
+    assert tensors.keys() == state.keys()
+    fresh = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
+    fresh.load_state_dict(tensors, strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), state.values()))
+    # a 3-stage plan takes its own names from the merged dict and saves a new checkpoint
+    again = _save(tmp_path, 20, _split(tensors, [{"0"}, {"2"}, {"3", "4"}]))
+    manifest, merged, _ = load_checkpoint(again)
+    assert sorted(manifest["shards"]) == ["0", "1", "2"]
+    assert all(torch.equal(merged[k], v) for k, v in state.items()) and merged.keys() == state.keys()
+
+
+def test_a_corrupt_shard_is_refused_and_skipped(tmp_path):
+    old = _save(tmp_path, 10, [{"a": torch.ones(4)}, {"b": torch.ones(4)}])
+    new = _save(tmp_path, 20, [{"a": torch.zeros(4)}, {"b": torch.zeros(4)}])
+    shard = new / "stage-1.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="stage-1.pt: sha256 differs from the manifest's") as info:
+        load_checkpoint(new)
+    assert "\n" not in str(info.value)
+    warnings = []
+    assert latest_complete(tmp_path, warnings.append) == old
+    assert len(warnings) == 1 and "step-00000020" in warnings[0] and "corrupt" in warnings[0]
+
+
+def test_a_missing_manifest_or_shard_is_skipped(tmp_path):
+    old = _save(tmp_path, 10, [{"a": torch.ones(4)}])
+    save_shard(checkpoint_folder(tmp_path, 30), 0, {"a": torch.zeros(4)})  # crashed before the manifest
+    missing = _save(tmp_path, 20, [{"a": torch.ones(4)}, {"b": torch.ones(4)}])
+    (missing / "stage-1.pt").unlink()
+    (tmp_path / "step-0000040").mkdir()  # not a checkpoint name: ignored
+    (tmp_path / "notes.txt").write_text("hello")
+    warnings = []
+    assert latest_complete(tmp_path, warnings.append) == old
+    assert "step-00000030" in warnings[0] and "incomplete" in warnings[0]
+    assert "step-00000020" in warnings[1] and "stage 1 is missing" in warnings[1]
+    with pytest.raises(ArtifactError, match="no manifest.json, so the checkpoint is incomplete"):
+        load_checkpoint(checkpoint_folder(tmp_path, 30))
+
+
+def test_no_checkpoint_gives_none(tmp_path):
+    assert latest_complete(tmp_path / "nowhere") is None
+    assert latest_complete(tmp_path) is None
+
+
+def test_shards_are_loaded_weights_only(tmp_path, monkeypatch):
+    folder = _save(tmp_path, 5, [{"a": torch.ones(2)}], {0: {"evil": NotATensor()}})
+    with pytest.raises(ArtifactError, match="stage-0.pt: cannot load the shard") as info:
+        load_checkpoint(folder)
+    assert "\n" not in str(info.value)
+    seen = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: seen.append(k.get("weights_only")) or real_load(*a, **k))
+    load_checkpoint(_save(tmp_path, 6, [{"a": torch.ones(2)}]))
+    assert seen == [True]
+
+
+@pytest.mark.parametrize("target", ["replace", "save"])
+def test_a_failed_shard_write_leaves_no_file_under_the_final_name(tmp_path, monkeypatch, target):
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    if target == "replace":
+        monkeypatch.setattr(os, "replace", boom)
+    else:
+        monkeypatch.setattr(torch, "save", boom)
+    folder = checkpoint_folder(tmp_path, 1)
+    with pytest.raises(OSError, match="disk full"):
+        save_shard(folder, 0, {"a": torch.ones(2)})
+    assert not folder.exists() or list(folder.iterdir()) == []
+
+
+def test_a_failed_manifest_write_leaves_an_incomplete_checkpoint_and_the_old_one(tmp_path, monkeypatch):
+    old = _save(tmp_path, 1, [{"a": torch.ones(2)}])
+    folder = checkpoint_folder(tmp_path, 2)
+    digest = save_shard(folder, 0, {"a": torch.zeros(2)})
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        write_manifest(folder, 2, PLAN, {0: digest}, {})
+    monkeypatch.undo()
+    assert sorted(p.name for p in folder.iterdir()) == ["stage-0.pt"]
+    assert latest_complete(tmp_path) == old
+    assert torch.equal(load_checkpoint(old)[1]["a"], torch.ones(2))
+
+
+def test_a_complete_checkpoint_is_never_overwritten(tmp_path):
+    folder = _save(tmp_path, 3, [{"a": torch.ones(2)}])
+    before = (folder / "stage-0.pt").read_bytes()
+    with pytest.raises(ArtifactError, match="already holds a complete checkpoint"):
+        save_shard(folder, 0, {"a": torch.zeros(2)})
+    with pytest.raises(ArtifactError, match="already holds a complete checkpoint"):
+        write_manifest(folder, 3, PLAN, {0: "00"}, {})
+    assert (folder / "stage-0.pt").read_bytes() == before and latest_complete(tmp_path) == folder
+
+
+def test_manifest_needs_every_shard_and_names_belong_to_one_stage(tmp_path):
+    folder = checkpoint_folder(tmp_path, 4)
+    digest = save_shard(folder, 0, {"a": torch.ones(2)})
+    with pytest.raises(ArtifactError, match=r"no shard for stage\(s\) \[1\]"):
+        write_manifest(folder, 4, PLAN, {0: digest, 1: "00"}, {})
+    twice = _save(tmp_path, 5, [{"a": torch.ones(2)}, {"a": torch.ones(2)}])
+    with pytest.raises(ArtifactError, match="'a' is in the shards of stages 0 and 1"):
+        load_checkpoint(twice)
+
+
+def test_damaged_manifests_are_one_line_errors(tmp_path):
+    folder = _save(tmp_path, 7, [{"a": torch.ones(2)}])
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "schema": "pdtool.plan/1"}))
+    with pytest.raises(ArtifactError, match="is not 'pdtool.checkpoint/1'"):
+        load_checkpoint(folder)
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "step": 8}))
+    warnings = []
+    assert latest_complete(tmp_path, warnings.append) is None and "says step 8" in warnings[0]
+    (folder / "manifest.json").write_text("{")
+    with pytest.raises(ArtifactError, match="not valid JSON"):
+        load_checkpoint(folder)
+    with pytest.raises(ArtifactError, match="step -1 is not a non-negative integer"):
+        checkpoint_folder(tmp_path, -1)
+
+
+def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
+    folders = [_save(tmp_path, step, [{"a": torch.full((2,), float(step))}]) for step in (10, 20, 30, 40)]
+    (folders[3] / "manifest.json").unlink()  # 40 incomplete (maybe being written): kept, not counted
+    removed = prune(tmp_path, keep=2)
+    assert removed == [folders[0]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000020", "step-00000030", "step-00000040"]
+    assert prune(tmp_path, keep=5) == []
+    with pytest.raises(ArtifactError, match="keep 0 is not a positive integer"):
+        prune(tmp_path, keep=0)
+
