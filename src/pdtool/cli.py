@@ -247,8 +247,9 @@ def simulate(plan_path, mode, minibatches, group, trace_path):
               "required with --nnodes > 1].")
 @click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False),
               help="Write the loss of every minibatch as CSV (pandas reads it as is).")
+@click.option("--verbose", "-v", is_flag=True, help="Show the launcher's log and a failing worker's traceback.")
 def train(plan_path, steps, mode, group, seed, optimizer, lr, momentum, weight_decay, timeout_s, threads, nnodes,
-          node_rank, nproc_per_node, master_addr, master_port, metrics_path):
+          node_rank, nproc_per_node, master_addr, master_port, metrics_path, verbose):
     """Train a plan on torch.distributed workers (gloo on CPU), one process per rank.
 
     Every worker builds its stage from the model the plan names, checks the plan against the
@@ -269,7 +270,8 @@ def train(plan_path, steps, mode, group, seed, optimizer, lr, momentum, weight_d
                        optimizer=OptimizerConfig(optimizer, lr, momentum, weight_decay), timeout_s=timeout_s,
                        threads=threads)
     began = time.perf_counter()
-    reports = launch(config, len(plan.used_ranks), Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port))
+    reports = launch(config, len(plan.used_ranks), Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port),
+                     verbose=verbose)
     wall = time.perf_counter() - began
     losses = {b: loss for r in reports.values() for b, loss in r.losses.items()}
     if metrics_path and losses:

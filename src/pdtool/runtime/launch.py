@@ -9,6 +9,7 @@ others at once; the failing rank's error comes back as one `LaunchError` line.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import uuid
@@ -30,8 +31,12 @@ class Nodes:
     master_port: int | None = None
 
 
-def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes()) -> dict[int, WorkerReport]:
-    """Run the plan's workers; returns this machine's reports by global rank."""
+def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: bool = False) -> dict[int, WorkerReport]:
+    """Run the plan's workers; returns this machine's reports by global rank.
+
+    The launcher's own logging (and a failing worker's traceback) is shown only when
+    `verbose`; otherwise a failure is the one line of `LaunchError`.
+    """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -49,11 +54,21 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes()) -> dict[int,
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
         logs_specs=DefaultLogsSpecs(),
     )
+    quiet = [] if verbose else [logging.getLogger(name) for name in _NOISY]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(settings, _entry)(config)
     except ChildFailedError as failure:
-        raise LaunchError(_explain(failure)) from None
+        raise LaunchError(_explain(failure) + ("" if verbose else " (--verbose shows its traceback)")) from None
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
     return {report.rank: report for report in results.values()}
+
+
+_NOISY = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher")
 
 
 def _entry(config: RunConfig) -> WorkerReport:
