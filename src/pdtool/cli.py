@@ -172,68 +172,33 @@ def plan(profile_path, cluster_spec, memory, straight, cost_model, mode, optimiz
 
 
 @cli.command()
-@click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False, allow_dash=True))
-@click.option("--mode", type=click.Choice(["pipedream", "vsync", "2bw", "flush", "gpipe"]), default=None,
-              help="Schedule mode to simulate [default: the plan's].")
-@click.option("--minibatches", "-n", type=click.IntRange(min=1), default=None,
-              help="Minibatches (microbatches in 2bw/flush/gpipe) to run [default: 16 per worker, "
-                   "a multiple of --group].")
-@click.option("--group", "-g", type=click.IntRange(min=1), default=None,
-              help="2bw/flush/gpipe: microbatches per optimizer step [default: the number of stages, "
-                   "or more for replicated stages].")
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, allow_dash=True), metavar="OUT.json",
-              help="Also write the simulated run as a Chrome trace (open it in Perfetto); '-' for stdout.")
-def simulate(plan_path, mode, minibatches, group, trace_path):
-    """Run a plan's schedule in simulated time with the profile's costs.
-
-    Every worker runs its actions in order; transfers take bytes / bandwidth of the link and
-    queue on it; replicated stages all-reduce at every step. Prints the steady-state time per
-    minibatch beside the plan's cost-model figure, the bubble fraction and, per worker, its
-    busy share, weight versions, in-flight minibatches and stashed activations.
-    """
-    from .errors import ArtifactError
-    from .plan import SCHEMA as PLAN_SCHEMA, Plan
-    from .profile import SCHEMA as PROFILE_SCHEMA
-    from .show import simulation_table
-    from .simulate import chrome_trace, simulate as run_simulation, write_trace
-
-    if trace_path is not None:
-        check_writable(trace_path)
-    data = read_json(plan_path)
-    if isinstance(data, dict) and data.get("schema") == PROFILE_SCHEMA:
-        raise ArtifactError(f"{plan_path} is a profile ({PROFILE_SCHEMA}), not a plan; make a plan from it first: "
-                            f"pd plan {plan_path} --cluster SPEC -o PLAN.json")
-    check_schema(data, PLAN_SCHEMA, plan_path)
-    the_plan = Plan.from_json(data, plan_path)
-    result = run_simulation(the_plan, mode=mode, minibatches=minibatches, group=group)
-    summary = simulation_table(result, the_plan)
-    if trace_path is None:
-        click.echo(summary, nl=False)
-        return
-    trace = chrome_trace(result, the_plan)
-    write_trace(trace_path, trace)
-    if trace_path == "-":  # stdout carries the trace: the summary goes to stderr
-        click.echo(summary, err=True, nl=False)
-        return
-    click.echo(summary, nl=False)
-    click.echo(f"wrote {trace_path}: {len(result.events)} actions and {len(result.transfers)} transfers on "
-               f"{len(result.busy_ms)} workers; open it in https://ui.perfetto.dev", err=True)
-
-
-@cli.command()
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
-              help="Optimizer steps of the input stage to train (pipedream/vsync: one per minibatch round; "
-                   "2bw/flush/gpipe: one per group of microbatches).")
+              help="Train until stage 0 has taken this many optimizer steps (pipedream/vsync: one per round of its "
+                   "replicas' minibatches; 2bw/flush/gpipe: one per group of microbatches).")
+@click.option("--epochs", type=click.IntRange(min=1), help="Instead of --steps: passes over the data set.")
+@click.option("--data", default="synthetic", show_default=True, metavar="SOURCE",
+              help="synthetic (the model factory's batches), digits (the UCI handwritten digits shipped with "
+                   "pdtool), or PKG.MODULE:FACTORY returning a torch Dataset of (input, target) items.")
 @click.option("--mode", type=click.Choice(["pipedream", "vsync", "2bw", "flush", "gpipe"]),
               help="Schedule mode [default: the plan's].")
 @click.option("--group", "-g", type=click.IntRange(min=1),
               help="2bw/flush/gpipe: microbatches per optimizer step [default: the number of stages, or more].")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the initial weights and the data.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the initial weights and the data order.")
 @click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True)
-@click.option("--lr", type=float, default=0.01, show_default=True, help="Learning rate (stage 0's; see the README).")
+@click.option("--lr", type=float, default=0.01, show_default=True,
+              help="Learning rate (a replicated stage in pipedream/vsync uses lr * r_s / r_0, see the README).")
 @click.option("--momentum", type=float, default=0.9, show_default=True, help="SGD momentum.")
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints under this folder.")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Steps between checkpoints (0: only at the end).")
+@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in --checkpoint-dir "
+              "(also under a different plan).")
+@click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False),
+              help="CSV, one row per step: step, loss, samples/s, each worker's busy share (pandas reads it as is).")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
+              help="Chrome trace of the measured run, one track per worker (compare with pd simulate --trace).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=60.0, show_default=True,
               help="Seconds a worker waits on a peer before the job is declared failed.")
 @click.option("--threads", type=click.IntRange(min=1), help="Torch threads per worker [default: torch's].")
@@ -243,13 +208,12 @@ def simulate(plan_path, mode, minibatches, group, trace_path):
 @click.option("--nproc-per-node", type=click.IntRange(min=1),
               help="Workers on this machine [default: the plan's workers / --nnodes].")
 @click.option("--master-addr", default="127.0.0.1", show_default=True, help="Address of the node-rank-0 machine.")
-@click.option("--master-port", type=click.IntRange(1, 65535), help="Its rendezvous port [default: a free one; "
-              "required with --nnodes > 1].")
-@click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False),
-              help="Write the loss of every minibatch as CSV (pandas reads it as is).")
+@click.option("--master-port", type=click.IntRange(1, 65535),
+              help="Its rendezvous port [default: a free one; required with --nnodes > 1].")
 @click.option("--verbose", "-v", is_flag=True, help="Show the launcher's log and a failing worker's traceback.")
-def train(plan_path, steps, mode, group, seed, optimizer, lr, momentum, weight_decay, timeout_s, threads, nnodes,
-          node_rank, nproc_per_node, master_addr, master_port, metrics_path, verbose):
+def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, momentum, weight_decay, checkpoint_dir,
+          checkpoint_every, resume, metrics_path, trace_path, timeout_s, threads, nnodes, node_rank, nproc_per_node,
+          master_addr, master_port, verbose):
     """Train a plan on torch.distributed workers (gloo on CPU), one process per rank.
 
     Every worker builds its stage from the model the plan names, checks the plan against the
@@ -257,37 +221,60 @@ def train(plan_path, steps, mode, group, seed, optimizer, lr, momentum, weight_d
     (pipedream), vsync, 2bw, flush or gpipe. A failing worker stops the whole job.
     """
     from .plan import Plan
+    from .runtime import session
     from .runtime.executor import OptimizerConfig
-    from .runtime.launch import Nodes, launch
+    from .runtime.launch import Nodes
     from .runtime.worker import RunConfig
 
     plan = Plan.load(plan_path)
     if nnodes > 1 and master_port is None:
         raise click.UsageError("--master-port is required with --nnodes > 1 (every machine must use the same one)")
-    if metrics_path:
-        check_writable(metrics_path)
+    for path in (metrics_path, trace_path):
+        if path:
+            check_writable(path)
     config = RunConfig(plan_path=os.path.abspath(plan_path), steps=steps, mode=mode, group=group, seed=seed,
                        optimizer=OptimizerConfig(optimizer, lr, momentum, weight_decay), timeout_s=timeout_s,
-                       threads=threads)
-    began = time.perf_counter()
-    reports = launch(config, len(plan.used_ranks), Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port),
-                     verbose=verbose)
-    wall = time.perf_counter() - began
-    losses = {b: loss for r in reports.values() for b, loss in r.losses.items()}
-    if metrics_path and losses:
-        from .jsonio import write_text_atomic
-
-        write_text_atomic(metrics_path, "minibatch,loss\n" + "".join(f"{b},{losses[b]:.6g}\n" for b in sorted(losses)))
+                       threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+    if epochs:
+        config = _with_epochs(config, plan, epochs)
+    warn = lambda message: click.echo(f"pd: warning: {message}", err=True)  # noqa: E731
+    result = session.run(config, Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port),
+                         verbose=verbose, resume=resume, warn=warn)
+    if metrics_path:
+        session.write_metrics(metrics_path, result)
+    if trace_path:
+        session.write_measured_trace(trace_path, result)
+    losses = result.losses
     if losses:
-        minibatches = len(losses)
-        slowest = max(r.wall_s for r in reports.values())
-        measured = slowest / minibatches * 1000
         first, last = losses[min(losses)], losses[max(losses)]
-        click.echo(f"trained {minibatches} minibatches on {len(reports)} workers in {wall:.1f} s; loss {first:.4f} -> "
-                   f"{last:.4f}")
-        click.echo(f"time per minibatch: measured {measured:.3f} ms, predicted {plan.predicted.time_ms:.3f} ms "
-                   f"(cost model)" + (f", {plan.predicted.simulated_ms:.3f} ms (simulated)"
-                                      if plan.predicted.simulated_ms is not None else ""))
+        click.echo(f"trained steps {result.first_step + 1}-{result.first_step + result.steps} ({len(losses)} minibatches) "
+                   f"on {len(result.reports)} workers in {result.wall_s:.1f} s; loss {first:.4f} -> {last:.4f}")
+        measured = result.time_per_minibatch_ms()
+        predicted = f"predicted {plan.predicted.time_ms:.3f} ms (cost model)" + (
+            f", {plan.predicted.simulated_ms:.3f} ms (simulated)" if plan.predicted.simulated_ms is not None else "")
+        click.echo(f"time per minibatch: measured {measured:.3f} ms, {predicted}" if measured else
+                   f"time per minibatch: too few minibatches to measure; {predicted}")
+    for label, path in (("checkpoints", checkpoint_dir), ("metrics", metrics_path), ("trace", trace_path)):
+        if path:
+            click.echo(f"{label}: {path}", err=True)
+
+
+def _with_epochs(config, plan, epochs):
+    """config with the steps that make `epochs` passes over the data set."""
+    import dataclasses
+
+    from .data import load_source
+    from .modelspec import load_model
+    from .profile import ModelRef
+    from .runtime.session import steps_for_epochs
+    from .runtime.worker import make_schedule, minibatches_per_step
+
+    if plan.profile.model is None:
+        raise click.UsageError("--epochs needs a plan of a model pd can build (not an imported profile)")
+    bundle = load_model(ModelRef(plan.profile.model["spec"], plan.profile.model.get("kwargs", {})))
+    source = load_source(config.data, bundle, plan.profile.batch_size, config.seed)
+    per_step = minibatches_per_step(make_schedule(plan, dataclasses.replace(config, steps=1)))
+    return dataclasses.replace(config, steps=steps_for_epochs(epochs, source.batches_per_epoch, per_step))
 
 
 @cli.command()

@@ -1,7 +1,7 @@
 """Chrome trace event JSON of a run, one track per worker (open it in Perfetto or chrome://tracing).
 
-`pd simulate --trace` writes the predicted run with it, and `pd train --trace` is to write the
-measured one the same way: same event names (the actions' compact text, "0F3", "1B3", "0U"),
+`pd simulate --trace` writes the predicted run with it (`chrome_trace`), and `pd train --trace`
+the measured one the same way (`measured_trace`): same event names (the actions' compact text, "0F3", "1B3", "0U"),
 same tracks (thread = plan rank), so the two open side by side. Pure standard library.
 """
 from __future__ import annotations
@@ -63,6 +63,25 @@ def chrome_trace(result: SimResult, plan: Plan) -> dict:
             "bubble_fraction": result.bubble_fraction, "plan_time_per_minibatch_ms": plan.predicted.time_ms,
         },
     }
+
+
+def measured_trace(events: dict[int, list[tuple[str, float, float]]], plan: Plan, other: dict[str, Any]) -> dict:
+    """A measured run (`pd train --trace`) in the same form as `chrome_trace`'s prediction:
+    `events[rank]` lists (action text, start, end) in seconds on one clock; times are shown
+    from the first event."""
+    start = min((began for rows in events.values() for _, began, _ in rows), default=0.0)
+    trace: list[dict] = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "workers (measured)"}}]
+    order = [(rank, s, i) for s, stage in enumerate(plan.stages) for i, rank in enumerate(stage.ranks)]
+    for index, (rank, s, i) in enumerate(order):
+        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
+                      "args": {"name": f"rank {rank}: stage {s} replica {i}"}})
+        trace.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": rank, "args": {"sort_index": index}})
+    for rank in sorted(events):
+        for name, began, ended in events[rank]:
+            ts = round((began - start) * 1e6, 3)
+            trace.append({"name": name, "cat": name.lstrip("0123456789")[:1], "ph": "X", "pid": 0, "tid": rank,
+                          "ts": ts, "dur": round((ended - start) * 1e6 - ts, 3), "args": {}})
+    return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"source": "pd train", **other}}
 
 
 def write_trace(path: str | os.PathLike, trace: dict[str, Any]) -> None:

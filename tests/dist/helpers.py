@@ -11,7 +11,8 @@ from pdtool.profiler import profile_model
 from pdtool.runtime.executor import OptimizerConfig
 from pdtool.runtime.reference import run_reference
 from pdtool.runtime.stages import plan_stages
-from pdtool.runtime.worker import RunConfig, make_schedule, synthetic_batches
+from pdtool.data import synthetic_source
+from pdtool.runtime.worker import RunConfig, make_schedule
 
 MLP = ModelRef("pdtool.zoo:mlp", {"in_features": 12, "hidden": 8, "depth": 3, "classes": 3})
 SGD = OptimizerConfig("sgd", 0.05, 0.9, 0.0)
@@ -40,7 +41,7 @@ def reference(plan, config, ref=MLP):
     torch.manual_seed(config.seed)
     bundle = load_model(ref)
     stages = plan_stages(plan, bundle.module)
-    batch = synthetic_batches(bundle, plan.profile.batch_size, config.seed)
+    batch = synthetic_source(bundle, plan.profile.batch_size, config.seed).batch
     return run_reference(stages, make_schedule(plan, config), config.optimizer, bundle.loss_fn, batch)
 
 
@@ -51,7 +52,7 @@ def gradient_accumulation(plan, config, ref=MLP):
     bundle = load_model(ref)
     model = bundle.module
     optimizer = config.optimizer.build(list(model.parameters()), 1.0)
-    batch = synthetic_batches(bundle, plan.profile.batch_size, config.seed)
+    batch = synthetic_source(bundle, plan.profile.batch_size, config.seed).batch
     losses = {}
     for step in range(config.steps):
         optimizer.zero_grad()

@@ -13,10 +13,12 @@ def test_pd_train_runs_a_plan_and_reports_loss_and_time(tmp_path):
     result = CliRunner().invoke(cli, ["train", str(path), "--steps", "5", "--metrics", str(metrics)],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    assert "trained 5 minibatches on 2 workers" in result.stdout
+    assert "trained steps 1-5 (5 minibatches) on 2 workers" in result.stdout
     assert "time per minibatch: measured" in result.stdout and "predicted" in result.stdout
     rows = list(csv.DictReader(metrics.open()))
-    assert [int(r["minibatch"]) for r in rows] == [0, 1, 2, 3, 4] and all(float(r["loss"]) > 0 for r in rows)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5]
+    assert all(float(r["loss"]) > 0 and float(r["samples_per_s"]) > 0 for r in rows)
+    assert all(0 <= float(r[f"busy_rank{k}"]) <= 1 for r in rows for k in (0, 1))
 
 
 def test_pd_train_failure_is_one_line_and_exit_1(tmp_path):

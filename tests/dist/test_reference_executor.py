@@ -55,7 +55,7 @@ def test_pipedream_weight_stashing_matches_a_hand_written_two_stage_pipeline(tmp
 
     from pdtool.modelspec import load_model
     from pdtool.runtime.executor import OptimizerConfig
-    from pdtool.runtime.worker import synthetic_batches
+    from pdtool.data import synthetic_source
 
     plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="pipedream")
     lr, steps = 0.05, 6
@@ -64,7 +64,7 @@ def test_pipedream_weight_stashing_matches_a_hand_written_two_stage_pipeline(tmp
 
     torch.manual_seed(config.seed)
     bundle = load_model(MLP)
-    model, batch = bundle.module, synthetic_batches(bundle, plan.profile.batch_size, config.seed)
+    model, batch = bundle.module, synthetic_source(bundle, plan.profile.batch_size, config.seed).batch
     first = {n: p.detach().clone() for n, p in model.named_parameters() if n.split(".")[0] in ("0", "2")}
     second = {n: p.detach().clone() for n, p in model.named_parameters() if n.split(".")[0] in ("4", "6")}
     history = [first]  # stage 0's weights after k updates

@@ -37,6 +37,11 @@ class RunConfig:
     timeout_s: float = 60.0
     threads: int | None = None
     return_weights: bool = False
+    data: str = "synthetic"          # "synthetic", "digits" or a pkg.module:factory of a Dataset
+    first_step: int = 0              # steps already done (resume): minibatches start at first_step * group
+    resume: str | None = None        # checkpoint folder to start from
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0        # steps of stage 0 between checkpoints (0: only at the end)
 
 
 @dataclass
@@ -52,6 +57,8 @@ class WorkerReport:
     wall_s: float = 0.0
     peak_versions: int = 0
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end) in epoch seconds
+    finished: dict[int, float] = field(default_factory=dict)  # last stage: minibatch -> time its backward ended
 
 
 def make_schedule(plan: Plan, config: RunConfig) -> Schedule:
@@ -96,7 +103,11 @@ def worker_main(config: RunConfig) -> WorkerReport:
                           granularity=plan.profile.granularity, depth=plan.profile.depth,
                           layer_names=_layer_names(plan))
     schedule = make_schedule(plan, config)
-    batch = synthetic_batches(bundle, plan.profile.batch_size, config.seed)
+    from ..data import load_source
+
+    source = load_source(config.data, bundle, plan.profile.batch_size, config.seed)
+    first = config.first_step * minibatches_per_step(schedule)
+    batch = lambda b: source.batch(first + b)  # noqa: E731
     specs = boundary_specs(stages, batch(0))
     device = torch.device("cpu")
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=config.timeout_s))
@@ -105,7 +116,17 @@ def worker_main(config: RunConfig) -> WorkerReport:
         stage = stages[stage_index]
         last = stage_index == len(stages) - 1
         worker = StageWorker(stage, schedule, replica, config.optimizer, bundle.loss_fn if last else None)
-        report = _run(plan, schedule, worker, stages, specs, batch, groups.get(stage_index), device)
+        if config.resume:
+            from .state import restore
+
+            restore(worker, config.resume)
+        saver = None
+        if config.checkpoint_dir and replica == 0:
+            from .state import ShardSaver
+
+            saver = ShardSaver(worker, config.checkpoint_dir, config.first_step, config.steps,
+                               config.checkpoint_every, minibatches_per_step(schedule))
+        report = _run(plan, schedule, worker, stages, specs, batch, groups.get(stage_index), device, saver, first)
         report.peak_versions = worker.peak_versions
         if config.return_weights:
             report.weights = {stage.param_names[n]: p.detach().clone() for n, p in stage.module.named_parameters()}
@@ -115,16 +136,9 @@ def worker_main(config: RunConfig) -> WorkerReport:
         dist.destroy_process_group()
 
 
-def synthetic_batches(bundle, batch_size: int, seed: int):
-    """Minibatch b of the factory's synthetic data, the same in every process."""
-
-    def batch(b: int):
-        with torch.random.fork_rng():
-            torch.manual_seed(seed * 1_000_003 + b + 1)
-            _, inputs, target = bundle.batch(batch_size)
-        return inputs, target
-
-    return batch
+def minibatches_per_step(schedule: Schedule) -> int:
+    """Minibatches that one optimizer step of stage 0 covers."""
+    return schedule.replicas[0] if schedule.mode in ASYNC_MODES else schedule.group
 
 
 def boundary_specs(stages, sample) -> list[list[TensorSpec]]:
@@ -140,7 +154,8 @@ def boundary_specs(stages, sample) -> list[list[TensorSpec]]:
     return specs
 
 
-def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, batch, group, device) -> WorkerReport:
+def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, batch, group, device, saver,
+         first: int) -> WorkerReport:
     s, replica = worker.index, worker.replica
     last = s == len(stages) - 1
     target_spec = specs[-1]
@@ -159,7 +174,7 @@ def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, bat
 
     allreduce = (lambda buffer: dist.all_reduce(buffer, group=group)) if group is not None else None
     start = time.perf_counter()
-    busy = 0.0
+    clock = time.time
     for i, action in enumerate(actions):
         post(action)
         if i + 1 < len(actions):
@@ -173,29 +188,33 @@ def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, bat
                 received = link.wait_recv((ACTIVATION, b))
                 values = {t.name: x for t, x in zip(specs[s - 1], received)}
                 target = received[-1]
-            began = time.perf_counter()
+            began = clock()
             out = worker.forward(b, values, target)
-            busy += time.perf_counter() - began
+            report.events.append((str(action), began, clock()))
             if not last:
                 link.send([out[t.name] for t in specs[s]] + [target], peer(s + 1, b), b, ACTIVATION)
         elif action.kind == "B":
             grads = None
             if not last:
                 grads = {t.name: g for t, g in zip(grad_specs, link.wait_recv((GRADIENT, b)))}
-            began = time.perf_counter()
+            began = clock()
             input_grads = worker.backward(b, grads)
-            busy += time.perf_counter() - began
+            report.events.append((str(action), began, clock()))
+            if last:
+                report.finished[first + b] = report.events[-1][2]
             if s > 0:
                 sent = [input_grads.get(t.name, torch.zeros(t.shape, dtype=t.dtype)) for t in specs[s - 1]
                         if t.dtype.is_floating_point]
                 link.send(sent, peer(s - 1, b), b, GRADIENT)
         else:
-            began = time.perf_counter()
+            began = clock()
             worker.step(allreduce)
-            busy += time.perf_counter() - began
+            report.events.append((str(action), began, clock()))
+            if saver is not None:
+                saver.after_step()
     link.flush()
-    report.losses = dict(worker.losses)
-    report.busy_s = busy
+    report.losses = {first + b: loss for b, loss in worker.losses.items()}
+    report.busy_s = sum(end - began for _, began, end in report.events)
     report.wall_s = time.perf_counter() - start
     return report
 

@@ -1,0 +1,154 @@
+"""A training job as `pd train` runs it on the launching machine.
+
+Around `launch` it resolves `--resume` to the newest complete checkpoint, completes
+checkpoints while the workers write their shards (a manifest is written once every stage's
+shard of a step is there: the checkpoint becomes complete atomically, and a crash leaves it
+incomplete, never corrupt), and afterwards writes the metrics CSV and the measured trace.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..checkpoint import MANIFEST, latest_complete, read_manifest, shard_name, write_manifest
+from ..errors import LaunchError
+from ..jsonio import write_text_atomic
+from ..plan import Plan
+from ..trace import measured_trace, write_trace
+from .launch import Nodes, launch
+from .worker import RunConfig, WorkerReport
+
+
+@dataclass
+class TrainResult:
+    plan: Plan
+    reports: dict[int, WorkerReport]
+    wall_s: float
+    first_step: int
+    steps: int
+    per_step: int
+
+    @property
+    def losses(self) -> dict[int, float]:
+        return {b: loss for r in self.reports.values() for b, loss in r.losses.items()}
+
+    @property
+    def finished(self) -> dict[int, float]:
+        return {b: t for r in self.reports.values() for b, t in r.finished.items()}
+
+    def time_per_minibatch_ms(self) -> float | None:
+        """Steady state: slope of the last stage's backward end times over the second half."""
+        finished = sorted(self.finished.items())
+        if len(finished) < 4:
+            return None
+        half = finished[len(finished) // 2:]
+        (b0, t0), (b1, t1) = half[0], half[-1]
+        return (t1 - t0) / (b1 - b0) * 1000 if b1 > b0 else None
+
+
+def plan_sha256(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume: bool = False,
+        warn=lambda message: None) -> TrainResult:
+    """Run `config` (config.steps = the step the run should reach) and complete its checkpoints."""
+    plan = Plan.load(config.plan_path)
+    if resume:
+        if not config.checkpoint_dir:
+            raise LaunchError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
+        folder = latest_complete(config.checkpoint_dir, warn)
+        if folder is None:
+            warn(f"no complete checkpoint in {config.checkpoint_dir}; starting from step 0")
+        else:
+            done = read_manifest(folder)["step"]
+            if done >= config.steps:
+                raise LaunchError(f"the newest checkpoint ({folder}) is already at step {done} >= --steps "
+                                  f"{config.steps}; ask for more steps")
+            config = dataclasses.replace(config, resume=str(folder), first_step=done, steps=config.steps - done)
+    from .worker import make_schedule, minibatches_per_step
+
+    per_step = minibatches_per_step(make_schedule(plan, dataclasses.replace(config, steps=1)))
+    writer = None
+    if config.checkpoint_dir and nodes.node_rank == 0:
+        Path(config.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        writer = _ManifestWriter(Path(config.checkpoint_dir), len(plan.stages), plan_sha256(config.plan_path),
+                                 {"mode": config.mode or plan.mode, "data": config.data, "seed": config.seed})
+        writer.start()
+    began = time.perf_counter()
+    try:
+        reports = launch(config, len(plan.used_ranks), nodes, verbose=verbose)
+    finally:
+        if writer is not None:
+            writer.stop()
+    return TrainResult(plan, reports, time.perf_counter() - began, config.first_step, config.steps, per_step)
+
+
+class _ManifestWriter(threading.Thread):
+    """Writes the manifest of every checkpoint folder whose shards are all written."""
+
+    def __init__(self, root: Path, stages: int, plan_hash: str, meta: dict):
+        super().__init__(daemon=True)
+        self.root, self.stages, self.plan_hash, self.meta = root, stages, plan_hash, meta
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.2):
+            self.complete()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join()
+        self.complete()
+
+    def complete(self) -> None:
+        for folder in sorted(self.root.glob("step-*")):
+            if (folder / MANIFEST).exists():
+                continue
+            shards = [folder / shard_name(s) for s in range(self.stages)]
+            if all(p.is_file() for p in shards):
+                step = int(folder.name.split("-")[1])
+                hashes = {s: hashlib.sha256(p.read_bytes()).hexdigest() for s, p in enumerate(shards)}
+                write_manifest(folder, step, self.plan_hash, hashes, self.meta)
+
+
+def write_metrics(path: str, result: TrainResult) -> None:
+    """One row per optimizer step of stage 0: step, mean loss, samples/s, and per worker the
+    share of that step's wall time it spent computing (busy; the rest is idle or waiting)."""
+    losses, finished = result.losses, result.finished
+    ranks = sorted(result.reports)
+    header = ["step", "minibatches", "loss", "samples_per_s"] + [f"busy_rank{r}" for r in ranks]
+    rows = [",".join(header)]
+    batch = result.plan.profile.batch_size
+    previous = min((began for r in result.reports.values() for _, began, _ in r.events), default=0.0)
+    for k in range(result.steps):
+        ids = range((result.first_step + k) * result.per_step, (result.first_step + k + 1) * result.per_step)
+        if not all(b in finished for b in ids):
+            break
+        end = max(finished[b] for b in ids)
+        window = max(end - previous, 1e-9)
+        loss = sum(losses[b] for b in ids) / len(ids)
+        busy = [sum(max(0.0, min(e, end) - max(s, previous)) for _, s, e in result.reports[r].events) / window
+                for r in ranks]
+        rows.append(",".join([str(result.first_step + k + 1), str(len(ids)), f"{loss:.6g}",
+                              f"{batch * len(ids) / window:.6g}"] + [f"{x:.4f}" for x in busy]))
+        previous = end
+    write_text_atomic(path, "\n".join(rows) + "\n")
+
+
+def write_measured_trace(path: str, result: TrainResult) -> None:
+    measured = result.time_per_minibatch_ms()
+    write_trace(path, measured_trace({r: rep.events for r, rep in result.reports.items()}, result.plan, {
+        "measured_time_per_minibatch_ms": measured, "plan_time_per_minibatch_ms": result.plan.predicted.time_ms,
+        "minibatches": len(result.losses)}))
+
+
+def steps_for_epochs(epochs: int, batches_per_epoch: int | None, per_step: int) -> int:
+    if not batches_per_epoch:
+        raise LaunchError("--epochs needs a data set with a size; --data synthetic is endless, use --steps")
+    return math.ceil(epochs * batches_per_epoch / per_step)

@@ -1,0 +1,91 @@
+"""Saving a worker's stage into checkpoints and restoring it, by whole-model names.
+
+A checkpoint "at step K" holds every stage's weights after the optimizer steps that cover
+the minibatches of stage 0's first K steps (K * g0 minibatches): in `flush`, `gpipe` and `2bw`
+every stage steps once per group, so all shards hold exactly K steps; in `pipedream` and
+`vsync` a replicated stage steps once per round of its r_s replicas and saves after its
+first step that covers those minibatches. Only replica 0 of a stage writes (its replicas are
+equal after their all-reduce). Parameters, buffers (e.g. BatchNorm statistics) and optimizer
+state are keyed by their names in the whole model (`layer1.0.conv1.weight`,
+`layer1.0.conv1.weight::momentum_buffer`), so a run may resume under another plan.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import checkpoint_folder, load_checkpoint, save_shard
+from ..errors import LaunchError
+from ..schedule import step_group
+from .executor import StageWorker
+
+SEPARATOR = "::"
+
+
+def stage_state(worker: StageWorker) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(parameters and buffers, optimizer state) of the worker's stage, by whole-model names."""
+    stage = worker.stage
+    tensors = {stage.param_names[n]: p.detach() for n, p in stage.module.named_parameters()}
+    buffer_names = getattr(stage, "buffer_names", {})
+    tensors.update({buffer_names[n]: b.detach() for n, b in stage.module.named_buffers() if n in buffer_names})
+    extra: dict[str, torch.Tensor] = {}
+    if worker.optimizer is not None:
+        for name, p in zip(worker.names, worker.live):
+            for key, value in worker.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    extra[f"{stage.param_names[name]}{SEPARATOR}{key}"] = value.detach()
+    return tensors, extra
+
+
+class ShardSaver:
+    """Writes the worker's shard at the checkpoint steps of a run (see the module docstring).
+
+    `first_step` is the step the run starts from (after a resume), `steps` how many it runs,
+    `every` the steps between checkpoints (0: only at the end), `per_step` the minibatches
+    per step of stage 0.
+    """
+
+    def __init__(self, worker: StageWorker, root: str, first_step: int, steps: int, every: int, per_step: int):
+        self.worker = worker
+        self.root = Path(root)
+        own = step_group(worker.schedule, worker.index)
+        marks = set(range(every, steps + 1, every)) if every else set()
+        marks.add(steps)
+        self.due = {math.ceil(k * per_step / own): first_step + k for k in sorted(marks)}
+        self.count = 0
+
+    def after_step(self) -> None:
+        self.count += 1
+        step = self.due.get(self.count)
+        if step is not None:
+            folder = checkpoint_folder(self.root, step)
+            folder.mkdir(parents=True, exist_ok=True)
+            tensors, extra = stage_state(self.worker)
+            save_shard(folder, self.worker.index, tensors, extra)
+
+
+def restore(worker: StageWorker, folder: str) -> None:
+    """Load the worker's stage (weights, buffers, optimizer state) from a complete checkpoint."""
+    manifest, tensors, extra = load_checkpoint(folder)
+    stage = worker.stage
+    with torch.no_grad():
+        for name, p in stage.module.named_parameters():
+            qualified = stage.param_names[name]
+            if qualified not in tensors:
+                raise LaunchError(f"checkpoint {folder} has no parameter {qualified}; it was saved from another model")
+            if tensors[qualified].shape != p.shape:
+                raise LaunchError(f"checkpoint {folder}: {qualified} has shape {tuple(tensors[qualified].shape)}, "
+                                  f"the model {tuple(p.shape)}; it was saved from another model")
+            p.copy_(tensors[qualified])
+        buffer_names = getattr(stage, "buffer_names", {})
+        for name, b in stage.module.named_buffers():
+            if buffer_names.get(name) in tensors:
+                b.copy_(tensors[buffer_names[name]])
+    if worker.optimizer is not None:
+        for name, p in zip(worker.names, worker.live):
+            prefix = f"{stage.param_names[name]}{SEPARATOR}"
+            state = {key[len(prefix):]: value.clone() for key, value in extra.items() if key.startswith(prefix)}
+            if state:
+                worker.optimizer.state[p].update(state)

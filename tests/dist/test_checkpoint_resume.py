@@ -1,0 +1,59 @@
+"""Checkpoints during `pd train`, resuming (also under another plan), and a crash mid-run."""
+import dataclasses
+
+import pytest
+import torch
+
+from helpers import config_for, plan_with
+
+from pdtool.checkpoint import latest_complete, load_checkpoint, read_manifest
+from pdtool.errors import LaunchError
+from pdtool.profile import ModelRef
+from pdtool.runtime.session import run
+
+
+def final_weights(result):
+    weights = {}
+    for report in result.reports.values():
+        if report.replica == 0:
+            weights.update(report.weights)
+    return weights
+
+
+def test_flush_resumed_under_another_plan_ends_where_an_uninterrupted_run_ends(tmp_path):
+    _, two = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="flush", name="two.plan.json")
+    _, three = plan_with(tmp_path, [((0, 0), 1), ((1, 2), 1), ((3, 3), 1)], mode="flush", name="three.plan.json")
+    whole = run(config_for(two, steps=4, group=2))
+    root = tmp_path / "ckpt"
+    first = run(config_for(two, steps=2, group=2, checkpoint_dir=str(root), checkpoint_every=1))
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002"]
+    assert read_manifest(latest_complete(root))["step"] == 2
+    resumed = run(config_for(three, steps=4, group=2, checkpoint_dir=str(root)), resume=True)
+    assert resumed.first_step == 2 and sorted(resumed.losses) == [4, 5, 6, 7]
+    assert resumed.losses == pytest.approx({b: whole.losses[b] for b in (4, 5, 6, 7)}, rel=1e-6)
+    expected = final_weights(whole)
+    got = final_weights(resumed)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value)
+    _, saved, _ = load_checkpoint(root / "step-00000004")
+    for name, value in expected.items():
+        torch.testing.assert_close(saved[name], value)
+    assert first.losses == pytest.approx({b: whole.losses[b] for b in range(4)}, rel=1e-6)
+
+
+def test_a_crash_leaves_the_last_complete_checkpoint_loadable(tmp_path):
+    ref = ModelRef("toymodels:exploding", {"after": 5})
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=ref, mode="pipedream")
+    root = tmp_path / "ckpt"
+    with pytest.raises(LaunchError, match="boom after 5 forwards"):
+        run(config_for(path, steps=20, checkpoint_dir=str(root), checkpoint_every=1, return_weights=False))
+    newest = latest_complete(root)
+    assert newest is not None
+    manifest, tensors, _ = load_checkpoint(newest)
+    assert 1 <= manifest["step"] < 20 and "2.lin.weight" in tensors and "0.weight" in tensors
+
+
+def test_resume_without_a_checkpoint_dir_is_refused(tmp_path):
+    _, path = plan_with(tmp_path, [((0, 3), 1)])
+    with pytest.raises(LaunchError, match="--resume needs --checkpoint-dir"):
+        run(config_for(path), resume=True)
