@@ -211,9 +211,10 @@ def plan(profile_path, cluster_spec, memory, straight, cost_model, mode, optimiz
 @click.option("--master-port", type=click.IntRange(1, 65535),
               help="Its rendezvous port [default: a free one; required with --nnodes > 1].")
 @click.option("--verbose", "-v", is_flag=True, help="Show the launcher's log and a failing worker's traceback.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, momentum, weight_decay, checkpoint_dir,
           checkpoint_every, resume, metrics_path, trace_path, timeout_s, threads, nnodes, node_rank, nproc_per_node,
-          master_addr, master_port, verbose):
+          master_addr, master_port, verbose, quiet):
     """Train a plan on torch.distributed workers (gloo on CPU), one process per rank.
 
     Every worker builds its stage from the model the plan names, checks the plan against the
@@ -234,7 +235,8 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
             check_writable(path)
     config = RunConfig(plan_path=os.path.abspath(plan_path), steps=steps, mode=mode, group=group, seed=seed,
                        optimizer=OptimizerConfig(optimizer, lr, momentum, weight_decay), timeout_s=timeout_s,
-                       threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+                       threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                       progress=not quiet)
     if epochs:
         config = _with_epochs(config, plan, epochs)
     warn = lambda message: click.echo(f"pd: warning: {message}", err=True)  # noqa: E731

@@ -67,6 +67,7 @@ def gradient_accumulation(plan, config, ref=MLP):
 
 
 def config_for(path, **overrides):
-    values = dict(plan_path=str(path), steps=3, seed=0, optimizer=SGD, return_weights=True, timeout_s=30.0)
+    values = dict(plan_path=str(path), steps=3, seed=0, optimizer=SGD, return_weights=True, timeout_s=30.0,
+                  progress=False)
     values.update(overrides)
     return RunConfig(**values)

@@ -8,6 +8,7 @@ mismatch is one clear error instead of a hang.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -42,6 +43,7 @@ class RunConfig:
     resume: str | None = None        # checkpoint folder to start from
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0        # steps of stage 0 between checkpoints (0: only at the end)
+    progress: bool = True            # the last stage's first replica reports progress on stderr
 
 
 @dataclass
@@ -126,7 +128,8 @@ def worker_main(config: RunConfig) -> WorkerReport:
 
             saver = ShardSaver(worker, config.checkpoint_dir, config.first_step, config.steps,
                                config.checkpoint_every, minibatches_per_step(schedule))
-        report = _run(plan, schedule, worker, stages, specs, batch, groups.get(stage_index), device, saver, first)
+        report = _run(plan, schedule, worker, stages, specs, batch, groups.get(stage_index), device, saver, first,
+                      config.progress)
         report.peak_versions = worker.peak_versions
         if config.return_weights:
             report.weights = {stage.param_names[n]: p.detach().clone() for n, p in stage.module.named_parameters()}
@@ -155,7 +158,7 @@ def boundary_specs(stages, sample) -> list[list[TensorSpec]]:
 
 
 def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, batch, group, device, saver,
-         first: int) -> WorkerReport:
+         first: int, show_progress: bool) -> WorkerReport:
     s, replica = worker.index, worker.replica
     last = s == len(stages) - 1
     target_spec = specs[-1]
@@ -175,6 +178,8 @@ def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, bat
     allreduce = (lambda buffer: dist.all_reduce(buffer, group=group)) if group is not None else None
     start = time.perf_counter()
     clock = time.time
+    progress = _Progress(first + schedule.minibatches, plan.profile.batch_size) if (
+        show_progress and last and replica == 0) else None
     for i, action in enumerate(actions):
         post(action)
         if i + 1 < len(actions):
@@ -202,6 +207,8 @@ def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, bat
             report.events.append((str(action), began, clock()))
             if last:
                 report.finished[first + b] = report.events[-1][2]
+                if progress is not None:
+                    progress.update(first + b, worker.losses.get(b))
             if s > 0:
                 sent = [input_grads.get(t.name, torch.zeros(t.shape, dtype=t.dtype)) for t in specs[s - 1]
                         if t.dtype.is_floating_point]
@@ -213,10 +220,37 @@ def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, bat
             if saver is not None:
                 saver.after_step()
     link.flush()
+    if progress is not None:
+        progress.close()
     report.losses = {first + b: loss for b, loss in worker.losses.items()}
     report.busy_s = sum(end - began for _, began, end in report.events)
     report.wall_s = time.perf_counter() - start
     return report
+
+
+class _Progress:
+    """One line on stderr, at most once a second: minibatches done, loss, samples/s."""
+
+    def __init__(self, total: int, batch_size: int):
+        self.total, self.batch_size = total, batch_size
+        self.began = self.last = time.monotonic()
+        self.done = 0
+        self.tty = sys.stderr.isatty()
+
+    def update(self, minibatch: int, loss: float | None) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self.last >= 1.0 or minibatch + 1 == self.total:
+            rate = self.done * self.batch_size / max(now - self.began, 1e-9)
+            text = f"minibatch {minibatch + 1}/{self.total}  loss {loss:.4f}  {rate:.1f} samples/s"
+            sys.stderr.write(f"\r\033[K{text}" if self.tty else text + "\n")
+            sys.stderr.flush()
+            self.last = now
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
 
 
 def _layer_names(plan: Plan) -> dict[int, str]:
