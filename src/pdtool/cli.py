@@ -172,6 +172,55 @@ def plan(profile_path, cluster_spec, memory, straight, cost_model, mode, optimiz
 
 
 @cli.command()
+@click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--mode", type=click.Choice(["pipedream", "vsync", "2bw", "flush", "gpipe"]), default=None,
+              help="Schedule mode to simulate [default: the plan's].")
+@click.option("--minibatches", "-n", type=click.IntRange(min=1), default=None,
+              help="Minibatches (microbatches in 2bw/flush/gpipe) to run [default: 16 per worker, "
+                   "a multiple of --group].")
+@click.option("--group", "-g", type=click.IntRange(min=1), default=None,
+              help="2bw/flush/gpipe: microbatches per optimizer step [default: the number of stages, "
+                   "or more for replicated stages].")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, allow_dash=True), metavar="OUT.json",
+              help="Also write the simulated run as a Chrome trace (open it in Perfetto); '-' for stdout.")
+def simulate(plan_path, mode, minibatches, group, trace_path):
+    """Run a plan's schedule in simulated time with the profile's costs.
+
+    Every worker runs its actions in order; transfers take bytes / bandwidth of the link and
+    queue on it; replicated stages all-reduce at every step. Prints the steady-state time per
+    minibatch beside the plan's cost-model figure, the bubble fraction and, per worker, its
+    busy share, weight versions, in-flight minibatches and stashed activations.
+    """
+    from .errors import ArtifactError
+    from .plan import SCHEMA as PLAN_SCHEMA, Plan
+    from .profile import SCHEMA as PROFILE_SCHEMA
+    from .show import simulation_table
+    from .simulate import chrome_trace, simulate as run_simulation, write_trace
+
+    if trace_path is not None:
+        check_writable(trace_path)
+    data = read_json(plan_path)
+    if isinstance(data, dict) and data.get("schema") == PROFILE_SCHEMA:
+        raise ArtifactError(f"{plan_path} is a profile ({PROFILE_SCHEMA}), not a plan; make a plan from it first: "
+                            f"pd plan {plan_path} --cluster SPEC -o PLAN.json")
+    check_schema(data, PLAN_SCHEMA, plan_path)
+    the_plan = Plan.from_json(data, plan_path)
+    result = run_simulation(the_plan, mode=mode, minibatches=minibatches, group=group)
+    summary = simulation_table(result, the_plan)
+    if trace_path is None:
+        click.echo(summary, nl=False)
+        return
+    trace = chrome_trace(result, the_plan)
+    write_trace(trace_path, trace)
+    if trace_path == "-":  # stdout carries the trace: the summary goes to stderr
+        click.echo(summary, err=True, nl=False)
+        return
+    click.echo(summary, nl=False)
+    click.echo(f"wrote {trace_path}: {len(result.events)} actions and {len(result.transfers)} transfers on "
+               f"{len(result.busy_ms)} workers; open it in https://ui.perfetto.dev", err=True)
+
+
+@cli.command()
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
               help="Train until stage 0 has taken this many optimizer steps (pipedream/vsync: one per round of its "
