@@ -82,3 +82,25 @@ def test_pipedream_weight_stashing_matches_a_hand_written_two_stage_pipeline(tmp
     assert run.losses == pytest.approx(losses, rel=1e-5)
     for name, value in {**history[-1], **second}.items():
         torch.testing.assert_close(run.weights[name], value)
+
+
+def test_adam_with_weight_decay_is_gradient_accumulation_too(tmp_path):
+    from pdtool.runtime.executor import OptimizerConfig
+
+    plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="flush")
+    config = config_for(path, steps=3, optimizer=OptimizerConfig("adam", 0.01, 0.0, 0.01))
+    run = reference(plan, config)
+    losses, weights = gradient_accumulation(plan, config)
+    assert run.losses == pytest.approx(losses, rel=1e-6)
+    for name, expected in weights.items():
+        torch.testing.assert_close(run.weights[name], expected)
+
+
+def test_replicated_stages_scale_their_learning_rate_by_r_s_over_r_0():
+    from pdtool.runtime.executor import lr_scale
+    from pdtool.schedule import generate
+
+    assert lr_scale(generate("pipedream", (2, 1), 8), 0) == 1.0
+    assert lr_scale(generate("pipedream", (2, 1), 8), 1) == 0.5
+    assert lr_scale(generate("pipedream", (1, 3), 6), 1) == 3.0
+    assert lr_scale(generate("flush", (2, 1), 8, 2), 1) == 1.0
