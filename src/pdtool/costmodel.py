@@ -1,12 +1,14 @@
 """The planner's cost models: how long a stage takes per minibatch and how much memory it needs.
 
-Everything here is per minibatch of the profile's batch size, in seconds and bytes. Layers
-are numbered in the profile's topological order and a stage is a contiguous range
-`first..last` of them (design notes, section 3).
+Everything here is per minibatch of the profile's batch size, in seconds and bytes. A stage is
+the difference `D_j \\ D_k` of two states of the planner, down-sets of the layer graph with
+`D_k` a strict subset of `D_j` (states.py; on a chain, a contiguous range of layers), and the
+models see it through per-state totals: its compute is `compute[j] - compute[k]`, and so on.
 
-**Cut bytes.** `cut[k]` is what crosses the boundary between layer k and k+1: the bytes of
-every output of a layer <= k read by some layer > k, each output counted once however many
-consumers it has (a skip connection over the boundary is sent too).
+**Cut bytes.** `cut(D)` is what leaves a state: the bytes of every output of a layer in D read
+by some layer outside D, each output counted once however many consumers it has (a skip
+connection over the boundary is sent too). A stage receives `cut(D_k)` and sends `cut(D_j)`.
+On the prefixes of the layer order, `ChainCosts.cut[k]` is the cut after layer k.
 
 **pdtool's default model** (`DefaultModel`). A stage of `r` replicas on units of one level
 of the cluster (bandwidth `B` bytes/s per unit link) takes per minibatch
@@ -17,7 +19,7 @@ where `unit_time` is the stage's compute on one unit (at the innermost level the
 layers' forward + backward times; at an outer level the best pipeline of those layers inside
 one unit), `allreduce = 2 (r - 1) / r * param_bytes / B` is one ring all-reduce of the
 stage's parameters, done once per round of r minibatches, and `in_bytes`/`out_bytes` are the
-cut bytes at the stage's two boundaries (activations one way, gradients the other, on
+cut bytes of the stage's two states (activations one way, gradients the other, on
 full-duplex links; a boundary at the edge of the model, or of the range a unit of the outer
 level owns, is not charged here). Communication overlaps compute, hence the max.
 
@@ -26,11 +28,14 @@ level owns, is not charged here). Communication overlaps compute, hence the max.
 and sync add up, sync is `4 (r - 1) |w| / (r B)`; a range that is one whole stage of a level
 divides that sync by the workers inside a unit (`W`), a later stage does not (quirk 2);
 activation transfers `2 a / (B r)` are charged on the consuming stage's `r` replicas, for
-its input and (unless it ends the model) its output, and the first stage pays none.
+its input and (unless it ends the model: `D_j` = all layers) its output, and the first stage
+pays none. Its cut bytes are the true cut (each output once); the original's "augmented
+antichain" counts some outputs that stay inside the state too, so it charges at least as much.
 
 **Memory** (both models): a worker of a stage holding `k` minibatches in flight keeps
 `k` weight versions (weight stashing), one gradient and `optimizer_slots` optimizer buffers
-of its parameters, and `k` sets of stashed activations (its input plus every layer output):
+of its parameters, and `k` sets of stashed activations (the cut bytes it receives plus every layer
+output):
 
     param_bytes * (k + 1 + optimizer_slots) + k * (in_bytes + sum of its layers' act_bytes)
 
@@ -41,58 +46,59 @@ earlier stages, in a pipeline of `W` workers, has `k = floor((W - 1 - before) / 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .profile import Profile
+
+if TYPE_CHECKING:
+    from .states import States
 
 MS = 1e-3
 
 
 @dataclass(frozen=True)
 class ChainCosts:
-    """Per-layer costs of a profile in planner units (seconds, bytes), with prefix sums.
+    """Per-layer costs of a profile in planner units (seconds, bytes), and its layer graph.
 
     `compute[i]` is layer i's forward + backward seconds; `cut[k]` the bytes crossing the
-    boundary after layer k (`cut[n-1]` = 0).
+    boundary after layer k of the layer order (`cut[n-1]` = 0); `edges` the layer graph
+    (producer, consumer) with producer < consumer, None for a chain in layer order.
     """
 
     compute: np.ndarray
     params: np.ndarray
     acts: np.ndarray
     cut: np.ndarray
+    edges: tuple[tuple[int, int], ...] | None = None
 
     @classmethod
     def from_profile(cls, profile: Profile) -> "ChainCosts":
-        n = len(profile.layers)
+        return cls.from_layers(np.array([l.total_ms * MS for l in profile.layers], dtype=float),
+                               np.array([l.param_bytes for l in profile.layers], dtype=float),
+                               np.array([l.act_bytes for l in profile.layers], dtype=float), profile.edges)
+
+    @classmethod
+    def from_layers(cls, compute: np.ndarray, params: np.ndarray, acts: np.ndarray,
+                    edges: tuple[tuple[int, int], ...]) -> "ChainCosts":
+        """Costs of a layer graph: per-layer arrays in topological order and its edges."""
+        n = len(compute)
         last_use = list(range(n))
-        for src, dst in profile.edges:
+        for src, dst in edges:
             last_use[src] = max(last_use[src], dst)
         alive = np.zeros(n + 1)
-        for layer in profile.layers:  # output of u crosses boundaries u .. last_use[u] - 1
-            if last_use[layer.id] > layer.id:
-                alive[layer.id] += layer.act_bytes
-                alive[last_use[layer.id]] -= layer.act_bytes
-        return cls(
-            compute=np.array([l.total_ms * MS for l in profile.layers], dtype=float),
-            params=np.array([l.param_bytes for l in profile.layers], dtype=float),
-            acts=np.array([l.act_bytes for l in profile.layers], dtype=float),
-            cut=np.cumsum(alive)[:n],
-        )
+        for layer in range(n):  # output of u crosses boundaries u .. last_use[u] - 1
+            if last_use[layer] > layer:
+                alive[layer] += acts[layer]
+                alive[last_use[layer]] -= acts[layer]
+        return cls(compute=compute, params=params, acts=acts, cut=np.cumsum(alive)[:n],
+                   edges=tuple(sorted({(int(s), int(d)) for s, d in edges})))
 
     @property
     def n(self) -> int:
         return len(self.compute)
 
-    def range_sums(self, values: np.ndarray, empty: float = 0.0) -> np.ndarray:
-        """Matrix `S[p, q]` = sum of values[p..q] for p <= q, `empty` below the diagonal."""
-        prefix = np.concatenate([[0.0], np.cumsum(values)])
-        sums = prefix[None, 1:] - prefix[:-1, None]
-        return np.where(np.triu(np.ones((self.n, self.n), dtype=bool)), sums, empty)
-
-    def cut_before(self) -> np.ndarray:
-        """Vector: bytes crossing into layer p from before it (0 for p = 0)."""
-        return np.concatenate([[0.0], self.cut[:-1]])
 
 
 @dataclass(frozen=True)
@@ -115,17 +121,18 @@ class Memory:
 class CostModel:
     """Stage times for the dynamic program; subclasses are the pluggable models.
 
-    `stage_times` returns, for every range p..q (a matrix, +inf where q < p), the time per
-    minibatch of that range as one stage of `r` replicas at a level of bandwidth `bandwidth`
-    whose units hold `inner` workers each. `unit` is the range's time on one unit. `first`
+    `stage_times` returns, for every pair of states (k, j) (a matrix; +inf where `unit` is,
+    as where D_k is not a strict subset of D_j), the time per minibatch of the stage
+    `D_j \\ D_k` with `r` replicas at a level of bandwidth `bandwidth` whose units hold `inner`
+    workers each. `unit` is the stage's time on one unit, `params` its parameter bytes. `first`
     says the stage starts its sub-problem (no stage before it), `charge_out` whether its
-    output boundary is paid (a later stage follows it, or the original's rule).
+    output is paid (a later stage follows it, or the original's rule; a vector over j).
     """
 
     name = "abstract"
     exact_workers = False  # True: a level must use all its units (the original's rule)
 
-    def stage_times(self, costs: ChainCosts, unit: np.ndarray, params: np.ndarray, r: int, bandwidth: float,
+    def stage_times(self, states: "States", unit: np.ndarray, params: np.ndarray, r: int, bandwidth: float,
                     inner: int, first: bool, charge_out: bool | np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
@@ -147,8 +154,8 @@ class CostModel:
         The planner prunes with it, so it must never exceed `stage_times`."""
         raise NotImplementedError
 
-    def final_charge(self, n: int) -> bool | np.ndarray:
-        """Whether the last stage of a sub-problem ending at layer q pays its output boundary."""
+    def final_charge(self, count: int) -> bool | np.ndarray:
+        """Whether the last stage of a sub-problem ending at state j (of `count`) pays its output."""
         return False
 
 
@@ -157,10 +164,10 @@ class DefaultModel(CostModel):
 
     name = "pdtool"
 
-    def stage_times(self, costs, unit, params, r, bandwidth, inner, first, charge_out):
+    def stage_times(self, states, unit, params, r, bandwidth, inner, first, charge_out):
         allreduce = 2.0 * (r - 1) / r * params / bandwidth
-        cut_in = 0.0 if first else costs.cut_before()[:, None]
-        cut_out = np.where(charge_out, costs.cut[None, :], 0.0)
+        cut_in = 0.0 if first else states.cut[:, None]
+        cut_out = np.where(charge_out, states.cut[None, :], 0.0)
         transfer = (cut_in + cut_out) / bandwidth
         return np.maximum(np.maximum(unit, allreduce), transfer) / r
 
@@ -193,21 +200,21 @@ class PipeDreamModel(CostModel):
     def __init__(self, activation_compression_ratio: float | None = 1.0):
         self.ratio = activation_compression_ratio
 
-    def stage_times(self, costs, unit, params, r, bandwidth, inner, first, charge_out):
+    def stage_times(self, states, unit, params, r, bandwidth, inner, first, charge_out):
         if first:  # the base case: one replicated stage, sync divided by the inner workers
             return (unit + 4.0 * (r - 1) * params / (bandwidth * r) / inner) / r
         time = (unit + 4.0 * (r - 1) * params / (bandwidth * r)) / r
         if self.ratio is None:
             return time
-        transfer_in = 2.0 * costs.cut_before()[:, None] / (bandwidth * r) / self.ratio
-        transfer_out = np.where(charge_out, 2.0 * costs.cut[None, :] / (bandwidth * r) / self.ratio, 0.0)
+        transfer_in = 2.0 * states.cut[:, None] / (bandwidth * r) / self.ratio
+        transfer_out = np.where(charge_out, 2.0 * states.cut[None, :] / (bandwidth * r) / self.ratio, 0.0)
         return np.maximum(time, np.maximum(transfer_in, transfer_out))
 
     def stage_bound(self, r, bandwidth, inner):
         return 1.0 / (r * inner), 4.0 * (r - 1) / (bandwidth * r * r), True
 
-    def final_charge(self, n):
-        return np.arange(n) != n - 1  # the original charges every output but the model's last
+    def final_charge(self, count):
+        return np.arange(count) != count - 1  # the original charges every output but the model's (all layers)
 
     def terms(self, unit, params, cut_in, cut_out, r, bandwidth, inner, first, charge_out):
         sync = 4.0 * (r - 1) * params / (bandwidth * r) / (inner if first else 1) / r

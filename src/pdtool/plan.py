@@ -1,7 +1,8 @@
 """The plan artifact (`pdtool.plan/1`) and the planner that makes it from a profile.
 
-A plan says which layers each stage runs, on how many replicas and on which ranks, in which
-schedule mode, and what the cost model predicts: time per minibatch per stage (compute,
+A plan says which layers each stage runs (a set of layer ids: the difference of two down-sets
+of the layer graph, on a chain a contiguous range), on how many replicas and on which ranks,
+in which schedule mode, and what the cost model predicts: time per minibatch per stage (compute,
 all-reduce and transfer), memory per worker, the bottleneck, and the speedup over one worker
 and over data parallelism on every worker. It is canonical JSON, byte-identical for identical
 inputs, so it can be checked in and diffed. `pd train` executes it.
@@ -24,6 +25,7 @@ from .fields import Fields, check_schema
 from .jsonio import canonical_json, read_json, round_float_fields, write_json
 from .partition import Pipeline, Solver, Stage
 from .profile import Profile
+from .states import DOWN_SETS, PREFIXES, States, build_states
 from .units import format_bytes
 
 SCHEMA = "pdtool.plan/1"
@@ -33,7 +35,8 @@ MS = 1e3
 
 @dataclass(frozen=True)
 class PlanStage:
-    """One pipeline stage: layers first..last (inclusive), replicated on `ranks`.
+    """One pipeline stage: the layer ids `layers` (ascending; `first`/`last` are the lowest and
+    highest, named `first_name`/`last_name`), replicated on `ranks`.
 
     `fwd_ms`/`bwd_ms` are one minibatch's forward/backward time on one worker (the sum over
     its layers), `param_bytes` its parameters, `in_bytes`/`out_bytes` what crosses its
@@ -44,8 +47,7 @@ class PlanStage:
     minibatches each of its workers holds at once under 1F1B.
     """
 
-    first: int
-    last: int
+    layers: tuple[int, ...]
     first_name: str
     last_name: str
     ranks: tuple[int, ...]
@@ -69,16 +71,29 @@ class PlanStage:
     def replicas(self) -> int:
         return len(self.ranks)
 
+    @property
+    def first(self) -> int:
+        return self.layers[0]
+
+    @property
+    def last(self) -> int:
+        return self.layers[-1]
+
+    @property
+    def is_range(self) -> bool:
+        """Whether the stage's layers are the contiguous range first..last (always on a chain;
+        on a branchy graph a stage may be any set closed as states.py describes)."""
+        return len(self.layers) == self.last - self.first + 1
+
 
 @dataclass(frozen=True)
 class PlanGroup:
-    """A stage of an outer cluster level (e.g. across servers): layers first..last on `units`
-    units of `level`, each running the inner stages it contains; ms per minibatch.
+    """A stage of an outer cluster level (e.g. across servers): the layer ids `layers` on
+    `units` units of `level`, each running the inner stages it contains; ms per minibatch.
     `compute_ms` is the inner pipeline's time divided by the units."""
 
     level: int
-    first: int
-    last: int
+    layers: tuple[int, ...]
     units: int
     compute_ms: float
     allreduce_ms: float
@@ -87,6 +102,27 @@ class PlanGroup:
 
     def __post_init__(self) -> None:
         round_float_fields(self)
+
+    @property
+    def first(self) -> int:
+        return self.layers[0]
+
+    @property
+    def last(self) -> int:
+        return self.layers[-1]
+
+
+def layer_ranges(layers: tuple[int, ...] | list[int]) -> str:
+    """Layer ids compactly, ascending: "0-16" for a contiguous set, else e.g. "0-5,8,10-12"."""
+    parts, ids = [], sorted(layers)
+    start = None
+    for i, layer in enumerate(ids):
+        if start is None:
+            start = layer
+        if i + 1 == len(ids) or ids[i + 1] != layer + 1:
+            parts.append(f"{start}-{layer}" if layer != start else f"{layer}")
+            start = None
+    return ",".join(parts)
 
 
 @dataclass(frozen=True)
@@ -131,6 +167,10 @@ class ProfileRef:
 
 @dataclass(frozen=True)
 class Plan:
+    """A plan (module doc). `state_space` says which stages the planner considered: "down-sets"
+    (differences of down-sets of the layer graph) or "prefixes" (contiguous ranges of the
+    profile's layer order, when the graph had too many down-sets: states.MAX_STATES)."""
+
     profile: ProfileRef
     cluster: Cluster
     cost_model: str
@@ -141,6 +181,7 @@ class Plan:
     predicted: Prediction
     command: str
     pdtool_version: str
+    state_space: str = DOWN_SETS
     schema: str = SCHEMA
     source: InitVar[str] = "plan"
 
@@ -170,8 +211,9 @@ class Plan:
             "cost_model": self.cost_model,
             "straight": self.straight,
             "mode": self.mode,
+            "state_space": self.state_space,
             "stages": [
-                {"id": i, "layers": [s.first, s.last], "first_layer": s.first_name, "last_layer": s.last_name,
+                {"id": i, "layers": list(s.layers), "first_layer": s.first_name, "last_layer": s.last_name,
                  "replicas": s.replicas, "ranks": list(s.ranks), "in_flight": s.in_flight,
                  "fwd_ms": s.fwd_ms, "bwd_ms": s.bwd_ms, "param_bytes": s.param_bytes,
                  "in_bytes": s.in_bytes, "out_bytes": s.out_bytes, "activation_bytes": s.activation_bytes,
@@ -180,7 +222,7 @@ class Plan:
                 for i, s in enumerate(self.stages)
             ],
             "groups": [
-                {"level": g.level, "layers": [g.first, g.last], "units": g.units, "compute_ms": g.compute_ms,
+                {"level": g.level, "layers": list(g.layers), "units": g.units, "compute_ms": g.compute_ms,
                  "allreduce_ms": g.allreduce_ms,
                  "transfer_ms": g.transfer_ms, "time_ms": g.time_ms}
                 for g in self.groups
@@ -202,7 +244,7 @@ class Plan:
     def from_json(cls, data: Any, source: str = "plan") -> "Plan":
         check_schema(data, SCHEMA, source)
         top = Fields(data, source, known=("schema", "profile", "cluster", "cost_model", "straight", "mode",
-                                          "stages", "groups", "predicted", "provenance"))
+                                          "state_space", "stages", "groups", "predicted", "provenance"))
         pf = top.child("profile", known=("sha256", "fingerprint", "model", "batch_size", "layers", "method",
                                           "granularity", "depth"))
         profile = ProfileRef(pf.get("sha256", str), pf.get("fingerprint", str), pf.get("model", dict, optional=True),
@@ -214,7 +256,7 @@ class Plan:
                                                    "in_flight", "fwd_ms", "bwd_ms", "param_bytes", "in_bytes",
                                                    "out_bytes", "activation_bytes", "compute_ms", "allreduce_ms", "transfer_ms",
                                                    "time_ms", "memory_bytes"))
-            first, last = _pair(f, "layers")
+            layers = _layer_ids(f, "layers")
             ranks = f.get("ranks", list)
             if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
                 f.fail("every rank must be an integer", "fix the list", "ranks")
@@ -223,7 +265,7 @@ class Plan:
                        "make replicas equal the number of ranks", "ranks")
             if f.count("id") != len(stages):
                 f.fail(f"id is {f.get('id', int)}, expected {len(stages)}", "number stages 0, 1, 2, ...", "id")
-            stages.append(PlanStage(first, last, f.get("first_layer", str), f.get("last_layer", str), tuple(ranks),
+            stages.append(PlanStage(layers, f.get("first_layer", str), f.get("last_layer", str), tuple(ranks),
                                     f.count("in_flight", 1), f.number("fwd_ms"), f.number("bwd_ms"),
                                     f.count("param_bytes"), f.count("in_bytes"), f.count("out_bytes"),
                                     f.count("activation_bytes"),
@@ -233,9 +275,8 @@ class Plan:
         for where, item in top.items("groups"):
             f = Fields(item, source, where, known=("level", "layers", "units", "compute_ms", "allreduce_ms",
                                                    "transfer_ms", "time_ms"))
-            first, last = _pair(f, "layers")
-            groups.append(PlanGroup(f.count("level"), first, last, f.count("units", 1), f.number("compute_ms"),
-                                    f.number("allreduce_ms"),
+            groups.append(PlanGroup(f.count("level"), _layer_ids(f, "layers"), f.count("units", 1),
+                                    f.number("compute_ms"), f.number("allreduce_ms"),
                                     f.number("transfer_ms"), f.number("time_ms")))
         pr = top.child("predicted", known=("time_per_minibatch_ms", "bottleneck", "samples_per_s", "single_worker_ms",
                                            "data_parallel_ms", "speedup_over_single", "speedup_over_data_parallel",
@@ -247,7 +288,7 @@ class Plan:
         prov = top.child("provenance", known=("command", "pdtool_version"))
         return cls(profile=profile, cluster=Cluster.from_json(top.get("cluster", dict), source),
                    cost_model=top.get("cost_model", str), straight=top.get("straight", bool), mode=top.get("mode", str),
-                   stages=tuple(stages), groups=tuple(groups),
+                   state_space=top.get("state_space", str), stages=tuple(stages), groups=tuple(groups),
                    predicted=Prediction(pr.number("time_per_minibatch_ms"), pr.get("bottleneck", str),
                                         pr.number("single_worker_ms"), pr.number("data_parallel_ms"), *simulated),
                    command=prov.get("command", str), pdtool_version=prov.get("pdtool_version", str), source=source)
@@ -260,11 +301,12 @@ class Plan:
         write_json(path, self.to_json())
 
 
-def _pair(f: Fields, key: str) -> tuple[int, int]:
+def _layer_ids(f: Fields, key: str) -> tuple[int, ...]:
+    """A list of layer ids, sorted (a repeated id stays, for `_validate` to name)."""
     value = f.get(key, list)
-    if not (len(value) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in value)):
-        f.fail(f"expected [first, last] layer ids, found {value!r:.40}", "fix the range", key)
-    return value[0], value[1]
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        f.fail(f"expected a list of layer ids, found {value!r:.40}", "list the stage's layer ids", key)
+    return tuple(sorted(value))
 
 
 def _validate(plan: Plan, source: str) -> None:
@@ -274,19 +316,26 @@ def _validate(plan: Plan, source: str) -> None:
         top.fail(f"unknown mode {plan.mode!r}", f"use one of {', '.join(MODES)}", "mode")
     if plan.cost_model not in COST_MODELS:
         top.fail(f"unknown cost model {plan.cost_model!r}", f"use one of {', '.join(COST_MODELS)}", "cost_model")
+    if plan.state_space not in (DOWN_SETS, PREFIXES):
+        top.fail(f"unknown state space {plan.state_space!r}", f"use {DOWN_SETS} or {PREFIXES}", "state_space")
     if not plan.stages:
         top.fail("a plan needs at least one stage", "regenerate the plan with pd plan", "stages")
-    expected = 0
+    layers = plan.profile.layers
+    owner: dict[int, int] = {}
     seen: dict[int, int] = {}
     for index, stage in enumerate(plan.stages):
         where = f"stages[{index}]"
-        if stage.first > stage.last:
-            top.fail(f"layers [{stage.first}, {stage.last}] is an empty stage", "give every stage at least one layer", where)
-        if stage.first != expected:
-            problem = (f"layer {stage.first} is already in stages[{index - 1}]" if stage.first < expected
-                       else f"layers {expected}..{stage.first - 1} are in no stage")
-            top.fail(f"starts at layer {stage.first}: {problem}", "stages must cover the layers in order, each once", where)
-        expected = stage.last + 1
+        if not stage.layers:
+            top.fail("layers [] is an empty stage", "give every stage at least one layer", where)
+        for layer in stage.layers:
+            if not 0 <= layer < layers:
+                top.fail(f"layer {layer} does not exist in a profile of {layers} layers",
+                         f"use layer ids 0..{layers - 1}", where)
+            if layer in owner:
+                problem = (f"layer {layer} is listed twice" if owner[layer] == index
+                           else f"layer {layer} is already in stages[{owner[layer]}]")
+                top.fail(problem, "put every layer in exactly one stage", where)
+            owner[layer] = index
         if not stage.ranks:
             top.fail("no ranks", "give every stage at least one rank", where)
         for rank in stage.ranks:
@@ -296,9 +345,10 @@ def _validate(plan: Plan, source: str) -> None:
             if rank in seen:
                 top.fail(f"rank {rank} is also in stages[{seen[rank]}]", "give every rank to one stage only", where)
             seen[rank] = index
-    if expected != plan.profile.layers:
-        top.fail(f"stages end at layer {expected - 1} but the profile has {plan.profile.layers} layers",
-                 "make the last stage end at the last layer", "stages")
+    if len(owner) != layers:
+        missing = [layer for layer in range(layers) if layer not in owner]
+        top.fail(f"layer{'s' if len(missing) > 1 else ''} {layer_ranges(missing)} "
+                 f"{'are' if len(missing) > 1 else 'is'} in no stage", "put every layer in exactly one stage", "stages")
 
 
 # ----- the planner ---------------------------------------------------------------------------
@@ -327,14 +377,15 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     counts = [level.count for level in cluster.levels]
     bandwidths = [level.bandwidth for level in cluster.levels]
     memory = Memory(float(cluster.memory), optimizer_slots) if cluster.memory else None
-    solver = Solver(costs, counts, bandwidths, model, straight=straight, memory=memory)
+    states = build_states(costs)
+    solver = Solver(states, counts, bandwidths, model, straight=straight, memory=memory)
     pipeline = solver.solve()
     if pipeline is None:
-        raise PlanError(_no_plan_reason(profile, costs, counts, bandwidths, model, straight, memory, cluster))
+        raise PlanError(_no_plan_reason(profile, costs, states, counts, bandwidths, model, straight, memory, cluster))
     stages, groups = _describe(pipeline, profile, costs, model, solver, memory or Memory(float("inf"), optimizer_slots))
     items = [(s.time_ms, f"stage {i} {_dominant(s.compute_ms, s.allreduce_ms, s.transfer_ms)}")
              for i, s in enumerate(stages)]
-    items += [(g.time_ms, f"level-{g.level} group of layers {g.first}-{g.last} "
+    items += [(g.time_ms, f"level-{g.level} group of layers {layer_ranges(g.layers)} "
                           f"{_dominant(g.compute_ms, g.allreduce_ms, g.transfer_ms)}") for g in groups]
     slowest = max(time for time, _ in items)
     bottleneck = next(label for time, label in items if time >= slowest * (1 - 1e-9))  # stages win ties
@@ -346,7 +397,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
                      profile.batch_size, len(profile.layers), profile.method, profile.granularity, profile.depth)
     plan = Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=mode,
                 stages=tuple(stages), groups=tuple(groups), predicted=prediction, command=command,
-                pdtool_version=__version__)
+                pdtool_version=__version__, state_space=states.space)
     return _with_simulation(plan) if simulate else plan
 
 
@@ -374,25 +425,26 @@ def _describe(pipeline: Pipeline, profile: Profile, costs: ChainCosts, model: Co
     """Flatten the nested pipeline into plan stages (innermost) and groups (outer levels)."""
     stages: list[PlanStage] = []
     groups: list[PlanGroup] = []
-    final = model.final_charge(costs.n)
-    cut_before = costs.cut_before()
+    final = solver.final
+    cut = solver.states.cut
 
     def walk(p: Pipeline, bases: list[int], outer: int) -> None:
         size = solver.inner[p.level]
         for index, stage in enumerate(p.stages):
             last_in_pipeline = index == len(p.stages) - 1
-            charge = True if not last_in_pipeline else bool(np.asarray(final).reshape(-1)[stage.last]
+            charge = True if not last_in_pipeline else bool(np.asarray(final).reshape(-1)[stage.end]
                                                              if np.ndim(final) else final)
-            unit = stage.inner.time if stage.inner is not None else float(costs.compute[stage.first:stage.last + 1].sum())
-            terms = model.terms(unit, float(costs.params[stage.first:stage.last + 1].sum()),
-                                float(cut_before[stage.first]), float(costs.cut[stage.last]), stage.replicas,
+            members = list(stage.layers)
+            unit = stage.inner.time if stage.inner is not None else float(costs.compute[members].sum())
+            terms = model.terms(unit, float(costs.params[members].sum()),
+                                float(cut[stage.start]), float(cut[stage.end]), stage.replicas,
                                 solver.bandwidths[p.level], size, index == 0, charge)
             units = range(stage.units_before, stage.units_before + stage.replicas)
             here = [base + u * size for base in bases for u in units]
             if stage.inner is None:
                 stages.append(_leaf(stage, terms, outer, sorted(here), profile, costs, solver, memory, stages))
             else:
-                groups.append(PlanGroup(p.level, stage.first, stage.last, stage.replicas,
+                groups.append(PlanGroup(p.level, stage.layers, stage.replicas,
                                         terms["compute"] / outer * MS, terms["allreduce"] / outer * MS, terms["transfer"] / outer * MS,
                                         terms["time"] / outer * MS))
                 walk(stage.inner, here, outer * stage.replicas)
@@ -405,27 +457,29 @@ def _leaf(stage: Stage, terms: dict, outer: int, ranks: list[int], profile: Prof
           solver: Solver, memory: Memory, earlier: list[PlanStage]) -> PlanStage:
     before = sum(s.replicas for s in earlier)
     k = Memory.in_flight(solver.workers, before, len(ranks))
-    need = memory.need(float(solver.params[stage.first, stage.last]), float(solver.stashed[stage.first, stage.last]), k)
-    layers = profile.layers[stage.first:stage.last + 1]
-    return PlanStage(stage.first, stage.last, layers[0].name, layers[-1].name, tuple(ranks), k,
+    a, b = stage.start, stage.end
+    need = memory.need(float(solver.params[a, b]), float(solver.stashed[a, b]), k)
+    layers = [profile.layers[i] for i in stage.layers]
+    return PlanStage(stage.layers, layers[0].name, layers[-1].name, tuple(ranks), k,
                      sum(l.fwd_ms for l in layers), sum(l.bwd_ms for l in layers), sum(l.param_bytes for l in layers),
-                     int(costs.cut_before()[stage.first]), int(costs.cut[stage.last]),
-                     int(solver.stashed[stage.first, stage.last]), terms["compute"] / outer * MS, terms["allreduce"] / outer * MS,
+                     int(solver.states.cut[a]), int(solver.states.cut[b]), int(solver.stashed[a, b]),
+                     terms["compute"] / outer * MS, terms["allreduce"] / outer * MS,
                      terms["transfer"] / outer * MS, terms["time"] / outer * MS, int(round(need)))
 
 
-def _no_plan_reason(profile, costs, counts, bandwidths, model, straight, memory, cluster) -> str:
+def _no_plan_reason(profile: Profile, costs: ChainCosts, states: States, counts, bandwidths, model, straight, memory,
+                    cluster) -> str:
     """Why no plan exists: name the stage that does not fit and by how much, when memory is why."""
     if memory is not None:
-        free = Solver(costs, counts, bandwidths, model, straight=straight).solve()
+        solver = Solver(states, counts, bandwidths, model, straight=straight)
+        free = solver.solve()
         if free is not None:
             fake = Memory(float("inf"), memory.optimizer_slots)
-            solver = Solver(costs, counts, bandwidths, model, straight=straight)
             stages, _ = _describe(free, profile, costs, model, solver, fake)
             worst_index, worst = max(enumerate(stages), key=lambda item: item[1].memory_bytes)
             over = worst.memory_bytes - memory.limit
             return (f"no plan fits in {format_bytes(memory.limit)} per worker: the fastest plan's stage {worst_index} "
-                    f"(layers {worst.first}-{worst.last}, {worst.first_name}..{worst.last_name}) needs "
+                    f"(layers {layer_ranges(worst.layers)}, {worst.first_name}..{worst.last_name}) needs "
                     f"{worst.memory_bytes / 2**30:.3f} GiB per worker, {over / 2**30:.3f} GiB over, and no other "
                     "partition fits either; raise --memory, add workers or profile a smaller batch")
     if model.exact_workers:

@@ -7,7 +7,8 @@ module that imports the `graphviz` package; laying out needs graphviz's `dot` pr
 without it `render_plan` writes the `.dot` source and says how to render it by hand.
 
 Layout: one node per layer (name, kind, forward + backward ms), one coloured `cluster_stage_S`
-box per stage, read like newspaper columns: layers run top to bottom inside a column, and
+box per stage holding the stage's layers (a set of layer ids: on a branchy graph not always a
+contiguous range), read like newspaper columns: layers run top to bottom inside a column, and
 stages stand side by side from left to right. A stage of more than `MAX_ROWS` layers wraps
 into several columns inside its box, so a 100-layer model fits a landscape page instead of
 a 100-node strip. Edges that cross a stage boundary (what the pipeline sends) are heavy and
@@ -27,7 +28,7 @@ import graphviz
 
 from .errors import ArtifactError, PdtoolError
 from .jsonio import check_writable, write_text_atomic
-from .plan import Plan, PlanStage, profile_sha256
+from .plan import Plan, PlanStage, layer_ranges, profile_sha256
 from .profile import Layer, Profile
 from .units import format_bytes
 
@@ -60,7 +61,7 @@ def plan_graph(plan: Plan, profile: Profile) -> graphviz.Digraph:
     _check_pair(plan, profile)
     stage_of = [0] * len(profile.layers)
     for index, stage in enumerate(plan.stages):
-        for layer_id in range(stage.first, stage.last + 1):
+        for layer_id in stage.layers:
             stage_of[layer_id] = index
     column_of = _columns(plan, max(MAX_ROWS, math.ceil(math.sqrt(2 * len(profile.layers)))))
     bottleneck = _bottleneck_stage(plan)
@@ -83,12 +84,12 @@ def plan_graph(plan: Plan, profile: Profile) -> graphviz.Digraph:
                      fillcolor=STAGE_COLOURS[index % len(STAGE_COLOURS)],
                      color=BOTTLENECK_COLOUR if is_bottleneck else "#888888",
                      penwidth="4" if is_bottleneck else "1", margin="12")
-            for layer in profile.layers[stage.first:stage.last + 1]:
+            for layer in (profile.layers[i] for i in stage.layers):
                 box.node(_node(layer.id), _node_label(layer, short), tooltip=_tooltip(layer))
 
     # Column heads share the top rank and stand left to right in layer order (newrank lets a
     # rank=same group span clusters); the invisible chain between them fixes that order.
-    heads = [first for first, _ in column_of]
+    heads = [ids[0] for ids in column_of]
     if len(heads) > 1:
         with graph.subgraph(name="column_heads") as top:
             top.attr(rank="same")
@@ -97,7 +98,7 @@ def plan_graph(plan: Plan, profile: Profile) -> graphviz.Digraph:
             for left, right in zip(heads, heads[1:]):
                 top.edge(_node(left), _node(right), style="invis")
 
-    column = {layer_id: c for c, (first, last) in enumerate(column_of) for layer_id in range(first, last + 1)}
+    column = {layer_id: c for c, ids in enumerate(column_of) for layer_id in ids}
     for src, dst in profile.edges:
         same_column = column[src] == column[dst]
         attrs = {} if same_column else {"constraint": "false"}
@@ -156,15 +157,15 @@ def _check_pair(plan: Plan, profile: Profile) -> None:
             "pass the profile the plan was made from")
 
 
-def _columns(plan: Plan, rows: int) -> list[tuple[int, int]]:
-    """(first, last) layer ids of every column: each stage split into equal runs of <= `rows`."""
+def _columns(plan: Plan, rows: int) -> list[tuple[int, ...]]:
+    """The layer ids of every column: each stage's layers split into equal runs of <= `rows`."""
     columns = []
     for stage in plan.stages:
-        count = stage.last - stage.first + 1
+        count = len(stage.layers)
         pieces = math.ceil(count / rows)
         size = math.ceil(count / pieces)
-        for start in range(stage.first, stage.last + 1, size):
-            columns.append((start, min(start + size - 1, stage.last)))
+        for start in range(0, count, size):
+            columns.append(stage.layers[start:start + size])
     return columns
 
 
@@ -202,7 +203,7 @@ def _stage_label(index: int, stage: PlanStage, plan: Plan, is_bottleneck: bool) 
     """'stage S: layers a-b, R replicas (ranks ...), T ms', plus the bottleneck mark."""
     replicas = f"{stage.replicas} replica{'s' if stage.replicas != 1 else ''}"
     rank_word = "ranks" if stage.replicas != 1 else "rank"
-    label = (f"stage {index}: layers {stage.first}-{stage.last}, {replicas} ({rank_word} {_ranks(stage.ranks)}), "
+    label = (f"stage {index}: layers {layer_ranges(stage.layers)}, {replicas} ({rank_word} {_ranks(stage.ranks)}), "
              f"{_ms(stage.time_ms)} ms\\l")
     if is_bottleneck:
         label += f"BOTTLENECK: {plan.predicted.bottleneck}\\l"
@@ -245,7 +246,7 @@ def _title(plan: Plan, profile: Profile) -> str:
         f"predicted {_ms(pred.time_ms)} ms per minibatch, bottleneck: {pred.bottleneck}; "
         f"edge labels: bytes sent per minibatch",
     ]
-    lines += [f"level-{g.level} group: layers {g.first}-{g.last} on {g.units} units, {_ms(g.time_ms)} ms"
+    lines += [f"level-{g.level} group: layers {layer_ranges(g.layers)} on {g.units} units, {_ms(g.time_ms)} ms"
               for g in plan.groups]
     return "".join(f"{line}\\l" for line in lines)
 

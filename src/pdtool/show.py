@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .plan import Plan
+from .plan import Plan, layer_ranges
 from .profile import Profile
 from .simulate import SimResult
 
@@ -57,7 +57,7 @@ def plan_table(plan: Plan) -> str:
     for index, s in enumerate(plan.stages):
         rows.append({
             "stage": index,
-            "layers": f"{s.first}-{s.last}",
+            "layers": layer_ranges(s.layers),
             "from .. to": f"{s.first_name} .. {s.last_name}",
             "replicas": s.replicas,
             "ranks": _ranks(s.ranks),
@@ -72,7 +72,8 @@ def plan_table(plan: Plan) -> str:
     table = pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.3f}")
     lines = [
         f"plan         {len(plan.stages)} stages on {plan.workers} workers ({plan.cluster.describe()}), "
-        f"mode {plan.mode}, cost model {plan.cost_model}{', straight' if plan.straight else ''}",
+        f"mode {plan.mode}, cost model {plan.cost_model}{', straight' if plan.straight else ''}"
+        f"{', stages over prefixes of the layer order' if plan.state_space == 'prefixes' else ''}",
         f"profile      {plan.profile.model['spec'] if plan.profile.model else '(imported)'}, "
         f"batch {plan.profile.batch_size}, {plan.profile.layers} layers",
         "",
@@ -80,7 +81,7 @@ def plan_table(plan: Plan) -> str:
     ]
     if plan.groups:
         groups = pd.DataFrame({
-            "level": g.level, "layers": f"{g.first}-{g.last}", "units": g.units, "compute ms": g.compute_ms,
+            "level": g.level, "layers": layer_ranges(g.layers), "units": g.units, "compute ms": g.compute_ms,
             "allreduce ms": g.allreduce_ms, "transfer ms": g.transfer_ms, "time ms": g.time_ms,
         } for g in plan.groups)
         lines += ["", "outer-level stages (each runs the inner stages of its layers on every unit):",

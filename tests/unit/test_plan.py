@@ -9,7 +9,7 @@ from pdtool.cluster import parse_cluster
 from pdtool.errors import ArtifactError, PlanError
 from pdtool.jsonio import canonical_json
 from pdtool.pipedream_import import load_pipedream_graph
-from pdtool.plan import Plan, make_plan
+from pdtool.plan import Plan, layer_ranges, make_plan
 from pdtool.profile import Layer, Profile
 
 PIPEDREAM = Path(__file__).resolve().parents[2] / "profiles" / "pipedream"
@@ -54,13 +54,55 @@ def test_plans_round_trip_and_are_byte_identical_for_identical_inputs():
     assert canonical_json(again.to_json()) == text
 
 
-def test_a_plan_covers_every_layer_once_and_uses_distinct_ranks():
-    plan = make_plan(imported("resnet18"), parse_cluster("4x12GB/s,4x10Gbit/s"))
-    assert plan.stages[0].first == 0 and plan.stages[-1].last == len(imported("resnet18").layers) - 1
-    assert all(a.last + 1 == b.first for a, b in zip(plan.stages, plan.stages[1:]))
+@pytest.mark.parametrize("cost_model, spec", [("pdtool", "4x12GB/s,4x10Gbit/s"), ("pipedream", "4x1e10B/s,2x1.25e9B/s")])
+def test_a_plan_covers_every_layer_once_and_uses_distinct_ranks(cost_model, spec):
+    profile = imported("resnet18")
+    plan = make_plan(profile, parse_cluster(spec), cost_model=cost_model)
+    stage_of = {layer: s for s, stage in enumerate(plan.stages) for layer in stage.layers}
+    assert sorted(stage_of) == list(range(len(profile.layers)))
+    assert all(stage_of[src] <= stage_of[dst] for src, dst in profile.edges)  # data only flows forward
     ranks = plan.used_ranks
     assert len(ranks) == len(set(ranks)) and set(ranks) <= set(range(16))
     assert plan.predicted.time_ms == pytest.approx(max([s.time_ms for s in plan.stages] + [g.time_ms for g in plan.groups]))
+
+
+def test_a_stage_can_be_a_set_of_layers_and_the_plan_says_which_states_it_used():
+    """resnet18 with the original's model on 4x2: the best split ends between the two branches
+    of a residual block (the original's optimizer finds it too), so a stage is not a range."""
+    profile = imported("resnet18")
+    plan = make_plan(profile, parse_cluster("4x1e10B/s,2x1.25e9B/s"), cost_model="pipedream", simulate=False)
+    data = plan.to_json()
+    assert data["state_space"] == "down-sets"
+    assert plan.predicted.time_ms / 1000 == pytest.approx(0.0423106, rel=5e-6)  # the original's figure
+    stages = data["stages"]
+    assert any(s["layers"] != list(range(s["layers"][0], s["layers"][-1] + 1)) for s in stages)
+    for stage in stages:
+        assert stage["layers"] == sorted(stage["layers"])
+        assert (stage["first_layer"], stage["last_layer"]) == (profile.layers[stage["layers"][0]].name,
+                                                               profile.layers[stage["layers"][-1]].name)
+    assert canonical_json(Plan.from_json(json.loads(canonical_json(data)), "p.json").to_json()) == canonical_json(data)
+    from pdtool.show import plan_table
+
+    table = plan_table(plan)
+    assert all(f" {layer_ranges(s.layers)} " in table for s in plan.stages)
+
+
+def test_layer_sets_are_shown_as_ranges():
+    assert layer_ranges(range(17)) == "0-16"
+    assert layer_ranges([12, 0, 1, 2, 3, 4, 5, 8, 10, 11]) == "0-5,8,10-12"
+    assert layer_ranges([7]) == "7" and layer_ranges([]) == ""
+
+
+def test_too_many_down_sets_plan_over_prefixes_and_say_so(monkeypatch):
+    import pdtool.plan as plan_module
+    from pdtool.states import build_states
+
+    monkeypatch.setattr(plan_module, "build_states", lambda costs: build_states(costs, max_states=10))
+    plan = make_plan(imported("resnet18"), parse_cluster("4x1e10B/s,2x1.25e9B/s"), cost_model="pipedream",
+                     simulate=False)
+    assert plan.state_space == "prefixes" and plan.to_json()["state_space"] == "prefixes"
+    assert all(s.layers == tuple(range(s.first, s.last + 1)) for s in plan.stages)
+    assert plan.predicted.time_ms / 1000 == pytest.approx(0.0425623, rel=5e-6)  # one order's ranges only
 
 
 def test_in_flight_counts_follow_1f1b():
@@ -104,10 +146,14 @@ def _plan_json():
     (lambda d: d["stages"][0].update(ranks=[0, 1]), r"stages\[0\].ranks: replicas is \d but 2 ranks"),
     (lambda d: d["stages"][-1].update(ranks=[0], replicas=1), r"rank 0 is also in stages\[0\]"),
     (lambda d: d["stages"][-1].update(ranks=[9], replicas=1), "rank 9 does not exist in a cluster of 4 workers"),
-    (lambda d: d["stages"][0].update(layers=[5, 4]), r"stages\[0\]: layers \[5, 4\] is an empty stage"),
-    (lambda d: d["stages"][1].update(layers=[d["stages"][0]["layers"][1], 39]), "is already in stages"),
-    (lambda d: d["stages"][1].update(layers=[d["stages"][0]["layers"][1] + 2, 39]), "are in no stage"),
-    (lambda d: d["stages"][-1].update(layers=[d["stages"][-1]["layers"][0], 30]), "stages end at layer 30"),
+    (lambda d: d["stages"][0].update(layers=[]), r"stages\[0\]: layers \[\] is an empty stage"),
+    (lambda d: d["stages"][1]["layers"].append(d["stages"][0]["layers"][-1]), r"stages\[1\]: layer \d+ is already in stages\[0\]"),
+    (lambda d: d["stages"][1]["layers"].append(d["stages"][1]["layers"][0]), r"stages\[1\]: layer \d+ is listed twice"),
+    (lambda d: d["stages"][1].update(layers=d["stages"][1]["layers"][2:-1]), r"stages: layers \d+-\d+,39 are in no stage"),
+    (lambda d: d["stages"][1].update(layers=d["stages"][1]["layers"][:-1]), r"stages: layer 39 is in no stage"),
+    (lambda d: d["stages"][1]["layers"].append(40), r"stages\[1\]: layer 40 does not exist in a profile of 40 layers"),
+    (lambda d: d["stages"][1].update(layers=[1, "x"]), r"stages\[1\].layers: expected a list of layer ids"),
+    (lambda d: d.update(state_space="antichains"), "unknown state space 'antichains'"),
     (lambda d: d.update(stages=[]), "at least one stage"),
     (lambda d: d.update(mode="fast"), "unknown mode 'fast'"),
     (lambda d: d.update(schema="pdtool.profile/1"), "expected 'pdtool.plan/1'"),

@@ -10,7 +10,7 @@ import pytest
 from pdtool.cluster import parse_cluster
 from pdtool.errors import ArtifactError, PdtoolError
 from pdtool.pipedream_import import load_pipedream_graph
-from pdtool.plan import make_plan
+from pdtool.plan import layer_ranges, make_plan
 from pdtool.profile import Layer, Profile
 from pdtool.render import FORMATS, plan_graph, render_plan
 from pdtool.units import format_bytes
@@ -51,15 +51,15 @@ def test_one_cluster_per_stage_labelled_with_its_layers_replicas_ranks_and_time(
     blocks = clusters(source)
     assert sorted(blocks) == list(range(len(plan.stages)))
     for index, stage in enumerate(plan.stages):
-        assert f"stage {index}: layers {stage.first}-{stage.last}, 1 replica (rank {stage.ranks[0]}), " in blocks[index]
-        for layer_id in range(stage.first, stage.last + 1):
+        assert f"stage {index}: layers {layer_ranges(stage.layers)}, 1 replica (rank {stage.ranks[0]}), " in blocks[index]
+        for layer_id in stage.layers:
             assert re.search(rf"\bL{layer_id} \[label=\"l{layer_id}\\n", blocks[index])
 
 
 def test_the_bottleneck_stage_and_only_it_is_marked(planned):
     plan, profile = planned
     slow = int(plan.predicted.bottleneck.split()[1])
-    assert plan.stages[slow].first <= 5 <= plan.stages[slow].last  # the 40 ms layer's stage
+    assert 5 in plan.stages[slow].layers  # the 40 ms layer's stage
     blocks = clusters(plan_graph(plan, profile).source)
     for index, block in blocks.items():
         marked = "BOTTLENECK" in block and "penwidth=4" in block and 'color="#d62728"' in block
@@ -72,7 +72,7 @@ def test_the_bottleneck_stage_and_only_it_is_marked(planned):
 def test_cut_edges_are_heavy_and_labelled_with_bytes_internal_edges_plain(planned):
     plan, profile = planned
     source = plan_graph(plan, profile).source
-    stage_of = {i: s for s, st in enumerate(plan.stages) for i in range(st.first, st.last + 1)}
+    stage_of = {i: s for s, st in enumerate(plan.stages) for i in st.layers}
     cut = 0
     for src, dst in profile.edges:
         (line,) = re.findall(rf"^\tL{src} -> L{dst}\b.*$", source, re.M)
@@ -82,6 +82,19 @@ def test_cut_edges_are_heavy_and_labelled_with_bytes_internal_edges_plain(planne
         else:
             assert "label" not in line and "penwidth" not in line
     assert cut == len(plan.stages) - 1 + 1  # one per boundary, plus the skip edge 1 -> 4
+
+
+def test_a_stage_that_is_not_a_range_of_layers_holds_exactly_its_layers():
+    """resnet18 on 4x2 with the original's model: a stage ends between a residual block's two
+    branches, so both stages are sets of layers, not ranges."""
+    profile = load_pipedream_graph(PIPEDREAM / "resnet18.graph.txt")
+    plan = make_plan(profile, parse_cluster("4x10GB/s,2x1.25GB/s"), cost_model="pipedream", simulate=False)
+    assert any(s.layers != tuple(range(s.first, s.last + 1)) for s in plan.stages)
+    source = plan_graph(plan, profile).source
+    blocks = clusters(source)
+    for index, stage in enumerate(plan.stages):
+        assert f"stage {index}: layers {layer_ranges(stage.layers)}, " in blocks[index]
+        assert sorted(int(i) for i in re.findall(r"^\t\tL(\d+) \[", blocks[index], re.M)) == list(stage.layers)
 
 
 def test_very_many_layers_get_one_line_labels():
@@ -135,7 +148,7 @@ def test_a_real_svg_shows_the_stage_labels(planned, tmp_path):
     assert (written, warning) == (tmp_path / "plan.svg", None)
     texts = " ".join(t.text or "" for t in ET.parse(written).getroot().iter("{http://www.w3.org/2000/svg}text"))
     for index, stage in enumerate(plan.stages):
-        assert f"stage {index}: layers {stage.first}-{stage.last}" in texts
+        assert f"stage {index}: layers {layer_ranges(stage.layers)}" in texts
     assert "BOTTLENECK" in texts
     assert [p.name for p in tmp_path.iterdir()] == ["plan.svg"]  # no temporary file left behind
 

@@ -27,7 +27,7 @@ def make(stages, levels=FAST, mode="pipedream", ranks=None, batch=32):
             these = tuple(given[s])
         else:
             these, next_rank = tuple(range(next_rank, next_rank + r)), next_rank + r
-        built.append(PlanStage(s, s, f"l{s}", f"l{s}", these, 1, fwd, bwd, params, specs[s - 1][4] if s else 0,
+        built.append(PlanStage((s,), f"l{s}", f"l{s}", these, 1, fwd, bwd, params, specs[s - 1][4] if s else 0,
                                out if s < len(specs) - 1 else 0, 1000 * (s + 1), fwd + bwd, 0.0, 0.0, fwd + bwd, 0))
     return Plan(profile=ProfileRef("0" * 64, "f" * 64, None, batch, len(specs), "pipedream", "module", None),
                 cluster=Cluster(tuple(Level(c, float(bw)) for c, bw in levels)), cost_model="pdtool", straight=False,
