@@ -26,7 +26,7 @@ def plan_with(tmp_path, split, mode="pipedream", ref=MLP, batch_size=4, name="p.
     template = plan.stages[0]
     stages, rank = [], 0
     for (first, last), replicas in split:
-        stages.append(dataclasses.replace(template, first=first, last=last,
+        stages.append(dataclasses.replace(template, layers=tuple(range(first, last + 1)),
                                           first_name=profile.layers[first].name, last_name=profile.layers[last].name,
                                           ranks=tuple(range(rank, rank + replicas))))
         rank += replicas

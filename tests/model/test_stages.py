@@ -75,6 +75,11 @@ SPLITS = {
 CASES = [(name, starts) for name, splits in SPLITS.items() for starts in splits]
 
 
+def spans(ranges):
+    """Layer-id sets of (first, last) ranges."""
+    return [range(first, last + 1) for first, last in ranges]
+
+
 def ranges_for(module, starts):
     names = [g.name for g in build_layer_graph(module).groups]
     cuts = [0] + [names.index(s) for s in starts] + [len(names)]
@@ -116,7 +121,7 @@ def run_backward(stages, records, loss):
 @pytest.mark.parametrize("name,starts", CASES, ids=[f"{n}-{len(s) + 1}" for n, s in CASES])
 def test_stages_give_the_models_output_and_gradients(name, starts):
     module, inputs, target = MODELS[name]()
-    stages = build_stages(module, ranges_for(module, starts), **FX)
+    stages = build_stages(module, spans(ranges_for(module, starts)), **FX)
     assert len(stages) == len(starts) + 1
     records = run_forward(stages, inputs)
     out = records[-1][1]["output"]
@@ -136,13 +141,13 @@ def test_each_stage_owns_exactly_its_layers_parameters(name, starts):
     module, _, _ = MODELS[name]()
     ranges = ranges_for(module, starts)
     groups = build_layer_graph(module).groups
-    stages = build_stages(module, ranges, **FX)
+    stages = build_stages(module, spans(ranges), **FX)
     whole = dict(module.named_parameters())
     seen = []
     for stage, (first, last) in zip(stages, ranges):
         owned = {p for g in groups[first:last + 1] for p in g.params}
         assert set(stage.param_names.values()) == owned
-        assert stage.layers == (first, last)
+        assert stage.layers == tuple(range(first, last + 1))
         for local, p in stage.module.named_parameters():
             assert p is whole[stage.param_names[local]]  # the model's own tensor, not a copy
         seen += stage.param_names.values()
@@ -159,7 +164,7 @@ def test_stages_follow_the_profiles_granularity_and_depth(name, options, starts)
     module, inputs, _ = MODELS[name]()
     names = [g.name for g in build_layer_graph(module, **options).groups]
     cuts = [0] + [names.index(s) for s in starts] + [len(names)]
-    stages = build_stages(module, [(a, b - 1) for a, b in zip(cuts, cuts[1:])], method="fx", **options)
+    stages = build_stages(module, spans([(a, b - 1) for a, b in zip(cuts, cuts[1:])]), method="fx", **options)
     values = first_inputs(stages, inputs)
     for stage in stages:
         values = stage.forward(values)
@@ -168,7 +173,7 @@ def test_stages_follow_the_profiles_granularity_and_depth(name, options, starts)
 
 def test_a_skip_over_a_whole_stage_is_relayed_as_the_same_tensor():
     module, inputs, _ = skip_bundle()
-    stages = build_stages(module, ranges_for(module, ["b", "c"]), **FX)
+    stages = build_stages(module, spans(ranges_for(module, ["b", "c"])), **FX)
     assert [s.inputs for s in stages] == [("x", "bias"), ("bias", "relu"), ("bias", "relu", "mul")]
     assert [s.outputs for s in stages] == [("bias", "relu"), ("bias", "relu", "mul"), ("output",)]
     received, produced = run_forward(stages, inputs)[1]
@@ -181,7 +186,7 @@ def test_a_skip_over_a_whole_stage_is_relayed_as_the_same_tensor():
 
 def test_functional_call_runs_a_stage_on_other_weights():
     module, inputs, _ = zoo_bundle(resnet50, width=4, image_size=32, classes=3, blocks=[1, 1])
-    stages = build_stages(module, ranges_for(module, ["layer1.0.conv2", "layer2.0.conv1"]), **FX)
+    stages = build_stages(module, spans(ranges_for(module, ["layer1.0.conv2", "layer2.0.conv1"])), **FX)
     values = first_inputs(stages, inputs)
     expected = dict(values)
     for stage in stages:
@@ -214,9 +219,9 @@ def test_tied_weights_across_stages_are_refused_by_name():
             return self.head(self.mid(self.emb(idx)))
 
     module = Tied()
-    assert len(build_stages(module, [(0, 2)], **FX)) == 1  # in one stage, tying is fine
+    assert len(build_stages(module, spans([(0, 2)]), **FX)) == 1  # in one stage, tying is fine
     with pytest.raises(LaunchError, match=r"parameter emb\.weight is used by stages 0 and 1") as err:
-        build_stages(module, [(0, 0), (1, 2)], **FX)
+        build_stages(module, spans([(0, 0), (1, 2)]), **FX)
     assert "\n" not in str(err.value)
 
 
@@ -232,7 +237,7 @@ def test_a_parameter_read_by_two_stages_is_refused():
             return self.b(self.a(x) * self.scale) * self.scale
 
     with pytest.raises(LaunchError, match="parameter scale is used by stages 0 and 1"):
-        build_stages(Shared(), [(0, 0), (1, 1)], **FX)
+        build_stages(Shared(), spans([(0, 0), (1, 1)]), **FX)
 
 
 # ----- mismatches ---------------------------------------------------------------------------------
@@ -246,11 +251,11 @@ def one_line_error(call, match):
 
 def test_a_wrong_layer_count_or_layer_name_is_a_launch_error():
     module, _, _ = skip_bundle()  # 4 layers: a, b, c, d
-    one_line_error(lambda: build_stages(module, [(0, 1), (2, 4)], **FX), "the plan has 5 layers but this model has 4")
-    one_line_error(lambda: build_stages(module, [(0, 1), (2, 3)], **FX, layer_names={0: "a", 3: "head"}),
+    one_line_error(lambda: build_stages(module, spans([(0, 1), (2, 4)]), **FX), "the plan has 5 layers but this model has 4")
+    one_line_error(lambda: build_stages(module, spans([(0, 1), (2, 3)]), **FX, layer_names={0: "a", 3: "head"}),
                    "layer 3 is 'head' but this model's is 'd'")
-    one_line_error(lambda: build_stages(module, [(0, 1), (1, 3)], **FX), "stage 1 runs layers 1..3")
-    one_line_error(lambda: build_stages(module, [(0, 3)], method="modules", granularity="module", depth=None),
+    one_line_error(lambda: build_stages(module, spans([(0, 1), (1, 3)]), **FX), "layer 1 is in stages 0 and 1")
+    one_line_error(lambda: build_stages(module, spans([(0, 3)]), method="modules", granularity="module", depth=None),
                    "cannot be built yet")
 
 
@@ -267,7 +272,7 @@ def test_check_model_accepts_the_plans_model_and_builds_its_stages(mlp_plan):
     module = load_model(ModelRef("pdtool.zoo:mlp", MLP)).module
     check_model(mlp_plan, module)
     stages = plan_stages(mlp_plan, module)
-    assert [s.layers for s in stages] == [(s.first, s.last) for s in mlp_plan.stages]
+    assert [s.layers for s in stages] == [s.layers for s in mlp_plan.stages]
     x = torch.randn(4, 12)
     values = first_inputs(stages, (x,))
     assert stages[0].inputs == ("input_1",)  # fx node names: nn.Sequential's `input` is `input_1`
@@ -284,3 +289,30 @@ def test_check_model_refuses_another_model_or_granularity(mlp_plan):
     same = load_model(ModelRef("pdtool.zoo:mlp", MLP)).module
     by_op = dataclasses.replace(mlp_plan, profile=dataclasses.replace(mlp_plan.profile, granularity="op"))
     one_line_error(lambda: check_model(by_op, same), "the plan has 4 layers but this model has 7 at granularity op")
+
+
+def test_a_stage_may_be_a_down_set_difference_rather_than_a_range():
+    """Stage 0 runs a residual block's main branch start but not its downsample branch, which
+    stage 1 runs (a cut the planner's down-set states allow on branchy graphs)."""
+    module, inputs, target = MODELS["resnet"]()
+    names = [g.name for g in build_layer_graph(module).groups]
+    main = {names.index(n) for n in ("conv1", "bn1", "maxpool", "layer1.0.conv1", "layer1.0.bn1")}
+    rest = [i for i in range(len(names)) if i not in main]
+    assert names.index("layer1.0.downsample.0") in rest and min(rest) < max(main)  # not a range
+    stages = build_stages(module, [sorted(main), rest], **FX)
+    assert stages[0].layers == tuple(sorted(main))
+    records = run_forward(stages, inputs)
+    out = records[-1][1]["output"]
+    expected = module(*inputs)
+    assert torch.equal(out, expected)
+    grads = run_backward(stages, records, LOSS["resnet"](out, target))
+    module.zero_grad(set_to_none=True)
+    LOSS["resnet"](expected, target).backward()
+    for qualified, p in module.named_parameters():
+        torch.testing.assert_close(grads[qualified], p.grad)
+
+
+def test_stages_out_of_dependency_order_are_refused():
+    module, _, _ = MODELS["resnet"]()
+    count = len(build_layer_graph(module).groups)
+    one_line_error(lambda: build_stages(module, [range(1, count), [0]], **FX), "")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import fx, nn
@@ -50,7 +51,8 @@ class Stage:
 
     `module`'s parameters and buffers are exactly this stage's; `param_names` and
     `buffer_names` map the module's own names to qualified names in the whole model.
-    `layers` is the (first, last) layer id range the stage runs, inclusive.
+    `layers` are the ids of the layers the stage runs (a contiguous range on a chain; on a
+    branchy graph possibly, e.g., a residual block's main branch without its downsample branch).
     """
 
     index: int
@@ -59,16 +61,16 @@ class Stage:
     outputs: tuple[str, ...]
     param_names: dict[str, str]
     buffer_names: dict[str, str] = field(default_factory=dict)
-    layers: tuple[int, int] = (0, 0)
+    layers: tuple[int, ...] = ()
 
     def forward(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the stage on the values of its input boundary; returns its output boundary."""
         return self.module(values)
 
 
-def build_stages(module: nn.Module, ranges: list[tuple[int, int]], *, method: str, granularity: str,
+def build_stages(module: nn.Module, layer_sets: Sequence[Sequence[int]], *, method: str, granularity: str,
                  depth: int | None, layer_names: dict[int, str] | None = None) -> list[Stage]:
-    """Split `module` into one `Stage` per (first, last) layer range of `ranges`.
+    """Split `module` into one `Stage` per set of layer ids in `layer_sets` (stage order).
 
     `method`, `granularity` and `depth` are the profile's (how its layers were found);
     `layer_names` (layer id -> name, e.g. each plan stage's first and last layer) are checked
@@ -81,28 +83,29 @@ def build_stages(module: nn.Module, ranges: list[tuple[int, int]], *, method: st
     if method != "fx":
         raise LaunchError(f"the plan's layers come from a {method!r} profile, not from a model traced by pdtool, so "
                           "its stages cannot be built; re-run pd profile --method fx and pd plan for this model")
-    count = _check_ranges(ranges)
+    layer_sets = [tuple(sorted(layers)) for layers in layer_sets]
+    count = _check_layer_sets(layer_sets)
     layers = _layer_graph(module, granularity, depth)
     _check_layers(layers.groups, count, layer_names, granularity, depth)
     gm = trace(module, depth)  # the same trace build_layer_graph made, node for node
-    stage_of_group = [s for s, (first, last) in enumerate(ranges) for _ in range(first, last + 1)]
+    stage_of_group = {g: s for s, ids in enumerate(layer_sets) for g in ids}
     stage_of = {name: stage_of_group[g] for g, group in enumerate(layers.groups) for name in group.nodes}
     computing = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     if {n.name for n in computing} != set(stage_of):
         raise LaunchError("tracing the model twice gave two different graphs (is its forward random?); "
                           "make the model's forward deterministic under torch.fx tracing")
     node_stage = {n: stage_of[n.name] for n in computing}
-    boundaries = _boundaries(gm, node_stage, len(ranges))
+    boundaries = _boundaries(gm, node_stage, len(layer_sets))
     stages = []
-    for s, (first, last) in enumerate(ranges):
+    for s, ids in enumerate(layer_sets):
         if s == 0:
             inputs = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
         else:
             inputs = tuple(n.name for n in boundaries[s - 1])
-        outputs = (OUTPUT,) if s == len(ranges) - 1 else tuple(n.name for n in boundaries[s])
-        graph = _stage_graph(gm, node_stage, s, len(ranges), inputs, outputs)
+        outputs = (OUTPUT,) if s == len(layer_sets) - 1 else tuple(n.name for n in boundaries[s])
+        graph = _stage_graph(gm, node_stage, s, len(layer_sets), inputs, outputs)
         stage_module = fx.GraphModule(gm, graph, class_name=f"Stage{s}")
-        stages.append(Stage(s, stage_module, inputs, outputs, {}, {}, (first, last)))
+        stages.append(Stage(s, stage_module, inputs, outputs, {}, {}, ids))
     _name_state(module, stages)
     return stages
 
@@ -111,7 +114,7 @@ def plan_stages(plan: Plan, module: nn.Module) -> list[Stage]:
     """`check_model`, then the plan's stages of `module` (the plan's layer ranges and names)."""
     _check_fingerprint(plan, module)
     p = plan.profile
-    return build_stages(module, [(s.first, s.last) for s in plan.stages], method=p.method,
+    return build_stages(module, [s.layers for s in plan.stages], method=p.method,
                         granularity=p.granularity, depth=p.depth, layer_names=_plan_layer_names(plan))
 
 
@@ -140,17 +143,26 @@ def _check_fingerprint(plan: Plan, module: nn.Module) -> None:
                           f"{plan.profile.fingerprint[:12]}); use that model, or {_REPROFILE}")
 
 
-def _check_ranges(ranges: list[tuple[int, int]]) -> int:
-    """The layer count the ranges cover; `LaunchError` unless they tile 0..count-1 in order."""
-    if not ranges:
+def _check_layer_sets(layer_sets: list[tuple[int, ...]]) -> int:
+    """The layer count the stages cover; `LaunchError` unless every layer 0..count-1 is in
+    exactly one non-empty stage."""
+    if not layer_sets:
         raise LaunchError("a plan needs at least one stage; regenerate the plan with pd plan")
-    expected = 0
-    for s, (first, last) in enumerate(ranges):
-        if first != expected or last < first:
-            raise LaunchError(f"stage {s} runs layers {first}..{last}, but stages must cover the layers in order, "
-                              f"each once (expected it to start at layer {expected}); regenerate the plan with pd plan")
-        expected = last + 1
-    return expected
+    owner: dict[int, int] = {}
+    for s, ids in enumerate(layer_sets):
+        if not ids:
+            raise LaunchError(f"stage {s} runs no layer; regenerate the plan with pd plan")
+        for layer in ids:
+            if layer in owner:
+                raise LaunchError(f"layer {layer} is in stages {owner[layer]} and {s}; every layer belongs to one "
+                                  "stage; regenerate the plan with pd plan")
+            owner[layer] = s
+    count = max(owner) + 1
+    missing = sorted(set(range(count)) - set(owner))
+    if missing or min(owner) < 0:
+        raise LaunchError(f"layer {missing[0] if missing else min(owner)} is in no stage; the stages must cover "
+                          "every layer; regenerate the plan with pd plan")
+    return count
 
 
 def _layer_graph(module: nn.Module, granularity: str, depth: int | None):
@@ -194,9 +206,9 @@ def _boundaries(gm: fx.GraphModule, node_stage: dict[fx.Node, int], stages: int)
             continue
         made = node_stage.get(node, -1)  # placeholders: before stage 0
         used = [last if u.op == "output" else node_stage[u] for u in node.users]
-        if any(s < made for s in used):  # cannot happen: the layer grouping keeps data flowing forward
-            raise LaunchError(f"value {node.name} is used before the stage that computes it; "
-                              "this model's layer grouping is not a pipeline, please report it")
+        if any(s < made for s in used):  # the stages' layer sets are not in data-flow order
+            raise LaunchError(f"stage {min(used)} reads {node.name}, which stage {made} computes later: the plan's "
+                              "stages are not in data-flow order (edited by hand?); regenerate the plan with pd plan")
         for k in range(max(made, 0), max(used, default=made)):
             boundaries[k].append(node)
     return boundaries

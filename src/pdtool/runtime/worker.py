@@ -101,7 +101,7 @@ def worker_main(config: RunConfig) -> WorkerReport:
     from .stages import build_stages, check_model
 
     check_model(plan, bundle.module)
-    stages = build_stages(bundle.module, [(s.first, s.last) for s in plan.stages], method=plan.profile.method,
+    stages = build_stages(bundle.module, [s.layers for s in plan.stages], method=plan.profile.method,
                           granularity=plan.profile.granularity, depth=plan.profile.depth,
                           layer_names=_layer_names(plan))
     schedule = make_schedule(plan, config)
