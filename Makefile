@@ -29,7 +29,8 @@ graphviz:
 	  fi; }
 
 # The demo: profile a small ResNet-50, plan it as a 4-stage pipeline for 4 local CPU workers
-# (the cost model alone would pick data parallelism on so fast a link), draw and simulate it.
+# (the cost model alone would pick data parallelism on so fast a link), draw and simulate it,
+# then train it for 30 steps on 4 worker processes (synthetic data).
 PD_MODEL_demo = pdtool.zoo:resnet50
 PD_ARGS_demo = -a width=16 -a image_size=64 -a classes=10 -b 16 --repeats 5
 PD_CLUSTER_demo = 4x2GB/s
@@ -41,9 +42,14 @@ demo: install graphviz
 	$(PD) show $(OUT)/demo.profile.json --top 5
 	$(PD) show $(OUT)/demo.plan.json
 	$(PD) simulate $(OUT)/demo.plan.json --trace $(OUT)/demo.trace.json
+	rm -rf $(OUT)/demo.checkpoints
+	$(PD) train $(OUT)/demo.plan.json --steps 30 --threads 1 --metrics $(OUT)/demo.metrics.csv \
+	    --trace $(OUT)/demo.train-trace.json --checkpoint-dir $(OUT)/demo.checkpoints
 	@echo
 	@echo "outputs: profile $(OUT)/demo.profile.json, plan $(OUT)/demo.plan.json, picture $(OUT)/demo.svg" \
-	      "(or demo.dot without graphviz), simulated trace $(OUT)/demo.trace.json (open in https://ui.perfetto.dev)"
+	      "(or demo.dot without graphviz), simulated trace $(OUT)/demo.trace.json, measured trace" \
+	      "$(OUT)/demo.train-trace.json (open both in https://ui.perfetto.dev), metrics $(OUT)/demo.metrics.csv," \
+	      "checkpoint $(OUT)/demo.checkpoints/"
 
 test: install graphviz
 	$(PY) -m pytest -q
