@@ -24,14 +24,13 @@ import io
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from .errors import ArtifactError
-from .jsonio import read_json, write_json
+from .jsonio import read_json, write_bytes_atomic, write_json
 
 SCHEMA = "pdtool.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -77,7 +76,7 @@ def save_shard(folder: str | os.PathLike, stage: int, tensors: dict[str, torch.T
     torch.save(payload, buffer)
     data = buffer.getvalue()
     folder.mkdir(parents=True, exist_ok=True)
-    _write_bytes_atomic(folder / shard_name(stage), data)
+    write_bytes_atomic(folder / shard_name(stage), data)
     return hashlib.sha256(data).hexdigest()
 
 
@@ -87,19 +86,6 @@ def _portable(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or not tensor.is_contiguous():
         tensor = tensor.clone(memory_format=torch.contiguous_format)
     return tensor
-
-
-def _write_bytes_atomic(target: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_manifest(folder: str | os.PathLike, step: int, plan_sha256: str, shards: dict[int, str],

@@ -19,18 +19,15 @@ Every failure (unimportable module, factory that raises, bad items) is one `Data
 from __future__ import annotations
 
 import hashlib
-import importlib
 import importlib.resources
 import math
-import os
-import sys
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from .errors import PdtoolError
-from .modelspec import ModelBundle
+from .modelspec import ModelBundle, resolve_factory
 
 DIGITS_TRAIN_SIZE = 1437
 """The digits train set is the first 1437 of the 1797 samples; the test set the last 360."""
@@ -244,26 +241,9 @@ def load_source(data: str, bundle: ModelBundle, batch_size: int, seed: int,
 
 def resolve_data_factory(spec: str) -> Callable[..., Any]:
     """Import the dataset factory `pkg.module:factory` (the current folder is importable)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in spec:
         raise DataError(f"data {spec!r} is not synthetic, digits or pkg.module:factory; write e.g. --data digits")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise DataError(f"data {spec!r}: cannot import {exc.name!r}; check the module path, install its package, "
-                        "or run from the folder that holds it") from None
-    except Exception as exc:
-        raise DataError(f"data {spec!r}: importing {module_name} failed with {type(exc).__name__}: {_first_line(exc)}") from None
-    factory: Any = module
-    for part in attr.split("."):
-        factory = getattr(factory, part, None)
-        if factory is None:
-            raise DataError(f"data {spec!r}: {module_name} has no attribute {attr!r}; check the factory name")
-    if not callable(factory):
-        raise DataError(f"data {spec!r}: {attr} is not callable; name a function that returns a dataset")
-    return factory
+    return resolve_factory(spec, DataError, "data", "--data digits")
 
 
 def digits(train: bool = True, image: bool = False) -> torch.utils.data.TensorDataset:

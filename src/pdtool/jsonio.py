@@ -60,17 +60,23 @@ def check_writable(path: str | os.PathLike) -> Path | None:
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` atomically; "-" writes to standard output."""
-    folder = check_writable(path)
-    if folder is None:
+    if str(path) == "-":
         sys.stdout.write(text)
         sys.stdout.flush()
         return
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` atomically: a temporary file in the same folder, fsync, then
+    `os.replace`; the file gets the usual permissions, and a failure leaves no trace."""
+    folder = check_writable(path)
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
     try:
-        os.fchmod(fd, _default_mode())  # mkstemp makes 0600; give the file the usual permissions
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        os.fchmod(fd, _default_mode())  # mkstemp makes 0600
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, target)

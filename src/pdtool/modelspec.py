@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .errors import ModelError
+from .errors import ModelError, PdtoolError
 from .profile import ModelRef, TensorSpec
 
 Batch = tuple[Any, Any]
@@ -77,29 +77,34 @@ def parse_model_args(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
     return kwargs
 
 
-def resolve_factory(spec: str) -> Callable[..., Any]:
-    """Import `pkg.module:factory` (the current folder is importable, as with `python -m`)."""
+def resolve_factory(spec: str, error: type[PdtoolError] = ModelError, what: str = "model",
+                    example: str = "pdtool.zoo:resnet50") -> Callable[..., Any]:
+    """Import `pkg.module:factory` (the current folder is importable, as with `python -m`).
+
+    Every failure is one `error` line about the `what` (model, data, ...) named by `spec`.
+    """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ModelError(f"model {spec!r} is not of the form pkg.module:factory; write e.g. pdtool.zoo:resnet50")
+        raise error(f"{what} {spec!r} is not of the form pkg.module:factory; write e.g. {example}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        raise ModelError(
-            f"model {spec!r}: cannot import {exc.name!r}; check the module path, install its package, "
+        raise error(
+            f"{what} {spec!r}: cannot import {exc.name!r}; check the module path, install its package, "
             "or run from the folder that holds it"
         ) from None
     except Exception as exc:  # the user's module failed while importing
-        raise ModelError(f"model {spec!r}: importing {module_name} failed with {type(exc).__name__}: {exc}") from None
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise error(f"{what} {spec!r}: importing {module_name} failed with {type(exc).__name__}: {first}") from None
     factory = module
     for part in attr.split("."):
         factory = getattr(factory, part, None)
         if factory is None:
-            raise ModelError(f"model {spec!r}: {module_name} has no attribute {attr!r}; check the factory name")
+            raise error(f"{what} {spec!r}: {module_name} has no attribute {attr!r}; check the factory name")
     if not callable(factory):
-        raise ModelError(f"model {spec!r}: {attr} is not callable; name a function that builds the model")
+        raise error(f"{what} {spec!r}: {attr} is not callable; name a function that builds the {what}")
     return factory
 
 

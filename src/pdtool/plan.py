@@ -112,8 +112,8 @@ class PlanGroup:
         return self.layers[-1]
 
 
-def layer_ranges(layers: tuple[int, ...] | list[int]) -> str:
-    """Layer ids compactly, ascending: "0-16" for a contiguous set, else e.g. "0-5,8,10-12"."""
+def compact_ranges(layers: tuple[int, ...] | list[int]) -> str:
+    """Integer ids (layers, ranks) compactly, ascending: "0-16" when contiguous, else e.g. "0-5,8,10-12"."""
     parts, ids = [], sorted(layers)
     start = None
     for i, layer in enumerate(ids):
@@ -347,7 +347,7 @@ def _validate(plan: Plan, source: str) -> None:
             seen[rank] = index
     if len(owner) != layers:
         missing = [layer for layer in range(layers) if layer not in owner]
-        top.fail(f"layer{'s' if len(missing) > 1 else ''} {layer_ranges(missing)} "
+        top.fail(f"layer{'s' if len(missing) > 1 else ''} {compact_ranges(missing)} "
                  f"{'are' if len(missing) > 1 else 'is'} in no stage", "put every layer in exactly one stage", "stages")
 
 
@@ -385,7 +385,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     stages, groups = _describe(pipeline, profile, costs, model, solver, memory or Memory(float("inf"), optimizer_slots))
     items = [(s.time_ms, f"stage {i} {_dominant(s.compute_ms, s.allreduce_ms, s.transfer_ms)}")
              for i, s in enumerate(stages)]
-    items += [(g.time_ms, f"level-{g.level} group of layers {layer_ranges(g.layers)} "
+    items += [(g.time_ms, f"level-{g.level} group of layers {compact_ranges(g.layers)} "
                           f"{_dominant(g.compute_ms, g.allreduce_ms, g.transfer_ms)}") for g in groups]
     slowest = max(time for time, _ in items)
     bottleneck = next(label for time, label in items if time >= slowest * (1 - 1e-9))  # stages win ties
@@ -479,7 +479,7 @@ def _no_plan_reason(profile: Profile, costs: ChainCosts, states: States, counts,
             worst_index, worst = max(enumerate(stages), key=lambda item: item[1].memory_bytes)
             over = worst.memory_bytes - memory.limit
             return (f"no plan fits in {format_bytes(memory.limit)} per worker: the fastest plan's stage {worst_index} "
-                    f"(layers {layer_ranges(worst.layers)}, {worst.first_name}..{worst.last_name}) needs "
+                    f"(layers {compact_ranges(worst.layers)}, {worst.first_name}..{worst.last_name}) needs "
                     f"{worst.memory_bytes / 2**30:.3f} GiB per worker, {over / 2**30:.3f} GiB over, and no other "
                     "partition fits either; raise --memory, add workers or profile a smaller batch")
     if model.exact_workers:

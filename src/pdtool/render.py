@@ -21,14 +21,13 @@ import math
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import graphviz
 
 from .errors import ArtifactError, PdtoolError
-from .jsonio import check_writable, write_text_atomic
-from .plan import Plan, PlanStage, layer_ranges, profile_sha256
+from .jsonio import check_writable, write_bytes_atomic, write_text_atomic
+from .plan import Plan, PlanStage, compact_ranges, profile_sha256
 from .profile import Layer, Profile
 from .units import format_bytes
 
@@ -141,7 +140,7 @@ def render_plan(plan: Plan, profile: Profile, path: str | os.PathLike) -> tuple[
         last = (exc.stderr or b"").decode("utf-8", "replace").strip().splitlines()
         why = f"graphviz's `dot` failed ({last[-1] if last else f'exit status {exc.returncode}'})"
         return _fallback(graph, target, source_path, fmt, why)
-    _write_bytes_atomic(target, picture)
+    write_bytes_atomic(target, picture)
     return target, None
 
 
@@ -187,23 +186,11 @@ def _ms(value: float) -> str:
     return f"{value:.{digits}f}"
 
 
-def _ranks(ranks: tuple[int, ...]) -> str:
-    """Ranks compactly: 0-3,8-11."""
-    parts, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(f"{start}-{r}" if r != start else f"{r}")
-            start = None
-    return ",".join(parts)
-
-
 def _stage_label(index: int, stage: PlanStage, plan: Plan, is_bottleneck: bool) -> str:
     """'stage S: layers a-b, R replicas (ranks ...), T ms', plus the bottleneck mark."""
     replicas = f"{stage.replicas} replica{'s' if stage.replicas != 1 else ''}"
     rank_word = "ranks" if stage.replicas != 1 else "rank"
-    label = (f"stage {index}: layers {layer_ranges(stage.layers)}, {replicas} ({rank_word} {_ranks(stage.ranks)}), "
+    label = (f"stage {index}: layers {compact_ranges(stage.layers)}, {replicas} ({rank_word} {compact_ranges(stage.ranks)}), "
              f"{_ms(stage.time_ms)} ms\\l")
     if is_bottleneck:
         label += f"BOTTLENECK: {plan.predicted.bottleneck}\\l"
@@ -246,7 +233,7 @@ def _title(plan: Plan, profile: Profile) -> str:
         f"predicted {_ms(pred.time_ms)} ms per minibatch, bottleneck: {pred.bottleneck}; "
         f"edge labels: bytes sent per minibatch",
     ]
-    lines += [f"level-{g.level} group: layers {layer_ranges(g.layers)} on {g.units} units, {_ms(g.time_ms)} ms"
+    lines += [f"level-{g.level} group: layers {compact_ranges(g.layers)} on {g.units} units, {_ms(g.time_ms)} ms"
               for g in plan.groups]
     return "".join(f"{line}\\l" for line in lines)
 
@@ -259,23 +246,3 @@ def _fallback(graph: graphviz.Digraph, target: Path, source_path: Path, fmt: str
                          f"`dot -T{fmt} {source_path} -o {target}`")
 
 
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a temporary file in the same folder and `os.replace`."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, _file_mode())
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _file_mode() -> int:
-    """The mode a new file gets under the current umask (mkstemp makes 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .plan import Plan, layer_ranges
+from .plan import Plan, compact_ranges
 from .profile import Profile
 from .simulate import SimResult
 
@@ -57,10 +57,10 @@ def plan_table(plan: Plan) -> str:
     for index, s in enumerate(plan.stages):
         rows.append({
             "stage": index,
-            "layers": layer_ranges(s.layers),
+            "layers": compact_ranges(s.layers),
             "from .. to": f"{s.first_name} .. {s.last_name}",
             "replicas": s.replicas,
-            "ranks": _ranks(s.ranks),
+            "ranks": compact_ranges(s.ranks),
             "compute ms": s.compute_ms,
             "allreduce ms": s.allreduce_ms,
             "transfer ms": s.transfer_ms,
@@ -81,7 +81,7 @@ def plan_table(plan: Plan) -> str:
     ]
     if plan.groups:
         groups = pd.DataFrame({
-            "level": g.level, "layers": layer_ranges(g.layers), "units": g.units, "compute ms": g.compute_ms,
+            "level": g.level, "layers": compact_ranges(g.layers), "units": g.units, "compute ms": g.compute_ms,
             "allreduce ms": g.allreduce_ms, "transfer ms": g.transfer_ms, "time ms": g.time_ms,
         } for g in plan.groups)
         lines += ["", "outer-level stages (each runs the inner stages of its layers on every unit):",
@@ -97,18 +97,6 @@ def plan_table(plan: Plan) -> str:
         f"{pred.speedup_over_data_parallel:.2f}x",
     ]
     return "\n".join(lines) + "\n"
-
-
-def _ranks(ranks: tuple[int, ...]) -> str:
-    """Ranks compactly: 0-3,8-11."""
-    parts, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(f"{start}-{r}" if r != start else f"{r}")
-            start = None
-    return ",".join(parts)
 
 
 def simulation_table(result: SimResult, plan: Plan) -> str:

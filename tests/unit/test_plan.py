@@ -9,7 +9,7 @@ from pdtool.cluster import parse_cluster
 from pdtool.errors import ArtifactError, PlanError
 from pdtool.jsonio import canonical_json
 from pdtool.pipedream_import import load_pipedream_graph
-from pdtool.plan import Plan, layer_ranges, make_plan
+from pdtool.plan import Plan, compact_ranges, make_plan
 from pdtool.profile import Layer, Profile
 
 PIPEDREAM = Path(__file__).resolve().parents[2] / "profiles" / "pipedream"
@@ -84,13 +84,13 @@ def test_a_stage_can_be_a_set_of_layers_and_the_plan_says_which_states_it_used()
     from pdtool.show import plan_table
 
     table = plan_table(plan)
-    assert all(f" {layer_ranges(s.layers)} " in table for s in plan.stages)
+    assert all(f" {compact_ranges(s.layers)} " in table for s in plan.stages)
 
 
 def test_layer_sets_are_shown_as_ranges():
-    assert layer_ranges(range(17)) == "0-16"
-    assert layer_ranges([12, 0, 1, 2, 3, 4, 5, 8, 10, 11]) == "0-5,8,10-12"
-    assert layer_ranges([7]) == "7" and layer_ranges([]) == ""
+    assert compact_ranges(range(17)) == "0-16"
+    assert compact_ranges([12, 0, 1, 2, 3, 4, 5, 8, 10, 11]) == "0-5,8,10-12"
+    assert compact_ranges([7]) == "7" and compact_ranges([]) == ""
 
 
 def test_too_many_down_sets_plan_over_prefixes_and_say_so(monkeypatch):

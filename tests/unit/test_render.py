@@ -10,7 +10,7 @@ import pytest
 from pdtool.cluster import parse_cluster
 from pdtool.errors import ArtifactError, PdtoolError
 from pdtool.pipedream_import import load_pipedream_graph
-from pdtool.plan import layer_ranges, make_plan
+from pdtool.plan import compact_ranges, make_plan
 from pdtool.profile import Layer, Profile
 from pdtool.render import FORMATS, plan_graph, render_plan
 from pdtool.units import format_bytes
@@ -51,7 +51,7 @@ def test_one_cluster_per_stage_labelled_with_its_layers_replicas_ranks_and_time(
     blocks = clusters(source)
     assert sorted(blocks) == list(range(len(plan.stages)))
     for index, stage in enumerate(plan.stages):
-        assert f"stage {index}: layers {layer_ranges(stage.layers)}, 1 replica (rank {stage.ranks[0]}), " in blocks[index]
+        assert f"stage {index}: layers {compact_ranges(stage.layers)}, 1 replica (rank {stage.ranks[0]}), " in blocks[index]
         for layer_id in stage.layers:
             assert re.search(rf"\bL{layer_id} \[label=\"l{layer_id}\\n", blocks[index])
 
@@ -93,7 +93,7 @@ def test_a_stage_that_is_not_a_range_of_layers_holds_exactly_its_layers():
     source = plan_graph(plan, profile).source
     blocks = clusters(source)
     for index, stage in enumerate(plan.stages):
-        assert f"stage {index}: layers {layer_ranges(stage.layers)}, " in blocks[index]
+        assert f"stage {index}: layers {compact_ranges(stage.layers)}, " in blocks[index]
         assert sorted(int(i) for i in re.findall(r"^\t\tL(\d+) \[", blocks[index], re.M)) == list(stage.layers)
 
 
@@ -148,7 +148,7 @@ def test_a_real_svg_shows_the_stage_labels(planned, tmp_path):
     assert (written, warning) == (tmp_path / "plan.svg", None)
     texts = " ".join(t.text or "" for t in ET.parse(written).getroot().iter("{http://www.w3.org/2000/svg}text"))
     for index, stage in enumerate(plan.stages):
-        assert f"stage {index}: layers {layer_ranges(stage.layers)}" in texts
+        assert f"stage {index}: layers {compact_ranges(stage.layers)}" in texts
     assert "BOTTLENECK" in texts
     assert [p.name for p in tmp_path.iterdir()] == ["plan.svg"]  # no temporary file left behind
 

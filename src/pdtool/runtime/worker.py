@@ -98,12 +98,9 @@ def worker_main(config: RunConfig) -> WorkerReport:
     stage_index, replica = place(plan, rank)
     torch.manual_seed(config.seed)  # every worker builds the same initial weights
     bundle = load_model(ModelRef(plan.profile.model["spec"], plan.profile.model.get("kwargs", {})))
-    from .stages import build_stages, check_model
+    from .stages import plan_stages
 
-    check_model(plan, bundle.module)
-    stages = build_stages(bundle.module, [s.layers for s in plan.stages], method=plan.profile.method,
-                          granularity=plan.profile.granularity, depth=plan.profile.depth,
-                          layer_names=_layer_names(plan))
+    stages = plan_stages(plan, bundle.module)
     schedule = make_schedule(plan, config)
     from ..data import load_source
 
@@ -251,14 +248,6 @@ class _Progress:
         if self.tty:
             sys.stderr.write("\n")
             sys.stderr.flush()
-
-
-def _layer_names(plan: Plan) -> dict[int, str]:
-    names = {}
-    for stage in plan.stages:
-        names[stage.first] = stage.first_name
-        names[stage.last] = stage.last_name
-    return names
 
 
 def _ranges(ranks) -> str:
