@@ -47,8 +47,26 @@ _GUESS_WIDTH = 16  # mean band width per j above which `_relax` tries even split
 Context = tuple[int, int]  # (workers before, replication of the enclosing stages)
 
 
+class LayerSet:
+    """Mixin for things that hold `layers`, a sorted tuple of layer ids."""
+
+    @property
+    def first(self) -> int:
+        return self.layers[0]
+
+    @property
+    def last(self) -> int:
+        return self.layers[-1]
+
+    @property
+    def is_range(self) -> bool:
+        """Whether the layers are the contiguous range first..last (always on a chain; on a
+        branchy graph a stage may be any difference of two down-sets, see states.py)."""
+        return len(self.layers) == self.last - self.first + 1
+
+
 @dataclass(frozen=True)
-class Stage:
+class Stage(LayerSet):
     """One stage of the partition at some level: the layers of state `end` not in state
     `start` (`layers`, ascending), on r units of that level.
 
@@ -80,21 +98,13 @@ class Pipeline:
 
 
 @dataclass(frozen=True)
-class LeafStage:
+class LeafStage(LayerSet):
     """A stage of the flattened plan: layers, total replicas, the workers (ranks) running it,
     and its replica count at each level, innermost first."""
 
     layers: tuple[int, ...]
     ranks: tuple[int, ...]
     replicas_per_level: tuple[int, ...]
-
-    @property
-    def first(self) -> int:
-        return self.layers[0]
-
-    @property
-    def last(self) -> int:
-        return self.layers[-1]
 
 
 def flatten(pipeline: Pipeline, inner_workers: list[int]) -> list[LeafStage]:

@@ -23,7 +23,7 @@ from .costmodel import COST_MODELS, ChainCosts, CostModel, Memory
 from .errors import PlanError
 from .fields import Fields, check_schema
 from .jsonio import canonical_json, read_json, round_float_fields, write_json
-from .partition import Pipeline, Solver, Stage
+from .partition import LayerSet, Pipeline, Solver, Stage
 from .profile import Profile
 from .states import DOWN_SETS, PREFIXES, States, build_states
 from .units import format_bytes
@@ -34,7 +34,7 @@ MS = 1e3
 
 
 @dataclass(frozen=True)
-class PlanStage:
+class PlanStage(LayerSet):
     """One pipeline stage: the layer ids `layers` (ascending; `first`/`last` are the lowest and
     highest, named `first_name`/`last_name`), replicated on `ranks`.
 
@@ -71,23 +71,10 @@ class PlanStage:
     def replicas(self) -> int:
         return len(self.ranks)
 
-    @property
-    def first(self) -> int:
-        return self.layers[0]
-
-    @property
-    def last(self) -> int:
-        return self.layers[-1]
-
-    @property
-    def is_range(self) -> bool:
-        """Whether the stage's layers are the contiguous range first..last (always on a chain;
-        on a branchy graph a stage may be any set closed as states.py describes)."""
-        return len(self.layers) == self.last - self.first + 1
 
 
 @dataclass(frozen=True)
-class PlanGroup:
+class PlanGroup(LayerSet):
     """A stage of an outer cluster level (e.g. across servers): the layer ids `layers` on
     `units` units of `level`, each running the inner stages it contains; ms per minibatch.
     `compute_ms` is the inner pipeline's time divided by the units."""
@@ -102,14 +89,6 @@ class PlanGroup:
 
     def __post_init__(self) -> None:
         round_float_fields(self)
-
-    @property
-    def first(self) -> int:
-        return self.layers[0]
-
-    @property
-    def last(self) -> int:
-        return self.layers[-1]
 
 
 def compact_ranges(layers: tuple[int, ...] | list[int]) -> str:
