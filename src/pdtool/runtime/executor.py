@@ -124,7 +124,10 @@ class StageWorker:
         or on the last stage the loss (a float)."""
         v = self.version_of[("F", b)]
         params = self._version(v)
-        leaves = {k: (t.detach().requires_grad_(True) if t.is_floating_point() else t) for k, t in inputs.items()}
+        # stage 0's inputs are data: no gradient is sent anywhere, so none is computed
+        wants_grad = self.index > 0
+        leaves = {k: (t.detach().requires_grad_(True) if wants_grad and t.is_floating_point() else t)
+                  for k, t in inputs.items()}
         with torch.enable_grad():
             outputs = functional_call(self.stage.module, params, (leaves,))
             if self.last:
@@ -155,16 +158,23 @@ class StageWorker:
         found = torch.autograd.grad(roots, targets, seeds, allow_unused=True) if roots and targets else [None] * len(targets)
         for live, grad in zip(self.live, found[:len(params)]):
             if grad is not None:
-                live.grad = grad.detach().clone() if live.grad is None else live.grad.add_(grad)
+                live.grad = grad.detach() if live.grad is None else live.grad.add_(grad)
         self._used(v)
         self.backwards += 1
         return {k: g for k, g in zip(wanted_inputs, found[len(params):]) if g is not None}
 
     def step(self, allreduce: Allreduce | None = None) -> None:
         """Optimizer step: sum gradients (and backward counts) over the replicas, apply their mean."""
+        if allreduce is None:  # one replica: scale the gradients in place, no flat buffer
+            self._keep_current_version()
+            if self.backwards > 1:
+                for p in self.live:
+                    if p.grad is not None:
+                        p.grad.div_(self.backwards)
+            self._step_optimizer()
+            return
         buffer = self.gradient_buffer()
-        if allreduce is not None:
-            allreduce(buffer)
+        allreduce(buffer)
         self.apply_step(buffer)
 
     def gradient_buffer(self) -> torch.Tensor:
@@ -175,14 +185,20 @@ class StageWorker:
 
     def apply_step(self, summed: torch.Tensor) -> None:
         """Step with the mean gradient from `summed` (a `gradient_buffer` summed over the replicas)."""
-        if self.uses.get(self.current, 0) > 0 and self.current not in self.versions:
-            self.versions[self.current] = self._snapshot()  # a later action still needs this version
-            self.peak_versions = max(self.peak_versions, len(self.versions))
+        self._keep_current_version()
         count = max(float(summed[-1]), 1.0)
         offset = 0
         for p in self.live:
             p.grad = (summed[offset:offset + p.numel()] / count).view_as(p).clone()
             offset += p.numel()
+        self._step_optimizer()
+
+    def _keep_current_version(self) -> None:
+        if self.uses.get(self.current, 0) > 0 and self.current not in self.versions:
+            self.versions[self.current] = self._snapshot()  # a later action still needs this version
+            self.peak_versions = max(self.peak_versions, len(self.versions))
+
+    def _step_optimizer(self) -> None:
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

@@ -78,9 +78,13 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
                 position[rank] += 1
             else:
                 peers = [schedule.rank(s, i) for i in range(schedule.replicas[s])]
-                total = sum(workers[p].gradient_buffer() for p in peers)
+                if len(peers) == 1:
+                    worker.step(None)
+                else:
+                    total = sum(workers[p].gradient_buffer() for p in peers)
+                    for p in peers:
+                        workers[p].apply_step(total.clone())
                 for p in peers:
-                    workers[p].apply_step(total.clone())
                     position[p] += 1
             progressed = True
         if not progressed:

@@ -1,0 +1,481 @@
+"""Benchmark of `pd train`: pdtool's runtime against torch.distributed.pipelining, DDP and one process.
+
+Side by side in one run on this machine: the same model, the same 2-stage split (the one
+`make_plan(..., straight=True)` picks for 2 workers from a 1-thread profile), the same
+microbatch size and optimizer (SGD, lr 0.01, momentum 0.9); every worker is its own process
+with one thread (`torch.set_num_threads(1)`), gloo on CPU:
+
+- pdtool `flush` (m microbatches per step) and `pipedream` (a step after every minibatch),
+  started by `pdtool.runtime.launch.launch`, as `pd train` starts them;
+- torch.distributed.pipelining's `Schedule1F1B` and `ScheduleGPipe` (n_microbatches = m per
+  step) on pdtool's own two stage modules (`runtime.stages.plan_stages`), wrapped to take and
+  return positional tensors, 2 processes (torch.multiprocessing);
+- DDP: 2 processes with a full replica each; a step is the same global batch as a flush step,
+  m microbatches of the profile's batch size, m/2 on each replica (accumulated under `no_sync`,
+  then one bucketed all-reduce), at the same microbatch size so every matmul has the same shape;
+- one process: plain training of the whole model, m microbatches per step (accumulation);
+- the limit: microbatch size / the slowest stage's forward+backward time measured alone in one
+  process (plain autograd, no optimizer, no messages, no data): the best a 2-stage pipeline
+  can do. "both stages at once" runs the two stages' loops at the same time in two processes:
+  what the second busy core (shared caches and memory bandwidth) leaves of that limit.
+
+A "minibatch" is one microbatch of the profile's batch size; every contender runs the same
+`--minibatches` of them after `--warmup` more. Time per minibatch is steady state: (time between
+two barriers around the timed steps) / minibatches for the contenders written here; for pdtool,
+the time between the ends of the backwards of minibatch warmup - 1 and of the last one on the
+last stage (`WorkerReport.finished`), / minibatches, from one launch. Where the reports lack
+those times, two launches of warmup and warmup + N minibatches and the slope of the slowest
+worker's `WorkerReport.wall_s` between them (this cancels start-up, first-iteration allocations
+and one pipeline fill and drain). Synthetic data is made in the loop (`data.synthetic_source`,
+as in `pd train`) by the rank that feeds the pipeline; the last stage of a torch pipeline gets
+its targets made before timing (pdtool's come with the activations). "predicted" is the
+simulator's time per minibatch for the plan and that schedule (`simulate(plan, mode, group=m)`);
+the cost model's figure (`Plan.predicted.time_ms`) is printed above the table. "other CPU use"
+is what programs other than this benchmark took of the machine while a row ran: anything
+above about 0.1 cores makes that row's figures meaningless on a 2-core machine.
+
+    python bench/train_speed.py                      # MLP 1536-1024x4-10, microbatch 512, m = 4, 64 minibatches
+    python bench/train_speed.py --minibatches 128    # less noise, twice as long
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import math
+import os
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from pdtool.cluster import parse_cluster
+from pdtool.data import synthetic_source
+from pdtool.modelspec import load_model
+from pdtool.plan import Plan, make_plan
+from pdtool.profile import ModelRef
+from pdtool.profiler import profile_model
+from pdtool.runtime.executor import OptimizerConfig
+from pdtool.runtime.launch import launch
+from pdtool.runtime.stages import plan_stages
+from pdtool.runtime.worker import RunConfig
+from pdtool.simulate import simulate
+
+OPTIMIZER = OptimizerConfig("sgd", 0.01, 0.9, 0.0)
+SEED = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every spawned contender needs (picklable)."""
+
+    plan_path: str
+    ref: ModelRef
+    batch: int          # samples per microbatch (the profile's batch size)
+    group: int          # microbatches per optimizer step (m)
+    warmup: int         # minibatches before timing (a multiple of group)
+    minibatches: int    # minibatches timed (a multiple of group)
+
+
+# ----- helpers run in every process --------------------------------------------------------
+
+def _build(setup: Setup):
+    torch.manual_seed(SEED)  # every process builds the same initial weights, as pdtool's workers do
+    bundle = load_model(setup.ref)
+    return bundle, synthetic_source(bundle, setup.batch, SEED).batch
+
+
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=OPTIMIZER.lr, momentum=OPTIMIZER.momentum, weight_decay=OPTIMIZER.weight_decay)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(fn, setup: Setup, *extra):
+    """Run fn(rank, world, setup, queue, *extra) on 2 processes; returns what rank 0 puts in the queue."""
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    port = _free_port()
+    mp.start_processes(_entry, args=(fn, port, setup, queue, extra), nprocs=2, join=True, start_method="spawn")
+    return queue.get()
+
+
+def _entry(rank: int, fn, port: int, setup: Setup, queue, extra) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        fn(rank, 2, setup, queue, *extra)
+        gc.collect()  # DDP and pipeline objects sit in reference cycles: free them while their group lives
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the result is sent: skip interpreter teardown, where a late C++ destructor can abort
+
+
+def _timed(setup: Setup, run_step, rank: int, queue) -> None:
+    """Warm-up steps, barrier, timed steps, barrier; rank 0 reports ms per minibatch."""
+    steps = setup.warmup // setup.group
+    for step in range(steps):
+        run_step(step)
+    dist.barrier()
+    start = time.perf_counter()
+    for step in range(steps, steps + setup.minibatches // setup.group):
+        run_step(step)
+    dist.barrier()
+    if rank == 0:
+        queue.put((time.perf_counter() - start) * 1e3 / setup.minibatches)
+
+
+# ----- is the machine free? -----------------------------------------------------------------
+
+def _gemm_ms(repeats: int = 40) -> float:
+    a, w = torch.randn(512, 1024), torch.randn(1024, 1024)
+    for _ in range(3):
+        a @ w
+    began = time.perf_counter()
+    for _ in range(repeats):
+        a @ w
+    return (time.perf_counter() - began) * 1e3 / repeats
+
+
+def _gemm_pair(rank: int, world: int, setup: Setup, queue) -> None:
+    dist.barrier()
+    slowest = torch.tensor([_gemm_ms()])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        queue.put(float(slowest))
+
+
+def _free_cores(setup: Setup) -> float:
+    """Speed of two 1-thread processes computing at once, per process, relative to one alone:
+    1.0 when this machine has two free cores; other programs running here lower it."""
+    alone = _gemm_ms()
+    return alone / _spawn(_gemm_pair, setup)
+
+
+# ----- torch.distributed.pipelining ---------------------------------------------------------
+
+class Positional(nn.Module):
+    """A pdtool stage (dict in, dict out) as a module of positional tensors, for PipelineStage."""
+
+    def __init__(self, stage, last: bool):
+        super().__init__()
+        self.stage = stage.module
+        self.names_in, self.names_out, self.last = stage.inputs, stage.outputs, last
+
+    def forward(self, *tensors):
+        out = self.stage(dict(zip(self.names_in, tensors)))
+        if self.last:
+            return out["output"]
+        values = tuple(out[n] for n in self.names_out)
+        return values[0] if len(values) == 1 else values
+
+
+def _pipelining(rank: int, world: int, setup: Setup, queue, schedule_name: str) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    bundle, batch = _build(setup)
+    stages = plan_stages(Plan.load(setup.plan_path), bundle.module)
+    last = rank == world - 1
+    module = Positional(stages[rank], last)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    kind = {"Schedule1F1B": Schedule1F1B, "ScheduleGPipe": ScheduleGPipe}[schedule_name]
+    schedule = kind(stage, n_microbatches=setup.group, loss_fn=bundle.loss_fn)  # every rank: it also means "train"
+    optimizer = _sgd(module.parameters())
+    total = (setup.warmup + setup.minibatches) // setup.group
+    targets = [torch.cat([batch(s * setup.group + k)[1] for k in range(setup.group)]) for s in range(total)] \
+        if last else None
+
+    def run_step(step: int) -> None:
+        if rank == 0:
+            parts = [batch(step * setup.group + k)[0] for k in range(setup.group)]
+            schedule.step(*(torch.cat(t) for t in zip(*parts)))
+        else:
+            schedule.step(target=targets[step])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    _timed(setup, run_step, rank, queue)
+
+
+# ----- DDP and one process ------------------------------------------------------------------
+
+def _ddp(rank: int, world: int, setup: Setup, queue) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    bundle, batch = _build(setup)
+    model = DistributedDataParallel(bundle.module)
+    optimizer = _sgd(model.parameters())
+    share = setup.group // world
+
+    def run_step(step: int) -> None:
+        for k in range(share):
+            inputs, target = batch(step * setup.group + rank * share + k)
+            with model.no_sync() if k + 1 < share else contextlib.nullcontext():
+                (bundle.loss_fn(model(*inputs), target) / share).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    _timed(setup, run_step, rank, queue)
+
+
+def _single(setup: Setup) -> float:
+    bundle, batch = _build(setup)
+    model, optimizer = bundle.module, _sgd(bundle.module.parameters())
+    steps = setup.warmup // setup.group
+    for step in range(steps + setup.minibatches // setup.group):
+        if step == steps:
+            start = time.perf_counter()
+        for k in range(setup.group):
+            inputs, target = batch(step * setup.group + k)
+            (bundle.loss_fn(model(*inputs), target) / setup.group).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return (time.perf_counter() - start) * 1e3 / setup.minibatches
+
+
+def _stage_times(setup: Setup, only: int | None = None, repeats: int = 15) -> list[float]:
+    """Median forward+backward ms of each stage (or of stage `only`) by itself: plain autograd on
+    one fixed microbatch, no optimizer, no messages, no data loading."""
+    bundle, batch = _build(setup)
+    stages = plan_stages(Plan.load(setup.plan_path), bundle.module)
+    inputs, target = batch(0)
+    values = dict(zip(stages[0].inputs, inputs))
+    times = []
+    for s, stage in enumerate(stages):
+        last = s == len(stages) - 1
+        with torch.no_grad():
+            outputs = stage.forward(values)
+        if only in (None, s):
+            seeds = {k: torch.randn_like(v) for k, v in outputs.items() if v.is_floating_point()}
+            if only is not None:
+                dist.barrier()
+            samples = []
+            for _ in range(repeats + 3):
+                leaves = {k: v.detach().requires_grad_(s > 0 and v.is_floating_point()) for k, v in values.items()}
+                began = time.perf_counter()
+                out = stage.forward(leaves)
+                if last:
+                    bundle.loss_fn(out["output"], target).backward()
+                else:
+                    torch.autograd.backward([out[k] for k in seeds], [seeds[k] for k in seeds])
+                samples.append(time.perf_counter() - began)
+                stage.module.zero_grad(set_to_none=True)
+            times.append(statistics.median(samples[3:]) * 1e3)
+        values = {k: v.detach() for k, v in outputs.items()}
+    return times
+
+
+def _stages_at_once(rank: int, world: int, setup: Setup, queue) -> None:
+    """Both stages' forward+backward loops at the same time, one per process (no messages): what
+    two busy cores of this machine leave of the stage times measured alone."""
+    both = torch.zeros(world)
+    both[rank] = _stage_times(setup, only=rank)[0]
+    dist.all_reduce(both)
+    if rank == 0:
+        queue.put(both.tolist())
+
+
+# ----- pdtool -------------------------------------------------------------------------------
+
+def _pdtool(setup: Setup, mode: str) -> tuple[float, float, list[dict[str, float]], str]:
+    """`pd train --mode mode`, as `launch` runs it: steady-state ms per minibatch, start-up s of one
+    launch (its wall time less the workers' own), per rank the ms per minibatch spent inside F, B
+    and U actions (zeros where the reports carry no events), and how the time was measured.
+
+    Where the last stage reports when each backward ended (`WorkerReport.finished`), one launch
+    of warm-up + N minibatches is timed from the end of minibatch warm-up - 1 to the end of the
+    last one, like the barrier-timed contenders; otherwise two launches, of warm-up and of
+    warm-up + N minibatches, and the slope of the slowest worker's `wall_s` between them.
+    """
+    per_step = 1 if mode == "pipedream" else setup.group
+    quiet = {"progress": False} if "progress" in {f.name for f in dataclasses.fields(RunConfig)} else {}
+
+    def run(minibatches: int):
+        config = RunConfig(plan_path=setup.plan_path, steps=minibatches // per_step, mode=mode,
+                           group=None if mode == "pipedream" else setup.group, seed=SEED, optimizer=OPTIMIZER,
+                           threads=1, timeout_s=120.0, **quiet)
+        began = time.perf_counter()
+        reports = [report for _, report in sorted(launch(config, 2).items())]
+        return reports, time.perf_counter() - began - max(r.wall_s for r in reports)
+
+    first, end = setup.warmup - 1, setup.warmup + setup.minibatches - 1
+    reports, start_up = run(setup.warmup + setup.minibatches)
+    finished = getattr(reports[-1], "finished", None) or {}
+    if first in finished and end in finished:
+        window = (finished[first], finished[end])
+        actions = [_action_seconds(r, window) for r in reports]
+        ms, how = (window[1] - window[0]) * 1e3 / setup.minibatches, "last stage's backward end times (one launch)"
+    else:
+        short, _ = run(setup.warmup)
+        ms = (max(r.wall_s for r in reports) - max(r.wall_s for r in short)) * 1e3 / setup.minibatches
+        actions = [{k: v - _action_seconds(s)[k] for k, v in _action_seconds(r).items()}
+                   for r, s in zip(reports, short)]
+        how = "slope of the workers' wall_s between two launches"
+    per_minibatch = [{k: v * 1e3 / setup.minibatches for k, v in a.items()} for a in actions]
+    return ms, start_up, per_minibatch, how
+
+
+def _action_seconds(report, window: tuple[float, float] = (-math.inf, math.inf)) -> dict[str, float]:
+    """Seconds a worker spent in its F, B and U actions that began inside `window` (epoch seconds),
+    from `WorkerReport.events` where the reports have them."""
+    seconds = {"F": 0.0, "B": 0.0, "U": 0.0}
+    for action, began, ended in getattr(report, "events", None) or []:
+        kind = action.lstrip("0123456789")[:1]
+        if kind in seconds and window[0] <= began < window[1]:
+            seconds[kind] += ended - began
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=512, help="samples per microbatch (the profile's batch size)")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--in-features", type=int, default=1536, help="1.5 x hidden balances the two stages")
+    parser.add_argument("--microbatches", type=int, default=4,
+                        help="m, microbatches per step (flush, GPipe, 1F1B, DDP)")
+    parser.add_argument("--minibatches", type=int, default=64, help="minibatches timed, after the warm-up")
+    parser.add_argument("--warmup", type=int, default=16, help="minibatches before timing")
+    parser.add_argument("--bandwidth", default="10GB/s", help="the link the plan is made for")
+    args = parser.parse_args()
+    m = args.microbatches
+    if m % 2 or args.minibatches % m or args.warmup % m or args.warmup < m:
+        parser.error("--microbatches must be even, --minibatches and --warmup multiples of it (warmup >= m)")
+    torch.set_num_threads(1)
+    ref = ModelRef("pdtool.zoo:mlp", {"in_features": args.in_features, "hidden": args.hidden, "depth": args.depth,
+                                      "classes": 10})
+    profile = profile_model(ref, batch_size=args.batch, repeats=10, warmup=3)
+    plan = make_plan(profile, parse_cluster(f"2x{args.bandwidth}"), straight=True, mode="pipedream",
+                     command="bench/train_speed.py")
+    if len(plan.stages) != 2:
+        raise SystemExit(f"the planner chose {len(plan.stages)} stage(s), not 2; change --hidden/--depth/--in-features")
+    predicted = {mode: simulate(plan, mode, minibatches=max(args.minibatches, 64),
+                                group=None if mode == "pipedream" else m).time_per_minibatch_ms
+                 for mode in ("pipedream", "flush")}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "mlp.plan.json"
+        plan.save(path)
+        setup = Setup(str(path), ref, args.batch, m, args.warmup, args.minibatches)
+        _say("machine check")
+        free = [_free_cores(setup)]
+        rows, other, start_up, actions = {}, {}, {}, {}
+
+        def measure(name: str, run, ms=lambda result: result):
+            """Run one contender; rows[name] = its ms per minibatch, other[name] = the machine's other load."""
+            _say(name)
+            before = _cpu_seconds()
+            result = run()
+            rows[name] = ms(result)
+            other[name] = _other_cores(before, _cpu_seconds())
+            return result
+
+        stage_ms = measure("limit (slowest stage alone)", lambda: _stage_times(setup), max)
+        pair_ms = measure("both stages at once, no messages", lambda: _spawn(_stages_at_once, setup), max)
+        measure("one process", lambda: _single(setup))
+        for mode in ("flush", "pipedream"):
+            _, start_up[mode], actions[mode], how = measure(f"pdtool {mode}", lambda: _pdtool(setup, mode),
+                                                            lambda r: r[0])
+        for name in ("Schedule1F1B", "ScheduleGPipe"):
+            measure(f"torch {name}", lambda: _spawn(_pipelining, setup, name))
+        measure("DDP (2 replicas)", lambda: _spawn(_ddp, setup))
+        free.append(_free_cores(setup))
+
+    split = " | ".join(f"layers {_ranges(s.layers)}" for s in plan.stages)
+    print(f"torch {torch.__version__}, 1 thread per worker, gloo; {ref.spec} {ref.kwargs}; microbatch "
+          f"{args.batch}; m = {m} microbatches per step; {args.minibatches} minibatches timed after {args.warmup}")
+    print(f"split {split}; stage fwd+bwd alone {' / '.join(f'{t:.1f}' for t in stage_ms)} ms, both at once "
+          f"{' / '.join(f'{t:.1f}' for t in pair_ms)} ms "
+          f"(profile {' / '.join(f'{s.fwd_ms + s.bwd_ms:.1f}' for s in plan.stages)} ms); "
+          f"cost model {plan.predicted.time_ms:.1f} ms per minibatch")
+    print(f"machine check, before / after: two 1-thread processes at once each compute at "
+          f"{free[0]:.0%} / {free[1]:.0%} of one alone" + ("" if min(free) > 0.85 and max(other.values()) < 0.2 else
+          " -- WARNING: other programs are using the CPUs, the figures below are not trustworthy"))
+    print()
+    print("| contender | ms / minibatch | samples/s | vs Schedule1F1B | vs limit | predicted ms | measured / predicted "
+          "| other CPU use |")
+    print("|---|---|---|---|---|---|---|---|")
+    base, limit = rows["torch Schedule1F1B"], rows["limit (slowest stage alone)"]
+    for name, ms in rows.items():
+        mode = name.split()[-1] if name.startswith("pdtool") else None
+        pred = f"{predicted[mode]:.1f} | {ms / predicted[mode]:.2f}" if mode else " | "
+        print(f"| {name} | {ms:.1f} | {args.batch * 1e3 / ms:.0f} | {base / ms:.2f}x | {limit / ms:.2f} | {pred} | "
+              f"{other[name]:.2f} cores |")
+    print()
+    print("vs Schedule1F1B: its time / the contender's (> 1 is faster); vs limit: limit time / the contender's; "
+          "predicted: the simulator on the plan for that schedule; other CPU use: cores busy with programs other "
+          "than this benchmark while that row ran (0 on a quiet machine)")
+    for mode in ("flush", "pipedream"):
+        if any(sum(a.values()) for a in actions[mode]):
+            parts = "; ".join(f"stage {s} F {a['F']:.1f} B {a['B']:.1f} U {a['U']:.1f} rest "
+                              f"{rows[f'pdtool {mode}'] - sum(a.values()):.1f}" for s, a in enumerate(actions[mode]))
+            print(f"pdtool {mode}, ms per minibatch inside actions (rest: waits, messages, data, Python): {parts}")
+    print(f"pdtool time per minibatch from the {how}; start-up {start_up['flush']:.1f} / "
+          f"{start_up['pipedream']:.1f} s per launch (flush / pipedream)")
+    checks = [
+        ("pdtool flush at least as fast as Schedule1F1B", rows["pdtool flush"] <= base,
+         f"{base / rows['pdtool flush']:.2f}x"),
+        ("pdtool pipedream at least 10% faster than Schedule1F1B", rows["pdtool pipedream"] * 1.1 <= base,
+         f"{base / rows['pdtool pipedream']:.2f}x"),
+        ("pdtool pipedream at least 90% of the limit", limit / rows["pdtool pipedream"] >= 0.9,
+         f"{limit / rows['pdtool pipedream']:.2f}"),
+    ]
+    checks += [(f"pdtool {mode} within 15% of its prediction",
+                abs(rows[f"pdtool {mode}"] / predicted[mode] - 1) <= 0.15,
+                f"{rows[f'pdtool {mode}'] / predicted[mode]:.2f}") for mode in ("flush", "pipedream")]
+    measured = all(ms > 0 for ms in rows.values())
+    for label, ok, value in checks:
+        print(f"- target: {label}: {value}, {'NOT MEASURED (noise)' if not measured else 'met' if ok else 'NOT MET'}")
+
+
+def _cpu_seconds() -> tuple[float, float, float]:
+    """(CPU seconds the whole machine has been busy, CPU seconds of this process and its reaped
+    children, wall seconds); the machine's figure is NaN where /proc/stat is missing."""
+    own = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    except (OSError, ValueError):
+        busy = float("nan")
+    return busy, own, time.perf_counter()
+
+
+def _other_cores(before, after) -> float:
+    """Average number of cores that programs other than this benchmark kept busy in between."""
+    return max(((after[0] - before[0]) - (after[1] - before[1])) / (after[2] - before[2]), 0.0)
+
+
+def _ranges(layers) -> str:
+    """Layer ids compactly: "0-1", "2-4,7"."""
+    parts: list[list[int]] = []
+    for layer in sorted(layers):
+        if parts and layer == parts[-1][1] + 1:
+            parts[-1][1] = layer
+        else:
+            parts.append([layer, layer])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in parts)
+
+
+def _say(text: str) -> None:
+    print(f"[train_speed] {text}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
