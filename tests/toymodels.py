@@ -103,3 +103,32 @@ def exploding(after=6):
     _CALLS["count"] = 0
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), _Exploding(after))
     return model, (lambda n: (torch.randn(n, 8), torch.randint(0, 8, (n,)))), F.cross_entropy
+
+
+@torch.fx.wrap
+def _die_after(x, after: int):
+    """Kept as one call in the traced graph; kills its own process (SIGKILL) after `after` calls."""
+    _CALLS["count"] += 1
+    if _CALLS["count"] > after:
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+class _Dying(nn.Module):
+    def __init__(self, after):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.after = after
+
+    def forward(self, x):
+        return _die_after(self.lin(x), self.after)
+
+
+def dying(after=6):
+    """A 3-layer chain whose last layer's worker is killed by a signal after `after` forwards."""
+    _CALLS["count"] = 0
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), _Dying(after))
+    return model, (lambda n: (torch.randn(n, 8), torch.randint(0, 8, (n,)))), F.cross_entropy

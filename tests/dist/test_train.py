@@ -63,3 +63,12 @@ def test_a_plan_for_another_world_size_is_refused_before_any_process_group(tmp_p
     plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
     with pytest.raises(LaunchError, match="the plan runs on ranks 0..1 but 1 workers were started"):
         launch(config_for(path, steps=1), 1, )
+
+
+def test_a_worker_killed_by_a_signal_stops_the_job_quickly(tmp_path):
+    ref = ModelRef("toymodels:dying", {"after": 6})
+    plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=ref)
+    began = time.monotonic()
+    with pytest.raises(LaunchError, match=r"worker rank 1 failed: .*(SIGKILL|signal|exit code -9)"):
+        launch(config_for(path, steps=20, return_weights=False), 2)
+    assert time.monotonic() - began < 30

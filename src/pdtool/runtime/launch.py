@@ -61,7 +61,8 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     try:
         results = elastic_launch(settings, _entry)(config)
     except ChildFailedError as failure:
-        raise LaunchError(_explain(failure) + ("" if verbose else " (--verbose shows its traceback)")) from None
+        line, raised = _explain(failure)
+        raise LaunchError(line + (" (--verbose shows its traceback)" if raised and not verbose else "")) from None
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
@@ -85,8 +86,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _explain(failure) -> str:
-    """One line: which rank failed first, and its error message."""
+def _explain(failure) -> tuple[str, bool]:
+    """One line: which rank failed first and its error message; and whether it raised (so
+    that a traceback exists) rather than died."""
     rank, info = min(failure.failures.items(), key=lambda item: item[1].timestamp)
     message = ""
     if info.error_file and Path(info.error_file).is_file():
@@ -95,10 +97,11 @@ def _explain(failure) -> str:
             message = data.get("message", {}).get("message", "") if isinstance(data.get("message"), dict) else str(data.get("message", ""))
         except (OSError, ValueError):
             message = ""
+    raised = bool(message)
     if not message:
         message = f"exit code {info.exitcode}" + (f" ({info.signal_name()})" if info.exitcode < 0 else "")
     first = message.strip().splitlines()[-1] if message.strip() else message
     for prefix in ("pdtool.errors.LaunchError: ", "pdtool.errors."):
         if first.startswith(prefix):
             first = first[len(prefix):]
-    return f"worker rank {rank} failed: {first}; the other workers were stopped"
+    return f"worker rank {rank} failed: {first}; the other workers were stopped", raised
