@@ -282,6 +282,10 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     for path in (metrics_path, trace_path):
         if path:
             check_writable(path)
+    if data not in ("synthetic", "digits"):
+        from .data import resolve_data_factory
+
+        resolve_data_factory(data)  # an unknown data set fails here, before any worker starts
     config = RunConfig(plan_path=os.path.abspath(plan_path), steps=steps, mode=mode, group=group, seed=seed,
                        optimizer=OptimizerConfig(optimizer, lr, momentum, weight_decay), timeout_s=timeout_s,
                        threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
