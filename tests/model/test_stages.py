@@ -315,4 +315,4 @@ def test_a_stage_may_be_a_down_set_difference_rather_than_a_range():
 def test_stages_out_of_dependency_order_are_refused():
     module, _, _ = MODELS["resnet"]()
     count = len(build_layer_graph(module).groups)
-    one_line_error(lambda: build_stages(module, [range(1, count), [0]], **FX), "")
+    one_line_error(lambda: build_stages(module, [range(1, count), [0]], **FX), "not in data-flow order")
