@@ -25,6 +25,10 @@ PD_SIMULATE_FLAGS ?=
 
 pd_name = $(notdir $*)
 
+# Profiles and plans made on the way to a picture or a trace are results, not scratch files:
+# keep them (GNU make would delete intermediates of a pattern chain).
+.PRECIOUS: %.profile.json %.plan.json
+
 %.profile.json:
 	$(PD) profile --model $(or $(PD_MODEL_$(pd_name)),pdtool.zoo:$(pd_name)) $(PD_ARGS_$(pd_name)) $(PD_PROFILE_FLAGS) -o $@
 

@@ -1,0 +1,51 @@
+"""cli/pd.mk in an experiment's Makefile: targets re-run only when their inputs changed."""
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed")
+
+
+def make(folder, *targets, question=False):
+    args = ["make", "--no-print-directory"] + (["-q"] if question else []) + list(targets)
+    return subprocess.run(args, cwd=folder, capture_output=True, text=True)
+
+
+def test_touching_the_profile_remakes_the_plan_and_nothing_else(tmp_path):
+    (tmp_path / "Makefile").write_text(
+        f"include {ROOT / 'cli' / 'pd.mk'}\n"
+        f"PD = {Path(sys.executable).parent / 'pd'}\n"
+        "PD_MODEL_tiny = pdtool.zoo:mlp\n"
+        "PD_ARGS_tiny = -a in_features=12 -a hidden=8 -a depth=2 -b 4 --repeats 1 --warmup 0 -q\n"
+        "PD_CLUSTER = 2x1GB/s\n")
+    first = make(tmp_path, "tiny.plan.json")
+    assert first.returncode == 0, first.stderr
+    assert "pd profile" in first.stdout and "pd plan" in first.stdout
+    assert make(tmp_path, "tiny.plan.json", question=True).returncode == 0  # nothing to do
+    plan_mtime = (tmp_path / "tiny.plan.json").stat().st_mtime_ns
+    time.sleep(0.01)
+    future = time.time() + 2
+    os.utime(tmp_path / "tiny.profile.json", (future, future))
+    assert make(tmp_path, "tiny.plan.json", question=True).returncode == 1
+    again = make(tmp_path, "tiny.plan.json")
+    assert again.returncode == 0 and "pd plan" in again.stdout and "pd profile" not in again.stdout
+    assert (tmp_path / "tiny.plan.json").stat().st_mtime_ns > plan_mtime
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz's dot is missing: pictures fall back to .dot")
+def test_a_picture_keeps_the_profile_and_plan_it_was_made_from(tmp_path):
+    (tmp_path / "Makefile").write_text(
+        f"include {ROOT / 'cli' / 'pd.mk'}\n"
+        f"PD = {Path(sys.executable).parent / 'pd'}\n"
+        "PD_MODEL_tiny = pdtool.zoo:mlp\n"
+        "PD_ARGS_tiny = -a in_features=12 -a hidden=8 -a depth=2 -b 4 --repeats 1 --warmup 0 -q\n")
+    result = make(tmp_path, "tiny.svg")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "tiny.profile.json").exists() and (tmp_path / "tiny.plan.json").exists()
+    assert make(tmp_path, "tiny.svg", question=True).returncode == 0
