@@ -37,12 +37,22 @@ def plan_with(tmp_path, split, mode="pipedream", ref=MLP, batch_size=4, name="p.
 
 
 def reference(plan, config, ref=MLP):
-    """The reference executor's run of the same plan and schedule."""
+    """The reference executor's run of the same plan and schedule (resumed like the runtime
+    when config.resume names a checkpoint: its weights and optimizer state, minibatches from
+    config.first_step on)."""
+    from pdtool.runtime.state import restore
+    from pdtool.runtime.worker import minibatches_per_step
+
     torch.manual_seed(config.seed)
     bundle = load_model(ref)
     stages = plan_stages(plan, bundle.module)
-    batch = synthetic_source(bundle, plan.profile.batch_size, config.seed).batch
-    return run_reference(stages, make_schedule(plan, config), config.optimizer, bundle.loss_fn, batch)
+    schedule = make_schedule(plan, config)
+    source = synthetic_source(bundle, plan.profile.batch_size, config.seed)
+    first = config.first_step * minibatches_per_step(schedule)
+    prepare = (lambda worker: restore(worker, config.resume)) if config.resume else None
+    run = run_reference(stages, schedule, config.optimizer, bundle.loss_fn, lambda b: source.batch(first + b), prepare)
+    run.losses = {first + b: loss for b, loss in run.losses.items()}
+    return run
 
 
 def gradient_accumulation(plan, config, ref=MLP):

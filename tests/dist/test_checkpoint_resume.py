@@ -57,3 +57,21 @@ def test_resume_without_a_checkpoint_dir_is_refused(tmp_path):
     _, path = plan_with(tmp_path, [((0, 3), 1)])
     with pytest.raises(LaunchError, match="--resume needs --checkpoint-dir"):
         run(config_for(path), resume=True)
+
+
+@pytest.mark.parametrize("mode", ["pipedream", "2bw"])
+def test_asynchronous_modes_resume_on_their_schedule(tmp_path, mode):
+    """A resumed pipedream/2bw run restarts its pipeline from the checkpoint (weights and
+    optimizer state); it must equal the reference executor resumed the same way."""
+    from helpers import reference
+
+    plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode=mode)
+    root = tmp_path / "ckpt"
+    run(config_for(path, steps=2, checkpoint_dir=str(root)))
+    resumed = run(config_for(path, steps=4, checkpoint_dir=str(root)), resume=True)
+    expected = reference(plan, config_for(path, steps=2, resume=str(root / "step-00000002"),
+                                          first_step=2))
+    assert resumed.losses == pytest.approx(expected.losses, rel=1e-6)
+    got = final_weights(resumed)
+    for name, value in expected.weights.items():
+        torch.testing.assert_close(got[name], value)

@@ -30,15 +30,20 @@ class ReferenceRun:
 
 
 def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
-                  loss_fn: Callable[[Any, Any], torch.Tensor], batch: Callable[[int], tuple]) -> ReferenceRun:
+                  loss_fn: Callable[[Any, Any], torch.Tensor], batch: Callable[[int], tuple],
+                  prepare: Callable[[StageWorker], None] | None = None) -> ReferenceRun:
     """Run `schedule` on `stages` (from `runtime.stages.build_stages`); `batch(b)` gives
-    minibatch b as (inputs tuple, target). The stages' modules are copied per replica."""
+    minibatch b as (inputs tuple, target). The stages' modules are copied per replica;
+    `prepare(worker)`, if given, runs on every worker before the first action (e.g. to
+    restore a checkpoint, as a resumed run does)."""
     workers: dict[int, StageWorker] = {}
     for s, stage in enumerate(stages):
         for i in range(schedule.replicas[s]):
             replica = copy.deepcopy(stage)
             workers[schedule.rank(s, i)] = StageWorker(replica, schedule, i, optimizer,
                                                        loss_fn if s == len(stages) - 1 else None)
+            if prepare is not None:
+                prepare(workers[schedule.rank(s, i)])
     activations: dict[tuple[int, int], tuple[dict, Any]] = {}  # (stage, b) -> outputs of stage, target
     gradients: dict[tuple[int, int], dict] = {}                # (stage, b) -> gradients of stage's outputs
     position = {rank: 0 for rank in workers}
