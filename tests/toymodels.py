@@ -132,3 +132,18 @@ def dying(after=6):
     _CALLS["count"] = 0
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), _Dying(after))
     return model, (lambda n: (torch.randn(n, 8), torch.randint(0, 8, (n,)))), F.cross_entropy
+
+
+class _Gate(nn.Module):
+    """Data-dependent control flow: torch.fx cannot trace a model that contains it."""
+
+    def forward(self, x):
+        if x.sum() > -1e9:
+            x = x * 1.0
+        return x
+
+
+def gated_sequential():
+    """An nn.Sequential torch.fx cannot trace: pdtool profiles its leaf modules and splits it by children."""
+    model = nn.Sequential(nn.Linear(8, 16), _Gate(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    return model, _batch, F.cross_entropy

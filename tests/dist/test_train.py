@@ -72,3 +72,15 @@ def test_a_worker_killed_by_a_signal_stops_the_job_quickly(tmp_path):
     with pytest.raises(LaunchError, match=r"worker rank 1 failed: .*(SIGKILL|signal|exit code -9)"):
         launch(config_for(path, steps=20, return_weights=False), 2)
     assert time.monotonic() - began < 30
+
+
+def test_an_untraceable_sequential_is_split_by_its_children(tmp_path):
+    ref = ModelRef("toymodels:gated_sequential")
+    plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], ref=ref, mode="flush")
+    assert plan.profile.method == "modules"
+    config = config_for(path, steps=3)
+    losses, weights = merged(launch(config, 2))
+    expected_losses, expected_weights = gradient_accumulation(plan, config, ref=ref)
+    assert losses == pytest.approx(expected_losses, rel=1e-6)
+    for name, expected in expected_weights.items():
+        torch.testing.assert_close(weights[name], expected)

@@ -77,9 +77,7 @@ def build_stages(module: nn.Module, layer_sets: Sequence[Sequence[int]], *, meth
     against the traced model's layers. Raises `LaunchError` when the model does not match.
     """
     if method == "modules":
-        raise LaunchError("the plan's profile found layers with --method modules: stages of models that torch.fx "
-                          "cannot trace cannot be built yet; make the model traceable by torch.fx, then "
-                          "re-run pd profile --method fx and pd plan")
+        return _sequential_stages(module, [tuple(sorted(layers)) for layers in layer_sets], layer_names or {})
     if method != "fx":
         raise LaunchError(f"the plan's layers come from a {method!r} profile, not from a model traced by pdtool, so "
                           "its stages cannot be built; re-run pd profile --method fx and pd plan for this model")
@@ -106,6 +104,61 @@ def build_stages(module: nn.Module, layer_sets: Sequence[Sequence[int]], *, meth
         graph = _stage_graph(gm, node_stage, s, len(layer_sets), inputs, outputs)
         stage_module = fx.GraphModule(gm, graph, class_name=f"Stage{s}")
         stages.append(Stage(s, stage_module, inputs, outputs, {}, {}, ids))
+    _name_state(module, stages)
+    return stages
+
+
+class _SequentialSlice(nn.Module):
+    """Some consecutive children of an nn.Sequential, as a stage: takes the boundary dict
+    `{source: x}` and returns `{target: y}`. The children keep their names, so their
+    parameters keep their whole-model names."""
+
+    def __init__(self, children: list[tuple[str, nn.Module]], source: str, target: str):
+        super().__init__()
+        for name, child in children:
+            self.add_module(name, child)
+        self.source, self.target = source, target
+
+    def forward(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x = values[self.source]
+        for child in self.children():
+            x = child(x)
+        return {self.target: x}
+
+
+def _sequential_stages(module: nn.Module, layer_sets: list[tuple[int, ...]], layer_names: dict[int, str]) -> list[Stage]:
+    """Stages of a model torch.fx cannot trace, by module selection: each stage is a run of
+    consecutive children of a top-level nn.Sequential, starting at the child that holds its
+    first layer (layers of a --method modules profile are leaf-module calls in execution
+    order, named by the modules' qualified names)."""
+    if not isinstance(module, nn.Sequential):
+        raise LaunchError(f"torch.fx cannot trace this {type(module).__name__}, and only an nn.Sequential can be "
+                          "split without it (by its children); make the model traceable by torch.fx or an "
+                          "nn.Sequential, then re-run pd profile and pd plan")
+    _check_layer_sets(layer_sets)
+    children = list(module.named_children())
+    index = {name: i for i, (name, _) in enumerate(children)}
+    starts = []
+    for s, layers in enumerate(layer_sets):
+        name = layer_names.get(layers[0])
+        child = (name or "").split(".")[0].split("#")[0]
+        if s == 0:
+            starts.append(0)
+        elif child not in index:
+            raise LaunchError(f"stage {s} starts at layer {layers[0]} ({name!r}), which is not inside a child of the "
+                              "model's nn.Sequential; re-run pd profile and pd plan for this model")
+        else:
+            starts.append(index[child])
+    if any(b <= a for a, b in zip(starts, starts[1:])):
+        raise LaunchError("the plan cuts inside one child of the model's nn.Sequential, which cannot be split "
+                          "without torch.fx; profile with --depth 1 (one layer per child) and re-plan")
+    bounds = starts + [len(children)]
+    stages = []
+    for s in range(len(layer_sets)):
+        source = "input" if s == 0 else f"stage{s - 1}"
+        target = OUTPUT if s == len(layer_sets) - 1 else f"stage{s}"
+        slice_ = _SequentialSlice(children[bounds[s]:bounds[s + 1]], source, target)
+        stages.append(Stage(s, slice_, (source,), (target,), {}, {}, layer_sets[s]))
     _name_state(module, stages)
     return stages
 
