@@ -93,6 +93,7 @@ class StageWorker:
         self.uses: dict[int, int] = {}
         for key, v in self.version_of.items():
             self.uses[v] = self.uses.get(v, 0) + 1
+        self.live_ok = self._versions_done_before_their_step()
         self.current = 0          # version of the live weights
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.peak_versions = 0    # most stashed versions held at once (live weights not counted)
@@ -104,7 +105,22 @@ class StageWorker:
     def _snapshot(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in zip(self.names, self.live)}
 
+    def _versions_done_before_their_step(self) -> set[int]:
+        """Versions whose every use comes before the step that replaces them: those can run
+        on the live weights themselves, with no copy (always in flush and gpipe, and on the
+        last stage in pipedream)."""
+        last_use: dict[int, int] = {}
+        steps: list[int] = []
+        for index, action in enumerate(self.actions):
+            if action.kind == "U":
+                steps.append(index)
+            else:
+                last_use[self.version_of[(action.kind, action.minibatch)]] = index
+        return {v for v, index in last_use.items() if v >= len(steps) or index < steps[v]}
+
     def _version(self, v: int) -> dict[str, torch.Tensor]:
+        if v == self.current and v in self.live_ok:
+            return dict(zip(self.names, self.live))
         if v not in self.versions:
             if v != self.current:
                 raise LaunchError(f"worker {self.rank}: weight version {v} was needed but not kept "
@@ -133,7 +149,7 @@ class StageWorker:
             if self.last:
                 outputs = self.loss_fn(outputs["output"], target)
         self._used(v)
-        self.stash[b] = (leaves, outputs, v)
+        self.stash[b] = (leaves, outputs, v, params)
         if self.last:
             loss = float(outputs.detach())
             self.losses[b] = loss
@@ -143,7 +159,7 @@ class StageWorker:
     def backward(self, b: int, grads: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Backward of minibatch b on the version its forward used; adds parameter gradients to
         the live weights and returns the gradients of the inputs (floating ones only)."""
-        leaves, outputs, v = self.stash.pop(b)
+        leaves, outputs, v, params = self.stash.pop(b)
         if self.version_of[("B", b)] != v:
             raise LaunchError(f"worker {self.rank}: minibatch {b} ran forward on version {v} but the schedule "
                               f"puts its backward on version {self.version_of[('B', b)]}")
@@ -152,7 +168,6 @@ class StageWorker:
         else:
             pairs = [(outputs[k], grads[k]) for k in outputs if outputs[k].requires_grad and grads.get(k) is not None]
             roots, seeds = [p[0] for p in pairs], [p[1] for p in pairs]
-        params = self.versions[v]  # kept: this backward is one of its uses
         wanted_inputs = [k for k, t in leaves.items() if t.requires_grad]
         targets = list(params.values()) + [leaves[k] for k in wanted_inputs]
         found = torch.autograd.grad(roots, targets, seeds, allow_unused=True) if roots and targets else [None] * len(targets)
