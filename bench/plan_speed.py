@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pdtool.cluster import parse_cluster
 from pdtool.pipedream_import import load_pipedream_graph
-from pdtool.plan import _with_simulation, make_plan
+from pdtool.planner import _with_simulation, make_plan
 from pdtool.profile import Layer, Profile
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -61,7 +61,8 @@ from torch import nn
 from pdtool.cluster import parse_cluster
 from pdtool.data import synthetic_source
 from pdtool.modelspec import load_model
-from pdtool.plan import Plan, make_plan
+from pdtool.plan import Plan
+from pdtool.planner import make_plan
 from pdtool.profile import ModelRef
 from pdtool.profiler import profile_model
 from pdtool.runtime.executor import OptimizerConfig

@@ -152,7 +152,7 @@ def plan(profile_path, cluster_spec, memory, straight, cost_model, mode, optimiz
     import os
 
     from .cluster import parse_cluster
-    from .plan import make_plan
+    from .planner import make_plan
     from .profile import Profile
 
     check_writable(output)

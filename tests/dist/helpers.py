@@ -5,7 +5,7 @@ import torch
 
 from pdtool.cluster import parse_cluster
 from pdtool.modelspec import load_model
-from pdtool.plan import make_plan
+from pdtool.planner import make_plan
 from pdtool.profile import ModelRef
 from pdtool.profiler import profile_model
 from pdtool.runtime.executor import OptimizerConfig

@@ -10,7 +10,7 @@ from torch.func import functional_call
 from pdtool.cluster import parse_cluster
 from pdtool.errors import LaunchError
 from pdtool.modelspec import load_model
-from pdtool.plan import make_plan
+from pdtool.planner import make_plan
 from pdtool.profile import ModelRef
 from pdtool.profiler import profile_model
 from pdtool.profiler.graph import build_layer_graph

@@ -9,7 +9,8 @@ from pdtool.cluster import parse_cluster
 from pdtool.errors import ArtifactError, PlanError
 from pdtool.jsonio import canonical_json
 from pdtool.pipedream_import import load_pipedream_graph
-from pdtool.plan import Plan, compact_ranges, make_plan
+from pdtool.plan import Plan, compact_ranges
+from pdtool.planner import make_plan
 from pdtool.profile import Layer, Profile
 
 PIPEDREAM = Path(__file__).resolve().parents[2] / "profiles" / "pipedream"
@@ -94,7 +95,7 @@ def test_layer_sets_are_shown_as_ranges():
 
 
 def test_too_many_down_sets_plan_over_prefixes_and_say_so(monkeypatch):
-    import pdtool.plan as plan_module
+    import pdtool.planner as plan_module
     from pdtool.states import build_states
 
     monkeypatch.setattr(plan_module, "build_states", lambda costs: build_states(costs, max_states=10))

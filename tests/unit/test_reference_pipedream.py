@@ -21,7 +21,7 @@ from pdtool.costmodel import ChainCosts, PipeDreamModel
 from pdtool.jsonio import round_sig
 from pdtool.partition import Solver
 from pdtool.pipedream_import import load_pipedream_graph
-from pdtool.plan import make_plan
+from pdtool.planner import make_plan
 from pdtool.states import build_states as pdtool_states
 
 from reference_pipedream import build_states, first_source_in_file, solve

@@ -10,7 +10,8 @@ import pytest
 from pdtool.cluster import parse_cluster
 from pdtool.errors import ArtifactError, PdtoolError
 from pdtool.pipedream_import import load_pipedream_graph
-from pdtool.plan import compact_ranges, make_plan
+from pdtool.plan import compact_ranges
+from pdtool.planner import make_plan
 from pdtool.profile import Layer, Profile
 from pdtool.render import FORMATS, plan_graph, render_plan
 from pdtool.units import format_bytes

@@ -6,7 +6,8 @@ import pytest
 from pdtool.cluster import Cluster, Level, parse_cluster
 from pdtool.costmodel import Memory
 from pdtool.errors import ScheduleError
-from pdtool.plan import Plan, PlanStage, Prediction, ProfileRef, make_plan
+from pdtool.plan import Plan, PlanStage, Prediction, ProfileRef
+from pdtool.planner import make_plan
 from pdtool.schedule import MODES, default_group, generate, peak_versions
 from pdtool.simulate import (
     allreduce_ms, chrome_trace, default_minibatches, link_bandwidth, simulate, steady_state_ms, write_trace,

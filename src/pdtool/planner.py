@@ -1,0 +1,153 @@
+"""The planner: PipeDream's optimizer run on a profile for a cluster, described as a `Plan`.
+
+`make_plan` builds the layer costs and the state space (down-sets of the layer graph),
+solves the dynamic program (`partition.Solver`), flattens the nested pipeline into plan
+stages and outer-level groups with the cost model's per-stage terms, and records the
+simulator's figures for the plan's schedule.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from . import __version__
+from .cluster import Cluster
+from .costmodel import COST_MODELS, ChainCosts, CostModel, Memory
+from .errors import PlanError
+from .partition import Pipeline, Solver, Stage
+from .plan import MODES, MS, Plan, PlanGroup, PlanStage, Prediction, ProfileRef, compact_ranges, profile_sha256
+from .profile import Profile
+from .states import States, build_states
+from .units import format_bytes
+
+
+SIMULATED_MINIBATCHES = 2048  # at most, so that planning a large cluster stays quick
+
+
+def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool", straight: bool = False,
+              mode: str = "pipedream", optimizer_slots: int = 1, command: str = "", simulate: bool = True) -> Plan:
+    """Run PipeDream's optimizer on `profile` for `cluster` and describe the result as a Plan.
+
+    With `simulate`, the plan's schedule is also run through the simulator (design notes,
+    section 4) and its steady-state time per minibatch and bubble fraction are recorded.
+    """
+    if mode not in MODES:
+        raise PlanError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    if cost_model not in COST_MODELS:
+        raise PlanError(f"unknown cost model {cost_model!r}; use one of {', '.join(COST_MODELS)}")
+    model = COST_MODELS[cost_model]()
+    costs = ChainCosts.from_profile(profile)
+    counts = [level.count for level in cluster.levels]
+    bandwidths = [level.bandwidth for level in cluster.levels]
+    memory = Memory(float(cluster.memory), optimizer_slots) if cluster.memory else None
+    states = build_states(costs)
+    solver = Solver(states, counts, bandwidths, model, straight=straight, memory=memory)
+    pipeline = solver.solve()
+    if pipeline is None:
+        raise PlanError(_no_plan_reason(profile, costs, states, counts, bandwidths, model, straight, memory, cluster))
+    stages, groups = _describe(pipeline, profile, costs, model, solver, memory or Memory(float("inf"), optimizer_slots))
+    items = [(s.time_ms, f"stage {i} {_dominant(s.compute_ms, s.allreduce_ms, s.transfer_ms)}")
+             for i, s in enumerate(stages)]
+    items += [(g.time_ms, f"level-{g.level} group of layers {compact_ranges(g.layers)} "
+                          f"{_dominant(g.compute_ms, g.allreduce_ms, g.transfer_ms)}") for g in groups]
+    slowest = max(time for time, _ in items)
+    bottleneck = next(label for time, label in items if time >= slowest * (1 - 1e-9))  # stages win ties
+    prediction = Prediction(time_ms=pipeline.time * MS, bottleneck=bottleneck,
+                            single_worker_ms=float(costs.compute.sum()) * MS,
+                            data_parallel_ms=model.data_parallel(costs, counts, bandwidths) * MS)
+    ref = ProfileRef(profile_sha256(profile), profile.fingerprint,
+                     None if profile.model is None else {"spec": profile.model.spec, "kwargs": dict(profile.model.kwargs)},
+                     profile.batch_size, len(profile.layers), profile.method, profile.granularity, profile.depth)
+    plan = Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=mode,
+                stages=tuple(stages), groups=tuple(groups), predicted=prediction, command=command,
+                pdtool_version=__version__, state_space=states.space)
+    return _with_simulation(plan) if simulate else plan
+
+
+def _with_simulation(plan: Plan) -> Plan:
+    """The plan with the simulator's figures for its own schedule recorded in `predicted`."""
+    from . import simulate as simulator  # simulate imports plan: import here, not at the top
+    from .schedule import default_group
+
+    group = 1 if plan.mode in ("pipedream", "vsync") else default_group([s.replicas for s in plan.stages])
+    minibatches = min(simulator.default_minibatches(plan.workers, group), max(SIMULATED_MINIBATCHES // group, 1) * group)
+    result = simulator.simulate(plan, minibatches=minibatches, group=None if group == 1 else group)
+    return dataclasses.replace(plan, predicted=dataclasses.replace(
+        plan.predicted, simulated_ms=result.time_per_minibatch_ms, simulated_bubble=result.bubble_fraction,
+        simulated_minibatches=result.minibatches))
+
+
+def _dominant(compute: float, allreduce: float, transfer: float) -> str:
+    """Which term sets a stage's time (ties go to compute, then all-reduce)."""
+    parts = {"compute": compute, "allreduce": allreduce, "transfer": transfer}
+    return max(parts, key=parts.get)
+
+
+def _describe(pipeline: Pipeline, profile: Profile, costs: ChainCosts, model: CostModel, solver: Solver,
+              memory: Memory) -> tuple[list[PlanStage], list[PlanGroup]]:
+    """Flatten the nested pipeline into plan stages (innermost) and groups (outer levels)."""
+    stages: list[PlanStage] = []
+    groups: list[PlanGroup] = []
+    final = solver.final
+    cut = solver.states.cut
+
+    def walk(p: Pipeline, bases: list[int], outer: int) -> None:
+        size = solver.inner[p.level]
+        for index, stage in enumerate(p.stages):
+            last_in_pipeline = index == len(p.stages) - 1
+            charge = True if not last_in_pipeline else bool(np.asarray(final).reshape(-1)[stage.end]
+                                                             if np.ndim(final) else final)
+            members = list(stage.layers)
+            unit = stage.inner.time if stage.inner is not None else float(costs.compute[members].sum())
+            terms = model.terms(unit, float(costs.params[members].sum()),
+                                float(cut[stage.start]), float(cut[stage.end]), stage.replicas,
+                                solver.bandwidths[p.level], size, index == 0, charge)
+            units = range(stage.units_before, stage.units_before + stage.replicas)
+            here = [base + u * size for base in bases for u in units]
+            if stage.inner is None:
+                stages.append(_leaf(stage, terms, outer, sorted(here), profile, costs, solver, memory, stages))
+            else:
+                groups.append(PlanGroup(p.level, stage.layers, stage.replicas,
+                                        terms["compute"] / outer * MS, terms["allreduce"] / outer * MS, terms["transfer"] / outer * MS,
+                                        terms["time"] / outer * MS))
+                walk(stage.inner, here, outer * stage.replicas)
+
+    walk(pipeline, [0], 1)
+    return stages, groups
+
+
+def _leaf(stage: Stage, terms: dict, outer: int, ranks: list[int], profile: Profile, costs: ChainCosts,
+          solver: Solver, memory: Memory, earlier: list[PlanStage]) -> PlanStage:
+    before = sum(s.replicas for s in earlier)
+    k = Memory.in_flight(solver.workers, before, len(ranks))
+    a, b = stage.start, stage.end
+    need = memory.need(float(solver.params[a, b]), float(solver.stashed[a, b]), k)
+    layers = [profile.layers[i] for i in stage.layers]
+    return PlanStage(stage.layers, layers[0].name, layers[-1].name, tuple(ranks), k,
+                     sum(l.fwd_ms for l in layers), sum(l.bwd_ms for l in layers), sum(l.param_bytes for l in layers),
+                     int(solver.states.cut[a]), int(solver.states.cut[b]), int(solver.stashed[a, b]),
+                     terms["compute"] / outer * MS, terms["allreduce"] / outer * MS,
+                     terms["transfer"] / outer * MS, terms["time"] / outer * MS, int(round(need)))
+
+
+def _no_plan_reason(profile: Profile, costs: ChainCosts, states: States, counts, bandwidths, model, straight, memory,
+                    cluster) -> str:
+    """Why no plan exists: name the stage that does not fit and by how much, when memory is why."""
+    if memory is not None:
+        solver = Solver(states, counts, bandwidths, model, straight=straight)
+        free = solver.solve()
+        if free is not None:
+            fake = Memory(float("inf"), memory.optimizer_slots)
+            stages, _ = _describe(free, profile, costs, model, solver, fake)
+            worst_index, worst = max(enumerate(stages), key=lambda item: item[1].memory_bytes)
+            over = worst.memory_bytes - memory.limit
+            return (f"no plan fits in {format_bytes(memory.limit)} per worker: the fastest plan's stage {worst_index} "
+                    f"(layers {compact_ranges(worst.layers)}, {worst.first_name}..{worst.last_name}) needs "
+                    f"{worst.memory_bytes / 2**30:.3f} GiB per worker, {over / 2**30:.3f} GiB over, and no other "
+                    "partition fits either; raise --memory, add workers or profile a smaller batch")
+    if model.exact_workers:
+        return (f"the pipedream cost model uses exactly every worker and no partition of {len(profile.layers)} layers "
+                f"does on {cluster.workers} workers{' with --straight' if straight else ''}; "
+                "use fewer workers, drop --straight, or use --cost-model pdtool")
+    return "no partition exists for this profile and cluster; check the cluster description"
