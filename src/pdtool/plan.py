@@ -38,7 +38,9 @@ class PlanStage(LayerSet):
     flight keeps stashed for its backward (its input plus its layers' outputs). `compute_ms`, `allreduce_ms`,
     `transfer_ms` and `time_ms` are ms per minibatch as the cost model charges them (already
     divided by all replicas), `memory_bytes` what one of its workers needs, `in_flight` the
-    minibatches each of its workers holds at once under 1F1B.
+    minibatches each of its workers holds at once under 1F1B. `update_ms` is one optimizer step
+    of its parameters on one worker and `data_ms` the making of one minibatch (stage 0 only),
+    both from the profile; the simulator charges them, the cost model does not.
     """
 
     layers: tuple[int, ...]
@@ -57,6 +59,8 @@ class PlanStage(LayerSet):
     transfer_ms: float
     time_ms: float
     memory_bytes: int
+    update_ms: float = 0.0
+    data_ms: float = 0.0
 
     def __post_init__(self) -> None:
         round_float_fields(self)
@@ -190,6 +194,7 @@ class Plan:
                  "replicas": s.replicas, "ranks": list(s.ranks), "in_flight": s.in_flight,
                  "fwd_ms": s.fwd_ms, "bwd_ms": s.bwd_ms, "param_bytes": s.param_bytes,
                  "in_bytes": s.in_bytes, "out_bytes": s.out_bytes, "activation_bytes": s.activation_bytes,
+                 "update_ms": s.update_ms, "data_ms": s.data_ms,
                  "compute_ms": s.compute_ms, "allreduce_ms": s.allreduce_ms, "transfer_ms": s.transfer_ms,
                  "time_ms": s.time_ms, "memory_bytes": s.memory_bytes}
                 for i, s in enumerate(self.stages)
@@ -228,7 +233,7 @@ class Plan:
             f = Fields(item, source, where, known=("id", "layers", "first_layer", "last_layer", "replicas", "ranks",
                                                    "in_flight", "fwd_ms", "bwd_ms", "param_bytes", "in_bytes",
                                                    "out_bytes", "activation_bytes", "compute_ms", "allreduce_ms", "transfer_ms",
-                                                   "time_ms", "memory_bytes"))
+                                                   "time_ms", "memory_bytes", "update_ms", "data_ms"))
             layers = _layer_ids(f, "layers")
             ranks = f.get("ranks", list)
             if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
@@ -243,7 +248,9 @@ class Plan:
                                     f.count("param_bytes"), f.count("in_bytes"), f.count("out_bytes"),
                                     f.count("activation_bytes"),
                                     f.number("compute_ms"), f.number("allreduce_ms"),
-                                    f.number("transfer_ms"), f.number("time_ms"), f.count("memory_bytes")))
+                                    f.number("transfer_ms"), f.number("time_ms"), f.count("memory_bytes"),
+                                    f.get("update_ms", float, optional=True, default=0.0),
+                                    f.get("data_ms", float, optional=True, default=0.0)))
         groups = []
         for where, item in top.items("groups"):
             f = Fields(item, source, where, known=("level", "layers", "units", "compute_ms", "allreduce_ms",

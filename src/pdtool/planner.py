@@ -124,11 +124,14 @@ def _leaf(stage: Stage, terms: dict, outer: int, ranks: list[int], profile: Prof
     a, b = stage.start, stage.end
     need = memory.need(float(solver.params[a, b]), float(solver.stashed[a, b]), k)
     layers = [profile.layers[i] for i in stage.layers]
+    params = sum(l.param_bytes for l in layers)
     return PlanStage(stage.layers, layers[0].name, layers[-1].name, tuple(ranks), k,
-                     sum(l.fwd_ms for l in layers), sum(l.bwd_ms for l in layers), sum(l.param_bytes for l in layers),
+                     sum(l.fwd_ms for l in layers), sum(l.bwd_ms for l in layers), params,
                      int(solver.states.cut[a]), int(solver.states.cut[b]), int(solver.stashed[a, b]),
                      terms["compute"] / outer * MS, terms["allreduce"] / outer * MS,
-                     terms["transfer"] / outer * MS, terms["time"] / outer * MS, int(round(need)))
+                     terms["transfer"] / outer * MS, terms["time"] / outer * MS, int(round(need)),
+                     update_ms=profile.update_ms * params / profile.param_bytes if profile.param_bytes else 0.0,
+                     data_ms=profile.data_ms if not earlier else 0.0)
 
 
 def _no_plan_reason(profile: Profile, costs: ChainCosts, states: States, counts, bandwidths, model, straight, memory,

@@ -72,7 +72,8 @@ class Profile:
     "pipedream" (imported from the original's graph.txt). `granularity` is "module" (trivial
     ops folded into their neighbours) or "op" (every traced op is a layer); `depth`, when
     set, makes every submodule at that nesting depth one layer. `step_ms` is the measured
-    time of a whole forward + loss + backward step.
+    time of a whole forward + loss + backward step, `update_ms` of one optimizer step (SGD with
+    momentum) over all parameters, `data_ms` of making one minibatch (0 when not measured).
     """
 
     model: ModelRef | None
@@ -89,6 +90,8 @@ class Profile:
     step_ms_spread: float
     layers: tuple[Layer, ...]
     edges: tuple[tuple[int, int], ...]
+    update_ms: float = 0.0
+    data_ms: float = 0.0
     schema: str = SCHEMA
     source: InitVar[str] = "profile"
 
@@ -136,6 +139,8 @@ class Profile:
             "repeats": self.repeats,
             "step_ms": self.step_ms,
             "step_ms_spread": self.step_ms_spread,
+            "update_ms": self.update_ms,
+            "data_ms": self.data_ms,
             "layer_sum_over_step": self.layer_sum_over_step,
             "layers": [
                 {
@@ -190,6 +195,8 @@ class Profile:
             granularity=top.get("granularity", str), depth=top.get("depth", int, optional=True),
             repeats=top.count("repeats"), step_ms=top.number("step_ms"),
             step_ms_spread=top.number("step_ms_spread"), layers=tuple(layers), edges=tuple(edges),
+            update_ms=top.get("update_ms", float, optional=True, default=0.0),
+            data_ms=top.get("data_ms", float, optional=True, default=0.0),
             source=source,
         )
 
@@ -202,7 +209,7 @@ class Profile:
 
 
 _TOP_FIELDS = ("schema", "model", "batch_size", "inputs", "device", "torch_version", "fingerprint",
-               "method", "granularity", "depth", "repeats", "step_ms", "step_ms_spread",
+               "method", "granularity", "depth", "repeats", "step_ms", "step_ms_spread", "update_ms", "data_ms",
                "layer_sum_over_step", "layers", "edges")
 _LAYER_FIELDS = ("id", "name", "kind", "fwd_ms", "bwd_ms", "fwd_ms_spread", "bwd_ms_spread",
                  "act_bytes", "param_bytes", "ops")
@@ -232,7 +239,7 @@ def _validate(p: Profile, source: str) -> None:
         for key in ("fwd_ms", "bwd_ms", "fwd_ms_spread", "bwd_ms_spread", "act_bytes", "param_bytes"):
             if getattr(layer, key) < 0:
                 top.fail(f"{key} is negative ({getattr(layer, key)})", "costs are never negative; fix it", where)
-    for field_name in ("step_ms", "step_ms_spread"):
+    for field_name in ("step_ms", "step_ms_spread", "update_ms", "data_ms"):
         if getattr(p, field_name) < 0:
             top.fail(f"is negative ({getattr(p, field_name)})", "fix the value", field_name)
     seen = set()

@@ -8,7 +8,8 @@ The model (all times in ms):
   `plan.stages[s].ranks[i]`; results are keyed by plan ranks. Every worker runs its action list
   in order, one action at a time, each as soon as its worker is free and its input is there.
 - Compute. `F` of stage s takes the stage's `fwd_ms`, `B` its `bwd_ms` (one minibatch on one
-  worker, as profiled). Within a worker, `B` of b follows `F` of b by the schedule's order.
+  worker, as profiled); `F` on stage 0 also makes its minibatch (`data_ms`). Within a worker,
+  `B` of b follows `F` of b by the schedule's order.
 - Transfers. `F` of b on stage s > 0 needs `F` of b on stage s-1 and then its activations,
   `out_bytes` of stage s-1, sent to it; `B` of b on stage s < last needs `B` of b on stage s+1
   and then its gradient, `in_bytes` of stage s+1, sent back. A message takes bytes / bandwidth,
@@ -16,10 +17,11 @@ The model (all times in ms):
   Sends are asynchronous (the sender computes on) but every directed link (rank x -> rank y)
   carries one message at a time: messages queue on it in the order they are sent (FIFO). Links
   are independent of one another: a rank's messages to two different ranks do not contend.
-- Steps. `U` on an unreplicated stage is the local optimizer step and costs 0 (its time is in
-  the profile's backward). On a stage with r > 1 replicas, the k-th `U` of every replica is one
-  collective: all start together when the last replica arrives, and it lasts a ring all-reduce,
-  2 (r - 1) / r * param_bytes / B with B the slowest link among the replicas' ranks. It is not
+- Steps. `U` on an unreplicated stage is the local optimizer step: the stage's `update_ms` (its
+  share of the profiled optimizer step). On a stage with r > 1 replicas, the k-th `U` of every
+  replica is one collective: all start together when the last replica arrives, and it lasts a
+  ring all-reduce, 2 (r - 1) / r * param_bytes / B with B the slowest link among the replicas'
+  ranks, then the optimizer step. It is not
   overlapped with computation (the replicas wait for it), so a replicated stage costs
   (compute + all-reduce) / r per minibatch here, where the planner's default cost model charges
   max(compute, all-reduce) / r: the simulator is the pessimistic side of that comparison.
@@ -251,7 +253,7 @@ class _Run:
             return False
         start = max(self.free[worker], self.arrived.get(key, 0.0))
         s = self.plan.stages[stage]
-        end = start + (s.fwd_ms if action.kind == "F" else s.bwd_ms)
+        end = start + (s.fwd_ms + s.data_ms if action.kind == "F" else s.bwd_ms)
         if action.kind == "F":
             self.held[worker] += 1
             self.peak_held[worker] = max(self.peak_held[worker], self.held[worker])
@@ -280,8 +282,9 @@ class _Run:
     def _update(self, worker: int, action: Action) -> bool:
         """The k-th U of a worker: alone when unreplicated, else together with every replica."""
         stage = action.stage
+        update = self.plan.stages[stage].update_ms
         if self.schedule.replicas[stage] == 1:
-            self._record(worker, action, self.free[worker], self.free[worker])
+            self._record(worker, action, self.free[worker], self.free[worker] + update)
             self.steps_done[worker] += 1
             return True
         key = (stage, self.steps_done[worker])
@@ -292,7 +295,7 @@ class _Run:
         del self.waiting[key]
         start = max(arrivals.values())
         for replica in sorted(arrivals):
-            self._record(replica, action, start, start + self.allreduce[stage])
+            self._record(replica, action, start, start + self.allreduce[stage] + update)
             self.steps_done[replica] += 1
             if replica != worker:
                 self._wake(replica)

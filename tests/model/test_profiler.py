@@ -33,6 +33,7 @@ def test_mlp_layers_have_exact_parameter_and_activation_bytes():
     assert [l.act_bytes for l in profile.layers] == [6 * 8 * 4, 6 * 8 * 4, 6 * 3 * 4]
     assert profile.edges == ((0, 1), (1, 2))
     assert profile.batch_size == 6 and profile.inputs[0].shape == (6, 12) and profile.method == "fx"
+    assert profile.update_ms > 0 and profile.data_ms > 0  # an optimizer step and making a minibatch
     assert_times_positive(profile)
 
 

@@ -240,3 +240,16 @@ def test_chrome_trace_has_a_named_track_per_rank_and_the_actions(tmp_path):
     out = tmp_path / "t.json"
     write_trace(out, trace)
     assert json.loads(out.read_text()) == json.loads(json.dumps(trace))
+
+
+def test_optimizer_steps_and_data_making_are_charged():
+    import dataclasses
+
+    plan = make([(1.0, 2.0, 1), (1.0, 2.0, 1)])
+    first, second = plan.stages
+    plan = dataclasses.replace(plan, stages=(dataclasses.replace(first, update_ms=0.5, data_ms=0.25),
+                                             dataclasses.replace(second, update_ms=0.5)))
+    result = simulate(plan, minibatches=200)
+    assert result.time_per_minibatch_ms == pytest.approx(3.0 + 0.5 + 0.25)  # stage 0 is the slower one now
+    steps = [e for e in result.events if e.kind == "U"]
+    assert steps and all(e.end_ms - e.start_ms == pytest.approx(0.5) for e in steps)

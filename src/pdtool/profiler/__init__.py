@@ -20,7 +20,7 @@ from ..profile import Layer, ModelRef, Profile
 from .fx_measure import LayerCost, measure_split
 from .graph import FxUntraceable, build_layer_graph
 from .modules import measure_modules
-from .timing import Clock, measure_step
+from .timing import Clock, measure_data, measure_step, measure_update
 
 METHODS = ("auto", "fx", "modules")
 GRANULARITIES = ("module", "op")
@@ -62,14 +62,16 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
         layers = [_layer(i, name, kind, cost, pb, ops) for i, (name, kind, cost, pb, ops) in
                   enumerate(zip(found.names, found.kinds, found.costs, found.param_bytes, found.ops))]
         edges = found.edges
-    progress("timing whole training steps")
+    progress("timing whole training steps, optimizer steps and data")
     step_ms, step_spread = measure_step(module, inputs, target, bundle.loss_fn, repeats=repeats,
                                         warmup=warmup, clock=clock)
+    update_ms = measure_update(module, inputs, target, bundle.loss_fn, repeats=repeats, warmup=warmup, clock=clock)
+    data_ms = measure_data(lambda: bundle.batch(size, ref.spec), repeats=repeats, warmup=warmup, clock=clock)
     return Profile(
         model=ref, batch_size=size, inputs=tensor_specs(inputs), device=_device_name(dev),
         torch_version=torch.__version__, fingerprint=fingerprint(module), method=used,
         granularity=granularity, depth=depth, repeats=repeats, step_ms=step_ms, step_ms_spread=step_spread,
-        layers=tuple(layers), edges=tuple(edges),
+        layers=tuple(layers), edges=tuple(edges), update_ms=update_ms, data_ms=data_ms,
     )
 
 

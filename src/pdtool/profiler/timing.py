@@ -67,3 +67,43 @@ def measure_step(module: nn.Module, inputs: tuple[torch.Tensor, ...], target: An
         if round_ >= warmup:
             samples.append(end - start)
     return summarize(samples)
+
+
+def measure_update(module: nn.Module, inputs: tuple[torch.Tensor, ...], target: Any,
+                   loss_fn: Callable[[Any, Any], torch.Tensor], *, repeats: int, warmup: int, clock: Clock) -> float:
+    """Median ms of one optimizer step (SGD with momentum) over all of `module`'s parameters.
+
+    The weights are restored afterwards, so profiling leaves the model as it found it.
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    saved = [p.detach().clone() for p in params]
+    module.zero_grad(set_to_none=True)
+    loss_fn(module(*inputs), target).backward()
+    optimizer = torch.optim.SGD(params, lr=1e-6, momentum=0.9)
+    samples = []
+    for round_ in range(warmup + repeats):
+        start = clock()
+        optimizer.step()
+        end = clock()
+        if round_ >= warmup:
+            samples.append(end - start)
+    with torch.no_grad():
+        for p, value in zip(params, saved):
+            p.copy_(value)
+    module.zero_grad(set_to_none=True)
+    return summarize(samples)[0]
+
+
+def measure_data(make: Callable[[], Any], *, repeats: int, warmup: int, clock: Clock) -> float:
+    """Median ms of making one minibatch with `make`."""
+    samples = []
+    for round_ in range(warmup + repeats):
+        start = clock()
+        make()
+        end = clock()
+        if round_ >= warmup:
+            samples.append(end - start)
+    return summarize(samples)[0]
+
