@@ -42,10 +42,10 @@ def test_flush_resumed_under_another_plan_ends_where_an_uninterrupted_run_ends(t
 
 
 def test_a_crash_leaves_the_last_complete_checkpoint_loadable(tmp_path):
-    ref = ModelRef("toymodels:exploding", {"after": 5})
+    ref = ModelRef("toymodels:exploding", {"after": 7})
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=ref, mode="pipedream")
     root = tmp_path / "ckpt"
-    with pytest.raises(LaunchError, match="boom after 5 forwards"):
+    with pytest.raises(LaunchError, match="boom after 7 forwards"):
         run(config_for(path, steps=20, checkpoint_dir=str(root), checkpoint_every=1, return_weights=False))
     newest = latest_complete(root)
     assert newest is not None

@@ -24,11 +24,11 @@ def test_pd_train_runs_a_plan_and_reports_loss_and_time(tmp_path):
 def test_pd_train_failure_is_one_line_and_exit_1(tmp_path):
     from pdtool.profile import ModelRef
 
-    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=ModelRef("toymodels:exploding", {"after": 4}))
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=ModelRef("toymodels:exploding", {"after": 8}))
     result = CliRunner().invoke(cli, ["train", str(path), "--steps", "10"])
     assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()
-    assert lines[-1].startswith("pd: error: worker rank 1 failed:") and "boom after 4 forwards" in lines[-1]
+    assert lines[-1].startswith("pd: error: worker rank 1 failed:") and "boom after 8 forwards" in lines[-1]
 
 
 def test_pd_train_bad_plan_file_is_one_line(tmp_path):
