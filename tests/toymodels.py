@@ -80,58 +80,44 @@ _CALLS = {"count": 0}
 
 
 @torch.fx.wrap
-def _explode_after(x, after: int):
-    """Kept as one call in the traced graph; raises once it has run `after` times in this process."""
+def _fail_after(x, after: int, how: str):
+    """Kept as one call in the traced graph; after `after` calls in this process it raises
+    (how="raise") or kills its own process with SIGKILL (how="kill")."""
     _CALLS["count"] += 1
     if _CALLS["count"] > after:
+        if how == "kill":
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"boom after {after} forwards")
     return x
 
 
-class _Exploding(nn.Module):
-    def __init__(self, after):
+class _Failing(nn.Module):
+    def __init__(self, after, how):
         super().__init__()
         self.lin = nn.Linear(8, 8)
-        self.after = after
+        self.after, self.how = after, how
 
     def forward(self, x):
-        return _explode_after(self.lin(x), self.after)
+        return _fail_after(self.lin(x), self.after, self.how)
 
 
-def exploding(after=6):
-    """A 3-layer chain whose last layer fails after `after` forwards (in the worker that runs it)."""
+def _failing_chain(after, how):
     _CALLS["count"] = 0
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), _Exploding(after))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), _Failing(after, how))
     return model, (lambda n: (torch.randn(n, 8), torch.randint(0, 8, (n,)))), F.cross_entropy
 
 
-@torch.fx.wrap
-def _die_after(x, after: int):
-    """Kept as one call in the traced graph; kills its own process (SIGKILL) after `after` calls."""
-    _CALLS["count"] += 1
-    if _CALLS["count"] > after:
-        import os
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
-    return x
-
-
-class _Dying(nn.Module):
-    def __init__(self, after):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.after = after
-
-    def forward(self, x):
-        return _die_after(self.lin(x), self.after)
+def exploding(after=6):
+    """A 3-layer chain whose last layer raises after `after` forwards (in the worker that runs it)."""
+    return _failing_chain(after, "raise")
 
 
 def dying(after=6):
     """A 3-layer chain whose last layer's worker is killed by a signal after `after` forwards."""
-    _CALLS["count"] = 0
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), _Dying(after))
-    return model, (lambda n: (torch.randn(n, 8), torch.randint(0, 8, (n,)))), F.cross_entropy
+    return _failing_chain(after, "kill")
 
 
 class _Gate(nn.Module):
