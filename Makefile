@@ -32,7 +32,7 @@ graphviz:
 # (the cost model alone would pick data parallelism on so fast a link), draw and simulate it,
 # then train it for 30 steps on 4 worker processes (synthetic data).
 PD_MODEL_demo = pdtool.zoo:resnet50
-PD_ARGS_demo = -a width=16 -a image_size=64 -a classes=10 -b 16 --repeats 5
+PD_ARGS_demo = -a width=16 -a image_size=64 -a classes=10 -b 16 --repeats 5 --threads 1
 PD_CLUSTER_demo = 4x2GB/s
 PD_PLAN_ARGS_demo = --straight
 

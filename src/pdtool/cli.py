@@ -86,9 +86,11 @@ def cli() -> None:
               help="Make every submodule nested DEPTH levels deep one layer (e.g. 2: each ResNet block).")
 @click.option("--method", type=click.Choice(["auto", "fx", "modules"]), default="auto", show_default=True,
               help="How to find layers: torch.fx, leaf modules in execution order, or fx with a fallback.")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="Torch threads while measuring [default: torch's]; use the count each pd train worker will have.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, warmup, granularity, depth, method,
-            quiet):
+            threads, quiet):
     """Measure a model layer by layer and write its profile (pdtool.profile/1).
 
     Per layer: forward and backward time (ms, median of --repeats), output activation bytes,
@@ -113,6 +115,11 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
     from .modelspec import parse_model_args
     from .profile import ModelRef
     from .profiler import profile_model
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
     progress = _Progress(quiet)
     ref = ModelRef(spec, parse_model_args(model_args))

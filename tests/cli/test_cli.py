@@ -35,6 +35,17 @@ def test_profile_writes_a_valid_profile_and_reports_on_stderr(tmp_path):
     assert result.stdout == "" and f"wrote {out}: 3 layers" in result.stderr
 
 
+def test_profile_threads_are_recorded_with_the_device(tmp_path):
+    import torch
+
+    out, before = tmp_path / "t.json", torch.get_num_threads()
+    try:
+        assert invoke("profile", *TINY, "--threads", "1", "-o", str(out)).exit_code == 0
+    finally:
+        torch.set_num_threads(before)
+    assert Profile.load(out).device == "cpu (1 thread)"
+
+
 def test_profile_to_stdout_writes_only_json_there():
     result = invoke("profile", *TINY, "-o", "-", "--quiet")
     assert result.exit_code == 0

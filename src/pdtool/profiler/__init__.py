@@ -113,7 +113,8 @@ def _device(name: str) -> torch.device:
 def _device_name(dev: torch.device) -> str:
     if dev.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(dev)})"
-    return f"cpu ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"cpu ({threads} thread{'s' if threads != 1 else ''})"
 
 
 def _check_runs(spec: str, module: nn.Module, inputs, target, loss_fn) -> None:
