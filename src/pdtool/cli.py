@@ -267,10 +267,13 @@ def simulate(plan_path, mode, minibatches, group, trace_path):
 @click.option("--master-port", type=click.IntRange(1, 65535),
               help="Its rendezvous port [default: a free one; required with --nnodes > 1].")
 @click.option("--verbose", "-v", is_flag=True, help="Show the launcher's log and a failing worker's traceback.")
+@click.option("--evaluate", is_flag=True,
+              help="After training, report top-1 accuracy on the data set's held-out split (digits' test "
+                   "split, or a factory's dataset for train=False).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, momentum, weight_decay, checkpoint_dir,
           checkpoint_every, resume, metrics_path, trace_path, timeout_s, threads, nnodes, node_rank, nproc_per_node,
-          master_addr, master_port, verbose, quiet):
+          master_addr, master_port, verbose, evaluate, quiet):
     """Train a plan on torch.distributed workers (gloo on CPU), one process per rank.
 
     Every worker builds its stage from the model the plan names, checks the plan against the
@@ -296,7 +299,13 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     config = RunConfig(plan_path=os.path.abspath(plan_path), steps=steps, mode=mode, group=group, seed=seed,
                        optimizer=OptimizerConfig(optimizer, lr, momentum, weight_decay), timeout_s=timeout_s,
                        threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                       progress=not quiet)
+                       progress=not quiet, return_weights=evaluate)
+    if evaluate:
+        from .data import held_out
+
+        if held_out(data) is None:
+            raise click.UsageError("--evaluate needs a data set with a held-out split: --data digits, or a factory "
+                                   "that takes train=False")
     if epochs:
         config = _with_epochs(config, plan, epochs)
     warn = lambda message: click.echo(f"pd: warning: {message}", err=True)  # noqa: E731
@@ -316,6 +325,10 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
             f", {plan.predicted.simulated_ms:.3f} ms (simulated)" if plan.predicted.simulated_ms is not None else "")
         click.echo(f"time per minibatch: measured {measured:.3f} ms, {predicted}" if measured else
                    f"time per minibatch: too few minibatches to measure; {predicted}")
+    if evaluate:
+        scored = session.held_out_accuracy(result, config)
+        click.echo(f"accuracy on the held-out split: {scored[0]:.1%} of {scored[1]} samples" if scored else
+                   "accuracy: not measured here (the stages' weights are on other machines)")
     for label, path in (("checkpoints", checkpoint_dir), ("metrics", metrics_path), ("trace", trace_path)):
         if path:
             click.echo(f"{label}: {path}", err=True)

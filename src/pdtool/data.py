@@ -19,6 +19,7 @@ Every failure (unimportable module, factory that raises, bad items) is one `Data
 from __future__ import annotations
 
 import hashlib
+import inspect
 import importlib.resources
 import math
 from typing import Any, Callable, Protocol, Sequence
@@ -237,6 +238,26 @@ def load_source(data: str, bundle: ModelBundle, batch_size: int, seed: int,
     except Exception as exc:
         raise DataError(f"data {data!r}: the factory raised {type(exc).__name__}: {_first_line(exc)}; check the factory and its arguments") from None
     return dataset_source(dataset, batch_size, seed, name=f"data {data!r}")
+
+
+def held_out(data: str) -> Any | None:
+    """The held-out split of the data set `data` names, or None when it has none: the digits
+    test split, or a factory's dataset when the factory takes a `train` argument (train=False)."""
+    if data == "digits":
+        return digits(train=False)
+    if data == "synthetic":
+        return None
+    factory = resolve_data_factory(data)
+    try:
+        accepts = "train" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    if not accepts:
+        return None
+    try:
+        return factory(train=False)
+    except Exception as exc:
+        raise DataError(f"data {data!r}: the factory raised {type(exc).__name__} for train=False: {_first_line(exc)}") from None
 
 
 def resolve_data_factory(spec: str) -> Callable[..., Any]:

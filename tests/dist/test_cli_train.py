@@ -47,15 +47,23 @@ def test_pd_train_on_digits_with_epochs_trace_checkpoints_and_resume(tmp_path):
     _, path = plan_with(tmp_path, [((0, 0), 1), ((1, 1), 1)], ref=ref, batch_size=256)
     trace, ckpt = tmp_path / "t.json", tmp_path / "ckpt"
     args = ["train", str(path), "--data", "digits", "--quiet", "--checkpoint-dir", str(ckpt)]
-    first = CliRunner().invoke(cli, [*args, "--epochs", "1", "--trace", str(trace)], catch_exceptions=False)
+    first = CliRunner().invoke(cli, [*args, "--epochs", "1", "--trace", str(trace), "--evaluate"],
+                               catch_exceptions=False)
     assert first.exit_code == 0, first.output
     assert "trained steps 1-5 (5 minibatches)" in first.stdout  # 1437 images // 256 = 5 per epoch
+    assert "accuracy on the held-out split:" in first.stdout and "of 360 samples" in first.stdout
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["name"] for e in events if e["ph"] == "X"} >= {"0F0", "1B4", "0U"}
     again = CliRunner().invoke(cli, [*args, "--epochs", "2", "--resume"], catch_exceptions=False)
     assert again.exit_code == 0, again.output
     assert "trained steps 6-10 (5 minibatches)" in again.stdout
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000005", "step-00000010"]
+
+
+def test_pd_train_evaluate_needs_a_held_out_split(tmp_path):
+    _, path = plan_with(tmp_path, [((0, 3), 1)])
+    result = CliRunner().invoke(cli, ["train", str(path), "--evaluate"])
+    assert result.exit_code == 2 and "--evaluate needs a data set with a held-out split" in result.stderr
 
 
 def test_pd_train_unknown_data_set_is_one_line_before_any_worker(tmp_path):

@@ -164,3 +164,17 @@ def test_a_fixed_sample_bundle_gives_its_sample_for_every_index():
     sample = (torch.ones(3, 2), torch.zeros(3, dtype=torch.long))
     bundle = ModelBundle(torch.nn.Linear(2, 2), lambda _size: sample, torch.nn.functional.cross_entropy, 3)
     assert _same(synthetic_source(bundle, 3, 0).batch(5), ((sample[0],), sample[1]))
+
+
+def test_held_out_splits():
+    from pdtool.data import held_out
+
+    assert len(held_out("digits")) == 360
+    assert held_out("synthetic") is None
+
+
+def test_a_factory_taking_train_has_a_held_out_split():
+    from pdtool.data import held_out
+
+    assert len(held_out("toydata:halves")) == 4
+    assert held_out("toydata:squares") is None  # takes no train argument: no held-out split

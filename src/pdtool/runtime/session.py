@@ -148,6 +148,32 @@ def write_measured_trace(path: str, result: TrainResult) -> None:
         "minibatches": len(result.losses)}))
 
 
+def held_out_accuracy(result: TrainResult, config: RunConfig) -> tuple[float, int] | None:
+    """Top-1 accuracy of the trained model on the data set's held-out split, and its size;
+    None when the data set has none or this machine does not hold every stage's weights."""
+    import torch
+
+    from ..data import evaluate, held_out
+    from ..modelspec import load_model
+    from ..profile import ModelRef
+
+    dataset = held_out(config.data)
+    model_ref = result.plan.profile.model
+    if dataset is None or model_ref is None:
+        return None
+    weights = {}
+    for report in result.reports.values():
+        if report.replica == 0:
+            weights.update(report.weights)
+    torch.manual_seed(config.seed)
+    module = load_model(ModelRef(model_ref["spec"], model_ref.get("kwargs", {}))).module
+    missing = {name for name, _ in module.named_parameters()} - set(weights)
+    if missing:
+        return None  # other stages ran on other machines
+    module.load_state_dict(weights, strict=False)
+    return evaluate(module, dataset), len(dataset)
+
+
 def steps_for_epochs(epochs: int, batches_per_epoch: int | None, per_step: int) -> int:
     if not batches_per_epoch:
         raise LaunchError("--epochs needs a data set with a size; --data synthetic is endless, use --steps")
