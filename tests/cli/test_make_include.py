@@ -49,3 +49,13 @@ def test_a_picture_keeps_the_profile_and_plan_it_was_made_from(tmp_path):
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "tiny.profile.json").exists() and (tmp_path / "tiny.plan.json").exists()
     assert make(tmp_path, "tiny.svg", question=True).returncode == 0
+
+
+def test_the_digits_example_trains_and_reports_its_accuracy(tmp_path):
+    shutil.copy(ROOT / "examples" / "digits" / "Makefile", tmp_path / "Makefile")
+    args = [f"PDTOOL={ROOT}", f"PD={Path(sys.executable).parent / 'pd'}", "EPOCHS=1", "digits.metrics.csv"]
+    result = make(tmp_path, *args)
+    assert result.returncode == 0, result.stderr
+    assert "accuracy on the held-out split:" in result.stdout
+    assert (tmp_path / "digits.metrics.csv").read_text().startswith("step,")
+    assert make(tmp_path, *args, question=True).returncode == 0  # nothing changed: nothing to do
