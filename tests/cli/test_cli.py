@@ -214,3 +214,19 @@ def test_help_and_version():
     assert "profile" in invoke("--help").stdout
     assert "--granularity" in invoke("profile", "--help").stdout
     assert invoke("--version").stdout.startswith("pdtool, version ")
+
+
+def test_shell_completion_scripts_come_from_click():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pd = str(Path(sys.executable).parent / "pd")
+    for shell in ("bash", "zsh", "fish"):
+        script = subprocess.run([pd], env={**os.environ, "_PD_COMPLETE": f"{shell}_source"},
+                                capture_output=True, text=True).stdout
+        assert "_PD_COMPLETE" in script, shell
+    words = subprocess.run([pd], env={**os.environ, "_PD_COMPLETE": "bash_complete", "COMP_WORDS": "pd pl",
+                                      "COMP_CWORD": "1"}, capture_output=True, text=True).stdout
+    assert "plan" in words
