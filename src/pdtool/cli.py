@@ -309,6 +309,11 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     if epochs:
         config = _with_epochs(config, plan, epochs)
     warn = lambda message: click.echo(f"pd: warning: {message}", err=True)  # noqa: E731
+    local = nproc_per_node or len(plan.used_ranks) // nnodes
+    cores = os.cpu_count() or 1
+    if local * (threads or 1) > cores:
+        warn(f"{local} workers x {threads or 1} thread(s) share {cores} CPU cores on this machine: the measured "
+             "time per minibatch will exceed the plan's prediction by about that oversubscription")
     result = session.run(config, Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port),
                          verbose=verbose, resume=resume, warn=warn)
     if metrics_path:
