@@ -70,3 +70,20 @@ def test_pd_train_unknown_data_set_is_one_line_before_any_worker(tmp_path):
     _, path = plan_with(tmp_path, [((0, 3), 1)])
     result = CliRunner().invoke(cli, ["train", str(path), "--data", "no_such_pkg_xyz:data"])
     assert result.exit_code == 1 and "cannot import 'no_such_pkg_xyz'" in result.stderr
+
+
+def test_pd_train_optimizer_mode_and_checkpoint_flags(tmp_path):
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="pipedream")
+    ckpt = tmp_path / "ckpt"
+    result = CliRunner().invoke(cli, ["train", str(path), "--steps", "3", "--mode", "flush", "--group", "2",
+                                      "--optimizer", "adam", "--lr", "0.001", "--weight-decay", "0.01",
+                                      "--momentum", "0.0", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
+                                      "--threads", "1", "--timeout", "20", "--seed", "3", "--quiet", "--verbose"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "trained steps 1-3 (6 minibatches)" in result.stdout  # flush: 2 microbatches per step
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000001", "step-00000002", "step-00000003"]
+    from pdtool.checkpoint import load_checkpoint
+
+    _, _, extra = load_checkpoint(ckpt / "step-00000003")
+    assert any(key.endswith("::exp_avg") for key in extra)  # Adam's state is in the checkpoint
