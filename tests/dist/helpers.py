@@ -81,3 +81,12 @@ def config_for(path, **overrides):
                   progress=False)
     values.update(overrides)
     return RunConfig(**values)
+
+
+def assert_same_run(losses, weights, expected_losses, expected_weights, rel=1e-6):
+    """Losses equal (to `rel`) and every expected weight equal (`assert_close`)."""
+    import pytest
+
+    assert losses == pytest.approx(expected_losses, rel=rel)
+    for name, expected in expected_weights.items():
+        torch.testing.assert_close(weights[name], expected)

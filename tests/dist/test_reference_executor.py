@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers import MLP, config_for, gradient_accumulation, plan_with, reference
+from helpers import MLP, assert_same_run, config_for, gradient_accumulation, plan_with, reference
 
 from pdtool.schedule import peak_versions
 
@@ -18,9 +18,7 @@ def test_flush_and_gpipe_are_gradient_accumulation(tmp_path, mode, split):
     config = config_for(path, steps=3)
     run = reference(plan, config)
     losses, weights = gradient_accumulation(plan, config)
-    assert run.losses == pytest.approx(losses, rel=1e-6)
-    for name, expected in weights.items():
-        torch.testing.assert_close(run.weights[name], expected)
+    assert_same_run(run.losses, run.weights, losses, weights)
 
 
 @pytest.mark.parametrize("mode", ["pipedream", "vsync", "2bw"])
@@ -30,9 +28,7 @@ def test_one_stage_asynchronous_modes_are_plain_sgd_or_accumulation(tmp_path, mo
     config = config_for(path, steps=4)
     run = reference(plan, config)
     losses, weights = gradient_accumulation(plan, config)
-    assert run.losses == pytest.approx(losses, rel=1e-6)
-    for name, expected in weights.items():
-        torch.testing.assert_close(run.weights[name], expected)
+    assert_same_run(run.losses, run.weights, losses, weights)
 
 
 @pytest.mark.parametrize("mode", ["pipedream", "vsync", "2bw", "flush", "gpipe"])
@@ -91,9 +87,7 @@ def test_adam_with_weight_decay_is_gradient_accumulation_too(tmp_path):
     config = config_for(path, steps=3, optimizer=OptimizerConfig("adam", 0.01, 0.0, 0.01))
     run = reference(plan, config)
     losses, weights = gradient_accumulation(plan, config)
-    assert run.losses == pytest.approx(losses, rel=1e-6)
-    for name, expected in weights.items():
-        torch.testing.assert_close(run.weights[name], expected)
+    assert_same_run(run.losses, run.weights, losses, weights)
 
 
 def test_replicated_stages_scale_their_learning_rate_by_r_s_over_r_0():

@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from helpers import config_for, gradient_accumulation, plan_with, reference
+from helpers import assert_same_run, config_for, gradient_accumulation, plan_with, reference
 
 from pdtool.errors import LaunchError
 from pdtool.profile import ModelRef
@@ -45,9 +45,7 @@ def test_flush_and_gpipe_equal_single_process_gradient_accumulation(tmp_path, mo
     config = config_for(path, steps=3)
     losses, weights = merged(launch(config, len(plan.used_ranks)))
     expected_losses, expected_weights = gradient_accumulation(plan, config)
-    assert losses == pytest.approx(expected_losses, rel=1e-6)
-    for name, expected in expected_weights.items():
-        torch.testing.assert_close(weights[name], expected)
+    assert_same_run(losses, weights, expected_losses, expected_weights)
 
 
 @pytest.mark.parametrize("factory, error", [
@@ -76,6 +74,4 @@ def test_an_untraceable_sequential_is_split_by_its_children(tmp_path):
     config = config_for(path, steps=3)
     losses, weights = merged(launch(config, 2))
     expected_losses, expected_weights = gradient_accumulation(plan, config, ref=ref)
-    assert losses == pytest.approx(expected_losses, rel=1e-6)
-    for name, expected in expected_weights.items():
-        torch.testing.assert_close(weights[name], expected)
+    assert_same_run(losses, weights, expected_losses, expected_weights)

@@ -79,7 +79,7 @@ def _profile_fx(module, inputs, granularity, depth, repeats, warmup, clock, prog
     graph = build_layer_graph(module, granularity, depth)
     total = len(graph.groups)
     done = iter(range(1, total + 1))
-    costs = measure_split(graph.split, inputs, repeats=repeats, warmup=warmup, clock=clock,
+    costs = measure_split(graph.split(), inputs, repeats=repeats, warmup=warmup, clock=clock,
                           progress=lambda name: progress(f"layer {next(done)}/{total}"))
     if len(costs) != total:
         raise ProfileError(f"the traced model ran {len(costs)} of its {total} layers; use --method modules")

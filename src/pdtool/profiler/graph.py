@@ -14,8 +14,8 @@ gives every trivial node the group of one of its neighbours:
 - a trivial node that reads only model inputs or parameters (a view of the input, a
   position embedding) joins the first group that consumes it.
 
-`split_module` (stock torch.fx) then makes one submodule per group; the profiler times each
-submodule, and the train phase can rebuild stages from the same groups.
+`split_module` (stock torch.fx, `LayerGraph.split`) then makes one submodule per group; the
+profiler times each submodule, and the train phase splits the same trace by stage.
 """
 from __future__ import annotations
 
@@ -60,11 +60,17 @@ class Group:
 
 @dataclass
 class LayerGraph:
-    """A model traced and grouped into layers; `split` has one `submod_<i>` per group."""
+    """A model traced (`traced`) and grouped into layers; `split()` makes one `submod_<i>`
+    per group (what the profiler times); the runtime splits `traced` by stage instead."""
 
     groups: list[Group]
     edges: list[tuple[int, int]]
-    split: fx.GraphModule
+    traced: fx.GraphModule
+    module: nn.Module
+    group_of: dict[fx.Node, int]
+
+    def split(self) -> fx.GraphModule:
+        return split_module(self.traced, self.module, lambda node: self.group_of[node], keep_original_order=True)
 
 
 class _DepthTracer(fx.Tracer):
@@ -146,8 +152,7 @@ def build_layer_graph(module: nn.Module, granularity: str = "module", depth: int
     groups = _named_groups(anchors, members, gm, _owned_parameters(members, gm))
     edges = sorted({(group[p], group[n]) for n in group for p in n.all_input_nodes
                     if p in group and group[p] != group[n]})
-    split = split_module(gm, module, lambda node: group[node], keep_original_order=True)
-    return LayerGraph(groups, edges, split)
+    return LayerGraph(groups, edges, gm, module, group)
 
 
 def _owned_parameters(members: list[list[fx.Node]], gm: fx.GraphModule) -> list[tuple[str, ...]]:

@@ -38,7 +38,7 @@ from torch import fx, nn
 from ..errors import LaunchError
 from ..modelspec import fingerprint
 from ..plan import Plan
-from ..profiler.graph import FxUntraceable, Group, build_layer_graph, trace
+from ..profiler.graph import FxUntraceable, Group, build_layer_graph
 
 OUTPUT = "output"
 _REPROFILE = "re-run pd profile and pd plan for this model"
@@ -85,14 +85,9 @@ def build_stages(module: nn.Module, layer_sets: Sequence[Sequence[int]], *, meth
     count = _check_layer_sets(layer_sets)
     layers = _layer_graph(module, granularity, depth)
     _check_layers(layers.groups, count, layer_names, granularity, depth)
-    gm = trace(module, depth)  # the same trace build_layer_graph made, node for node
+    gm = layers.traced  # the trace the layers were grouped on, node for node
     stage_of_group = {g: s for s, ids in enumerate(layer_sets) for g in ids}
-    stage_of = {name: stage_of_group[g] for g, group in enumerate(layers.groups) for name in group.nodes}
-    computing = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    if {n.name for n in computing} != set(stage_of):
-        raise LaunchError("tracing the model twice gave two different graphs (is its forward random?); "
-                          "make the model's forward deterministic under torch.fx tracing")
-    node_stage = {n: stage_of[n.name] for n in computing}
+    node_stage = {node: stage_of_group[g] for node, g in layers.group_of.items()}
     boundaries = _boundaries(gm, node_stage, len(layer_sets))
     stages = []
     for s, ids in enumerate(layer_sets):
