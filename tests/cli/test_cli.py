@@ -230,3 +230,17 @@ def test_shell_completion_scripts_come_from_click():
     words = subprocess.run([pd], env={**os.environ, "_PD_COMPLETE": "bash_complete", "COMP_WORDS": "pd pl",
                                       "COMP_CWORD": "1"}, capture_output=True, text=True).stdout
     assert "plan" in words
+
+
+def test_plan_straight_mode_and_optimizer_flags_reach_the_plan(tmp_path):
+    profile = imported(tmp_path)
+    sgd, adam = tmp_path / "sgd.json", tmp_path / "adam.json"
+    for out, optimizer in ((sgd, "sgd"), (adam, "adam")):
+        result = invoke("plan", str(profile), "-c", "4x1.25e9B/s", "--straight", "--mode", "flush",
+                        "--optimizer", optimizer, "-o", str(out))
+        assert result.exit_code == 0, result.output
+    plans = [json.loads(p.read_text()) for p in (sgd, adam)]
+    assert all(p["straight"] and p["mode"] == "flush" for p in plans)
+    assert all(s["replicas"] == 1 for s in plans[0]["stages"])
+    # Adam keeps two optimizer buffers per parameter, SGD with momentum one: more memory per worker
+    assert plans[1]["stages"][0]["memory_bytes"] > plans[0]["stages"][0]["memory_bytes"]
