@@ -28,7 +28,7 @@ graphviz:
 	    echo "warning: graphviz's dot is missing (install it: sudo apt-get install graphviz); pictures will be .dot sources" >&2; \
 	  fi; }
 
-# The demo: profile an MLP, plan it as a 4-stage pipeline for 4 local CPU workers (the cost
+# The demo: profile an MLP, plan it as a straight pipeline for up to 4 local CPU workers (the cost
 # model alone would pick data parallelism on so fast a link), draw and simulate the plan, then
 # train it with PipeDream's 1F1B and weight stashing on the UCI digits shipped with pdtool and
 # report the held-out accuracy beside the predicted and measured time per minibatch.
