@@ -266,6 +266,14 @@ def simulate(plan_path, mode, minibatches, group, trace_path):
 @click.option("--master-addr", default="127.0.0.1", show_default=True, help="Address of the node-rank-0 machine.")
 @click.option("--master-port", type=click.IntRange(1, 65535),
               help="Its rendezvous port [default: a free one; required with --nnodes > 1].")
+@click.option("--rdzv-endpoint", metavar="HOST:PORT",
+              help="A c10d rendezvous instead of --master-addr/--master-port/--node-rank: every machine names "
+                   "the same endpoint and the rendezvous numbers the machines.")
+@click.option("--rdzv-id", default="pdtool", show_default=True,
+              help="The job's name at the rendezvous (the same on every machine of one job).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where workers run: cuda gives each worker the GPU of its local rank and NCCL; cpu uses gloo; "
+                   "auto takes the GPUs when torch sees any.")
 @click.option("--verbose", "-v", is_flag=True, help="Show the launcher's log and a failing worker's traceback.")
 @click.option("--evaluate", is_flag=True,
               help="After training, report top-1 accuracy on the data set's held-out split (digits' test "
@@ -273,8 +281,8 @@ def simulate(plan_path, mode, minibatches, group, trace_path):
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, momentum, weight_decay, checkpoint_dir,
           checkpoint_every, resume, metrics_path, trace_path, timeout_s, threads, nnodes, node_rank, nproc_per_node,
-          master_addr, master_port, verbose, evaluate, quiet):
-    """Train a plan on torch.distributed workers (gloo on CPU), one process per rank.
+          master_addr, master_port, rdzv_endpoint, rdzv_id, device, verbose, evaluate, quiet):
+    """Train a plan on torch.distributed workers (gloo on CPU, NCCL on GPUs), one process per rank.
 
     Every worker builds its stage from the model the plan names, checks the plan against the
     world size and the model's fingerprint, then runs its schedule: 1F1B with weight stashing
@@ -287,8 +295,8 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     from .runtime.worker import RunConfig
 
     plan = Plan.load(plan_path)
-    if nnodes > 1 and master_port is None:
-        raise click.UsageError("--master-port is required with --nnodes > 1 (every machine must use the same one)")
+    if nnodes > 1 and master_port is None and not rdzv_endpoint:
+        raise click.UsageError("--nnodes > 1 needs --master-port (the same on every machine) or --rdzv-endpoint")
     for path in (metrics_path, trace_path):
         if path:
             check_writable(path)
@@ -299,7 +307,7 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     config = RunConfig(plan_path=os.path.abspath(plan_path), steps=steps, mode=mode, group=group, seed=seed,
                        optimizer=OptimizerConfig(optimizer, lr, momentum, weight_decay), timeout_s=timeout_s,
                        threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                       progress=not quiet, return_weights=evaluate)
+                       progress=not quiet, return_weights=evaluate, device=device)
     if evaluate:
         from .data import held_out
 
@@ -311,10 +319,13 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     warn = lambda message: click.echo(f"pd: warning: {message}", err=True)  # noqa: E731
     local = nproc_per_node or len(plan.used_ranks) // nnodes
     cores = os.cpu_count() or 1
-    if local * (threads or 1) > cores:
+    from .runtime.device import choose
+
+    on_cpu = choose(device, 0, local).device.type == "cpu"  # a device this machine lacks fails here, not in a worker
+    if on_cpu and local * (threads or 1) > cores:
         warn(f"{local} workers x {threads or 1} thread(s) share {cores} CPU cores on this machine: the measured "
              "time per minibatch will exceed the plan's prediction by about that oversubscription")
-    result = session.run(config, Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port),
+    result = session.run(config, Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id),
                          verbose=verbose, resume=resume, warn=warn)
     if metrics_path:
         session.write_metrics(metrics_path, result)

@@ -15,7 +15,10 @@ naming the worker ("w3 s1r0"), the action and the fix:
    collective all of them must reach;
 7. weight versions (`Schedule.versions`): no action uses a version its worker does not have
    yet; 2bw holds at most two versions per worker (arXiv 2006.09503 section 3.1); flush and
-   gpipe run every microbatch of batch t on version t (gradient accumulation).
+   gpipe run every microbatch of batch t on version t (gradient accumulation);
+8. messages between two workers are received in the order they are sent, in each direction
+   (activations forward, gradients backward): NCCL matches point-to-point messages by order,
+   not by tag, so the runtime needs one FIFO per direction of every link.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ def validate(schedule: Schedule) -> None:
     _check_in_flight(schedule)
     _check_deadlock(schedule)
     _check_versions(schedule)
+    _check_link_order(schedule)
 
 
 def _check_placement(schedule: Schedule) -> None:
@@ -215,3 +219,28 @@ def _check_versions(schedule: Schedule) -> None:
 
 
 _NAMES = {"F": "forward", "B": "backward"}
+
+
+def _check_link_order(schedule: Schedule) -> None:
+    """Per (sender, receiver, direction), the minibatches sent and received come in one order."""
+    sent: dict[tuple[int, int, str], list[int]] = {}
+    received: dict[tuple[int, int, str], list[int]] = {}
+    last = schedule.stages - 1
+    for rank, actions in enumerate(schedule.workers):
+        for action in actions:
+            s, b = action.stage, action.minibatch
+            if action.kind == "F" and s < last:
+                sent.setdefault((rank, schedule.rank(s + 1, schedule.replica_of(s + 1, b)), "F"), []).append(b)
+            if action.kind == "F" and s > 0:
+                received.setdefault((schedule.rank(s - 1, schedule.replica_of(s - 1, b)), rank, "F"), []).append(b)
+            if action.kind == "B" and s > 0:
+                sent.setdefault((rank, schedule.rank(s - 1, schedule.replica_of(s - 1, b)), "B"), []).append(b)
+            if action.kind == "B" and s < last:
+                received.setdefault((schedule.rank(s + 1, schedule.replica_of(s + 1, b)), rank, "B"), []).append(b)
+    for key, order in sent.items():
+        if received.get(key) != order:
+            source, dest, kind = key
+            what = "activations" if kind == "F" else "gradients"
+            raise ScheduleError(f"{schedule.label(dest)} receives the {what} of {schedule.label(source)} in the order "
+                                f"{received.get(key)} but they are sent in the order {order}; order the {kind} "
+                                "actions of both workers alike")

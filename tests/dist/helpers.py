@@ -83,10 +83,22 @@ def config_for(path, **overrides):
     return RunConfig(**values)
 
 
-def assert_same_run(losses, weights, expected_losses, expected_weights, rel=1e-6):
-    """Losses equal (to `rel`) and every expected weight equal (`assert_close`)."""
+def assert_same_run(losses, weights, expected_losses, expected_weights, rel=1e-6, weight_tolerance=None):
+    """Losses equal (to `rel`) and every expected weight equal (`assert_close`, to `weight_tolerance`
+    relative and absolute when given, else torch's defaults for the dtype)."""
     import pytest
 
     assert losses == pytest.approx(expected_losses, rel=rel)
     for name, expected in expected_weights.items():
-        torch.testing.assert_close(weights[name], expected)
+        tolerance = {} if weight_tolerance is None else {"rtol": weight_tolerance, "atol": weight_tolerance}
+        torch.testing.assert_close(weights[name], expected, **tolerance)
+
+
+def merged(reports):
+    """The losses of a launch's reports, and the weights of every stage's first replica."""
+    losses, weights = {}, {}
+    for report in reports.values():
+        losses.update(report.losses)
+        if report.replica == 0:
+            weights.update(report.weights)
+    return losses, weights

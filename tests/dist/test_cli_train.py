@@ -31,6 +31,19 @@ def test_pd_train_failure_is_one_line_and_exit_1(tmp_path):
     assert lines[-1].startswith("pd: error: worker rank 1 failed:") and "boom after 8 forwards" in lines[-1]
 
 
+def test_pd_train_on_a_device_this_machine_lacks_is_one_line(tmp_path):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
+    result = CliRunner().invoke(cli, ["train", str(path), "--steps", "2", "--device", "cuda"])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == ("pd: error: --device cuda, but this torch sees no CUDA GPU; use --device cpu "
+                                     "(or install a CUDA build of torch 2.13.0)")
+
+
 def test_pd_train_bad_plan_file_is_one_line(tmp_path):
     bad = tmp_path / "x.plan.json"
     bad.write_text("{}")

@@ -34,3 +34,23 @@ def test_two_launchers_form_one_job(tmp_path):
     rows = list(csv.DictReader(metrics.open()))
     assert [float(r["loss"]) for r in rows] == pytest.approx(
         [sum(losses[b] for b in range(4 * k, 4 * k + 4)) / 4 for k in range(3)], rel=1e-5)
+
+
+def test_two_launchers_meet_at_a_c10d_rendezvous(tmp_path):
+    """--rdzv-endpoint: no node ranks given; the rendezvous numbers the machines as they join."""
+    plan, path = plan_with(tmp_path, [((0, 0), 1), ((1, 1), 1), ((2, 2), 1), ((3, 3), 1)], mode="flush")
+    pd = str(Path(sys.executable).parent / "pd")
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = ["train", str(path), "--steps", "2", "--group", "4", "--lr", "0.05", "--seed", "0", "--quiet",
+              "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", "t1", "--timeout", "30"]
+    metrics = [tmp_path / f"node{k}.csv" for k in (0, 1)]
+    nodes = [subprocess.Popen([pd, *common, "--metrics", str(m)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for m in metrics]
+    outputs = [node.communicate(timeout=120) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    reporting = [k for k in (0, 1) if "on 2 workers" in outputs[k][0]]
+    assert len(reporting) == 1, outputs  # one machine got ranks 2-3, with the last stage
+    losses, _ = gradient_accumulation(plan, config_for(path, steps=2, group=4))
+    rows = list(csv.DictReader(metrics[reporting[0]].open()))
+    assert [float(r["loss"]) for r in rows] == pytest.approx(
+        [sum(losses[b] for b in range(4 * k, 4 * k + 4)) / 4 for k in range(2)], rel=1e-5)

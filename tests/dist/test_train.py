@@ -4,20 +4,11 @@ import time
 import pytest
 import torch
 
-from helpers import assert_same_run, config_for, gradient_accumulation, plan_with, reference
+from helpers import assert_same_run, config_for, gradient_accumulation, merged, plan_with, reference
 
 from pdtool.errors import LaunchError
 from pdtool.profile import ModelRef
 from pdtool.runtime.launch import launch
-
-
-def merged(reports):
-    losses, weights = {}, {}
-    for report in reports.values():
-        losses.update(report.losses)
-        if report.replica == 0:
-            weights.update(report.weights)
-    return losses, weights
 
 
 @pytest.mark.parametrize("mode, split", [

@@ -355,3 +355,13 @@ def test_stash_depth():
     assert [stash_depth(generate("2bw", (1, 1, 1), 6), s) for s in range(3)] == [3, 2, 1]
     with pytest.raises(ScheduleError, match="stage 4 is out of range"):
         stash_depth(straight, 4)
+
+
+def test_validator_rejects_messages_received_out_of_order():
+    # Sound for gloo (tags), not for NCCL, which matches messages between two ranks by order.
+    text = ("schedule mode=gpipe replicas=1,1 minibatches=4 group=2\n"
+            "w0 s0r0: 0F0 0F1 0B0 0B1 0U 0F2 0F3 0B2 0B3 0U\n"
+            "w1 s1r0: 1F0 1F1 1B1 1B0 1U 1F2 1F3 1B2 1B3 1U\n")
+    with pytest.raises(ScheduleError, match=r"^w0 s0r0 receives the gradients of w1 s1r0 in the order \[0, 1, 2, 3\] "
+                                            r"but they are sent in the order \[1, 0, 2, 3\]; order the B actions"):
+        validate(Schedule.from_text(text))

@@ -6,7 +6,11 @@ b mod r of every stage (1F1B-RR), so the peer of every message follows from the 
 and dtypes of every message are known in advance (`Boundary`), so receives are posted
 ahead of need into preallocated buffers and transfers overlap compute; sends never block.
 Messages carry a tag made of the minibatch, the tensor's position and the direction, so
-that no two messages between the same two workers can be confused.
+that no two messages between the same two workers can be confused under gloo. NCCL ignores
+tags and matches the messages between two ranks by order, on one stream per pair of ranks; so
+each direction has a process group of its own (a receive posted early for a gradient cannot
+block an activation going the other way), and the schedule validator guarantees that each
+direction of each link sends and receives its minibatches in one order.
 """
 from __future__ import annotations
 
@@ -34,8 +38,9 @@ class Link:
     """Messages of one worker: activations from the previous stage and to the next one,
     gradients from the next stage and to the previous one."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, groups: dict[int, object] | None = None):
         self.device = device
+        self.groups = groups or {}  # direction -> process group (of the whole world); default group if absent
         self.pending: dict[tuple[int, int], tuple[list, list[torch.Tensor]]] = {}
         self.sends: list = []
 
@@ -44,7 +49,8 @@ class Link:
         if key in self.pending:
             return
         buffers = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
-        works = [dist.irecv(t, src=peer, tag=tag(key[1], i, direction)) for i, t in enumerate(buffers)]
+        group = self.groups.get(direction)
+        works = [dist.irecv(t, src=peer, group=group, tag=tag(key[1], i, direction)) for i, t in enumerate(buffers)]
         self.pending[key] = (works, buffers)
 
     def wait_recv(self, key: tuple[int, int]) -> list[torch.Tensor]:
@@ -55,9 +61,10 @@ class Link:
 
     def send(self, tensors: list[torch.Tensor], peer: int, minibatch: int, direction: int) -> None:
         """Send without waiting; the tensors are kept alive until the transfer completes."""
+        group = self.groups.get(direction)
         for i, t in enumerate(tensors):
             t = t.contiguous()
-            self.sends.append((dist.isend(t, dst=peer, tag=tag(minibatch, i, direction)), t))
+            self.sends.append((dist.isend(t, dst=peer, group=group, tag=tag(minibatch, i, direction)), t))
         self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
 
     def flush(self) -> None:

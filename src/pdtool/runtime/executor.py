@@ -195,8 +195,8 @@ class StageWorker:
     def gradient_buffer(self) -> torch.Tensor:
         """This replica's gradients, flattened, followed by how many backwards they sum."""
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.live]
-        dtype = self.live[0].dtype if self.live else torch.float32
-        return torch.cat(grads + [torch.tensor([float(self.backwards)], dtype=dtype)])
+        like = self.live[0] if self.live else torch.empty(0)
+        return torch.cat(grads + [torch.tensor([float(self.backwards)], dtype=like.dtype, device=like.device)])
 
     def apply_step(self, summed: torch.Tensor) -> None:
         """Step with the mean gradient from `summed` (a `gradient_buffer` summed over the replicas)."""

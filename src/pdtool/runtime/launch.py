@@ -2,8 +2,10 @@
 
 On one machine `launch` starts one process per rank of the plan and waits for them; across
 machines every machine runs the same command with `--nnodes`, `--node-rank` and the address
-of the rendezvous, and the launcher forms one job (static rendezvous: ranks are node-major,
-`node_rank * nproc_per_node + local_rank`). A worker that fails makes the launcher stop the
+of the rendezvous, and the launcher forms one job: with `--master-addr`/`--master-port` a static
+rendezvous (ranks are node-major, `node_rank * nproc_per_node + local_rank`), with
+`--rdzv-endpoint HOST:PORT` torch's c10d rendezvous, which numbers the machines itself in the
+order they join (no `--node-rank`; the first machine whose address is HOST hosts the store). A worker that fails makes the launcher stop the
 others at once; the failing rank's error comes back as one `LaunchError` line.
 """
 from __future__ import annotations
@@ -29,6 +31,8 @@ class Nodes:
     nproc_per_node: int | None = None
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    rdzv_endpoint: str | None = None  # HOST:PORT of a c10d rendezvous (instead of master_addr/port)
+    rdzv_id: str = "pdtool"           # the job's name at that rendezvous, the same on every machine
 
 
 def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: bool = False) -> dict[int, WorkerReport]:
@@ -45,12 +49,17 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     if per_node * nodes.nnodes != workers:
         raise LaunchError(f"the plan needs {workers} workers but {nodes.nnodes} machines x {per_node} workers "
                           f"make {per_node * nodes.nnodes}; set --nproc-per-node so that they match")
-    port = nodes.master_port or _free_port()
+    join_timeout = int(config.timeout_s) + 60
+    if nodes.rdzv_endpoint:
+        rendezvous = dict(run_id=nodes.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=nodes.rdzv_endpoint,
+                          rdzv_configs={"join_timeout": join_timeout, "last_call_timeout": 1})
+    else:
+        port = nodes.master_port or _free_port()
+        rendezvous = dict(run_id=f"pdtool-{uuid.uuid4().hex[:8]}" if nodes.nnodes == 1 else "pdtool",
+                          rdzv_backend="static", rdzv_endpoint=f"{nodes.master_addr}:{port}",
+                          rdzv_configs={"rank": nodes.node_rank, "timeout": join_timeout})
     settings = LaunchConfig(
-        min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=per_node,
-        run_id=f"pdtool-{uuid.uuid4().hex[:8]}" if nodes.nnodes == 1 else "pdtool",
-        rdzv_backend="static", rdzv_endpoint=f"{nodes.master_addr}:{port}",
-        rdzv_configs={"rank": nodes.node_rank, "timeout": int(config.timeout_s) + 60},
+        min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=per_node, **rendezvous,
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
         logs_specs=DefaultLogsSpecs(),
     )
@@ -88,15 +97,11 @@ def _free_port() -> int:
 
 def _explain(failure) -> tuple[str, bool]:
     """One line: which rank failed first and its error message; and whether it raised (so
-    that a traceback exists) rather than died."""
-    rank, info = min(failure.failures.items(), key=lambda item: item[1].timestamp)
-    message = ""
-    if info.error_file and Path(info.error_file).is_file():
-        try:
-            data = json.loads(Path(info.error_file).read_text())
-            message = data.get("message", {}).get("message", "") if isinstance(data.get("message"), dict) else str(data.get("message", ""))
-        except (OSError, ValueError):
-            message = ""
+    that a traceback exists) rather than died. Failure times have a resolution of a second, so
+    among the first failures a worker's own error wins over a peer's "connection closed"."""
+    messages = {rank: _message(info) for rank, info in failure.failures.items()}
+    rank = min(failure.failures, key=lambda r: (failure.failures[r].timestamp, _echoes_a_peer(messages[r]), r))
+    info, message = failure.failures[rank], messages[rank]
     raised = bool(message)
     if not message:
         message = f"exit code {info.exitcode}" + (f" ({info.signal_name()})" if info.exitcode < 0 else "")
@@ -105,3 +110,24 @@ def _explain(failure) -> tuple[str, bool]:
         if first.startswith(prefix):
             first = first[len(prefix):]
     return f"worker rank {rank} failed: {first}; the other workers were stopped", raised
+
+
+_PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
+                "communicator was aborted", "Broken pipe")
+
+
+def _echoes_a_peer(message: str) -> bool:
+    """Whether a worker's error only reports that another worker went away."""
+    return any(marker in message for marker in _PEER_FAILED)
+
+
+def _message(info) -> str:
+    """The error message a worker recorded before it ended ("" when it died without one)."""
+    if not (info.error_file and Path(info.error_file).is_file()):
+        return ""
+    try:
+        data = json.loads(Path(info.error_file).read_text())
+    except (OSError, ValueError):
+        return ""
+    message = data.get("message", "")
+    return message.get("message", "") if isinstance(message, dict) else str(message)

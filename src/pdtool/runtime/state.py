@@ -86,6 +86,15 @@ def restore(worker: StageWorker, folder: str) -> None:
     if worker.optimizer is not None:
         for name, p in zip(worker.names, worker.live):
             prefix = f"{stage.param_names[name]}{SEPARATOR}"
-            state = {key[len(prefix):]: value.clone() for key, value in extra.items() if key.startswith(prefix)}
+            state = {key[len(prefix):]: _state_value(key[len(prefix):], value, p.device)
+                     for key, value in extra.items() if key.startswith(prefix)}
             if state:
                 worker.optimizer.state[p].update(state)
+
+
+def _state_value(key: str, value, device: torch.device):
+    """An optimizer state entry on the parameter's device (Adam's step count stays on the CPU,
+    as torch's own `Optimizer.load_state_dict` keeps it)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.clone() if key == "step" else value.to(device, copy=True)

@@ -22,6 +22,7 @@ from ..plan import Plan
 from ..profile import ModelRef
 from ..schedule import Schedule, default_group, generate
 from .comm import ACTIVATION, GRADIENT, Link, TensorSpec
+from .device import choose, synchronizer
 from .executor import ASYNC_MODES, OptimizerConfig, StageWorker
 
 
@@ -44,6 +45,7 @@ class RunConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0        # steps of stage 0 between checkpoints (0: only at the end)
     progress: bool = True            # the last stage's first replica reports progress on stderr
+    device: str = "auto"             # auto, cpu or cuda (runtime.device)
 
 
 @dataclass
@@ -58,7 +60,7 @@ class WorkerReport:
     busy_s: float = 0.0
     wall_s: float = 0.0
     peak_versions: int = 0
-    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # on the CPU
     events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end) in epoch seconds
     finished: dict[int, float] = field(default_factory=dict)  # last stage: minibatch -> time its backward ended
 
@@ -85,6 +87,8 @@ def place(plan: Plan, rank: int) -> tuple[int, int]:
 def worker_main(config: RunConfig) -> WorkerReport:
     """Entry point of every worker process."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    placement = choose(config.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if config.threads:
         torch.set_num_threads(config.threads)
     plan = Plan.load(config.plan_path)
@@ -108,32 +112,39 @@ def worker_main(config: RunConfig) -> WorkerReport:
     first = config.first_step * minibatches_per_step(schedule)
     batch = lambda b: source.batch(first + b)  # noqa: E731
     specs = boundary_specs(stages, batch(0))
-    device = torch.device("cpu")
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=config.timeout_s))
-    try:
-        groups = {s: dist.new_group(list(st.ranks)) for s, st in enumerate(plan.stages) if st.replicas > 1}
-        stage = stages[stage_index]
-        last = stage_index == len(stages) - 1
-        worker = StageWorker(stage, schedule, replica, config.optimizer, bundle.loss_fn if last else None)
-        if config.resume:
-            from .state import restore
+    device = placement.device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(placement.backend, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=config.timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    # On an error, no orderly teardown: the launcher records this worker's error before its
+    # connections close, so the job reports it rather than a peer's "connection closed".
+    groups = {s: dist.new_group(list(st.ranks)) for s, st in enumerate(plan.stages) if st.replicas > 1}
+    directions = {ACTIVATION: dist.new_group(list(range(world))), GRADIENT: dist.new_group(list(range(world)))}
+    stage = stages[stage_index]
+    stage.module.to(device)
+    last = stage_index == len(stages) - 1
+    worker = StageWorker(stage, schedule, replica, config.optimizer, bundle.loss_fn if last else None)
+    if config.resume:
+        from .state import restore
 
-            restore(worker, config.resume)
-        saver = None
-        if config.checkpoint_dir and replica == 0:
-            from .state import ShardSaver
+        restore(worker, config.resume)
+    saver = None
+    if config.checkpoint_dir and replica == 0:
+        from .state import ShardSaver
 
-            saver = ShardSaver(worker, config.checkpoint_dir, config.first_step, config.steps,
-                               config.checkpoint_every, minibatches_per_step(schedule))
-        report = _run(plan, schedule, worker, stages, specs, batch, groups.get(stage_index), device, saver, first,
-                      config.progress)
-        report.peak_versions = worker.peak_versions
-        if config.return_weights:
-            report.weights = {stage.param_names[n]: p.detach().clone() for n, p in stage.module.named_parameters()}
-        dist.barrier()
-        return report
-    finally:
-        dist.destroy_process_group()
+        saver = ShardSaver(worker, config.checkpoint_dir, config.first_step, config.steps,
+                           config.checkpoint_every, minibatches_per_step(schedule))
+    on_device = lambda b: tuple(_to(x, device) for x in batch(b))  # noqa: E731
+    report = _run(plan, schedule, worker, stages, specs, on_device, groups.get(stage_index), Link(device, directions),
+                  saver, first, config.progress)
+    report.peak_versions = worker.peak_versions
+    if config.return_weights:
+        report.weights = {stage.param_names[n]: p.detach().cpu().clone() for n, p in stage.module.named_parameters()}
+    dist.barrier()
+    dist.destroy_process_group()
+    return report
 
 
 def minibatches_per_step(schedule: Schedule) -> int:
@@ -154,14 +165,20 @@ def boundary_specs(stages, sample) -> list[list[TensorSpec]]:
     return specs
 
 
-def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, batch, group, device, saver,
+def _to(value, device: torch.device):
+    """A minibatch's inputs (a tuple of tensors) or target, on `device`."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+
+
+def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, batch, group, link: Link, saver,
          first: int, show_progress: bool) -> WorkerReport:
     s, replica = worker.index, worker.replica
     last = s == len(stages) - 1
     target_spec = specs[-1]
     in_specs = (specs[s - 1] if s > 0 else []) + target_spec
     grad_specs = [t for t in specs[s] if t.dtype.is_floating_point] if not last else []
-    link = Link(device)
     report = WorkerReport(rank=worker.rank, stage=s, replica=replica)
     peer = lambda stage, b: plan.stages[stage].ranks[b % plan.stages[stage].replicas]  # noqa: E731
     actions = schedule.workers[schedule.rank(s, replica)]
@@ -174,7 +191,11 @@ def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, bat
 
     allreduce = (lambda buffer: dist.all_reduce(buffer, group=group)) if group is not None else None
     start = time.perf_counter()
-    clock = time.time
+    sync = synchronizer(link.device)
+
+    def clock() -> float:  # wall time after the device's queued work: events cover the work they name
+        sync()
+        return time.time()
     progress = _Progress(first + schedule.minibatches, plan.profile.batch_size) if (
         show_progress and last and replica == 0) else None
     for i, action in enumerate(actions):
@@ -207,7 +228,7 @@ def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, bat
                 if progress is not None:
                     progress.update(first + b, worker.losses.get(b))
             if s > 0:
-                sent = [input_grads.get(t.name, torch.zeros(t.shape, dtype=t.dtype)) for t in specs[s - 1]
+                sent = [input_grads.get(t.name, torch.zeros(t.shape, dtype=t.dtype, device=link.device)) for t in specs[s - 1]
                         if t.dtype.is_floating_point]
                 link.send(sent, peer(s - 1, b), b, GRADIENT)
         else:

@@ -1,0 +1,50 @@
+"""Which device and which torch.distributed backend a worker uses.
+
+`pd train --device` takes `auto` (the default: a GPU when torch sees one, else the CPU), `cpu` or
+`cuda`. On GPUs every worker takes the GPU of its local rank (the rank among the workers of its
+machine, `LOCAL_RANK`, set by the launcher) and the workers talk over NCCL; on the CPU they talk
+over gloo. NCCL cannot run two ranks of one job on one GPU, so a machine needs at least as many
+GPUs as it runs workers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import LaunchError
+
+CHOICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: torch.device
+    backend: str
+
+
+def choose(requested: str, local_rank: int, local_workers: int, gpus: int | None = None) -> Placement:
+    """The device of the worker with `local_rank` among `local_workers` on this machine.
+
+    `gpus` is how many CUDA devices torch sees (asked of torch when None)."""
+    if requested not in CHOICES:
+        raise LaunchError(f"unknown device {requested!r}; use one of {', '.join(CHOICES)}")
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "cpu" or (requested == "auto" and gpus == 0):
+        return Placement(torch.device("cpu"), "gloo")
+    if gpus == 0:
+        raise LaunchError("--device cuda, but this torch sees no CUDA GPU; use --device cpu "
+                          "(or install a CUDA build of torch 2.13.0)")
+    if local_workers > gpus:
+        raise LaunchError(f"{local_workers} workers on this machine but torch sees {gpus} GPU(s), and NCCL needs "
+                          f"one GPU per worker; run --nproc-per-node {gpus} per machine or --device cpu")
+    return Placement(torch.device("cuda", local_rank), "nccl")
+
+
+def synchronizer(device: torch.device):
+    """A function that waits for the device's queued work (a no-op on the CPU), so that wall-clock
+    times taken after it cover the work they are meant to."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
