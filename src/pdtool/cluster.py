@@ -26,6 +26,7 @@ from typing import Any
 
 from .errors import PlanError
 from .fields import Fields
+from .schemas import validate
 from .jsonio import read_json
 from .units import (BANDWIDTH_FORMS, exact_bandwidth, exact_bytes, format_bandwidth, format_bytes,
                     parse_bandwidth, parse_bytes)
@@ -92,6 +93,15 @@ class Cluster:
 
     @classmethod
     def from_json(cls, data: Any, source: str = "cluster") -> "Cluster":
+        """Parse and check a cluster read from JSON; every problem is one `ArtifactError` line naming
+        `source`: the reading's own messages first, then anything else `schemas/cluster.schema.json`
+        refuses (so every file pdtool accepts satisfies its published schema)."""
+        parsed = cls._read(data, source)
+        validate(data, "cluster", source)
+        return parsed
+
+    @classmethod
+    def _read(cls, data: Any, source: str) -> "Cluster":
         """Parse and validate a cluster; every problem is an `ArtifactError` naming `source`.
 
         `schema` may be left out (hand-written files); when present it must be this one.

@@ -23,7 +23,7 @@ class Fields:
         self.source = source
         self.where = where
         if not isinstance(data, dict):
-            self.fail(f"expected an object, found {_describe(data)}", "regenerate the file")
+            self.fail(f"expected an object, found {describe(data)}", "regenerate the file")
         self.data = data
         if known is not None:
             unknown = sorted(set(data) - set(known))
@@ -48,7 +48,7 @@ class Fields:
             return float(value)
         if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
             wanted = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
-            self.fail(f"expected {wanted}, found {_describe(value)}", "fix the value or regenerate the file", key)
+            self.fail(f"expected {wanted}, found {describe(value)}", "fix the value or regenerate the file", key)
         return value
 
     def number(self, key: str, minimum: float = 0.0) -> float:
@@ -84,7 +84,8 @@ def check_schema(data: Any, expected: str, source: str) -> None:
         )
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
+    """A JSON value's kind and (shortened) text, for messages: `a number (-1.0)`."""
     if value is None:
         return "null"
     if isinstance(value, bool):

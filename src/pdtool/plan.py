@@ -17,6 +17,7 @@ from typing import Any
 from .cluster import Cluster
 from .costmodel import COST_MODELS
 from .fields import Fields, check_schema
+from .schemas import validate
 from .jsonio import canonical_json, read_json, round_float_fields, write_json
 from .partition import LayerSet
 from .profile import Profile
@@ -220,6 +221,15 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: Any, source: str = "plan") -> "Plan":
+        """Parse and check a plan read from JSON; every problem is one `ArtifactError` line naming
+        `source`: the reading's own messages first, then anything else `schemas/plan.schema.json`
+        refuses (so every file pdtool accepts satisfies its published schema)."""
+        parsed = cls._read(data, source)
+        validate(data, "plan", source)
+        return parsed
+
+    @classmethod
+    def _read(cls, data: Any, source: str) -> "Plan":
         check_schema(data, SCHEMA, source)
         top = Fields(data, source, known=("schema", "profile", "cluster", "cost_model", "straight", "mode",
                                           "state_space", "stages", "groups", "predicted", "provenance"))

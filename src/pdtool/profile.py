@@ -18,6 +18,7 @@ from typing import Any
 import networkx as nx
 
 from .fields import Fields, check_schema
+from .schemas import validate
 from .jsonio import read_json, round_float_fields, write_json
 
 SCHEMA = "pdtool.profile/1"
@@ -156,6 +157,15 @@ class Profile:
 
     @classmethod
     def from_json(cls, data: Any, source: str = "profile") -> "Profile":
+        """Parse and check a profile read from JSON; every problem is one `ArtifactError` line naming
+        `source`: the reading's own messages first, then anything else `schemas/profile.schema.json`
+        refuses (so every file pdtool accepts satisfies its published schema)."""
+        parsed = cls._read(data, source)
+        validate(data, "profile", source)
+        return parsed
+
+    @classmethod
+    def _read(cls, data: Any, source: str) -> "Profile":
         """Parse and validate a profile; every problem is an `ArtifactError` naming `source`."""
         check_schema(data, SCHEMA, source)
         top = Fields(data, source, known=_TOP_FIELDS)

@@ -56,7 +56,8 @@ class ShardSaver:
         self.due = {math.ceil(k * per_step / own): first_step + k for k in sorted(marks)}
         self.count = 0
 
-    def after_step(self) -> None:
+    def after_step(self) -> bool:
+        """Count a step of this worker; write its shard when a checkpoint is due (returns whether)."""
         self.count += 1
         step = self.due.get(self.count)
         if step is not None:
@@ -64,6 +65,7 @@ class ShardSaver:
             folder.mkdir(parents=True, exist_ok=True)
             tensors, extra = stage_state(self.worker)
             save_shard(folder, self.worker.index, tensors, extra)
+        return step is not None
 
 
 def restore(worker: StageWorker, folder: str) -> None:

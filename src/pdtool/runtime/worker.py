@@ -235,8 +235,9 @@ def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, bat
             began = clock()
             worker.step(allreduce)
             report.events.append((str(action), began, clock()))
-            if saver is not None:
-                saver.after_step()
+            began = clock()
+            if saver is not None and saver.after_step():
+                report.events.append(("checkpoint", began, clock()))  # shows in the trace, counts as busy
     link.flush()
     if progress is not None:
         progress.close()

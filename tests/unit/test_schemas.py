@@ -1,0 +1,89 @@
+"""The published JSON Schemas (src/pdtool/schemas/) agree with what pdtool writes and reads."""
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from pdtool.cluster import PRESETS, parse_cluster, preset
+from pdtool.errors import ArtifactError
+from pdtool.plan import Plan
+from pdtool.planner import make_plan
+from pdtool.profile import Profile
+from pdtool.schemas import NAMES, schema, validate
+
+PROFILES = sorted((Path(__file__).parents[2] / "profiles").glob("*.profile.json"))
+
+
+def written(profile_path):
+    profile = Profile.load(profile_path)
+    plan = make_plan(profile, parse_cluster("cluster-a:2", memory="16GiB"), simulate=True)
+    return profile.to_json(), plan.to_json()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_schema_is_a_valid_json_schema(name):
+    jsonschema.Draft202012Validator.check_schema(schema(name))
+
+
+@pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.name)
+def test_shipped_profiles_and_their_plans_satisfy_the_schemas(path):
+    profile, plan = written(path)
+    validate(json.loads(path.read_text()), "profile", str(path))
+    validate(profile, "profile", "written")
+    validate(plan, "plan", "written")
+
+
+def test_cluster_files_satisfy_the_cluster_schema():
+    for name in PRESETS:
+        validate(preset(name).to_json(), "cluster", name)
+    validate({"levels": [{"count": 4, "bandwidth": 1e9}]}, "cluster", "hand-written")
+
+
+def test_the_schemas_list_exactly_the_fields_pdtool_writes():
+    profile, plan = written(PROFILES[0])
+    cluster = plan["cluster"]
+    for document, name, nested in ((profile, "profile", {"layers": 0}), (plan, "plan", {"stages": 0}),
+                                   (cluster, "cluster", {"levels": 0})):
+        tree = schema(name)
+        assert set(tree["properties"]) == set(document), name
+        for key in nested:
+            assert set(tree["properties"][key]["items"]["properties"]) == set(document[key][0]), (name, key)
+    assert set(schema("plan")["properties"]["predicted"]["properties"]) == set(plan["predicted"])
+    assert set(schema("plan")["properties"]["profile"]["properties"]) == set(plan["profile"])
+
+
+def test_what_the_reader_ignores_the_schema_still_refuses(tmp_path):
+    # layer_sum_over_step is derived, so reading skips it; the schema says it is a number.
+    data = json.loads(PROFILES[0].read_text())
+    data["layer_sum_over_step"] = "fast"
+    path = tmp_path / "p.profile.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError) as info:
+        Profile.load(path)
+    assert str(info.value) == (f"{path}: layer_sum_over_step: expected a number or null, found a string ('fast'); "
+                               "fix the value or regenerate the file (schema: pdtool/schemas/profile.schema.json)")
+
+
+def test_plans_refuse_a_negative_derived_figure(tmp_path):
+    _, plan = written(PROFILES[0])
+    plan["predicted"]["samples_per_s"] = -1
+    with pytest.raises(ArtifactError, match=r"^x: predicted\.samples_per_s: must be >= 0, found -1; "):
+        Plan.from_json(plan, "x")
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"levels": []}, "levels: needs at least 1 item, found 0"),
+    ({"levels": [{"count": 2}]}, "levels[0].bandwidth: missing field; regenerate the file with the current pdtool"),
+    ({"levels": [{"count": 2, "bandwidth": "1GB/s", "x": 1}]},
+     "levels[0]: unknown field 'x'; remove it (known fields: bandwidth, count)"),
+    ({"levels": [{"count": "2", "bandwidth": "1GB/s"}]}, "levels[0].count: expected an integer, found a string ('2')"),
+    ({"schema": "pdtool.plan/1", "levels": [{"count": 2, "bandwidth": "1GB/s"}]},
+     "schema: is 'pdtool.plan/1', expected 'pdtool.cluster/1'"),
+])
+def test_schema_messages_are_one_line_naming_the_field(data, message):
+    with pytest.raises(ArtifactError) as info:
+        validate(data, "cluster", "c.json")
+    assert "\n" not in str(info.value) and str(info.value).startswith(f"c.json: {message}")
+    assert str(info.value).endswith("(schema: pdtool/schemas/cluster.schema.json)")
+
