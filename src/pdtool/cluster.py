@@ -26,7 +26,7 @@ from typing import Any
 
 from .errors import PlanError
 from .fields import Fields
-from .schemas import validate
+from .schemas import SchemaChecked
 from .jsonio import read_json
 from .units import (BANDWIDTH_FORMS, exact_bandwidth, exact_bytes, format_bandwidth, format_bytes,
                     parse_bandwidth, parse_bytes)
@@ -52,9 +52,11 @@ class Level:
 
 
 @dataclass(frozen=True)
-class Cluster:
+class Cluster(SchemaChecked):
     """Levels innermost first, memory in bytes per worker (None = unlimited), and the preset
     `name` (e.g. "cluster-a:4") when it was built from one."""
+
+    SCHEMA_NAME = "cluster"  # schemas/cluster.schema.json
 
     levels: tuple[Level, ...]
     memory: int | None = None
@@ -90,15 +92,6 @@ class Cluster:
                        for level in self.levels],
             "memory": None if self.memory is None else exact_bytes(self.memory),
         }
-
-    @classmethod
-    def from_json(cls, data: Any, source: str = "cluster") -> "Cluster":
-        """Parse and check a cluster read from JSON; every problem is one `ArtifactError` line naming
-        `source`: the reading's own messages first, then anything else `schemas/cluster.schema.json`
-        refuses (so every file pdtool accepts satisfies its published schema)."""
-        parsed = cls._read(data, source)
-        validate(data, "cluster", source)
-        return parsed
 
     @classmethod
     def _read(cls, data: Any, source: str) -> "Cluster":

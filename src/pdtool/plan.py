@@ -17,7 +17,7 @@ from typing import Any
 from .cluster import Cluster
 from .costmodel import COST_MODELS
 from .fields import Fields, check_schema
-from .schemas import validate
+from .schemas import SchemaChecked
 from .jsonio import canonical_json, read_json, round_float_fields, write_json
 from .partition import LayerSet
 from .profile import Profile
@@ -144,10 +144,12 @@ class ProfileRef:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(SchemaChecked):
     """A plan (module doc). `state_space` says which stages the planner considered: "down-sets"
     (differences of down-sets of the layer graph) or "prefixes" (contiguous ranges of the
     profile's layer order, when the graph had too many down-sets: states.MAX_STATES)."""
+
+    SCHEMA_NAME = "plan"  # schemas/plan.schema.json
 
     profile: ProfileRef
     cluster: Cluster
@@ -218,15 +220,6 @@ class Plan:
             },
             "provenance": {"command": self.command, "pdtool_version": self.pdtool_version},
         }
-
-    @classmethod
-    def from_json(cls, data: Any, source: str = "plan") -> "Plan":
-        """Parse and check a plan read from JSON; every problem is one `ArtifactError` line naming
-        `source`: the reading's own messages first, then anything else `schemas/plan.schema.json`
-        refuses (so every file pdtool accepts satisfies its published schema)."""
-        parsed = cls._read(data, source)
-        validate(data, "plan", source)
-        return parsed
 
     @classmethod
     def _read(cls, data: Any, source: str) -> "Plan":

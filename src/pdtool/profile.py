@@ -18,7 +18,7 @@ from typing import Any
 import networkx as nx
 
 from .fields import Fields, check_schema
-from .schemas import validate
+from .schemas import SchemaChecked
 from .jsonio import read_json, round_float_fields, write_json
 
 SCHEMA = "pdtool.profile/1"
@@ -65,7 +65,7 @@ class Layer:
 
 
 @dataclass(frozen=True)
-class Profile:
+class Profile(SchemaChecked):
     """A measured layer graph of one model at one minibatch size on one device.
 
     `method` says how the layers were found: "fx" (torch.fx graph, `ops` are its node
@@ -76,6 +76,8 @@ class Profile:
     time of a whole forward + loss + backward step, `update_ms` of one optimizer step (SGD with
     momentum) over all parameters, `data_ms` of making one minibatch (0 when not measured).
     """
+
+    SCHEMA_NAME = "profile"  # schemas/profile.schema.json
 
     model: ModelRef | None
     batch_size: int
@@ -154,15 +156,6 @@ class Profile:
             ],
             "edges": [list(e) for e in self.edges],
         }
-
-    @classmethod
-    def from_json(cls, data: Any, source: str = "profile") -> "Profile":
-        """Parse and check a profile read from JSON; every problem is one `ArtifactError` line naming
-        `source`: the reading's own messages first, then anything else `schemas/profile.schema.json`
-        refuses (so every file pdtool accepts satisfies its published schema)."""
-        parsed = cls._read(data, source)
-        validate(data, "profile", source)
-        return parsed
 
     @classmethod
     def _read(cls, data: Any, source: str) -> "Profile":

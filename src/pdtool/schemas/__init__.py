@@ -36,6 +36,27 @@ def validate(data: Any, name: str, source: str) -> None:
         raise ArtifactError(_explain(error, name, source))
 
 
+class SchemaChecked:
+    """Mixin of the artifact classes: `from_json` reads a document with the class's own `_read`
+    (its specific messages come first), then checks it against the schema `SCHEMA_NAME`, so
+    every file pdtool accepts satisfies its published schema."""
+
+    SCHEMA_NAME = ""
+
+    @classmethod
+    def from_json(cls, data: Any, source: str | None = None):
+        """Parse and check a document read from JSON; every problem is one `ArtifactError` line
+        naming `source` (default: the schema's name)."""
+        source = source or cls.SCHEMA_NAME
+        parsed = cls._read(data, source)
+        validate(data, cls.SCHEMA_NAME, source)
+        return parsed
+
+    @classmethod
+    def _read(cls, data: Any, source: str):
+        raise NotImplementedError
+
+
 def _text(name: str) -> str:
     if name not in NAMES:
         raise ValueError(f"no schema {name!r}")
