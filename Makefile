@@ -37,6 +37,8 @@ PD_ARGS_demo = -a in_features=64 -a hidden=1024 -a depth=3 -a classes=10 -b 64 -
 PD_CLUSTER_demo = 4x2GB/s
 PD_PLAN_ARGS_demo = --straight
 
+DEMO_EPOCHS ?= 20
+
 demo: install graphviz
 	@mkdir -p $(OUT)
 	$(MAKE) --no-print-directory PD=$(PD) $(OUT)/demo.profile.json $(OUT)/demo.plan.json $(OUT)/demo.svg
@@ -44,13 +46,19 @@ demo: install graphviz
 	$(PD) show $(OUT)/demo.plan.json
 	$(PD) simulate $(OUT)/demo.plan.json --trace $(OUT)/demo.trace.json
 	rm -rf $(OUT)/demo.checkpoints
-	$(PD) train $(OUT)/demo.plan.json --data digits --epochs 20 --lr 0.1 --momentum 0.5 --threads 1 --evaluate \
-	    --metrics $(OUT)/demo.metrics.csv --trace $(OUT)/demo.train-trace.json --checkpoint-dir $(OUT)/demo.checkpoints
+	$(PD) train $(OUT)/demo.plan.json --data digits --epochs $(DEMO_EPOCHS) --lr 0.1 --momentum 0.5 --threads 1 \
+	    --evaluate --metrics $(OUT)/demo.metrics.csv --trace $(OUT)/demo.train-trace.json \
+	    --checkpoint-dir $(OUT)/demo.checkpoints | tee $(OUT)/demo.train.log
 	@echo
-	@echo "outputs: profile $(OUT)/demo.profile.json, plan $(OUT)/demo.plan.json, picture $(OUT)/demo.svg" \
-	      "(or demo.dot without graphviz), simulated trace $(OUT)/demo.trace.json, measured trace" \
-	      "$(OUT)/demo.train-trace.json (open both in https://ui.perfetto.dev), metrics $(OUT)/demo.metrics.csv," \
-	      "checkpoint $(OUT)/demo.checkpoints/"
+	@echo "== demo summary =="
+	@grep -E "^(held-out|time per minibatch)" $(OUT)/demo.train.log | sed 's/^/  /'
+	@echo "  profile           $(OUT)/demo.profile.json"
+	@echo "  plan              $(OUT)/demo.plan.json"
+	@echo "  picture           $$(ls $(OUT)/demo.svg 2>/dev/null || echo '$(OUT)/demo.dot (graphviz missing)')"
+	@echo "  simulated trace   $(OUT)/demo.trace.json   (open traces in https://ui.perfetto.dev)"
+	@echo "  measured trace    $(OUT)/demo.train-trace.json"
+	@echo "  metrics           $(OUT)/demo.metrics.csv"
+	@echo "  checkpoint        $$(ls -d $(OUT)/demo.checkpoints/step-* | tail -1)"
 
 test: install graphviz
 	$(PY) -m pytest -q

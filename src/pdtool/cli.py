@@ -337,13 +337,14 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
         click.echo(f"trained steps {result.first_step + 1}-{result.first_step + result.steps} ({len(losses)} minibatches) "
                    f"on {len(result.reports)} workers in {result.wall_s:.1f} s; loss {first:.4f} -> {last:.4f}")
         measured = result.time_per_minibatch_ms()
-        predicted = f"predicted {plan.predicted.time_ms:.3f} ms (cost model)" + (
-            f", {plan.predicted.simulated_ms:.3f} ms (simulated)" if plan.predicted.simulated_ms is not None else "")
-        click.echo(f"time per minibatch: measured {measured:.3f} ms, {predicted}" if measured else
+        rate = lambda ms: f"{ms:.3f} ms ({plan.profile.batch_size / ms * 1e3:.0f} samples/s)"  # noqa: E731
+        predicted = f"predicted {rate(plan.predicted.time_ms)} by the cost model" + (
+            f", {rate(plan.predicted.simulated_ms)} simulated" if plan.predicted.simulated_ms is not None else "")
+        click.echo(f"time per minibatch: measured {rate(measured)}, {predicted}" if measured else
                    f"time per minibatch: too few minibatches to measure; {predicted}")
     if evaluate:
         scored = session.held_out_accuracy(result, config)
-        click.echo(f"accuracy on the held-out split: {scored[0]:.1%} of {scored[1]} samples" if scored else
+        click.echo(f"held-out accuracy: {scored[0]:.1%} of {scored[1]} samples" if scored else
                    "accuracy: not measured here (the stages' weights are on other machines)")
     for label, path in (("checkpoints", checkpoint_dir), ("metrics", metrics_path), ("trace", trace_path)):
         if path:

@@ -56,6 +56,6 @@ def test_the_digits_example_trains_and_reports_its_accuracy(tmp_path):
     args = [f"PDTOOL={ROOT}", f"PD={Path(sys.executable).parent / 'pd'}", "EPOCHS=1", "digits.metrics.csv"]
     result = make(tmp_path, *args)
     assert result.returncode == 0, result.stderr
-    assert "accuracy on the held-out split:" in result.stdout
+    assert "held-out accuracy:" in result.stdout
     assert (tmp_path / "digits.metrics.csv").read_text().startswith("step,")
     assert make(tmp_path, *args, question=True).returncode == 0  # nothing changed: nothing to do

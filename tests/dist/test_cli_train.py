@@ -64,7 +64,7 @@ def test_pd_train_on_digits_with_epochs_trace_checkpoints_and_resume(tmp_path):
                                catch_exceptions=False)
     assert first.exit_code == 0, first.output
     assert "trained steps 1-5 (5 minibatches)" in first.stdout  # 1437 images // 256 = 5 per epoch
-    assert "accuracy on the held-out split:" in first.stdout and "of 360 samples" in first.stdout
+    assert "held-out accuracy:" in first.stdout and "of 360 samples" in first.stdout
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["name"] for e in events if e["ph"] == "X"} >= {"0F0", "1B4", "0U"}
     again = CliRunner().invoke(cli, [*args, "--epochs", "2", "--resume"], catch_exceptions=False)
