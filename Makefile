@@ -83,8 +83,13 @@ PD_ARGS_gpt = -a seq_len=128 -b 4 --repeats 5
 profiles: install
 	$(MAKE) --no-print-directory -B PD=$(PD) $(PROFILES:%=profiles/%.profile.json)
 
+# Every benchmark the README quotes (about 10 minutes here; run it on a quiet machine).
 bench: install
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[plot]'
 	$(PY) bench/profile_speed.py
+	$(PY) bench/plan_speed.py
+	$(PY) bench/train_speed.py
+	$(PY) bench/time_to_accuracy.py
 
 clean:
 	rm -rf $(OUT) .pytest_cache

@@ -183,7 +183,7 @@ def table(curves: list[Curve], target: float) -> str:
     single = curves[0]  # one process, one thread (when it ran)
     single_epoch = single.first_reaching(target)
     single_time = single.seconds[single_epoch - 1] if single_epoch else math.nan
-    rows = [f"| run | epochs to {target:.0%} | time to {target:.0%} (s) | vs {curves[0].name} | "
+    rows = [f"| run | epochs to {target:.0%} | time to {target:.0%} (s) | that time / {curves[0].name}'s | "
             "s per epoch | final accuracy |", "|---|---:|---:|---:|---:|---:|"]
     for curve in curves:
         epoch = curve.first_reaching(target)

@@ -50,6 +50,11 @@ class _Progress:
             click.echo("\r\033[K", err=True, nl=False)
 
 
+def _examples(*lines: str) -> str:
+    """A command's help epilog: example command lines, kept as written (click's \\b)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 @click.group(cls=_Pd, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="pdtool")
 def cli() -> None:
@@ -64,7 +69,9 @@ def cli() -> None:
     """
 
 
-@cli.command()
+@cli.command(short_help="measure a model layer by layer -> PROFILE.json",
+             epilog=_examples("pd profile -m pdtool.zoo:resnet50 -a width=16 -a image_size=64 -b 16 -o resnet.profile.json",
+                                "pd profile --from-pipedream graph.txt -o vgg16.profile.json"))
 @click.option("--model", "-m", "spec", metavar="PKG.MODULE:FACTORY",
               help="Model factory to profile, e.g. pdtool.zoo:resnet50 (the current folder is importable).")
 @click.option("--from-pipedream", "graph_txt", type=click.Path(dir_okay=False), metavar="GRAPH.TXT",
@@ -135,7 +142,9 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
                    f"layer sum / step {ratio:.3f}", err=True)
 
 
-@cli.command()
+@cli.command(short_help="partition it over a cluster -> PLAN.json",
+             epilog=_examples("pd plan resnet.profile.json --cluster 4x12GB/s,4x10Gbit/s -o resnet.plan.json",
+                                "pd plan resnet.profile.json --cluster cluster-a:2 --memory 16GiB --straight -o straight.plan.json"))
 @click.argument("profile_path", metavar="PROFILE.json", type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--cluster", "-c", "cluster_spec", required=True, metavar="SPEC",
               help="Levels innermost first, COUNTxBANDWIDTH,... (e.g. 4x12GB/s,4x10Gbit/s), a JSON file, "
@@ -178,7 +187,9 @@ def plan(profile_path, cluster_spec, memory, straight, cost_model, mode, optimiz
                    "data parallel", err=True)
 
 
-@cli.command()
+@cli.command(short_help="run a plan's schedule in simulated time",
+             epilog=_examples("pd simulate resnet.plan.json --trace resnet.trace.json",
+                                "pd simulate resnet.plan.json --mode flush --group 8"))
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--mode", type=click.Choice(["pipedream", "vsync", "2bw", "flush", "gpipe"]), default=None,
               help="Schedule mode to simulate [default: the plan's].")
@@ -227,7 +238,10 @@ def simulate(plan_path, mode, minibatches, group, trace_path):
                f"{len(result.busy_ms)} workers; open it in https://ui.perfetto.dev", err=True)
 
 
-@cli.command()
+@cli.command(short_help="run a plan on torch.distributed workers",
+             epilog=_examples("pd train mlp.plan.json --data digits --epochs 10 --lr 0.1 --momentum 0.5 --evaluate",
+                                "pd train resnet.plan.json --steps 200 --checkpoint-dir ckpt --checkpoint-every 50 --metrics m.csv --trace t.json",
+                                "pd train resnet.plan.json --steps 400 --checkpoint-dir ckpt --resume"))
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
               help="Train until stage 0 has taken this many optimizer steps (pipedream/vsync: one per round of its "
@@ -369,7 +383,9 @@ def _with_epochs(config, plan, epochs):
     return dataclasses.replace(config, steps=steps_for_epochs(epochs, source.batches_per_epoch, per_step))
 
 
-@cli.command()
+@cli.command(short_help="print a summary of a profile or plan; draw a plan",
+             epilog=_examples("pd show resnet.profile.json --top 10",
+                                "pd show resnet.plan.json --render resnet.svg"))
 @click.argument("artifact", type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--top", type=click.IntRange(min=1), default=15, show_default=True,
               help="Profiles: how many of the heaviest layers to list.")

@@ -244,3 +244,18 @@ def test_plan_straight_mode_and_optimizer_flags_reach_the_plan(tmp_path):
     assert all(s["replicas"] == 1 for s in plans[0]["stages"])
     # Adam keeps two optimizer buffers per parameter, SGD with momentum one: more memory per worker
     assert plans[1]["stages"][0]["memory_bytes"] > plans[0]["stages"][0]["memory_bytes"]
+
+
+def test_every_help_example_parses_with_its_command():
+    """The examples in each sub-command's --help name only options that exist, with valid values."""
+    import shlex
+
+    from pdtool.cli import cli
+
+    for name, command in cli.commands.items():
+        examples = [line.strip() for line in (command.epilog or "").splitlines() if line.strip().startswith("pd ")]
+        assert examples, f"pd {name} --help has no examples"
+        for example in examples:
+            args = shlex.split(example)[2:]
+            with command.make_context(name, args) as context:
+                assert context.params
