@@ -336,26 +336,18 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     from .runtime.device import choose
 
     on_cpu = choose(device, 0, local).device.type == "cpu"  # a device this machine lacks fails here, not in a worker
-    if on_cpu and local * (threads or 1) > cores:
-        warn(f"{local} workers x {threads or 1} thread(s) share {cores} CPU cores on this machine: the measured "
-             "time per minibatch will exceed the plan's prediction by about that oversubscription")
+    shared = f"{local} workers x {threads or 1} thread(s) share {cores} CPU cores" if (
+        on_cpu and local * (threads or 1) > cores) else None
+    if shared:
+        warn(f"{shared} on this machine: the measured time per minibatch will exceed the plan's prediction by "
+             "about that oversubscription")
     result = session.run(config, Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id),
                          verbose=verbose, resume=resume, warn=warn)
     if metrics_path:
         session.write_metrics(metrics_path, result)
     if trace_path:
         session.write_measured_trace(trace_path, result)
-    losses = result.losses
-    if losses:
-        first, last = losses[min(losses)], losses[max(losses)]
-        click.echo(f"trained steps {result.first_step + 1}-{result.first_step + result.steps} ({len(losses)} minibatches) "
-                   f"on {len(result.reports)} workers in {result.wall_s:.1f} s; loss {first:.4f} -> {last:.4f}")
-        measured = result.time_per_minibatch_ms()
-        rate = lambda ms: f"{ms:.3f} ms ({plan.profile.batch_size / ms * 1e3:.0f} samples/s)"  # noqa: E731
-        predicted = f"predicted {rate(plan.predicted.time_ms)} by the cost model" + (
-            f", {rate(plan.predicted.simulated_ms)} simulated" if plan.predicted.simulated_ms is not None else "")
-        click.echo(f"time per minibatch: measured {rate(measured)}, {predicted}" if measured else
-                   f"time per minibatch: too few minibatches to measure; {predicted}")
+    _report(result, plan, shared)
     if evaluate:
         scored = session.held_out_accuracy(result, config)
         click.echo(f"held-out accuracy: {scored[0]:.1%} of {scored[1]} samples" if scored else
@@ -363,6 +355,24 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     for label, path in (("checkpoints", checkpoint_dir), ("metrics", metrics_path), ("trace", trace_path)):
         if path:
             click.echo(f"{label}: {path}", err=True)
+
+
+def _report(result, plan, shared: str | None) -> None:
+    """What pd train prints when the workers are done: steps, loss, and the measured time per
+    minibatch beside the plan's predictions (noting CPU oversubscription, which they ignore)."""
+    losses = result.losses
+    if not losses:
+        return
+    first, last = losses[min(losses)], losses[max(losses)]
+    click.echo(f"trained steps {result.first_step + 1}-{result.first_step + result.steps} ({len(losses)} minibatches) "
+               f"on {len(result.reports)} workers in {result.wall_s:.1f} s; loss {first:.4f} -> {last:.4f}")
+    measured = result.time_per_minibatch_ms()
+    rate = lambda ms: f"{ms:.3f} ms ({plan.profile.batch_size / ms * 1e3:.0f} samples/s)"  # noqa: E731
+    predicted = f"predicted {rate(plan.predicted.time_ms)} by the cost model" + (
+        f", {rate(plan.predicted.simulated_ms)} simulated" if plan.predicted.simulated_ms is not None else "")
+    note = f" (the predictions give every worker a core of its own; here {shared})" if shared else ""
+    click.echo(f"time per minibatch: measured {rate(measured)}, {predicted}{note}" if measured else
+               f"time per minibatch: too few minibatches to measure; {predicted}")
 
 
 def _with_epochs(config, plan, epochs):
