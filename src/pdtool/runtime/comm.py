@@ -14,6 +14,7 @@ direction of each link sends and receives its minibatches in one order.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 ACTIVATION, GRADIENT = 0, 1
 _MAX_TENSORS = 256
+MAX_PENDING_SENDS = 32  # tensors a worker keeps in flight before it waits for its oldest send
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class Link:
         self.device = device
         self.groups = groups or {}  # direction -> process group (of the whole world); default group if absent
         self.pending: dict[tuple[int, int], tuple[list, list[torch.Tensor]]] = {}
-        self.sends: list = []
+        self.sends: deque = deque()  # (work, tensor) of sends not yet known to be complete, oldest first
 
     def post_recv(self, key: tuple[int, int], peer: int, specs: list[TensorSpec], direction: int) -> None:
         """Start receiving message `key` = (direction, minibatch) from `peer` into new buffers."""
@@ -60,14 +62,20 @@ class Link:
         return buffers
 
     def send(self, tensors: list[torch.Tensor], peer: int, minibatch: int, direction: int) -> None:
-        """Send without waiting; the tensors are kept alive until the transfer completes."""
+        """Send without waiting; the tensors are kept alive until the transfer completes.
+
+        At most MAX_PENDING_SENDS sends stay unconfirmed: beyond that the oldest is waited for
+        (gloo reports a send complete only once waited on, so without a bound every sent
+        tensor would stay alive). That wait cannot deadlock: the receiver posts the matching
+        receive before it needs anything this worker sends later (messages of a link go in
+        minibatch order, schedule rule 8), and it is long done in any 1F1B steady state."""
         group = self.groups.get(direction)
         for i, t in enumerate(tensors):
             t = t.contiguous()
             self.sends.append((dist.isend(t, dst=peer, group=group, tag=tag(minibatch, i, direction)), t))
-        self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+        while self.sends and (len(self.sends) > MAX_PENDING_SENDS or self.sends[0][0].is_completed()):
+            self.sends.popleft()[0].wait()
 
     def flush(self) -> None:
-        for work, _ in self.sends:
-            work.wait()
-        self.sends = []
+        while self.sends:
+            self.sends.popleft()[0].wait()
