@@ -2,6 +2,9 @@
 # Both create (or reuse) a virtual environment in .venv, install pdtool with torch 2.13.0 (CPU),
 # and install Debian's graphviz where they can.
 
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c  # `pd train ... | tee` fails when pd train does
+
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

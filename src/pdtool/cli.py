@@ -287,7 +287,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path):
               help="The job's name at the rendezvous (the same on every machine of one job).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where workers run: cuda gives each worker the GPU of its local rank and NCCL; cpu uses gloo; "
-                   "auto takes the GPUs when torch sees any.")
+                   "auto takes the GPUs when torch sees one for every worker of this machine, else the CPU.")
 @click.option("--verbose", "-v", is_flag=True, help="Show the launcher's log and a failing worker's traceback.")
 @click.option("--evaluate", is_flag=True,
               help="After training, report top-1 accuracy on the data set's held-out split (digits' test "
@@ -311,6 +311,8 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     plan = Plan.load(plan_path)
     if nnodes > 1 and master_port is None and not rdzv_endpoint:
         raise click.UsageError("--nnodes > 1 needs --master-port (the same on every machine) or --rdzv-endpoint")
+    if rdzv_endpoint and (node_rank or master_port is not None):
+        raise click.UsageError("--rdzv-endpoint numbers the machines itself: drop --node-rank and --master-port")
     for path in (metrics_path, trace_path):
         if path:
             check_writable(path)
@@ -367,7 +369,7 @@ def _report(result, plan, shared: str | None) -> None:
     click.echo(f"trained steps {result.first_step + 1}-{result.first_step + result.steps} ({len(losses)} minibatches) "
                f"on {len(result.reports)} workers in {result.wall_s:.1f} s; loss {first:.4f} -> {last:.4f}")
     measured = result.time_per_minibatch_ms()
-    rate = lambda ms: f"{ms:.3f} ms ({plan.profile.batch_size / ms * 1e3:.0f} samples/s)"  # noqa: E731
+    rate = lambda ms: f"{ms:.3f} ms" + (f" ({plan.profile.batch_size / ms * 1e3:.0f} samples/s)" if ms > 0 else "")  # noqa: E731
     predicted = f"predicted {rate(plan.predicted.time_ms)} by the cost model" + (
         f", {rate(plan.predicted.simulated_ms)} simulated" if plan.predicted.simulated_ms is not None else "")
     note = f" (the predictions give every worker a core of its own; here {shared})" if shared else ""

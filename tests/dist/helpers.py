@@ -78,7 +78,7 @@ def gradient_accumulation(plan, config, ref=MLP):
 
 def config_for(path, **overrides):
     values = dict(plan_path=str(path), steps=3, seed=0, optimizer=SGD, return_weights=True, timeout_s=30.0,
-                  progress=False)
+                  progress=False, device="cpu")  # exact oracles on the CPU, also on GPU machines (test_gpu.py)
     values.update(overrides)
     return RunConfig(**values)
 

@@ -44,6 +44,13 @@ def test_pd_train_on_a_device_this_machine_lacks_is_one_line(tmp_path):
                                      "(or install a CUDA build of torch 2.13.0)")
 
 
+def test_pd_train_rdzv_endpoint_refuses_a_node_rank(tmp_path):
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
+    result = CliRunner().invoke(cli, ["train", str(path), "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29999",
+                                      "--node-rank", "1"])
+    assert result.exit_code == 2 and "drop --node-rank and --master-port" in result.stderr
+
+
 def test_pd_train_bad_plan_file_is_one_line(tmp_path):
     bad = tmp_path / "x.plan.json"
     bad.write_text("{}")

@@ -6,7 +6,7 @@ from pdtool.errors import LaunchError
 from pdtool.runtime.device import choose
 
 
-@pytest.mark.parametrize("requested, gpus", [("cpu", 0), ("cpu", 4), ("auto", 0)])
+@pytest.mark.parametrize("requested, gpus", [("cpu", 0), ("cpu", 4), ("auto", 0), ("auto", 1)])
 def test_cpu_workers_use_gloo(requested, gpus):
     placement = choose(requested, local_rank=1, local_workers=2, gpus=gpus)
     assert (placement.device, placement.backend) == (torch.device("cpu"), "gloo")
@@ -24,11 +24,11 @@ def test_cuda_without_gpus_is_one_clear_error():
         choose("cuda", local_rank=0, local_workers=2, gpus=0)
 
 
-@pytest.mark.parametrize("requested", ["auto", "cuda"])
-def test_more_workers_than_gpus_is_refused(requested):
+def test_more_workers_than_gpus_is_refused_for_cuda_and_the_cpu_for_auto():
     with pytest.raises(LaunchError, match=r"^4 workers on this machine but torch sees 2 GPU\(s\), and NCCL needs one "
                                           r"GPU per worker; run --nproc-per-node 2 per machine or --device cpu$"):
-        choose(requested, local_rank=0, local_workers=4, gpus=2)
+        choose("cuda", local_rank=0, local_workers=4, gpus=2)
+    assert choose("auto", local_rank=0, local_workers=4, gpus=2).backend == "gloo"
 
 
 def test_this_machine_without_gpus():

@@ -4,16 +4,25 @@ A stage only talks to the stage before it and the stage after it (skip connectio
 relayed through the stages in between, see `runtime.stages`). Minibatch b goes to replica
 b mod r of every stage (1F1B-RR), so the peer of every message follows from the plan. Shapes
 and dtypes of every message are known in advance (`Boundary`), so receives are posted
-ahead of need into preallocated buffers and transfers overlap compute; sends never block.
+ahead of need into preallocated buffers and transfers overlap compute; sends do not block.
 Messages carry a tag made of the minibatch, the tensor's position and the direction, so
 that no two messages between the same two workers can be confused under gloo. NCCL ignores
-tags and matches the messages between two ranks by order, on one stream per pair of ranks; so
-each direction has a process group of its own (a receive posted early for a gradient cannot
-block an activation going the other way), and the schedule validator guarantees that each
-direction of each link sends and receives its minibatches in one order.
+tags and matches the messages of a communicator by order, on one stream per communicator;
+so every direction of every link (two neighbouring workers) has a two-rank process group of
+its own (`link_groups`), and the schedule validator guarantees that each carries its
+minibatches in one order (rule 8).
+
+A send is known to be complete only once waited on (gloo never reports one complete before),
+so a link keeps at most `window` unconfirmed messages and then waits for its oldest. With
+`window` = the most minibatches a worker of the sending or receiving stage holds in flight
+(`schedule_core.stash_depth`), that wait never blocks on the peer: a worker of the upstream
+stage cannot run the forward of the message `window` places later before it has run the
+backward of the oldest one, which needed the peer to have taken that message (backwards on a
+link run in the order of its forwards, as in every generated schedule).
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -22,7 +31,6 @@ import torch.distributed as dist
 
 ACTIVATION, GRADIENT = 0, 1
 _MAX_TENSORS = 256
-MAX_PENDING_SENDS = 32  # tensors a worker keeps in flight before it waits for its oldest send
 
 
 @dataclass(frozen=True)
@@ -40,18 +48,19 @@ class Link:
     """Messages of one worker: activations from the previous stage and to the next one,
     gradients from the next stage and to the previous one."""
 
-    def __init__(self, device: torch.device, groups: dict[int, object] | None = None):
+    def __init__(self, device: torch.device, window: int, groups: dict[tuple[int, int], object] | None = None):
         self.device = device
-        self.groups = groups or {}  # direction -> process group (of the whole world); default group if absent
+        self.window = window  # unconfirmed messages per link and direction (module docstring)
+        self.groups = groups or {}  # (peer, direction) -> process group; the default group if absent
         self.pending: dict[tuple[int, int], tuple[list, list[torch.Tensor]]] = {}
-        self.sends: deque = deque()  # (work, tensor) of sends not yet known to be complete, oldest first
+        self.sends: dict[tuple[int, int], deque] = {}  # (peer, direction) -> (works, tensors) per message, oldest first
 
     def post_recv(self, key: tuple[int, int], peer: int, specs: list[TensorSpec], direction: int) -> None:
         """Start receiving message `key` = (direction, minibatch) from `peer` into new buffers."""
         if key in self.pending:
             return
         buffers = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
-        group = self.groups.get(direction)
+        group = self.groups.get((peer, direction))
         works = [dist.irecv(t, src=peer, group=group, tag=tag(key[1], i, direction)) for i, t in enumerate(buffers)]
         self.pending[key] = (works, buffers)
 
@@ -62,20 +71,37 @@ class Link:
         return buffers
 
     def send(self, tensors: list[torch.Tensor], peer: int, minibatch: int, direction: int) -> None:
-        """Send without waiting; the tensors are kept alive until the transfer completes.
-
-        At most MAX_PENDING_SENDS sends stay unconfirmed: beyond that the oldest is waited for
-        (gloo reports a send complete only once waited on, so without a bound every sent
-        tensor would stay alive). That wait cannot deadlock: the receiver posts the matching
-        receive before it needs anything this worker sends later (messages of a link go in
-        minibatch order, schedule rule 8), and it is long done in any 1F1B steady state."""
-        group = self.groups.get(direction)
-        for i, t in enumerate(tensors):
-            t = t.contiguous()
-            self.sends.append((dist.isend(t, dst=peer, group=group, tag=tag(minibatch, i, direction)), t))
-        while self.sends and (len(self.sends) > MAX_PENDING_SENDS or self.sends[0][0].is_completed()):
-            self.sends.popleft()[0].wait()
+        """Send without waiting; the tensors are kept alive until the transfer is confirmed."""
+        group = self.groups.get((peer, direction))
+        tensors = [t.contiguous() for t in tensors]
+        works = [dist.isend(t, dst=peer, group=group, tag=tag(minibatch, i, direction)) for i, t in enumerate(tensors)]
+        queue = self.sends.setdefault((peer, direction), deque())
+        queue.append((works, tensors))
+        while len(queue) > self.window:
+            for work in queue.popleft()[0]:
+                work.wait()
 
     def flush(self) -> None:
-        while self.sends:
-            self.sends.popleft()[0].wait()
+        for queue in self.sends.values():
+            while queue:
+                for work in queue.popleft()[0]:
+                    work.wait()
+
+
+def link_groups(stage_ranks: list[tuple[int, ...]], rank: int) -> dict[tuple[int, int], object]:
+    """Two-rank process groups, one per direction of every link of the plan (neighbouring
+    workers that exchange minibatches), keyed (peer, direction) for the links of `rank`.
+
+    Every rank creates every group, in one order, as torch.distributed requires."""
+    groups = {}
+    for before, after in zip(stage_ranks, stage_ranks[1:]):
+        common = math.gcd(len(before), len(after))
+        for i, a in enumerate(before):
+            for j, b in enumerate(after):
+                if i % common != j % common:
+                    continue  # no minibatch b has b mod r_s = i and b mod r_s+1 = j
+                for direction in (ACTIVATION, GRADIENT):
+                    group = dist.new_group([a, b])
+                    if rank in (a, b):
+                        groups[(b if rank == a else a, direction)] = group
+    return groups

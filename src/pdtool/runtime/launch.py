@@ -86,7 +86,24 @@ def _entry(config: RunConfig) -> WorkerReport:
 
     from .worker import worker_main
 
-    return record(worker_main)(config)
+    try:
+        return record(worker_main)(config)  # record: the error file the launcher reads, written first
+    except BaseException:
+        _release_nccl()
+        raise
+
+
+def _release_nccl() -> None:
+    """After a worker's error is recorded: tear down an NCCL process group, whose communicators
+    can otherwise hang the process at exit. (A gloo group is left to the process's end, so that
+    peers see this worker's error before its connections close.)"""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - already failing; the recorded error is what matters
+            pass
 
 
 def _free_port() -> int:
@@ -97,10 +114,10 @@ def _free_port() -> int:
 
 def _explain(failure) -> tuple[str, bool]:
     """One line: which rank failed first and its error message; and whether it raised (so
-    that a traceback exists) rather than died. Failure times have a resolution of a second, so
-    among the first failures a worker's own error wins over a peer's "connection closed"."""
+    that a traceback exists) rather than died. A worker's own error wins over a peer's
+    "connection closed" (failure times have a resolution of a second); among those, the first."""
     messages = {rank: _message(info) for rank, info in failure.failures.items()}
-    rank = min(failure.failures, key=lambda r: (failure.failures[r].timestamp, _echoes_a_peer(messages[r]), r))
+    rank = min(failure.failures, key=lambda r: (_echoes_a_peer(messages[r]), failure.failures[r].timestamp, r))
     info, message = failure.failures[rank], messages[rank]
     raised = bool(message)
     if not message:
@@ -113,7 +130,7 @@ def _explain(failure) -> tuple[str, bool]:
 
 
 _PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
-                "communicator was aborted", "Broken pipe")
+                "communicator was aborted", "Broken pipe", "remote process exited")
 
 
 def _echoes_a_peer(message: str) -> bool:

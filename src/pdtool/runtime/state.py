@@ -88,15 +88,17 @@ def restore(worker: StageWorker, folder: str) -> None:
     if worker.optimizer is not None:
         for name, p in zip(worker.names, worker.live):
             prefix = f"{stage.param_names[name]}{SEPARATOR}"
-            state = {key[len(prefix):]: _state_value(key[len(prefix):], value, p.device)
+            state = {key[len(prefix):]: _state_value(key[len(prefix):], value, p)
                      for key, value in extra.items() if key.startswith(prefix)}
             if state:
                 worker.optimizer.state[p].update(state)
 
 
-def _state_value(key: str, value, device: torch.device):
-    """An optimizer state entry on the parameter's device (Adam's step count stays on the CPU,
-    as torch's own `Optimizer.load_state_dict` keeps it)."""
+def _state_value(key: str, value, param: torch.Tensor):
+    """An optimizer state entry on the parameter's device, floating ones in its dtype (Adam's step
+    count stays as saved, on the CPU, as torch's own `Optimizer.load_state_dict` keeps it)."""
     if not isinstance(value, torch.Tensor):
         return value
-    return value.clone() if key == "step" else value.to(device, copy=True)
+    if key == "step":
+        return value.clone()
+    return value.to(param.device, dtype=param.dtype if value.is_floating_point() else value.dtype, copy=True)

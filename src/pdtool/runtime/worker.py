@@ -20,8 +20,8 @@ from ..errors import LaunchError
 from ..modelspec import load_model
 from ..plan import Plan
 from ..profile import ModelRef
-from ..schedule import Schedule, default_group, generate
-from .comm import ACTIVATION, GRADIENT, Link, TensorSpec
+from ..schedule import Schedule, default_group, generate, stash_depth
+from .comm import ACTIVATION, GRADIENT, Link, TensorSpec, link_groups
 from .device import choose, synchronizer
 from .executor import ASYNC_MODES, OptimizerConfig, StageWorker
 
@@ -121,11 +121,15 @@ def worker_main(config: RunConfig) -> WorkerReport:
     # On an error, no orderly teardown: the launcher records this worker's error before its
     # connections close, so the job reports it rather than a peer's "connection closed".
     groups = {s: dist.new_group(list(st.ranks)) for s, st in enumerate(plan.stages) if st.replicas > 1}
-    directions = {ACTIVATION: dist.new_group(list(range(world))), GRADIENT: dist.new_group(list(range(world)))}
+    links = link_groups([st.ranks for st in plan.stages], rank)
+    window = max(stash_depth(schedule, s) for s in range(schedule.stages))
     stage = stages[stage_index]
     stage.module.to(device)
     last = stage_index == len(stages) - 1
-    worker = StageWorker(stage, schedule, replica, config.optimizer, bundle.loss_fn if last else None)
+    loss_fn = bundle.loss_fn
+    if last and isinstance(loss_fn, torch.nn.Module):
+        loss_fn.to(device)  # e.g. class weights
+    worker = StageWorker(stage, schedule, replica, config.optimizer, loss_fn if last else None)
     if config.resume:
         from .state import restore
 
@@ -137,7 +141,7 @@ def worker_main(config: RunConfig) -> WorkerReport:
         saver = ShardSaver(worker, config.checkpoint_dir, config.first_step, config.steps,
                            config.checkpoint_every, minibatches_per_step(schedule))
     on_device = lambda b: tuple(_to(x, device) for x in batch(b))  # noqa: E731
-    report = _run(plan, schedule, worker, stages, specs, on_device, groups.get(stage_index), Link(device, directions),
+    report = _run(plan, schedule, worker, stages, specs, on_device, groups.get(stage_index), Link(device, window, links),
                   saver, first, config.progress)
     report.peak_versions = worker.peak_versions
     if config.return_weights:
