@@ -13,6 +13,9 @@
 #                      flags $(PD_PLAN_ARGS_NAME) and $(PD_PLAN_FLAGS); re-made only when the profile changed
 #   NAME.svg/.png/.pdf the plan drawn over the layer graph (pd show --render)
 #   NAME.trace.json    the simulated schedule as a Chrome trace (pd simulate --trace)
+#   NAME.metrics.csv   a training run: pd train of NAME.plan.json with flags $(PD_TRAIN_ARGS_NAME) and
+#                      $(PD_TRAIN_FLAGS) (e.g. --data digits --epochs 10 --evaluate); the CSV has a row
+#                      per step; re-run only when the plan changed
 #   NAME.profile.show / NAME.plan.show   print the summary tables
 # Outputs are written atomically, so an interrupted or failed command never leaves a half
 # file that Make would take as up to date.
@@ -22,6 +25,7 @@ PD_PROFILE_FLAGS ?=
 PD_CLUSTER ?= 4x12GB/s
 PD_PLAN_FLAGS ?=
 PD_SIMULATE_FLAGS ?=
+PD_TRAIN_FLAGS ?=
 
 pd_name = $(notdir $*)
 
@@ -46,6 +50,9 @@ pd_name = $(notdir $*)
 
 %.trace.json: %.plan.json
 	$(PD) simulate $< $(PD_SIMULATE_FLAGS) --trace $@
+
+%.metrics.csv: %.plan.json
+	$(PD) train $< $(PD_TRAIN_ARGS_$(pd_name)) $(PD_TRAIN_FLAGS) --metrics $@
 
 %.profile.show: %.profile.json
 	$(PD) show $<

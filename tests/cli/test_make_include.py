@@ -59,3 +59,8 @@ def test_the_digits_example_trains_and_reports_its_accuracy(tmp_path):
     assert "held-out accuracy:" in result.stdout
     assert (tmp_path / "digits.metrics.csv").read_text().startswith("step,")
     assert make(tmp_path, *args, question=True).returncode == 0  # nothing changed: nothing to do
+    future = time.time() + 2
+    os.utime(tmp_path / "digits.plan.json", (future, future))  # a new plan: train again, nothing else
+    again = make(tmp_path, *args)
+    assert again.returncode == 0 and "pd train" in again.stdout
+    assert "pd profile" not in again.stdout and "pd plan" not in again.stdout
