@@ -1,0 +1,24 @@
+"""The pure core (artifacts, planner, schedules, simulator, pictures) imports no torch: it runs
+where torch is not installed, and `pd plan`/`pd simulate`/`pd show` start fast."""
+import subprocess
+import sys
+
+CORE = ["pdtool.errors", "pdtool.fields", "pdtool.jsonio", "pdtool.units", "pdtool.cluster", "pdtool.profile",
+        "pdtool.pipedream_import", "pdtool.costmodel", "pdtool.states", "pdtool.partition", "pdtool.plan",
+        "pdtool.planner", "pdtool.schedule", "pdtool.schedule_core", "pdtool.schedule_gen", "pdtool.schedule_check",
+        "pdtool.simulate", "pdtool.trace", "pdtool.render", "pdtool.show", "pdtool.schemas"]
+
+BLOCK_TORCH = """
+import importlib.abc, sys
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this test")
+sys.meta_path.insert(0, NoTorch())
+"""
+
+
+def test_the_core_imports_without_torch():
+    code = BLOCK_TORCH + "".join(f"import {module}\n" for module in CORE) + "print('ok')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
