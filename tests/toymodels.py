@@ -133,3 +133,27 @@ def gated_sequential():
     """An nn.Sequential torch.fx cannot trace: pdtool profiles its leaf modules and splits it by children."""
     model = nn.Sequential(nn.Linear(8, 16), _Gate(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     return model, _batch, F.cross_entropy
+
+
+class _TiedLM(nn.Module):
+    """A tiny language model whose output head is its token embedding (tied, as in GPT-2)."""
+
+    def __init__(self, vocab=11, width=6):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.mid = nn.Linear(width, width)
+        self.act = nn.Tanh()
+        self.mid2 = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(self.mid2(self.act(self.mid(self.emb(idx)))))
+
+
+def tied_lm(vocab=11):
+    """Tokens in, per-token logits out; the loss is next-token-style cross entropy."""
+    def batch(n):
+        return torch.randint(0, vocab, (n, 5)), torch.randint(0, vocab, (n, 5))
+
+    return _TiedLM(vocab), batch, lambda logits, target: F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))

@@ -206,26 +206,36 @@ def test_functional_call_runs_a_stage_on_other_weights():
     assert all(g is not None for g in grads)  # every stashed version got its gradient
 
 
-def test_tied_weights_across_stages_are_refused_by_name():
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(10, 4)
-            self.mid = nn.Linear(4, 4)
-            self.head = nn.Linear(4, 10, bias=False)
-            self.head.weight = self.emb.weight
+class Tied(nn.Module):
+    """An embedding whose weight is also the output head's (as in GPT-2)."""
 
-        def forward(self, idx):
-            return self.head(self.mid(self.emb(idx)))
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
 
+    def forward(self, idx):
+        return self.head(self.mid(self.emb(idx)))
+
+
+def test_tied_weights_across_stages_are_recorded_and_their_gradients_add_up():
     module = Tied()
-    assert len(build_stages(module, spans([(0, 2)]), **FX)) == 1  # in one stage, tying is fine
-    with pytest.raises(LaunchError, match=r"parameter emb\.weight is used by stages 0 and 1") as err:
-        build_stages(module, spans([(0, 0), (1, 2)]), **FX)
-    assert "\n" not in str(err.value)
+    assert not build_stages(module, spans([(0, 2)]), **FX)[0].tied  # in one stage, nothing to tie
+    stages = build_stages(module, spans([(0, 0), (1, 2)]), **FX)
+    assert [s.tied for s in stages] == [{"emb.weight": (0, 1)}, {"head.weight": (0, 1)}]
+    assert stages[1].param_names["head.weight"] == "emb.weight"  # the whole model's first name
+    idx = torch.tensor([[1, 2, 3]])
+    out = stages[1].forward(stages[0].forward({stages[0].inputs[0]: idx}))["output"]
+    out.sum().backward()  # both stages hold the one tensor here: its gradient is the sum of both uses
+    whole = Tied()
+    whole.load_state_dict(module.state_dict())
+    whole(idx).sum().backward()
+    torch.testing.assert_close(module.emb.weight.grad, whole.emb.weight.grad)
 
 
-def test_a_parameter_read_by_two_stages_is_refused():
+def test_a_parameter_read_by_two_stages_is_tied_too():
     class Shared(nn.Module):
         def __init__(self):
             super().__init__()
@@ -236,8 +246,8 @@ def test_a_parameter_read_by_two_stages_is_refused():
         def forward(self, x):
             return self.b(self.a(x) * self.scale) * self.scale
 
-    with pytest.raises(LaunchError, match="parameter scale is used by stages 0 and 1"):
-        build_stages(Shared(), spans([(0, 0), (1, 1)]), **FX)
+    stages = build_stages(Shared(), spans([(0, 0), (1, 1)]), **FX)
+    assert stages[0].tied == {"scale": (0, 1)} and stages[1].tied == {"scale": (0, 1)}
 
 
 # ----- mismatches ---------------------------------------------------------------------------------

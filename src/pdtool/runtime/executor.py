@@ -178,19 +178,25 @@ class StageWorker:
         self.backwards += 1
         return {k: g for k, g in zip(wanted_inputs, found[len(params):]) if g is not None}
 
-    def step(self, allreduce: Allreduce | None = None) -> None:
-        """Optimizer step: sum gradients (and backward counts) over the replicas, apply their mean."""
+    def step(self, allreduce: Allreduce | None = None, tie: "Callable[[StageWorker], None] | None" = None) -> None:
+        """Optimizer step: sum gradients (and backward counts) over the replicas, apply their mean.
+
+        `tie`, when given, runs between the two: it adds the gradients of parameters this stage
+        shares with others (tied weights, `Stage.tied`) across those stages."""
         if allreduce is None:  # one replica: scale the gradients in place, no flat buffer
             self._keep_current_version()
             if self.backwards > 1:
                 for p in self.live:
                     if p.grad is not None:
                         p.grad.div_(self.backwards)
-            self._step_optimizer()
-            return
-        buffer = self.gradient_buffer()
-        allreduce(buffer)
-        self.apply_step(buffer)
+        else:
+            buffer = self.gradient_buffer()
+            allreduce(buffer)
+            self._keep_current_version()
+            self._set_mean_gradients(buffer)
+        if tie is not None:
+            tie(self)
+        self._step_optimizer()
 
     def gradient_buffer(self) -> torch.Tensor:
         """This replica's gradients, flattened, followed by how many backwards they sum."""
@@ -201,12 +207,15 @@ class StageWorker:
     def apply_step(self, summed: torch.Tensor) -> None:
         """Step with the mean gradient from `summed` (a `gradient_buffer` summed over the replicas)."""
         self._keep_current_version()
+        self._set_mean_gradients(summed)
+        self._step_optimizer()
+
+    def _set_mean_gradients(self, summed: torch.Tensor) -> None:
         count = max(float(summed[-1]), 1.0)
         offset = 0
         for p in self.live:
             p.grad = (summed[offset:offset + p.numel()] / count).view_as(p).clone()
             offset += p.numel()
-        self._step_optimizer()
 
     def _keep_current_version(self) -> None:
         if self.uses.get(self.current, 0) > 0 and self.current not in self.versions:

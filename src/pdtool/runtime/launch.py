@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import LaunchError
+from ..errors import LaunchError, PdtoolError
 from .worker import RunConfig, WorkerReport
 
 
@@ -123,12 +124,12 @@ def _explain(failure) -> tuple[str, bool]:
     if not message:
         message = f"exit code {info.exitcode}" + (f" ({info.signal_name()})" if info.exitcode < 0 else "")
     first = message.strip().splitlines()[-1] if message.strip() else message
-    for prefix in ("pdtool.errors.LaunchError: ", "pdtool.errors."):
-        if first.startswith(prefix):
-            first = first[len(prefix):]
+    first = _OWN_ERROR.sub("", first, count=1)  # pdtool's errors are one-line messages already
     return f"worker rank {rank} failed: {first}; the other workers were stopped", raised
 
 
+_OWN_ERROR = re.compile(r"^(pdtool\.errors\.)?(" + "|".join(
+    cls.__name__ for cls in (PdtoolError, *PdtoolError.__subclasses__())) + r"): ")
 _PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
                 "communicator was aborted", "Broken pipe", "remote process exited")
 

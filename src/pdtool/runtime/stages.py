@@ -20,8 +20,11 @@ nodes only (design notes, sections 4 and 5):
   two names, the first one `named_parameters` gives), so checkpoints key parameters by
   whole-model names and a run can resume under another plan. A parameter read by `get_attr`
   (a position embedding added in `forward`) is a real parameter of the stage that reads it,
-  never an input; a parameter used in two stages (tied weights) is refused. Buffers and
-  constants read by `get_attr` in several stages are shared by those stages.
+  never an input. A parameter used in several stages (tied weights, e.g. an embedding and an
+  output head) is a parameter of each of them, recorded in `Stage.tied`: every worker holds
+  its own copy, and the synchronous modes add the copies' gradients before each step (see
+  `runtime.worker`), so the copies stay equal. Buffers and constants read by `get_attr` in
+  several stages are shared by those stages.
 
 Every stage works under `torch.func.functional_call(stage.module, params, (values,))` with
 `params` keyed by the stage module's own parameter names (weight stashing, section 4).
@@ -62,6 +65,7 @@ class Stage:
     param_names: dict[str, str]
     buffer_names: dict[str, str] = field(default_factory=dict)
     layers: tuple[int, ...] = ()
+    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)  # own param name -> every stage using it
 
     def forward(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the stage on the values of its input boundary; returns its output boundary."""
@@ -295,20 +299,19 @@ def _stage_graph(gm: fx.GraphModule, node_stage: dict[fx.Node, int], s: int, sta
 
 
 def _name_state(module: nn.Module, stages: list[Stage]) -> None:
-    """Fill each stage's `param_names`/`buffer_names`; `LaunchError` for a parameter in two stages."""
+    """Fill each stage's `param_names`/`buffer_names`, and `tied` for parameters in several stages."""
     param_name = {}
     for name, p in module.named_parameters():
         param_name.setdefault(id(p), name)
     buffer_name = {}
     for name, b in module.named_buffers():
         buffer_name.setdefault(id(b), name)
-    owner: dict[int, int] = {}
+    users: dict[int, list[int]] = {}
     for stage in stages:
         for name, p in stage.module.named_parameters():
-            whole = param_name.get(id(p), name)
-            if owner.setdefault(id(p), stage.index) != stage.index:
-                raise LaunchError(f"parameter {whole} is used by stages {owner[id(p)]} and {stage.index} (tied weights), "
-                                  "which pdtool cannot split yet; untie the weights, or profile with a --depth that keeps both uses in one layer")
-            stage.param_names[name] = whole
+            users.setdefault(id(p), []).append(stage.index)
+            stage.param_names[name] = param_name.get(id(p), name)
+    for stage in stages:
+        stage.tied = {name: tuple(users[id(p)]) for name, p in stage.module.named_parameters() if len(users[id(p)]) > 1}
         stage.buffer_names.update({name: buffer_name[id(b)] for name, b in stage.module.named_buffers()
                                    if id(b) in buffer_name})

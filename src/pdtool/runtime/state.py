@@ -19,20 +19,26 @@ import torch
 from ..checkpoint import checkpoint_folder, load_checkpoint, save_shard
 from ..errors import LaunchError
 from ..schedule import step_group
+from . import tied
 from .executor import StageWorker
 
 SEPARATOR = "::"
 
 
 def stage_state(worker: StageWorker) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(parameters and buffers, optimizer state) of the worker's stage, by whole-model names."""
+    """(parameters and buffers, optimizer state) of the worker's stage, by whole-model names; a
+    tied parameter (and its optimizer state) only in the shard of its lowest stage."""
     stage = worker.stage
-    tensors = {stage.param_names[n]: p.detach() for n, p in stage.module.named_parameters()}
+    ties = getattr(stage, "tied", {})
+    mine = {n for n, _ in stage.module.named_parameters() if n not in ties or tied.owner(ties[n]) == stage.index}
+    tensors = {stage.param_names[n]: p.detach() for n, p in stage.module.named_parameters() if n in mine}
     buffer_names = getattr(stage, "buffer_names", {})
     tensors.update({buffer_names[n]: b.detach() for n, b in stage.module.named_buffers() if n in buffer_names})
     extra: dict[str, torch.Tensor] = {}
     if worker.optimizer is not None:
         for name, p in zip(worker.names, worker.live):
+            if name not in mine:
+                continue  # a tied copy: the owner's shard holds it (runtime.tied)
             for key, value in worker.optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
                     extra[f"{stage.param_names[name]}{SEPARATOR}{key}"] = value.detach()

@@ -22,6 +22,7 @@ from ..plan import Plan
 from ..profile import ModelRef
 from ..schedule import Schedule, default_group, generate, stash_depth
 from .comm import ACTIVATION, GRADIENT, Link, TensorSpec, link_groups
+from . import tied
 from .device import choose, synchronizer
 from .executor import ASYNC_MODES, OptimizerConfig, StageWorker
 
@@ -106,6 +107,7 @@ def worker_main(config: RunConfig) -> WorkerReport:
 
     stages = plan_stages(plan, bundle.module)
     schedule = make_schedule(plan, config)
+    tied.check_mode(stages, schedule.mode)
     from ..data import load_source
 
     source = load_source(config.data, bundle, plan.profile.batch_size, config.seed)
@@ -122,6 +124,7 @@ def worker_main(config: RunConfig) -> WorkerReport:
     # connections close, so the job reports it rather than a peer's "connection closed".
     groups = {s: dist.new_group(list(st.ranks)) for s, st in enumerate(plan.stages) if st.replicas > 1}
     links = link_groups([st.ranks for st in plan.stages], rank)
+    tie = tied.make_tie(stages, [st.ranks for st in plan.stages], stage_index)
     window = max(stash_depth(schedule, s) for s in range(schedule.stages))
     stage = stages[stage_index]
     stage.module.to(device)
@@ -141,8 +144,8 @@ def worker_main(config: RunConfig) -> WorkerReport:
         saver = ShardSaver(worker, config.checkpoint_dir, config.first_step, config.steps,
                            config.checkpoint_every, minibatches_per_step(schedule))
     on_device = lambda b: tuple(_to(x, device) for x in batch(b))  # noqa: E731
-    report = _run(plan, schedule, worker, stages, specs, on_device, groups.get(stage_index), Link(device, window, links),
-                  saver, first, config.progress)
+    report = _run(plan, schedule, worker, stages, specs, on_device, groups.get(stage_index), tie,
+                  Link(device, window, links), saver, first, config.progress)
     report.peak_versions = worker.peak_versions
     if config.return_weights:
         report.weights = {stage.param_names[n]: p.detach().cpu().clone() for n, p in stage.module.named_parameters()}
@@ -176,7 +179,7 @@ def _to(value, device: torch.device):
     return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
 
-def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, batch, group, link: Link, saver,
+def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, batch, group, tie, link: Link, saver,
          first: int, show_progress: bool) -> WorkerReport:
     s, replica = worker.index, worker.replica
     last = s == len(stages) - 1
@@ -237,7 +240,7 @@ def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, bat
                 link.send(sent, peer(s - 1, b), b, GRADIENT)
         else:
             began = clock()
-            worker.step(allreduce)
+            worker.step(allreduce, tie)
             report.events.append((str(action), began, clock()))
             began = clock()
             if saver is not None and saver.after_step():

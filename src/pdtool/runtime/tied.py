@@ -1,0 +1,65 @@
+"""Tied weights: one parameter used by several stages (an embedding and an output head).
+
+Every worker of those stages holds its own copy (`Stage.tied`). In the synchronous modes
+(`flush`, `gpipe`) every stage steps once per batch, after all of the batch's backwards, so
+before each step the workers of the sharing stages all-reduce the copies' gradients: each
+adds its stage's mean gradient divided by its stage's replicas, and every copy gets the sum of
+the uses' gradients, as autograd gives it in one process (Megatron-LM ties its embeddings the
+same way). The copies start equal (same seed) and take equal steps, so they stay equal.
+`pipedream`, `vsync` and `2bw` are refused: they update the copies after different minibatches.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import LaunchError
+
+SYNCHRONOUS = ("flush", "gpipe")
+
+
+def check_mode(stages, mode: str) -> None:
+    """Refuse tied weights across stages in a mode that updates the copies at different times."""
+    ties = sorted({(stage.param_names[name], users) for stage in stages for name, users in stage.tied.items()})
+    if ties and mode not in SYNCHRONOUS:
+        name, users = ties[0]
+        raise LaunchError(f"parameter {name} is used by stages {' and '.join(map(str, users))} (tied weights), and "
+                          f"mode {mode!r} would update its copies after different minibatches; train with --mode "
+                          "flush or gpipe, which add the copies' gradients before every step")
+
+
+def owner(users: tuple[int, ...]) -> int:
+    """The stage whose shard holds a tied parameter in checkpoints."""
+    return min(users)
+
+
+def make_tie(stages, stage_ranks: list[tuple[int, ...]], stage_index: int) -> Callable | None:
+    """The `tie` hook of `StageWorker.step` for this worker (None when its stage ties nothing).
+
+    Creates one process group per set of sharing stages (all their workers), on every rank in
+    one order, as torch.distributed requires; call it on every rank."""
+    sets = sorted({users for stage in stages for users in stage.tied.values()})
+    groups = {users: dist.new_group(sorted(r for s in users for r in stage_ranks[s])) for users in sets}
+    stage = stages[stage_index]
+    mine: dict[tuple[int, ...], list[str]] = {}
+    for name, users in sorted(stage.tied.items()):
+        mine.setdefault(users, []).append(name)
+    if not mine:
+        return None
+    replicas = len(stage_ranks[stage_index])
+    params = dict(stage.module.named_parameters())
+
+    def tie(worker) -> None:
+        for users, names in mine.items():
+            tensors = [params[name] for name in names]
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) / replicas
+                              for p in tensors])
+            dist.all_reduce(flat, group=groups[users])
+            offset = 0
+            for p in tensors:
+                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+
+    return tie

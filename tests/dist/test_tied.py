@@ -1,0 +1,48 @@
+"""Tied weights across stages (an embedding that is also the output head): the synchronous modes
+add the copies' gradients before each step, so a pipeline trains as one process does."""
+import pytest
+import torch
+
+from helpers import assert_same_run, config_for, gradient_accumulation, merged, plan_with
+
+from pdtool.checkpoint import latest_complete, load_checkpoint
+from pdtool.errors import LaunchError
+from pdtool.profile import ModelRef
+from pdtool.runtime.launch import launch
+from pdtool.runtime.session import run
+
+TIED = ModelRef("toymodels:tied_lm")
+
+
+@pytest.mark.parametrize("mode, split", [
+    ("flush", [((0, 0), 1), ((1, 2), 1), ((3, 3), 1)]),
+    ("gpipe", [((0, 1), 2), ((2, 3), 1)]),
+], ids=["flush 1-1-1", "gpipe 2-1"])
+def test_tied_weights_train_as_in_one_process(tmp_path, mode, split):
+    plan, path = plan_with(tmp_path, split, mode=mode, ref=TIED)
+    config = config_for(path, steps=3, group=4)
+    reports = launch(config, len(plan.used_ranks))
+    losses, weights = merged(reports)
+    expected_losses, expected_weights = gradient_accumulation(plan, config, ref=TIED)
+    assert_same_run(losses, weights, expected_losses, expected_weights, rel=1e-5)
+    last = next(r for r in reports.values() if r.stage == len(split) - 1)
+    torch.testing.assert_close(last.weights["emb.weight"], expected_weights["emb.weight"])  # the head's copy too
+
+
+def test_tied_weights_checkpoint_once_and_resume(tmp_path):
+    plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="flush", ref=TIED)
+    root = tmp_path / "ckpt"
+    whole = run(config_for(path, steps=4, group=2))
+    run(config_for(path, steps=2, group=2, checkpoint_dir=str(root)))
+    _, saved, extra = load_checkpoint(latest_complete(root))  # loads: the tied weight is in one shard only
+    assert "emb.weight" in saved and "emb.weight::momentum_buffer" in extra
+    resumed = run(config_for(path, steps=4, group=2, checkpoint_dir=str(root)), resume=True)
+    assert resumed.losses == pytest.approx({b: whole.losses[b] for b in range(4, 8)}, rel=1e-6)
+
+
+def test_tied_weights_in_an_asynchronous_mode_are_refused_in_one_line(tmp_path):
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="pipedream", ref=TIED)
+    with pytest.raises(LaunchError, match=r"worker rank \d failed: parameter emb\.weight is used by stages 0 and 1 "
+                                          r"\(tied weights\), and mode 'pipedream' would update its copies after "
+                                          r"different minibatches; train with --mode flush or gpipe"):
+        launch(config_for(path, steps=2), 2)
