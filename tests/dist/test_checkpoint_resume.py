@@ -1,5 +1,4 @@
 """Checkpoints during `pd train`, resuming (also under another plan), and a crash mid-run."""
-import dataclasses
 
 import pytest
 import torch

@@ -8,7 +8,7 @@ per-layer times is from a real step.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
