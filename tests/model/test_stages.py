@@ -326,3 +326,24 @@ def test_stages_out_of_dependency_order_are_refused():
     module, _, _ = MODELS["resnet"]()
     count = len(build_layer_graph(module).groups)
     one_line_error(lambda: build_stages(module, [range(1, count), [0]], **FX), "not in data-flow order")
+
+
+def test_a_buffer_read_by_two_stages_is_saved_once():
+    from types import SimpleNamespace
+
+    from pdtool.runtime.state import stage_state
+
+    class SharedShift(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+            self.register_buffer("shift", torch.full((4,), 0.5))
+
+        def forward(self, x):
+            return self.b(self.a(x) + self.shift) + self.shift
+
+    stages = build_stages(SharedShift(), spans([(0, 0), (1, 1)]), **FX)
+    assert [s.shared_buffers for s in stages] == [{"shift": (0, 1)}, {"shift": (0, 1)}]
+    saved = [stage_state(SimpleNamespace(stage=s, index=s.index, optimizer=None))[0] for s in stages]
+    assert "shift" in saved[0] and "shift" not in saved[1]  # so the shards merge without a clash

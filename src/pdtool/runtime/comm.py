@@ -13,12 +13,15 @@ its own (`link_groups`), and the schedule validator guarantees that each carries
 minibatches in one order (rule 8).
 
 A send is known to be complete only once waited on (gloo never reports one complete before),
-so a link keeps at most `window` unconfirmed messages and then waits for its oldest. With
-`window` = the most minibatches a worker of the sending or receiving stage holds in flight
-(`schedule_core.stash_depth`), that wait never blocks on the peer: a worker of the upstream
-stage cannot run the forward of the message `window` places later before it has run the
-backward of the oldest one, which needed the peer to have taken that message (backwards on a
-link run in the order of its forwards, as in every generated schedule).
+so a link keeps at most `window` unconfirmed messages per direction and then waits for its
+oldest; the worker uses the most minibatches any of its schedule's workers holds in flight
+(`schedule_core.stash_depth`), which bounds the tensors kept alive by what the stages stash
+anyway. Such a wait ends without this worker doing anything more: each direction of a link
+carries its messages in one order (schedule rule 8) and the peer posts the receive of a
+message one action before it needs it, after only messages that came earlier on that link.
+tests/unit/test_comm_protocol.py replays the generated schedules of every mode under these
+rules (replicated stages, their all-reduces and tied weights included): no deadlock with this
+window or with a window of 1; a window of 0 (each send waiting for its own receive) deadlocks.
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ others at once; the failing rank's error comes back as one `LaunchError` line.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import re
@@ -123,12 +124,23 @@ def _explain(failure) -> tuple[str, bool]:
     if not message:
         message = f"exit code {info.exitcode}" + (f" ({info.signal_name()})" if info.exitcode < 0 else "")
     first = message.strip().splitlines()[-1] if message.strip() else message
-    first = _OWN_ERROR.sub("", first, count=1)  # pdtool's errors are one-line messages already
+    first = _own_error().sub("", first, count=1)  # pdtool's errors are one-line messages already
     return f"worker rank {rank} failed: {first}; the other workers were stopped", raised
 
 
-_OWN_ERROR = re.compile(r"^(pdtool\.errors\.)?(" + "|".join(
-    cls.__name__ for cls in (PdtoolError, *PdtoolError.__subclasses__())) + r"): ")
+def _own_error() -> re.Pattern:
+    """`SomeError: ` at the start of a message, for pdtool's error classes (all of them, wherever
+    defined: `pdtool.data.DataError` too)."""
+    importlib.import_module("pdtool.data")  # defines DataError
+
+    names, todo = [], [PdtoolError]
+    while todo:
+        cls = todo.pop()
+        names.append(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return re.compile(r"^([\w.]+\.)?(" + "|".join(sorted(names)) + r"): ")
+
+
 _PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
                 "communicator was aborted", "Broken pipe", "remote process exited")
 

@@ -66,6 +66,7 @@ class Stage:
     buffer_names: dict[str, str] = field(default_factory=dict)
     layers: tuple[int, ...] = ()
     tied: dict[str, tuple[int, ...]] = field(default_factory=dict)  # own param name -> every stage using it
+    shared_buffers: dict[str, tuple[int, ...]] = field(default_factory=dict)  # likewise, buffers in several stages
 
     def forward(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run the stage on the values of its input boundary; returns its output boundary."""
@@ -299,7 +300,8 @@ def _stage_graph(gm: fx.GraphModule, node_stage: dict[fx.Node, int], s: int, sta
 
 
 def _name_state(module: nn.Module, stages: list[Stage]) -> None:
-    """Fill each stage's `param_names`/`buffer_names`, and `tied` for parameters in several stages."""
+    """Fill each stage's `param_names`/`buffer_names`, `tied` for parameters in several stages and
+    `shared_buffers` for buffers in several stages."""
     param_name = {}
     for name, p in module.named_parameters():
         param_name.setdefault(id(p), name)
@@ -312,6 +314,11 @@ def _name_state(module: nn.Module, stages: list[Stage]) -> None:
             users.setdefault(id(p), []).append(stage.index)
             stage.param_names[name] = param_name.get(id(p), name)
     for stage in stages:
+        for _, b in stage.module.named_buffers():
+            users.setdefault(id(b), []).append(stage.index)
+    for stage in stages:
         stage.tied = {name: tuple(users[id(p)]) for name, p in stage.module.named_parameters() if len(users[id(p)]) > 1}
+        stage.shared_buffers = {name: tuple(users[id(b)]) for name, b in stage.module.named_buffers()
+                                if len(users[id(b)]) > 1}
         stage.buffer_names.update({name: buffer_name[id(b)] for name, b in stage.module.named_buffers()
                                    if id(b) in buffer_name})

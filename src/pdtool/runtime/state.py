@@ -27,13 +27,16 @@ SEPARATOR = "::"
 
 def stage_state(worker: StageWorker) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(parameters and buffers, optimizer state) of the worker's stage, by whole-model names; a
-    tied parameter (and its optimizer state) only in the shard of its lowest stage."""
+    tied parameter (and its optimizer state) or a buffer of several stages only in the shard of
+    its lowest stage."""
     stage = worker.stage
     ties = getattr(stage, "tied", {})
     mine = {n for n, _ in stage.module.named_parameters() if n not in ties or tied.owner(ties[n]) == stage.index}
     tensors = {stage.param_names[n]: p.detach() for n, p in stage.module.named_parameters() if n in mine}
     buffer_names = getattr(stage, "buffer_names", {})
-    tensors.update({buffer_names[n]: b.detach() for n, b in stage.module.named_buffers() if n in buffer_names})
+    shared = getattr(stage, "shared_buffers", {})
+    tensors.update({buffer_names[n]: b.detach() for n, b in stage.module.named_buffers()
+                    if n in buffer_names and (n not in shared or tied.owner(shared[n]) == stage.index)})
     extra: dict[str, torch.Tensor] = {}
     if worker.optimizer is not None:
         for name, p in zip(worker.names, worker.live):

@@ -25,7 +25,8 @@ def check_mode(stages, mode: str) -> None:
     ties = sorted({(stage.param_names[name], users) for stage in stages for name, users in stage.tied.items()})
     if ties and mode not in SYNCHRONOUS:
         name, users = ties[0]
-        raise LaunchError(f"parameter {name} is used by stages {' and '.join(map(str, users))} (tied weights), and "
+        stages_text = ", ".join(map(str, users[:-1])) + f" and {users[-1]}"
+        raise LaunchError(f"parameter {name} is used by stages {stages_text} (tied weights), and "
                           f"mode {mode!r} would update its copies after different minibatches; train with --mode "
                           "flush or gpipe, which add the copies' gradients before every step")
 
@@ -52,14 +53,13 @@ def make_tie(stages, stage_ranks: list[tuple[int, ...]], stage_index: int) -> Ca
     params = dict(stage.module.named_parameters())
 
     def tie(worker) -> None:
-        for users, names in mine.items():
-            tensors = [params[name] for name in names]
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) / replicas
-                              for p in tensors])
-            dist.all_reduce(flat, group=groups[users])
-            offset = 0
-            for p in tensors:
-                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
+        # the sets of stages in one order on every rank (own parameter names differ between stages),
+        # and the parameters of a set in the order of their whole-model names
+        for users in sorted(mine):
+            for name in sorted(mine[users], key=lambda n: stage.param_names[n]):
+                p = params[name]
+                grad = (p.grad if p.grad is not None else torch.zeros_like(p)) / replicas
+                dist.all_reduce(grad, group=groups[users])
+                p.grad = grad
 
     return tie
