@@ -335,9 +335,13 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     warn = lambda message: click.echo(f"pd: warning: {message}", err=True)  # noqa: E731
     local = nproc_per_node or len(plan.used_ranks) // nnodes
     cores = os.cpu_count() or 1
-    from .runtime.device import choose
+    from .runtime.device import choose, visible_gpus
 
     on_cpu = choose(device, 0, local).device.type == "cpu"  # a device this machine lacks fails here, not in a worker
+    gpus = visible_gpus()
+    if device == "auto" and 0 < gpus < local:
+        warn(f"torch sees {gpus} GPU(s) for {local} workers on this machine, so they train on the CPU; NCCL needs a "
+             "GPU per worker (plan for fewer workers per machine to use the GPUs)")
     shared = f"{local} workers x {threads or 1} thread(s) share {cores} CPU cores" if (
         on_cpu and local * (threads or 1) > cores) else None
     if shared:

@@ -44,6 +44,16 @@ def test_pd_train_on_a_device_this_machine_lacks_is_one_line(tmp_path):
                                      "(or install a CUDA build of torch 2.13.0)")
 
 
+def test_pd_train_auto_device_with_too_few_gpus_warns_and_trains_on_the_cpu(tmp_path, monkeypatch):
+    from pdtool.runtime import device
+
+    monkeypatch.setattr(device, "visible_gpus", lambda: 1)  # a one-GPU machine, two workers
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
+    result = CliRunner().invoke(cli, ["train", str(path), "--steps", "2", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "torch sees 1 GPU(s) for 2 workers on this machine, so they train on the CPU" in result.stderr
+
+
 def test_pd_train_rdzv_endpoint_refuses_a_node_rank(tmp_path):
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
     result = CliRunner().invoke(cli, ["train", str(path), "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29999",

@@ -30,7 +30,7 @@ def choose(requested: str, local_rank: int, local_workers: int, gpus: int | None
     if requested not in CHOICES:
         raise LaunchError(f"unknown device {requested!r}; use one of {', '.join(CHOICES)}")
     if gpus is None:
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = visible_gpus()
     if requested == "cpu" or (requested == "auto" and gpus < local_workers):
         return Placement(torch.device("cpu"), "gloo")  # auto: the CPU unless every worker gets a GPU
     if gpus == 0:
@@ -40,6 +40,11 @@ def choose(requested: str, local_rank: int, local_workers: int, gpus: int | None
         raise LaunchError(f"{local_workers} workers on this machine but torch sees {gpus} GPU(s), and NCCL needs "
                           f"one GPU per worker; run --nproc-per-node {gpus} per machine or --device cpu")
     return Placement(torch.device("cuda", local_rank), "nccl")
+
+
+def visible_gpus() -> int:
+    """How many CUDA devices this torch sees (0 on a CPU build)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def synchronizer(device: torch.device):
