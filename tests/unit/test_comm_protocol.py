@@ -11,6 +11,7 @@ from itertools import product
 
 import pytest
 
+from pdtool.runtime.comm import receive_of
 from pdtool.schedule import default_group, generate, stash_depth
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (1, 3, 1), (1, 1, 1, 1), (2, 1, 1)]
@@ -36,11 +37,9 @@ def replay(schedule, window, ties=()):
         actions = schedule.workers[rank]
         queues = {}
 
-        def post(action):
-            if action.kind == "F" and s > 0:
-                posted.add((rank, "F", action.minibatch))
-            elif action.kind == "B" and not last:
-                posted.add((rank, "B", action.minibatch))
+        def post(action):  # what runtime.worker posts, as it decides it
+            if receive_of(action, len(reps)) is not None:
+                posted.add((rank, action.kind, action.minibatch))
 
         def confirm(dst, kind, queue, keep):
             while len(queue) > keep:

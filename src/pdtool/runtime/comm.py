@@ -43,6 +43,16 @@ class TensorSpec:
     dtype: torch.dtype
 
 
+def receive_of(action, stages: int) -> tuple[int, int] | None:
+    """(direction, stage it comes from) of the message `action` (a schedule Action) waits for, or
+    None: a forward needs the previous stage's activations, a backward the next stage's gradients."""
+    if action.kind == "F" and action.stage > 0:
+        return ACTIVATION, action.stage - 1
+    if action.kind == "B" and action.stage < stages - 1:
+        return GRADIENT, action.stage + 1
+    return None
+
+
 def tag(minibatch: int, position: int, direction: int) -> int:
     return (minibatch * _MAX_TENSORS + position) * 2 + direction
 

@@ -21,7 +21,7 @@ from ..modelspec import load_model
 from ..plan import Plan
 from ..profile import ModelRef
 from ..schedule import Schedule, default_group, generate, stash_depth
-from .comm import ACTIVATION, GRADIENT, Link, TensorSpec, link_groups
+from .comm import ACTIVATION, GRADIENT, Link, TensorSpec, link_groups, receive_of
 from . import tied
 from .device import choose, synchronizer
 from .executor import ASYNC_MODES, OptimizerConfig, StageWorker
@@ -191,10 +191,11 @@ def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, bat
     actions = schedule.workers[schedule.rank(s, replica)]
 
     def post(action) -> None:
-        if action.kind == "F" and s > 0:
-            link.post_recv((ACTIVATION, action.minibatch), peer(s - 1, action.minibatch), in_specs, ACTIVATION)
-        elif action.kind == "B" and not last:
-            link.post_recv((GRADIENT, action.minibatch), peer(s + 1, action.minibatch), grad_specs, GRADIENT)
+        wanted = receive_of(action, len(stages))
+        if wanted is not None:
+            direction, source = wanted
+            link.post_recv((direction, action.minibatch), peer(source, action.minibatch),
+                           in_specs if direction == ACTIVATION else grad_specs, direction)
 
     allreduce = (lambda buffer: dist.all_reduce(buffer, group=group)) if group is not None else None
     start = time.perf_counter()
