@@ -9,6 +9,8 @@ from helpers import assert_same_run, config_for, gradient_accumulation, merged, 
 from pdtool.errors import LaunchError
 from pdtool.profile import ModelRef
 from pdtool.runtime.launch import launch
+from pdtool.runtime.worker import make_schedule
+from pdtool.schedule import peak_versions
 
 
 @pytest.mark.parametrize("mode, split", [
@@ -19,7 +21,11 @@ from pdtool.runtime.launch import launch
 def test_asynchronous_modes_equal_the_reference_executor(tmp_path, mode, split):
     plan, path = plan_with(tmp_path, split, mode=mode)
     config = config_for(path, steps=4)
-    losses, weights = merged(launch(config, len(plan.used_ranks)))
+    reports = launch(config, len(plan.used_ranks))
+    losses, weights = merged(reports)
+    bound = peak_versions(make_schedule(plan, config))  # the design notes' versions per worker
+    assert all(report.peak_versions <= bound[rank] for rank, report in reports.items())
+    assert max(report.peak_versions for report in reports.values()) >= 1  # weights were stashed
     run = reference(plan, config)
     assert losses == pytest.approx(run.losses, rel=1e-6)
     assert weights.keys() == run.weights.keys()
