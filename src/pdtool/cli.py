@@ -5,6 +5,7 @@ Data goes to stdout (`-o -`), talk and progress to stderr. A `PdtoolError` becom
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -271,7 +272,9 @@ def simulate(plan_path, mode, minibatches, group, trace_path):
               help="Chrome trace of the measured run, one track per worker (compare with pd simulate --trace).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=60.0, show_default=True,
               help="Seconds a worker waits on a peer before the job is declared failed.")
-@click.option("--threads", type=click.IntRange(min=1), help="Torch threads per worker [default: torch's].")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="Torch threads per CPU worker [default: this machine's cores / its workers, at least 1]; "
+                   "profile with the same pd profile --threads.")
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
               help="Machines in the job (each runs this same command).")
 @click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True, help="This machine's index.")
@@ -342,8 +345,10 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     if device == "auto" and 0 < gpus < local:
         warn(f"torch sees {gpus} GPU(s) for {local} workers on this machine, so they train on the CPU; NCCL needs a "
              "GPU per worker (plan for fewer workers per machine to use the GPUs)")
-    shared = f"{local} workers x {threads or 1} thread(s) share {cores} CPU cores" if (
-        on_cpu and local * (threads or 1) > cores) else None
+    if on_cpu and config.threads is None:  # torch's default (every core in every worker) oversubscribes
+        config = dataclasses.replace(config, threads=max(1, cores // local))
+    shared = f"{local} workers x {config.threads} thread(s) share {cores} CPU cores" if (
+        on_cpu and local * config.threads > cores) else None
     if shared:
         warn(f"{shared} on this machine: the measured time per minibatch will exceed the plan's prediction by "
              "about that oversubscription")
@@ -353,7 +358,7 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
         session.write_metrics(metrics_path, result)
     if trace_path:
         session.write_measured_trace(trace_path, result)
-    _report(result, plan, shared)
+    _report(result, plan, config, shared)
     if evaluate:
         scored = session.held_out_accuracy(result, config)
         click.echo(f"held-out accuracy: {scored[0]:.1%} of {scored[1]} samples" if scored else
@@ -363,9 +368,10 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
             click.echo(f"{label}: {path}", err=True)
 
 
-def _report(result, plan, shared: str | None) -> None:
+def _report(result, plan, config, shared: str | None) -> None:
     """What pd train prints when the workers are done: steps, loss, and the measured time per
-    minibatch beside the plan's predictions (noting CPU oversubscription, which they ignore)."""
+    minibatch beside the plan's predictions for the mode and group that ran (noting CPU
+    oversubscription, which they ignore)."""
     losses = result.losses
     if not losses:
         return
@@ -374,8 +380,13 @@ def _report(result, plan, shared: str | None) -> None:
                f"on {len(result.reports)} workers in {result.wall_s:.1f} s; loss {first:.4f} -> {last:.4f}")
     measured = result.time_per_minibatch_ms()
     rate = lambda ms: f"{ms:.3f} ms" + (f" ({plan.profile.batch_size / ms * 1e3:.0f} samples/s)" if ms > 0 else "")  # noqa: E731
+    simulated = plan.predicted.simulated_ms
+    if config.mode not in (None, plan.mode) or config.group is not None:  # not the schedule the plan simulated
+        from .simulate import simulate
+
+        simulated = simulate(plan, mode=config.mode, group=config.group).time_per_minibatch_ms
     predicted = f"predicted {rate(plan.predicted.time_ms)} by the cost model" + (
-        f", {rate(plan.predicted.simulated_ms)} simulated" if plan.predicted.simulated_ms is not None else "")
+        f", {rate(simulated)} simulated ({config.mode or plan.mode})" if simulated is not None else "")
     note = f" (the predictions give every worker a core of its own; here {shared})" if shared else ""
     click.echo(f"time per minibatch: measured {rate(measured)}, {predicted}{note}" if measured else
                f"time per minibatch: too few minibatches to measure; {predicted}")
@@ -383,8 +394,6 @@ def _report(result, plan, shared: str | None) -> None:
 
 def _with_epochs(config, plan, epochs):
     """config with the steps that make `epochs` passes over the data set."""
-    import dataclasses
-
     from .data import load_source
     from .modelspec import load_model
     from .profile import ModelRef

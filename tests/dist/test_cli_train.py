@@ -54,6 +54,17 @@ def test_pd_train_auto_device_with_too_few_gpus_warns_and_trains_on_the_cpu(tmp_
     assert "torch sees 1 GPU(s) for 2 workers on this machine, so they train on the CPU" in result.stderr
 
 
+def test_pd_train_gives_each_cpu_worker_a_share_of_the_cores_by_default(tmp_path, monkeypatch):
+    import pdtool.cli
+
+    monkeypatch.setattr(pdtool.cli.os, "cpu_count", lambda: 2)
+    _, path = plan_with(tmp_path, [((0, 0), 1), ((1, 1), 1), ((2, 2), 1), ((3, 3), 1)])
+    result = CliRunner().invoke(cli, ["train", str(path), "--steps", "16", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "4 workers x 1 thread(s) share 2 CPU cores" in result.stderr  # not torch's default of every core each
+    assert "here 4 workers x 1 thread(s) share 2 CPU cores" in result.stdout
+
+
 def test_pd_train_rdzv_endpoint_refuses_a_node_rank(tmp_path):
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
     result = CliRunner().invoke(cli, ["train", str(path), "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29999",
@@ -112,6 +123,11 @@ def test_pd_train_optimizer_mode_and_checkpoint_flags(tmp_path):
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "trained steps 1-3 (6 minibatches)" in result.stdout  # flush: 2 microbatches per step
+    from pdtool.plan import Plan
+    from pdtool.simulate import simulate
+
+    flush_ms = simulate(Plan.load(path), mode="flush", group=2).time_per_minibatch_ms
+    assert f", {flush_ms:.3f} ms" in result.stdout and "simulated (flush)" in result.stdout  # the schedule that ran
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000001", "step-00000002", "step-00000003"]
     from pdtool.checkpoint import load_checkpoint
 
