@@ -269,7 +269,7 @@ class Plan(SchemaChecked):
             sim = pr.child("simulated", known=("time_per_minibatch_ms", "bubble_fraction", "minibatches"))
             simulated = (sim.number("time_per_minibatch_ms"), sim.number("bubble_fraction"), sim.count("minibatches", 1))
         prov = top.child("provenance", known=("command", "pdtool_version"))
-        return cls(profile=profile, cluster=Cluster.from_json(top.get("cluster", dict), source),
+        return cls(profile=profile, cluster=Cluster.from_json(top.get("cluster", dict), f"{source}: cluster"),
                    cost_model=top.get("cost_model", str), straight=top.get("straight", bool), mode=top.get("mode", str),
                    state_space=top.get("state_space", str), stages=tuple(stages), groups=tuple(groups),
                    predicted=Prediction(pr.number("time_per_minibatch_ms"), pr.get("bottleneck", str),
