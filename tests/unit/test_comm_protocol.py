@@ -11,7 +11,7 @@ from itertools import product
 
 import pytest
 
-from pdtool.runtime.comm import receive_of
+from pdtool.runtime.comm import posted_at, receive_of
 from pdtool.schedule import default_group, generate, stash_depth
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (1, 3, 1), (1, 1, 1, 1), (2, 1, 1)]
@@ -59,9 +59,8 @@ def replay(schedule, window, ties=()):
                 yield ("collective", group)
 
         for i, action in enumerate(actions):
-            post(action)
-            if i + 1 < len(actions):
-                post(actions[i + 1])
+            for ahead in posted_at(actions, i):
+                post(ahead)
             b = action.minibatch
             if action.kind == "F":
                 while s > 0 and (rank, "F", b) not in sent:

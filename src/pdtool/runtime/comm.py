@@ -53,6 +53,12 @@ def receive_of(action, stages: int) -> tuple[int, int] | None:
     return None
 
 
+def posted_at(actions, i: int):
+    """The actions whose receives a worker posts before it runs action i: that one and the next,
+    so that every message has a buffer waiting before it is needed."""
+    return actions[i:i + 2]
+
+
 def tag(minibatch: int, position: int, direction: int) -> int:
     return (minibatch * _MAX_TENSORS + position) * 2 + direction
 
@@ -91,14 +97,18 @@ class Link:
         queue = self.sends.setdefault((peer, direction), deque())
         queue.append((works, tensors))
         while len(queue) > self.window:
-            for work in queue.popleft()[0]:
-                work.wait()
+            _confirm_oldest(queue)
 
     def flush(self) -> None:
         for queue in self.sends.values():
             while queue:
-                for work in queue.popleft()[0]:
-                    work.wait()
+                _confirm_oldest(queue)
+
+
+def _confirm_oldest(queue: deque) -> None:
+    """Wait for the oldest unconfirmed message of a link and let its tensors go."""
+    for work in queue.popleft()[0]:
+        work.wait()
 
 
 def link_groups(stage_ranks: list[tuple[int, ...]], rank: int) -> dict[tuple[int, int], object]:

@@ -30,11 +30,10 @@ def stage_state(worker: StageWorker) -> tuple[dict[str, torch.Tensor], dict[str,
     tied parameter (and its optimizer state) or a buffer of several stages only in the shard of
     its lowest stage."""
     stage = worker.stage
-    ties = getattr(stage, "tied", {})
+    ties = stage.tied
     mine = {n for n, _ in stage.module.named_parameters() if n not in ties or tied.owner(ties[n]) == stage.index}
     tensors = {stage.param_names[n]: p.detach() for n, p in stage.module.named_parameters() if n in mine}
-    buffer_names = getattr(stage, "buffer_names", {})
-    shared = getattr(stage, "shared_buffers", {})
+    buffer_names, shared = stage.buffer_names, stage.shared_buffers
     tensors.update({buffer_names[n]: b.detach() for n, b in stage.module.named_buffers()
                     if n in buffer_names and (n not in shared or tied.owner(shared[n]) == stage.index)})
     extra: dict[str, torch.Tensor] = {}
@@ -90,7 +89,7 @@ def restore(worker: StageWorker, folder: str) -> None:
                 raise LaunchError(f"checkpoint {folder}: {qualified} has shape {tuple(tensors[qualified].shape)}, "
                                   f"the model {tuple(p.shape)}; it was saved from another model")
             p.copy_(tensors[qualified])
-        buffer_names = getattr(stage, "buffer_names", {})
+        buffer_names = stage.buffer_names
         for name, b in stage.module.named_buffers():
             if buffer_names.get(name) in tensors:
                 b.copy_(tensors[buffer_names[name]])

@@ -21,7 +21,7 @@ from ..modelspec import load_model
 from ..plan import Plan
 from ..profile import ModelRef
 from ..schedule import Schedule, default_group, generate, stash_depth
-from .comm import ACTIVATION, GRADIENT, Link, TensorSpec, link_groups, receive_of
+from .comm import ACTIVATION, GRADIENT, Link, TensorSpec, link_groups, posted_at, receive_of
 from . import tied
 from .device import choose, synchronizer
 from .executor import ASYNC_MODES, OptimizerConfig, StageWorker
@@ -212,9 +212,8 @@ def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, bat
     made: dict[int, tuple] = {}
     upcoming = _next_forwards(actions) if s == 0 and not last else None
     for i, action in enumerate(actions):
-        post(action)
-        if i + 1 < len(actions):
-            post(actions[i + 1])
+        for ahead in posted_at(actions, i):
+            post(ahead)
         b = action.minibatch
         if action.kind == "F":
             if s == 0:
