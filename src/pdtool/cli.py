@@ -92,8 +92,9 @@ def cli() -> None:
               help="module: fold trivial ops (ReLU, add, view, ...) into neighbouring layers; op: every traced op is a layer.")
 @click.option("--depth", type=click.IntRange(min=1), default=None,
               help="Make every submodule nested DEPTH levels deep one layer (e.g. 2: each ResNet block).")
-@click.option("--method", type=click.Choice(["auto", "fx", "modules"]), default="auto", show_default=True,
-              help="How to find layers: torch.fx, leaf modules in execution order, or fx with a fallback.")
+@click.option("--method", type=click.Choice(["auto", "fx", "export", "modules"]), default="auto", show_default=True,
+              help="How to find layers: torch.fx, torch.export, leaf modules in execution order, or auto "
+                   "(fx, else export, else leaf modules).")
 @click.option("--threads", type=click.IntRange(min=1),
               help="Torch threads while measuring [default: torch's]; use the count each pd train worker will have.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
@@ -133,13 +134,14 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
     ref = ModelRef(spec, parse_model_args(model_args))
     try:
         result = profile_model(ref, batch_size=batch_size, device=device, repeats=repeats, warmup=warmup,
-                               granularity=granularity, depth=depth, method=method, progress=progress)
+                               granularity=granularity, depth=depth, method=method, progress=progress,
+                               warn=lambda message: (progress.done(), click.echo(f"pd: warning: {message}", err=True)))
     finally:
         progress.done()
     result.save(output)
     if output != "-" and not quiet:
         ratio = result.layer_sum_over_step
-        click.echo(f"wrote {output}: {len(result.layers)} layers, step {result.step_ms:.3f} ms, "
+        click.echo(f"wrote {output}: {len(result.layers)} layers ({result.method}), step {result.step_ms:.3f} ms, "
                    f"layer sum / step {ratio:.3f}", err=True)
 
 
@@ -154,8 +156,9 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
 @click.option("--straight", is_flag=True, help="No replicated stages: every stage runs on one unit of each level.")
 @click.option("--cost-model", type=click.Choice(["pdtool", "pipedream"]), default="pdtool", show_default=True,
               help="pdtool: max(compute, all-reduce, transfer) per stage; pipedream: the original optimizer's formulas.")
-@click.option("--mode", type=click.Choice(["pipedream", "vsync", "2bw", "flush", "gpipe"]), default="pipedream",
-              show_default=True, help="Schedule mode the plan is to be trained with.")
+@click.option("--mode", type=click.Choice(["pipedream", "vsync", "2bw", "flush", "gpipe"]), default=None,
+              help="Schedule mode the plan is to be trained with [default: pipedream, or 2bw when stages share a "
+                   "parameter (tied weights), which pipedream cannot train].")
 @click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True,
               help="Optimizer state counted in the memory model (sgd with momentum: 1 buffer, adam: 2).")
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
@@ -177,13 +180,14 @@ def plan(profile_path, cluster_spec, memory, straight, cost_model, mode, optimiz
     profile = Profile.load(profile_path)
     command = " ".join(["pd plan", os.path.basename(profile_path), "--cluster", cluster_spec]
                        + (["--memory", memory] if memory else []) + (["--straight"] if straight else [])
-                       + ["--cost-model", cost_model, "--mode", mode, "--optimizer", optimizer])
+                       + ["--cost-model", cost_model] + (["--mode", mode] if mode else []) + ["--optimizer", optimizer])
     result = make_plan(profile, cluster, cost_model=cost_model, straight=straight, mode=mode,
-                       optimizer_slots=2 if optimizer == "adam" else 1, command=command)
+                       optimizer_slots=2 if optimizer == "adam" else 1, command=command,
+                       say=lambda message: click.echo(f"pd: note: {message}", err=True))
     result.save(output)
     if output != "-":
         pred = result.predicted
-        click.echo(f"wrote {output}: {len(result.stages)} stages, {pred.time_ms:.3f} ms per minibatch, "
+        click.echo(f"wrote {output}: {len(result.stages)} stages ({result.mode}), {pred.time_ms:.3f} ms per minibatch, "
                    f"{pred.speedup_over_single:.2f}x over one worker, {pred.speedup_over_data_parallel:.2f}x over "
                    "data parallel", err=True)
 
@@ -319,10 +323,6 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     for path in (metrics_path, trace_path):
         if path:
             check_writable(path)
-    if data not in ("synthetic", "digits"):
-        from .data import resolve_data_factory
-
-        resolve_data_factory(data)  # an unknown data set fails here, before any worker starts
     config = RunConfig(plan_path=os.path.abspath(plan_path), steps=steps, mode=mode, group=group, seed=seed,
                        optimizer=OptimizerConfig(optimizer, lr, momentum, weight_decay), timeout_s=timeout_s,
                        threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
@@ -333,8 +333,11 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
         if held_out(data) is None:
             raise click.UsageError("--evaluate needs a data set with a held-out split: --data digits, or a factory "
                                    "that takes train=False")
+    from .runtime.preflight import preflight
+
+    checked = preflight(plan, plan_path, mode, data, seed)  # before any worker starts: one line within seconds
     if epochs:
-        config = _with_epochs(config, plan, epochs)
+        config = _with_epochs(config, plan, epochs, checked.batches_per_epoch)
     warn = lambda message: click.echo(f"pd: warning: {message}", err=True)  # noqa: E731
     local = nproc_per_node or len(plan.used_ranks) // nnodes
     cores = os.cpu_count() or 1
@@ -392,20 +395,13 @@ def _report(result, plan, config, shared: str | None) -> None:
                f"time per minibatch: too few minibatches to measure; {predicted}")
 
 
-def _with_epochs(config, plan, epochs):
+def _with_epochs(config, plan, epochs, batches_per_epoch):
     """config with the steps that make `epochs` passes over the data set."""
-    from .data import load_source
-    from .modelspec import load_model
-    from .profile import ModelRef
     from .runtime.session import steps_for_epochs
     from .runtime.worker import make_schedule, minibatches_per_step
 
-    if plan.profile.model is None:
-        raise click.UsageError("--epochs needs a plan of a model pd can build (not an imported profile)")
-    bundle = load_model(ModelRef(plan.profile.model["spec"], plan.profile.model.get("kwargs", {})))
-    source = load_source(config.data, bundle, plan.profile.batch_size, config.seed)
     per_step = minibatches_per_step(make_schedule(plan, dataclasses.replace(config, steps=1)))
-    return dataclasses.replace(config, steps=steps_for_epochs(epochs, source.batches_per_epoch, per_step))
+    return dataclasses.replace(config, steps=steps_for_epochs(epochs, batches_per_epoch, per_step))
 
 
 @cli.command(short_help="print a summary of a profile or plan; draw a plan",

@@ -63,10 +63,11 @@ class Fields:
             self.fail(f"must be >= {minimum}, found {value}", "fix the value or regenerate the file", key)
         return value
 
-    def items(self, key: str) -> list[tuple[str, "Fields | Any"]]:
-        """The elements of list field `key`, each paired with its path."""
+    def items(self, key: str, optional: bool = False) -> list[tuple[str, "Fields | Any"]]:
+        """The elements of list field `key`, each paired with its path (none when `optional`
+        and the field is missing)."""
         return [(f"{self.where + '.' if self.where else ''}{key}[{i}]", item)
-                for i, item in enumerate(self.get(key, list))]
+                for i, item in enumerate(self.get(key, list, optional=optional, default=[]) or [])]
 
     def child(self, key: str, known: tuple[str, ...] | None = None) -> "Fields":
         path = f"{self.where}.{key}" if self.where else key

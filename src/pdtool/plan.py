@@ -20,11 +20,15 @@ from .fields import Fields, check_schema
 from .schemas import SchemaChecked
 from .jsonio import canonical_json, read_json, round_float_fields, write_json
 from .partition import LayerSet
-from .profile import Profile
+from .profile import SPLITS, Profile
 from .states import DOWN_SETS, PREFIXES
 
 SCHEMA = "pdtool.plan/1"
 MODES = ("pipedream", "vsync", "2bw", "flush", "gpipe")
+TIE_MODES = ("2bw", "flush", "gpipe")
+"""Modes that train tied weights (a parameter used by several stages): every stage steps at
+batch boundaries, so the sharing stages add their copies' gradients before each step and the
+copies stay equal. `pipedream` and `vsync` step each stage after different minibatches."""
 MS = 1e3
 
 
@@ -141,6 +145,7 @@ class ProfileRef:
     method: str
     granularity: str
     depth: int | None
+    split: str = "graph"
 
 
 @dataclass(frozen=True)
@@ -162,11 +167,29 @@ class Plan(SchemaChecked):
     command: str
     pdtool_version: str
     state_space: str = DOWN_SETS
+    shared: tuple[tuple[str, tuple[int, ...]], ...] = ()
     schema: str = SCHEMA
     source: InitVar[str] = "plan"
 
     def __post_init__(self, source: str) -> None:
         _validate(self, source)
+
+    def untrainable(self, mode: str | None = None) -> str | None:
+        """Why `pd train` cannot run this plan in `mode` (default: the plan's), or None: a split
+        of a model that cannot be split so, or tied weights in a mode that refuses them."""
+        mode = mode or self.mode
+        p = self.profile
+        if p.split == "none" and len(self.stages) > 1:
+            return (f"the plan splits the model into {len(self.stages)} stages, but its profile was made from leaf "
+                    f"modules (neither torch.fx nor torch.export captured the model), so it trains as one stage "
+                    "only; plan it again with the current pd plan (which keeps it in one stage)")
+        if self.shared and mode not in TIE_MODES:
+            name, stages = self.shared[0]
+            listed = ", ".join(map(str, stages[:-1])) + f" and {stages[-1]}"
+            return (f"parameter {name} is used by stages {listed} (tied weights), and mode {mode!r} would update its "
+                    f"copies after different minibatches; use --mode 2bw, flush or gpipe (they add the copies' "
+                    "gradients before every step), or plan fewer stages")
+        return None
 
     @property
     def workers(self) -> int:
@@ -185,13 +208,14 @@ class Plan(SchemaChecked):
         return {
             "schema": self.schema,
             "profile": {"sha256": p.sha256, "fingerprint": p.fingerprint, "model": p.model,
-                        "batch_size": p.batch_size, "layers": p.layers, "method": p.method,
+                        "batch_size": p.batch_size, "layers": p.layers, "method": p.method, "split": p.split,
                         "granularity": p.granularity, "depth": p.depth},
             "cluster": self.cluster.to_json(),
             "cost_model": self.cost_model,
             "straight": self.straight,
             "mode": self.mode,
             "state_space": self.state_space,
+            "shared": [{"param": name, "stages": list(stages)} for name, stages in self.shared],
             "stages": [
                 {"id": i, "layers": list(s.layers), "first_layer": s.first_name, "last_layer": s.last_name,
                  "replicas": s.replicas, "ranks": list(s.ranks), "in_flight": s.in_flight,
@@ -225,12 +249,21 @@ class Plan(SchemaChecked):
     def _read(cls, data: Any, source: str) -> "Plan":
         check_schema(data, SCHEMA, source)
         top = Fields(data, source, known=("schema", "profile", "cluster", "cost_model", "straight", "mode",
-                                          "state_space", "stages", "groups", "predicted", "provenance"))
-        pf = top.child("profile", known=("sha256", "fingerprint", "model", "batch_size", "layers", "method",
+                                          "state_space", "shared", "stages", "groups", "predicted", "provenance"))
+        pf = top.child("profile", known=("sha256", "fingerprint", "model", "batch_size", "layers", "method", "split",
                                           "granularity", "depth"))
+        method = pf.get("method", str)
         profile = ProfileRef(pf.get("sha256", str), pf.get("fingerprint", str), pf.get("model", dict, optional=True),
-                             pf.count("batch_size", 1), pf.count("layers", 1), pf.get("method", str),
-                             pf.get("granularity", str), pf.get("depth", int, optional=True))
+                             pf.count("batch_size", 1), pf.count("layers", 1), method,
+                             pf.get("granularity", str), pf.get("depth", int, optional=True),
+                             pf.get("split", str, optional=True, default="children" if method == "modules" else "graph"))
+        shared = []
+        for where, item in top.items("shared", optional=True):
+            f = Fields(item, source, where, known=("param", "stages"))
+            ids = f.get("stages", list)
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+                f.fail("expected a list of stage ids", "list the stages that use the parameter", "stages")
+            shared.append((f.get("param", str), tuple(ids)))
         stages = []
         for where, item in top.items("stages"):
             f = Fields(item, source, where, known=("id", "layers", "first_layer", "last_layer", "replicas", "ranks",
@@ -271,7 +304,8 @@ class Plan(SchemaChecked):
         prov = top.child("provenance", known=("command", "pdtool_version"))
         return cls(profile=profile, cluster=Cluster.from_json(top.get("cluster", dict), f"{source}: cluster"),
                    cost_model=top.get("cost_model", str), straight=top.get("straight", bool), mode=top.get("mode", str),
-                   state_space=top.get("state_space", str), stages=tuple(stages), groups=tuple(groups),
+                   state_space=top.get("state_space", str), shared=tuple(shared), stages=tuple(stages),
+                   groups=tuple(groups),
                    predicted=Prediction(pr.number("time_per_minibatch_ms"), pr.get("bottleneck", str),
                                         pr.number("single_worker_ms"), pr.number("data_parallel_ms"), *simulated),
                    command=prov.get("command", str), pdtool_version=prov.get("pdtool_version", str), source=source)
@@ -303,6 +337,8 @@ def _validate(plan: Plan, source: str) -> None:
         top.fail(f"unknown state space {plan.state_space!r}", f"use {DOWN_SETS} or {PREFIXES}", "state_space")
     if not plan.stages:
         top.fail("a plan needs at least one stage", "regenerate the plan with pd plan", "stages")
+    if plan.profile.split not in SPLITS:
+        top.fail(f"unknown split {plan.profile.split!r}", f"use one of {', '.join(SPLITS)}", "profile.split")
     layers = plan.profile.layers
     owner: dict[int, int] = {}
     seen: dict[int, int] = {}
@@ -328,6 +364,10 @@ def _validate(plan: Plan, source: str) -> None:
             if rank in seen:
                 top.fail(f"rank {rank} is also in stages[{seen[rank]}]", "give every rank to one stage only", where)
             seen[rank] = index
+    for index, (name, stages) in enumerate(plan.shared):
+        if len(set(stages)) < 2 or not all(0 <= s < len(plan.stages) for s in stages):
+            top.fail(f"parameter {name!r} must list two or more distinct stage ids in 0..{len(plan.stages) - 1}, "
+                     f"found {list(stages)}", "regenerate the plan with pd plan", f"shared[{index}]")
     if len(owner) != layers:
         missing = [layer for layer in range(layers) if layer not in owner]
         top.fail(f"layer{'s' if len(missing) > 1 else ''} {compact_ranges(missing)} "

@@ -26,14 +26,20 @@ SIMULATED_MINIBATCHES = 2048  # at most, so that planning a large cluster stays 
 
 
 def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool", straight: bool = False,
-              mode: str = "pipedream", optimizer_slots: int = 1, command: str = "", simulate: bool = True) -> Plan:
+              mode: str | None = None, optimizer_slots: int = 1, command: str = "", simulate: bool = True,
+              say=lambda message: None) -> Plan:
     """Run PipeDream's optimizer on `profile` for `cluster` and describe the result as a Plan.
 
+    Trainability is decided here, not by the workers: the stages only cut where the model can
+    be split (`Profile.split`), and a plan whose stages share a parameter (tied weights) gets a
+    mode that trains them. `mode` None means `pipedream`, or `2bw` when stages share a parameter
+    (`say` is told why); a mode given explicitly that cannot train the plan is a `PlanError`.
     With `simulate`, the plan's schedule is also run through the simulator (design notes,
     section 4) and its steady-state time per minibatch and bubble fraction are recorded.
     """
-    if mode not in MODES:
-        raise PlanError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    chosen = mode or "pipedream"
+    if chosen not in MODES:
+        raise PlanError(f"unknown mode {chosen!r}; use one of {', '.join(MODES)}")
     if cost_model not in COST_MODELS:
         raise PlanError(f"unknown cost model {cost_model!r}; use one of {', '.join(COST_MODELS)}")
     model = COST_MODELS[cost_model]()
@@ -41,7 +47,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     counts = [level.count for level in cluster.levels]
     bandwidths = [level.bandwidth for level in cluster.levels]
     memory = Memory(float(cluster.memory), optimizer_slots) if cluster.memory else None
-    states = build_states(costs)
+    states = _splittable(build_states(costs), profile, say)
     solver = Solver(states, counts, bandwidths, model, straight=straight, memory=memory)
     pipeline = solver.solve()
     if pipeline is None:
@@ -58,11 +64,47 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
                             data_parallel_ms=model.data_parallel(costs, counts, bandwidths) * MS)
     ref = ProfileRef(profile_sha256(profile), profile.fingerprint,
                      None if profile.model is None else {"spec": profile.model.spec, "kwargs": dict(profile.model.kwargs)},
-                     profile.batch_size, len(profile.layers), profile.method, profile.granularity, profile.depth)
-    plan = Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=mode,
+                     profile.batch_size, len(profile.layers), profile.method, profile.granularity, profile.depth,
+                     profile.split)
+    plan = Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=chosen,
                 stages=tuple(stages), groups=tuple(groups), predicted=prediction, command=command,
-                pdtool_version=__version__, state_space=states.space)
+                pdtool_version=__version__, state_space=states.space, shared=_shared(profile, stages))
+    if plan.untrainable() is not None:
+        if mode is not None:
+            raise PlanError(plan.untrainable())
+        name, users = plan.shared[0]
+        say(f"parameter {name} is used by stages {', '.join(map(str, users))} (tied weights), which "
+            f"{chosen} cannot keep equal: the plan uses mode 2bw (every stage steps at batch boundaries after the "
+            "sharing stages add their gradients; --mode flush or gpipe work too)")
+        plan = dataclasses.replace(plan, mode="2bw")
     return _with_simulation(plan) if simulate else plan
+
+
+def _splittable(states: States, profile: Profile, say) -> States:
+    """The states at which the model can be cut: all of them for a traced model; for a model
+    neither tracer captured, only between the children of its nn.Sequential, or nowhere."""
+    if profile.split == "graph":
+        return states
+    if profile.split == "none":
+        say("neither torch.fx nor torch.export captured this model (its profile lists leaf modules), so it is "
+            "planned as one stage: data parallel over its replicas")
+        return states.restricted(lambda mask: False)
+    children: dict[str, int] = {}
+    for layer in profile.layers:
+        child = layer.name.split(".")[0].split("#")[0]
+        children[child] = children.get(child, 0) | 1 << layer.id
+    return states.restricted(lambda mask: all(mask & m in (0, m) for m in children.values()))
+
+
+def _shared(profile: Profile, stages: list[PlanStage]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The profile's shared parameters that several of these stages use, with those stages."""
+    stage_of = {layer: s for s, stage in enumerate(stages) for layer in stage.layers}
+    found = []
+    for name, layers in profile.shared:
+        users = tuple(sorted({stage_of[layer] for layer in layers}))
+        if len(users) > 1:
+            found.append((name, users))
+    return tuple(found)
 
 
 def _with_simulation(plan: Plan) -> Plan:

@@ -22,7 +22,10 @@ from .schemas import SchemaChecked
 from .jsonio import read_json, round_float_fields, write_json
 
 SCHEMA = "pdtool.profile/1"
-METHODS = ("fx", "modules", "pipedream")
+METHODS = ("fx", "export", "modules", "pipedream")
+SPLITS = ("graph", "children", "none")
+"""How `pd train` can split a profiled model: "graph" (any layer sets: the traced graph is split),
+"children" (between the children of a top-level nn.Sequential only), "none" (one stage only)."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,11 @@ class Profile(SchemaChecked):
     """A measured layer graph of one model at one minibatch size on one device.
 
     `method` says how the layers were found: "fx" (torch.fx graph, `ops` are its node
-    names), "modules" (leaf modules in execution order, `ops` are module call names), or
-    "pipedream" (imported from the original's graph.txt). `granularity` is "module" (trivial
+    names), "export" (torch.export graph, likewise), "modules" (leaf modules in execution
+    order, `ops` are module call names: neither tracer captured the model), or "pipedream"
+    (imported from the original's graph.txt). `split` says how `pd train` can split the model
+    (`SPLITS`), `shared` lists the parameters used by several layers (tied weights) with the
+    ids of those layers. `granularity` is "module" (trivial
     ops folded into their neighbours) or "op" (every traced op is a layer); `depth`, when
     set, makes every submodule at that nesting depth one layer. `step_ms` is the measured
     time of a whole forward + loss + backward step, `update_ms` of one optimizer step (SGD with
@@ -95,6 +101,8 @@ class Profile(SchemaChecked):
     edges: tuple[tuple[int, int], ...]
     update_ms: float = 0.0
     data_ms: float = 0.0
+    split: str = "graph"
+    shared: tuple[tuple[str, tuple[int, ...]], ...] = ()
     schema: str = SCHEMA
     source: InitVar[str] = "profile"
 
@@ -137,6 +145,8 @@ class Profile(SchemaChecked):
             "torch_version": self.torch_version,
             "fingerprint": self.fingerprint,
             "method": self.method,
+            "split": self.split,
+            "shared": [{"param": name, "layers": list(layers)} for name, layers in self.shared],
             "granularity": self.granularity,
             "depth": self.depth,
             "repeats": self.repeats,
@@ -191,10 +201,20 @@ class Profile(SchemaChecked):
                     and all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
                 top.fail(f"{where}: expected a pair of layer ids [src, dst], found {item!r:.40}", "fix the edge")
             edges.append((item[0], item[1]))
+        shared = []
+        for where, item in top.items("shared", optional=True):
+            f = Fields(item, source, where, known=("param", "layers"))
+            ids = f.get("layers", list)
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+                f.fail("expected a list of layer ids", "list the ids of the layers that use the parameter", "layers")
+            shared.append((f.get("param", str), tuple(ids)))
+        method = top.get("method", str)
         return cls(
             model=model, batch_size=top.count("batch_size", 1), inputs=tuple(inputs),
             device=top.get("device", str), torch_version=top.get("torch_version", str),
-            fingerprint=top.get("fingerprint", str), method=top.get("method", str),
+            fingerprint=top.get("fingerprint", str), method=method,
+            split=top.get("split", str, optional=True, default="children" if method == "modules" else "graph"),
+            shared=tuple(shared),
             granularity=top.get("granularity", str), depth=top.get("depth", int, optional=True),
             repeats=top.count("repeats"), step_ms=top.number("step_ms"),
             step_ms_spread=top.number("step_ms_spread"), layers=tuple(layers), edges=tuple(edges),
@@ -212,7 +232,7 @@ class Profile(SchemaChecked):
 
 
 _TOP_FIELDS = ("schema", "model", "batch_size", "inputs", "device", "torch_version", "fingerprint",
-               "method", "granularity", "depth", "repeats", "step_ms", "step_ms_spread", "update_ms", "data_ms",
+               "method", "split", "shared", "granularity", "depth", "repeats", "step_ms", "step_ms_spread", "update_ms", "data_ms",
                "layer_sum_over_step", "layers", "edges")
 _LAYER_FIELDS = ("id", "name", "kind", "fwd_ms", "bwd_ms", "fwd_ms_spread", "bwd_ms_spread",
                  "act_bytes", "param_bytes", "ops")
@@ -223,6 +243,8 @@ def _validate(p: Profile, source: str) -> None:
     top = Fields({}, source)
     if p.method not in METHODS:
         top.fail(f"unknown method {p.method!r}", f"use one of {', '.join(METHODS)}", "method")
+    if p.split not in SPLITS:
+        top.fail(f"unknown split {p.split!r}", f"use one of {', '.join(SPLITS)}", "split")
     if p.granularity not in ("module", "op"):
         top.fail(f"unknown granularity {p.granularity!r}", "use 'module' or 'op'", "granularity")
     if p.depth is not None and p.depth < 1:
@@ -245,8 +267,12 @@ def _validate(p: Profile, source: str) -> None:
     for field_name in ("step_ms", "step_ms_spread", "update_ms", "data_ms"):
         if getattr(p, field_name) < 0:
             top.fail(f"is negative ({getattr(p, field_name)})", "fix the value", field_name)
-    seen = set()
     count = len(p.layers)
+    for index, (name, layers) in enumerate(p.shared):
+        if len(set(layers)) < 2 or not all(0 <= layer < count for layer in layers):
+            top.fail(f"parameter {name!r} must list two or more distinct layer ids in 0..{count - 1}, found "
+                     f"{list(layers)}", "fix the list or remove the entry", f"shared[{index}]")
+    seen = set()
     for index, (src, dst) in enumerate(p.edges):
         where = f"edges[{index}]"
         if not (0 <= src < count and 0 <= dst < count):

@@ -81,6 +81,16 @@ class States:
         """The layer ids of the stage `D_end \\ D_start`, ascending."""
         return _bits(self.masks[end] & ~self.masks[start])
 
+    def restricted(self, keep) -> "States":
+        """The same states less those whose mask `keep(mask)` refuses (the empty set and all
+        layers always stay): the cuts a model allows (e.g. only between the children of an
+        nn.Sequential, or none at all). Order and totals are unchanged, so every invariant holds."""
+        last = len(self.masks) - 1
+        rows = [s for s, mask in enumerate(self.masks) if s in (0, last) or keep(mask)]
+        return States(space=self.space, n=self.n, masks=tuple(self.masks[s] for s in rows),
+                      compute=self.compute[rows], params=self.params[rows], acts=self.acts[rows],
+                      cut=self.cut[rows], subset=self.subset[np.ix_(rows, rows)])
+
     def stage_sums(self, totals: np.ndarray, empty: float = 0.0) -> np.ndarray:
         """Matrix `S[k, j]` = totals[j] - totals[k] where state k is a strict subset of state j
         (the stage `D_j \\ D_k`), `empty` elsewhere."""

@@ -151,7 +151,7 @@ def test_plan_writes_the_original_figures_and_show_explains_them(tmp_path):
     data = json.loads(out.read_text())
     assert [s["replicas"] for s in data["stages"]] == [3, 1]
     assert data["provenance"]["command"] == ("pd plan vgg16.profile.json --cluster 4x1.25e9B/s --cost-model pipedream "
-                                             "--mode pipedream --optimizer sgd")
+                                             "--optimizer sgd")
     shown = invoke("show", str(out))
     assert shown.exit_code == 0
     assert "<- bottleneck" in shown.stdout and "speedup 3.81x" in shown.stdout and "speedup 2.84x" in shown.stdout

@@ -85,9 +85,10 @@ def test_op_granularity_keeps_every_op_and_depth_makes_blocks_layers():
 
 def test_untraceable_models_fall_back_to_leaf_modules_with_exact_edges():
     messages = []
-    profile = profile_model(ModelRef("toymodels:dynamic"), batch_size=4, progress=messages.append, **FAST)
-    assert profile.method == "modules"
-    assert any("torch.fx cannot trace" in m for m in messages)
+    profile = profile_model(ModelRef("toymodels:dynamic"), batch_size=4, warn=messages.append, **FAST)
+    assert profile.method == "modules" and profile.split == "none"
+    # one warning names both tracers' reasons and what still works
+    assert any("neither torch.fx (" in m and "nor torch.export (" in m and "one stage" in m for m in messages)
     assert names(profile) == ["a", "b", "c"]  # the ReLU module folded into a
     assert profile.layers[0].ops == ("a", "act")
     assert set(profile.edges) == {(0, 1), (1, 2), (0, 2)}  # y + h is a functional skip from a to c
@@ -98,8 +99,10 @@ def test_untraceable_models_fall_back_to_leaf_modules_with_exact_edges():
 
 
 def test_forcing_fx_on_an_untraceable_model_is_a_clear_error():
-    with pytest.raises(ProfileError, match="torch.fx cannot trace .*use --method modules"):
+    with pytest.raises(ProfileError, match="torch.fx cannot trace .*use --method auto"):
         run("toymodels:dynamic", method="fx")
+    with pytest.raises(ProfileError, match="torch.export cannot export .*data-dependent.*use --method auto"):
+        run("toymodels:dynamic", method="export")
 
 
 def test_forcing_modules_works_on_traceable_models_too():

@@ -265,8 +265,8 @@ def test_a_wrong_layer_count_or_layer_name_is_a_launch_error():
     one_line_error(lambda: build_stages(module, spans([(0, 1), (2, 3)]), **FX, layer_names={0: "a", 3: "head"}),
                    "layer 3 is 'head' but this model's is 'd'")
     one_line_error(lambda: build_stages(module, spans([(0, 1), (1, 3)]), **FX), "layer 1 is in stages 0 and 1")
-    one_line_error(lambda: build_stages(module, spans([(0, 3)]), method="modules", granularity="module", depth=None),
-                   "only an nn.Sequential can be split without it")
+    one_line_error(lambda: build_stages(module, spans([(0, 1), (2, 3)]), method="modules", granularity="module",
+                                        depth=None), "only an nn.Sequential can be split without them")
 
 
 MLP = dict(in_features=12, hidden=8, depth=3, classes=3)

@@ -1,7 +1,10 @@
 """`pd profile`: measure a model layer by layer and build its `Profile`.
 
-The layer graph comes from torch.fx where the model traces (see `graph`), and from leaf
-module calls in execution order where it does not (see `modules`). Each layer's forward and
+The layer graph comes from one traced graph (see `graph`): torch.fx symbolic tracing where
+the model traces, else torch.export (Hugging Face transformers and other models with Python
+fx cannot follow); the same graph is what `pd train` splits into stages. Where neither tracer
+captures the model, the layers are leaf module calls in execution order (see `modules`), and
+only a one-stage plan (or a split between the children of an nn.Sequential) can train it. Each layer's forward and
 backward time is the median of `repeats` measurements after `warmup` rounds; the whole
 training step is timed too, so `Profile.layer_sum_over_step` shows how far the sum of the
 per-layer times is from a real step.
@@ -18,22 +21,30 @@ from ..errors import ProfileError
 from ..modelspec import fingerprint, load_model, tensor_specs
 from ..profile import Layer, ModelRef, Profile
 from .fx_measure import LayerCost, measure_split
-from .graph import FxUntraceable, build_layer_graph
+from .graph import TRACERS, LayerGraph, Untraceable, build_layer_graph
 from .modules import measure_modules
 from .timing import Clock, measure_data, measure_step, measure_update
 
-METHODS = ("auto", "fx", "modules")
-GRANULARITIES = ("module", "op")
+METHODS = ("auto",) + TRACERS + ("modules",)
 
 
 def _no_progress(message: str) -> None:
     pass
 
 
+def capture(module: nn.Module, inputs: tuple[torch.Tensor, ...], method: str, granularity: str,
+            depth: int | None) -> LayerGraph:
+    """The layer graph of `module` by the tracer `method` ("fx" or "export"), the way `pd
+    profile` made it; raises `Untraceable` when that tracer cannot capture the model."""
+    return build_layer_graph(module, granularity, depth, method=method, inputs=inputs)
+
+
 def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str = "cpu", repeats: int = 10,
                   warmup: int = 2, granularity: str = "module", depth: int | None = None,
-                  method: str = "auto", progress: Callable[[str], None] = _no_progress) -> Profile:
-    """Profile the model `ref` names; `progress` receives one short line per unit of work."""
+                  method: str = "auto", progress: Callable[[str], None] = _no_progress,
+                  warn: Callable[[str], None] = _no_progress) -> Profile:
+    """Profile the model `ref` names; `progress` receives one short line per unit of work,
+    `warn` what the user should know about the result (a fallback, modules never called)."""
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup}); fix the flags")
     bundle = load_model(ref)
@@ -45,23 +56,37 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
     _check_runs(ref.spec, module, inputs, target, bundle.loss_fn)
     clock = Clock(dev)
 
-    used = method
-    if method in ("auto", "fx"):
+    used, reasons, shared = method, {}, ()
+    for tracer in (TRACERS if method == "auto" else (method,) if method in TRACERS else ()):
         try:
-            layers, edges = _profile_fx(module, inputs, granularity, depth, repeats, warmup, clock, progress)
-            used = "fx"
-        except FxUntraceable as exc:
-            if method == "fx":
-                raise ProfileError(f"{ref.spec}: torch.fx cannot trace this model ({exc}); use --method modules") from None
-            progress(f"torch.fx cannot trace {ref.spec} ({exc}); using leaf modules in execution order")
-            used = "modules"
-    if used == "modules":
+            graph = capture(module, inputs, tracer, granularity, depth)
+        except Untraceable as exc:
+            reasons[tracer] = str(exc)
+            continue
+        layers, edges = _profile_graph(graph, module, inputs, repeats, warmup, clock, progress)
+        shared, used = tuple(sorted(graph.shared.items())), tracer
+        planned = {name for group in graph.groups for name in group.params}
+        break
+    else:
+        if method in TRACERS:
+            verb = "trace" if method == "fx" else "export"
+            raise ProfileError(f"{ref.spec}: torch.{method} cannot {verb} this model ({reasons[method]}); use "
+                               "--method auto (which also tries the other tracer, then leaf modules)")
+        if method == "auto":
+            warn(f"neither torch.fx ({reasons['fx']}) nor torch.export ({reasons['export']}) captures {ref.spec}; "
+                 "profiling its leaf modules in execution order: plans of it train as one stage (data parallel)"
+                 + (", or split between the children of its nn.Sequential" if isinstance(module, nn.Sequential) else ""))
+        used = "modules"
         found = measure_modules(module, inputs, target, bundle.loss_fn, depth=depth, repeats=repeats,
                                 warmup=warmup, clock=clock, progress=progress,
                                 fold=granularity == "module")
         layers = [_layer(i, name, kind, cost, pb, ops) for i, (name, kind, cost, pb, ops) in
                   enumerate(zip(found.names, found.kinds, found.costs, found.param_bytes, found.ops))]
         edges = found.edges
+        names = _parameter_names(module)
+        shared = tuple(sorted((names[id(p)], layers_) for p, layers_ in found.shared if id(p) in names))
+        planned = {names[id(p)] for owned in found.params for p in owned if id(p) in names}
+    _warn_unused(module, planned, warn)
     progress("timing whole training steps, optimizer steps and data")
     step_ms, step_spread = measure_step(module, inputs, target, bundle.loss_fn, repeats=repeats,
                                         warmup=warmup, clock=clock)
@@ -69,14 +94,14 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
     data_ms = measure_data(lambda: bundle.batch(size, ref.spec), repeats=repeats, warmup=warmup, clock=clock)
     return Profile(
         model=ref, batch_size=size, inputs=tensor_specs(inputs), device=_device_name(dev),
-        torch_version=torch.__version__, fingerprint=fingerprint(module), method=used,
+        torch_version=torch.__version__, fingerprint=fingerprint(module), method=used, shared=shared,
+        split="graph" if used in TRACERS else "children" if isinstance(module, nn.Sequential) else "none",
         granularity=granularity, depth=depth, repeats=repeats, step_ms=step_ms, step_ms_spread=step_spread,
         layers=tuple(layers), edges=tuple(edges), update_ms=update_ms, data_ms=data_ms,
     )
 
 
-def _profile_fx(module, inputs, granularity, depth, repeats, warmup, clock, progress):
-    graph = build_layer_graph(module, granularity, depth)
+def _profile_graph(graph: LayerGraph, module, inputs, repeats, warmup, clock, progress):
     total = len(graph.groups)
     done = iter(range(1, total + 1))
     costs = measure_split(graph.split(), inputs, repeats=repeats, warmup=warmup, clock=clock,
@@ -86,6 +111,24 @@ def _profile_fx(module, inputs, granularity, depth, repeats, warmup, clock, prog
     layers = [_layer(i, g.name, g.kind, cost, _bytes(module, g.params), g.nodes)
               for i, (g, cost) in enumerate(zip(graph.groups, costs))]
     return layers, graph.edges
+
+
+def _parameter_names(module: nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters():
+        names.setdefault(id(p), name)
+    return names
+
+
+def _warn_unused(module: nn.Module, planned: set[str], warn) -> None:
+    """Name the modules whose parameters no layer used with the sample (a branch the sample did
+    not take, a module never called): the planner does not see them, and no stage holds them."""
+    missing = [name for name, _ in module.named_parameters() if name not in planned]
+    owners = sorted({name.rpartition(".")[0] or name for name in missing})
+    if owners:
+        shown = ", ".join(owners[:8]) + (f" and {len(owners) - 8} more" if len(owners) > 8 else "")
+        warn(f"{len(owners)} module(s) never ran with the sample input, so their parameters are in no layer and no "
+             f"stage trains them: {shown}; give the factory a sample that runs every branch, if they should train")
 
 
 def _bytes(module: nn.Module, names: tuple[str, ...]) -> int:

@@ -45,7 +45,8 @@ class _RecordCalls(fx.Interpreter):
 
 def measure_split(split: fx.GraphModule, inputs: tuple[torch.Tensor, ...], *, repeats: int, warmup: int,
                   clock: Clock, progress: Callable[[str], None]) -> list[LayerCost]:
-    """Time every `submod_<i>` of `split` on the activations a real forward pass gives it."""
+    """Time every `submod_<i>` of `split` on the activations a real forward pass gives it;
+    costs in the order of i."""
     recorder = _RecordCalls(split)
     with torch.no_grad():
         recorder.run(*inputs)
@@ -67,7 +68,8 @@ def measure_split(split: fx.GraphModule, inputs: tuple[torch.Tensor, ...], *, re
         return value.clone()
 
     costs = []
-    for name, args, kwargs, out in recorder.calls:
+    calls = sorted(recorder.calls, key=lambda call: int(call[0].removeprefix("submod_")))  # by layer id
+    for name, args, kwargs, out in calls:
         progress(name)
         sub = split.get_submodule(name)
         args, kwargs = tree_map(as_leaf, args), tree_map(as_leaf, kwargs)

@@ -1,11 +1,22 @@
-"""The layer graph of a model, from torch.fx, with trivial ops folded into their neighbours.
+"""The layer graph of a model, from one traced graph, with trivial ops folded into their neighbours.
 
 PipeDream's profiler works on layers, not on single ops: a ResNet-50 should be about a
 hundred layers (convolutions, norms, pools, the classifier), not the thousand-odd ops a
-trace gives. This module traces the model with torch.fx, marks every node as an *anchor*
-(a leaf module that computes, or a heavy function such as a matmul or attention) or as
-*trivial* (activations, additions, views, indexing, parameters fetched by attribute), and
-gives every trivial node the group of one of its neighbours:
+trace gives. Two tracers capture the graph, and the same grouping runs on either:
+
+- **torch.fx** symbolic tracing (`trace_fx`): leaf modules of `torch.nn` stay one
+  `call_module` node each;
+- **torch.export** (`trace_export`, non-strict, for models torch.fx cannot trace, such as
+  every Hugging Face transformer): one graph of aten ops in which every node records the
+  stack of modules that ran it (`nn_module_stack`). The ops of one call of a module that
+  torch.fx would keep whole (a `torch.nn` leaf, or a module `depth` levels deep) are one unit,
+  exactly as that module's `call_module` node is under fx. Parameters keep their qualified
+  names (the exported module reads them by attribute from the model's own tensors).
+
+Every node is an *anchor* of a layer (a unit that computes: a non-trivial leaf module call, or
+a heavy function such as a matmul or attention) or *trivial* (activations, additions, views,
+indexing, parameters fetched by attribute), and every trivial node gets the group of one of
+its neighbours:
 
 - a trivial node joins the group of its latest producer, where "latest" means the group
   whose anchor comes last in the trace; groups are therefore ordered so that every edge
@@ -14,13 +25,15 @@ gives every trivial node the group of one of its neighbours:
 - a trivial node that reads only model inputs or parameters (a view of the input, a
   position embedding) joins the first group that consumes it.
 
+So every op of the graph is inside some layer, and its time is measured with that layer.
 `split_module` (stock torch.fx, `LayerGraph.split`) then makes one submodule per group; the
-profiler times each submodule, and the train phase splits the same trace by stage.
+profiler times each submodule, and the train phase splits the same graph by stage.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -42,15 +55,27 @@ HEAVY_FUNCTIONS = {
     torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.einsum, operator.matmul,
 }
 HEAVY_METHODS = {"matmul", "mm", "bmm", "addmm", "baddbmm"}
+# The same, as aten operators (the nodes of an exported graph), by overload packet name.
+HEAVY_ATEN = {
+    "linear", "bilinear", "mm", "addmm", "bmm", "baddbmm", "matmul", "einsum", "conv1d", "conv2d", "conv3d",
+    "convolution", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "embedding", "layer_norm",
+    "native_layer_norm", "group_norm", "native_group_norm", "batch_norm", "native_batch_norm",
+    "_native_batch_norm_legit", "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
+    "instance_norm", "rms_norm", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices", "avg_pool1d", "avg_pool2d",
+    "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "_adaptive_avg_pool2d",
+}
+TRACERS = ("fx", "export")
 
 
-class FxUntraceable(Exception):
-    """torch.fx could not trace the model; the message says why."""
+class Untraceable(Exception):
+    """A tracer could not capture the model; the message says why."""
 
 
 @dataclass(frozen=True)
 class Group:
-    """One layer: the fx nodes it folds together, named after its anchor."""
+    """One layer: the graph nodes it folds together, named after its anchor."""
 
     name: str
     kind: str
@@ -60,17 +85,29 @@ class Group:
 
 @dataclass
 class LayerGraph:
-    """A model traced (`traced`) and grouped into layers; `split()` makes one `submod_<i>`
-    per group (what the profiler times); the runtime splits `traced` by stage instead."""
+    """A model's traced graph (`traced`) grouped into layers; `split()` makes one `submod_<i>`
+    per group (what the profiler times); the runtime splits `traced` by stage instead.
+
+    `root` holds the attributes the graph reads (the model for fx, the exported module for
+    export); `out_spec` (export only) rebuilds the model's output from the graph's flat one.
+    `shared` maps a parameter used by several layers (tied weights) to those layers' ids."""
 
     groups: list[Group]
     edges: list[tuple[int, int]]
     traced: fx.GraphModule
     module: nn.Module
     group_of: dict[fx.Node, int]
+    method: str = "fx"
+    root: nn.Module | None = None
+    out_spec: Any = None
+    shared: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def split(self) -> fx.GraphModule:
-        return split_module(self.traced, self.module, lambda node: self.group_of[node], keep_original_order=True)
+        root = self.root if self.root is not None else self.module
+        # partitions are called in a topological order of their data flow (not in the order of
+        # their first nodes: an op that reads only inputs, e.g. an attention mask, sits early in
+        # the graph but belongs to the layer that consumes it)
+        return split_module(self.traced, root, lambda node: self.group_of[node])
 
 
 class _DepthTracer(fx.Tracer):
@@ -86,48 +123,153 @@ class _DepthTracer(fx.Tracer):
         return super().is_leaf_module(m, qualname)
 
 
-def trace(module: nn.Module, depth: int | None = None) -> fx.GraphModule:
-    """Trace `module` with torch.fx; raise `FxUntraceable` with the reason when it cannot."""
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    text = str(exc).strip()
+    line = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".strip()
+    return line if len(line) <= limit else line[:limit - 3].rstrip() + "..."
+
+
+def trace_fx(module: nn.Module, depth: int | None = None) -> fx.GraphModule:
+    """Trace `module` with torch.fx; raise `Untraceable` with the reason when it cannot."""
     tracer = _DepthTracer(depth)
     try:
         graph = tracer.trace(module)
     except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError, ... on dynamic code
-        raise FxUntraceable(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        raise Untraceable(_first_line(exc)) from None
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
 
 
-def _is_anchor(node: fx.Node, gm: fx.GraphModule, granularity: str) -> bool:
-    if node.op in ("placeholder", "output"):
-        return False
-    if granularity == "op":
-        return node.op != "get_attr"
-    if node.op == "call_module":
-        return not isinstance(gm.get_submodule(node.target), TRIVIAL_MODULES)
-    if node.op == "call_function":
-        return node.target in HEAVY_FUNCTIONS
-    if node.op == "call_method":
-        return node.target in HEAVY_METHODS
-    return False
+def trace_export(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[fx.GraphModule, Any]:
+    """Capture `module` on `inputs` with torch.export (non-strict, training graph): the graph
+    module (reading the model's own parameters and buffers) and the output's pytree spec.
+    The graph is specialised to the shapes of `inputs`. Raises `Untraceable` with the reason."""
+    import contextlib
+    import io
+    import logging
+
+    quiet = [logging.getLogger(name) for name in ("torch._export", "torch.export", "torch._dynamo", "torch.fx")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
+    try:  # a failing export prints the partial graph on stderr: the reason is what the user needs
+        with contextlib.redirect_stderr(io.StringIO()):
+            program = torch.export.export(module, tuple(inputs), strict=False)
+            gm = program.module(check_guards=False)
+    except Exception as exc:  # data-dependent control flow, unsupported ops, ...
+        raise Untraceable(_first_line(exc)) from None
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and not node.users and str(node.target).startswith("_guards"):
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm, program.call_spec.out_spec
 
 
-def _describe(node: fx.Node, gm: fx.GraphModule) -> tuple[str, str]:
-    """(name, kind) of the layer anchored at `node`: a module's qualified name, or a
-    function's name inside the module that called it (e.g. `blocks.0.attn.scaled_dot_product_attention`)."""
-    if node.op == "call_module":
-        return str(node.target), type(gm.get_submodule(node.target)).__name__
-    kind = getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else str(node.target)
+def trace(module: nn.Module, depth: int | None = None) -> fx.GraphModule:
+    """`trace_fx` (the name the tests and benches know)."""
+    return trace_fx(module, depth)
+
+
+# ----- units: what makes a layer -----------------------------------------------------------------
+
+def _fx_unit(gm: fx.GraphModule, granularity: str):
+    """The anchor test of a torch.fx graph: a node is its own unit when it computes enough."""
+    def unit(node: fx.Node):
+        if node.op in ("placeholder", "output", "get_attr"):
+            return None
+        if granularity == "op":
+            return node
+        if node.op == "call_module":
+            return None if isinstance(gm.get_submodule(node.target), TRIVIAL_MODULES) else node
+        if node.op == "call_function":
+            return node if node.target in HEAVY_FUNCTIONS else None
+        if node.op == "call_method":
+            return node if node.target in HEAVY_METHODS else None
+        return None
+    return unit
+
+
+def _fx_leaf(module: nn.Module) -> bool:
+    """What torch.fx keeps as one call_module node by default: a torch.nn module, not a container."""
+    return (type(module).__module__.startswith(("torch.nn", "torch.ao.nn"))
+            and not isinstance(module, nn.Sequential))
+
+
+def _aten_name(node: fx.Node) -> str:
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet, "__name__", None) or getattr(node.target, "__name__", str(node.target))
+
+
+def _call_of(node: fx.Node, module: nn.Module, depth: int | None):
+    """(stack key, qualified name, module) of the module call that makes `node` part of one
+    layer in an exported graph: the outermost module on its stack that torch.fx would keep
+    whole (a torch.nn leaf, or one nested `depth` levels deep), or that holds parameters and
+    no children (a library's own Conv1D or RMSNorm: one layer, named after the module, where
+    fx would see its ops); None when there is none."""
+    for key, entry in (node.meta.get("nn_module_stack") or {}).items():
+        path = entry[0] if isinstance(entry, tuple) else str(entry)
+        if not path:
+            continue
+        try:
+            sub = module.get_submodule(path)
+        except AttributeError:
+            continue
+        if ((depth is not None and path.count(".") + 1 >= depth) or _fx_leaf(sub)
+                or (next(sub.children(), None) is None and next(sub.parameters(recurse=False), None) is not None)):
+            return key, path, sub
+    return None
+
+
+def _scope(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
-    scope = next(reversed(stack), "") if stack else ""
-    return (f"{scope}.{kind}" if scope else kind), kind
+    if not stack:
+        return ""
+    entry = stack[next(reversed(stack))]
+    return entry[0] if isinstance(entry, tuple) else str(next(reversed(stack)))
 
 
-def assign_groups(gm: fx.GraphModule, granularity: str = "module") -> tuple[list[fx.Node], dict[fx.Node, int]]:
-    """The anchors of `gm` in trace order, and every computing node's group (its anchor's index)."""
+def _export_unit(module: nn.Module, granularity: str, depth: int | None):
+    """The anchor test of an exported graph: all ops of one call of a module torch.fx would keep
+    whole form one unit (as its call_module node does under fx), heavy ops outside such calls
+    are units of their own."""
+    def unit(node: fx.Node):
+        if node.op != "call_function":
+            return None
+        if granularity == "op":
+            return node
+        call = _call_of(node, module, depth)
+        if call is not None:
+            key, path, sub = call
+            trivial = isinstance(sub, TRIVIAL_MODULES) and not (depth is not None and path.count(".") + 1 >= depth)
+            return None if trivial else ("call", key)
+        return node if _aten_name(node) in HEAVY_ATEN else None
+    return unit
+
+
+def assign_groups(gm: fx.GraphModule, granularity: str = "module", unit=None) -> tuple[list[fx.Node], dict[fx.Node, int]]:
+    """The anchors of `gm` in trace order, and every computing node's group (its anchor's index).
+
+    `unit(node)` names the unit a node belongs to (None: trivial); consecutive nodes of one
+    unit form one group whose anchor is its first node. The default is torch.fx's test."""
+    unit = unit or _fx_unit(gm, granularity)
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    anchors = [n for n in nodes if _is_anchor(n, gm, granularity)] or nodes[:1]
-    group: dict[fx.Node, int] = {n: i for i, n in enumerate(anchors)}
+    anchors: list[fx.Node] = []
+    group: dict[fx.Node, int] = {}
+    current = None
+    for node in nodes:
+        key = unit(node)
+        if key is None:
+            continue
+        if key != current or not anchors:
+            anchors.append(node)
+            current = key
+        group[node] = len(anchors) - 1
+    if not anchors:
+        anchors, group = nodes[:1], {nodes[0]: 0} if nodes else {}
     pending = []
-    for node in nodes:  # fx keeps nodes in a topological order
+    for node in nodes:  # graphs keep nodes in a topological order
         if node in group:
             continue
         producers = [group[p] for p in node.all_input_nodes if p in group]
@@ -141,39 +283,80 @@ def assign_groups(gm: fx.GraphModule, granularity: str = "module") -> tuple[list
     return anchors, group
 
 
-def build_layer_graph(module: nn.Module, granularity: str = "module", depth: int | None = None) -> LayerGraph:
-    """Trace, group and split `module`; raise `FxUntraceable` if torch.fx cannot trace it."""
-    gm = trace(module, depth)
-    anchors, group = assign_groups(gm, granularity)
+def build_layer_graph(module: nn.Module, granularity: str = "module", depth: int | None = None, *,
+                      method: str = "fx", inputs: tuple[torch.Tensor, ...] | None = None) -> LayerGraph:
+    """Trace `module` with `method` ("fx", or "export" on the sample `inputs`), group and split
+    it; raise `Untraceable` if the tracer cannot capture it."""
+    if method == "export":
+        if inputs is None:
+            raise ValueError("torch.export needs sample inputs")
+        gm, out_spec = trace_export(module, inputs)
+        unit, root = _export_unit(module, granularity, depth), gm
+    else:
+        gm, out_spec = trace_fx(module, depth), None
+        unit, root = _fx_unit(gm, granularity), module
+    anchors, group = assign_groups(gm, granularity, unit)
     members: list[list[fx.Node]] = [[] for _ in anchors]
     for node in gm.graph.nodes:
         if node in group:
             members[group[node]].append(node)
-    groups = _named_groups(anchors, members, gm, _owned_parameters(members, gm))
+    owned, shared = _parameters(module, gm, members, group)
+    describe = (lambda anchor: _describe(anchor, gm)) if method != "export" else (
+        lambda anchor: _describe_export(anchor, module, depth))
+    groups = _named_groups(anchors, members, describe, owned)
     edges = sorted({(group[p], group[n]) for n in group for p in n.all_input_nodes
                     if p in group and group[p] != group[n]})
-    return LayerGraph(groups, edges, gm, module, group)
+    return LayerGraph(groups, edges, gm, module, group, method, root, out_spec, shared)
 
 
-def _owned_parameters(members: list[list[fx.Node]], gm: fx.GraphModule) -> list[tuple[str, ...]]:
-    """Per group, the parameters its nodes use that no earlier group used."""
-    taken: set[str] = set()
-    owned = []
-    for nodes in members:
-        names = []
-        for node in nodes:
-            if node.op == "call_module":
-                used = [f"{node.target}.{n}" for n, _ in gm.get_submodule(node.target).named_parameters()]
-            elif node.op == "get_attr" and isinstance(_attr(gm, node.target), nn.Parameter):
-                used = [str(node.target)]
-            else:
-                used = []
-            for name in used:
-                if name not in taken:
-                    taken.add(name)
-                    names.append(name)
-        owned.append(tuple(names))
-    return owned
+def _describe(node: fx.Node, gm: fx.GraphModule) -> tuple[str, str]:
+    """(name, kind) of the layer anchored at `node`: a module's qualified name, or a
+    function's name inside the module that called it (e.g. `blocks.0.attn.scaled_dot_product_attention`)."""
+    if node.op == "call_module":
+        return str(node.target), type(gm.get_submodule(node.target)).__name__
+    kind = getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    scope = next(reversed(stack), "") if stack else ""
+    return (f"{scope}.{kind}" if scope else kind), kind
+
+
+def _describe_export(node: fx.Node, module: nn.Module, depth: int | None) -> tuple[str, str]:
+    """The same names for an exported graph: the module whose call the layer is, or the op's
+    name inside the innermost module that ran it."""
+    call = _call_of(node, module, depth)
+    if call is not None:
+        _, path, sub = call
+        return path, type(sub).__name__
+    kind = _aten_name(node)
+    scope = _scope(node)
+    return (f"{scope}.{kind}" if scope else kind), kind
+
+
+def _parameters(module: nn.Module, gm: fx.GraphModule, members: list[list[fx.Node]],
+                group: dict[fx.Node, int]) -> tuple[list[tuple[str, ...]], dict[str, tuple[int, ...]]]:
+    """Per group, the parameters its nodes use that no earlier group used (by the model's own
+    first name for each tensor); and every parameter used by several groups, with their ids."""
+    name_of: dict[int, str] = {}
+    for name, p in module.named_parameters():
+        name_of.setdefault(id(p), name)
+    users: dict[str, set[int]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node in group:
+            found = [(p, {group[node]}) for p in gm.get_submodule(node.target).parameters()]
+        elif node.op == "get_attr" and isinstance(_attr(gm, node.target), nn.Parameter):
+            found = [(_attr(gm, node.target), {group[u] for u in node.users if u in group} or {group.get(node, 0)})]
+        else:
+            continue
+        for p, where in found:
+            name = name_of.get(id(p))
+            if name is not None:
+                users.setdefault(name, set()).update(where)
+    order = {name: i for i, name in enumerate(name_of.values())}
+    owned: list[list[str]] = [[] for _ in members]
+    for name in sorted(users, key=lambda n: (min(users[n]), order[n])):
+        owned[min(users[name])].append(name)
+    shared = {name: tuple(sorted(g)) for name, g in users.items() if len(g) > 1}
+    return [tuple(names) for names in owned], shared
 
 
 def _attr(gm: fx.GraphModule, target: str):
@@ -183,11 +366,11 @@ def _attr(gm: fx.GraphModule, target: str):
     return value
 
 
-def _named_groups(anchors: list[fx.Node], members: list[list[fx.Node]], gm: fx.GraphModule,
+def _named_groups(anchors: list[fx.Node], members: list[list[fx.Node]], describe,
                   params: list[tuple[str, ...]]) -> list[Group]:
     groups, seen = [], {}
     for anchor, nodes, owned in zip(anchors, members, params):
-        name, kind = _describe(anchor, gm)
+        name, kind = describe(anchor)
         seen[name] = seen.get(name, 0) + 1
         if seen[name] > 1:  # a module called more than once: one layer per call
             name = f"{name}#{seen[name]}"

@@ -36,11 +36,14 @@ class _Event:
     param_bytes: int = 0
     act_bytes: int = 0
     sources: set[int] = field(default_factory=set)  # events whose outputs this call reads
+    params: list[nn.Parameter] = field(default_factory=list)  # every parameter this call uses
 
 
 @dataclass
 class ModuleLayers:
-    """Layers found by the fallback: names, kinds, folded calls, edges, costs and parameters."""
+    """Layers found by the fallback: names, kinds, folded calls, edges, costs and parameters
+    (`params`: per layer, the parameters it is the first to use, by object; `shared`: the
+    parameters several layers use, with those layers)."""
 
     names: list[str]
     kinds: list[str]
@@ -48,6 +51,8 @@ class ModuleLayers:
     edges: list[tuple[int, int]]
     param_bytes: list[int]
     costs: list[LayerCost]
+    params: list[list[nn.Parameter]] = field(default_factory=list)
+    shared: list[tuple[nn.Parameter, tuple[int, ...]]] = field(default_factory=list)
 
 
 def leaf_modules(module: nn.Module, depth: int | None) -> list[tuple[str, nn.Module]]:
@@ -119,7 +124,8 @@ class _Tracker:
         event = _Event(name if calls == 0 else f"{name}#{calls + 1}", module)
         for t in tensors_in(args):
             event.sources |= self.origin(t)
-        event.param_bytes = self._bytes_of(list(module.parameters()) + list(self.loose_params.values()))
+        event.params = list(module.parameters()) + list(self.loose_params.values())
+        event.param_bytes = self._bytes_of(event.params)
         self.loose_params.clear()
         self.events.append(event)
         self.inside += 1
@@ -190,7 +196,15 @@ def measure_modules(module: nn.Module, inputs: tuple[torch.Tensor, ...], target:
         act.append(members[-1].act_bytes)
     edges = sorted({(events[s].layer, e.layer) for e in events for s in e.sources if events[s].layer != e.layer})
     costs = [LayerCost(*summarize(fwd[i]), *summarize(bwd[i]), act_bytes=act[i]) for i in range(count)]
-    return ModuleLayers(names, kinds, ops, edges, params, costs)
+    users: dict[int, tuple[nn.Parameter, set[int]]] = {}
+    for e in events:
+        for p in e.params:
+            users.setdefault(id(p), (p, set()))[1].add(e.layer)
+    owned: list[list[nn.Parameter]] = [[] for _ in range(count)]
+    for p, layers in users.values():
+        owned[min(layers)].append(p)
+    shared = [(p, tuple(sorted(layers))) for p, layers in users.values() if len(layers) > 1]
+    return ModuleLayers(names, kinds, ops, edges, params, costs, owned, shared)
 
 
 def _timed_step(module, inputs, target, loss_fn, leaves, events, clock: Clock) -> tuple[list[float], list[float]]:

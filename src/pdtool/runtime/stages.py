@@ -1,13 +1,18 @@
 """A plan's pipeline stages, built at run time from the model itself (no generated source).
 
-The model is traced with torch.fx and grouped into layers exactly as `pd profile` grouped it
-(`profiler.graph.build_layer_graph`, so layer i is group i); every fx node goes to the stage
-whose layer range holds its group, and each stage becomes an `fx.GraphModule` made of its own
-nodes only (design notes, sections 4 and 5):
+The model is captured by the tracer that made its profile (torch.fx, or torch.export on a
+sample minibatch of the profile's size) and grouped into layers exactly as `pd profile` grouped
+it (`profiler.capture`, so layer i is group i); every graph node goes to the stage whose layer
+set holds its group, and each stage becomes an `fx.GraphModule` made of its own nodes only
+(design notes, sections 4 and 5). A model neither tracer captures is split by module
+selection instead: one stage runs it whole, or stages are runs of the children of its
+top-level nn.Sequential.
 
 - **Dict in, dict out.** Stage s takes the values of boundary s-1 by name and returns the
   values of boundary s; stage 0 takes the model inputs by placeholder name, the last stage
-  returns `{"output": <the model's output>}`. Value names are fx node names (deterministic).
+  returns `{"output": <the model's output>}` (for an exported graph rebuilt from its flat
+  outputs with the output's pytree spec: a Hugging Face `ModelOutput` stays one). Value names
+  are graph node names (deterministic).
 - **Relaying.** Boundary k holds every value produced at a stage <= k (model inputs count as
   produced before stage 0) and consumed at a stage > k, each once, in graph order. A skip
   connection over a whole stage, or a model input read late, therefore passes *through* the
@@ -41,7 +46,8 @@ from torch import fx, nn
 from ..errors import LaunchError
 from ..modelspec import fingerprint
 from ..plan import Plan
-from ..profiler.graph import FxUntraceable, Group, build_layer_graph
+from ..profiler import capture
+from ..profiler.graph import TRACERS, Group, Untraceable
 
 OUTPUT = "output"
 _REPROFILE = "re-run pd profile and pd plan for this model"
@@ -74,21 +80,27 @@ class Stage:
 
 
 def build_stages(module: nn.Module, layer_sets: Sequence[Sequence[int]], *, method: str, granularity: str,
-                 depth: int | None, layer_names: dict[int, str] | None = None) -> list[Stage]:
+                 depth: int | None, layer_names: dict[int, str] | None = None,
+                 inputs: tuple[torch.Tensor, ...] | None = None) -> list[Stage]:
     """Split `module` into one `Stage` per set of layer ids in `layer_sets` (stage order).
 
     `method`, `granularity` and `depth` are the profile's (how its layers were found);
     `layer_names` (layer id -> name, e.g. each plan stage's first and last layer) are checked
-    against the traced model's layers. Raises `LaunchError` when the model does not match.
+    against the traced model's layers; `inputs` is a sample minibatch of the profile's size
+    (torch.export captures the graph on it; a whole-model stage takes as many inputs). Raises
+    `LaunchError` when the model does not match.
     """
-    if method == "modules":
-        return _sequential_stages(module, [tuple(sorted(layers)) for layers in layer_sets], layer_names or {})
-    if method != "fx":
-        raise LaunchError(f"the plan's layers come from a {method!r} profile, not from a model traced by pdtool, so "
-                          "its stages cannot be built; re-run pd profile --method fx and pd plan for this model")
     layer_sets = [tuple(sorted(layers)) for layers in layer_sets]
+    if method == "modules":
+        if len(layer_sets) == 1:
+            _check_layer_sets(layer_sets)
+            return [_whole_stage(module, layer_sets[0], len(inputs) if inputs is not None else 1)]
+        return _sequential_stages(module, layer_sets, layer_names or {})
+    if method not in TRACERS:
+        raise LaunchError(f"the plan's layers come from a {method!r} profile, not from a model traced by pdtool, so "
+                          "its stages cannot be built; re-run pd profile and pd plan for this model")
     count = _check_layer_sets(layer_sets)
-    layers = _layer_graph(module, granularity, depth)
+    layers = _layer_graph(module, method, granularity, depth, inputs)
     _check_layers(layers.groups, count, layer_names, granularity, depth)
     gm = layers.traced  # the trace the layers were grouped on, node for node
     stage_of_group = {g: s for s, ids in enumerate(layer_sets) for g in ids}
@@ -102,10 +114,49 @@ def build_stages(module: nn.Module, layer_sets: Sequence[Sequence[int]], *, meth
             inputs = tuple(n.name for n in boundaries[s - 1])
         outputs = (OUTPUT,) if s == len(layer_sets) - 1 else tuple(n.name for n in boundaries[s])
         graph = _stage_graph(gm, node_stage, s, len(layer_sets), inputs, outputs)
-        stage_module = fx.GraphModule(gm, graph, class_name=f"Stage{s}")
+        stage_module: nn.Module = fx.GraphModule(gm, graph, class_name=f"Stage{s}")
+        if s == len(layer_sets) - 1 and layers.out_spec is not None:
+            stage_module = _Rebuilt(stage_module, layers.out_spec)
         stages.append(Stage(s, stage_module, inputs, outputs, {}, {}, ids))
     _name_state(module, stages)
     return stages
+
+
+class _Rebuilt(nn.Module):
+    """The last stage of an exported graph: its flat outputs rebuilt into the model's output
+    structure (`out_spec`, e.g. a Hugging Face ModelOutput), so the loss function sees what
+    the model returns."""
+
+    def __init__(self, graph: nn.Module, out_spec):
+        super().__init__()
+        self.graph = graph
+        self.out_spec = out_spec
+
+    def forward(self, values: dict[str, torch.Tensor]) -> dict[str, object]:
+        from torch.utils._pytree import tree_unflatten
+
+        flat = self.graph(values)[OUTPUT]
+        return {OUTPUT: tree_unflatten(list(flat) if isinstance(flat, (tuple, list)) else [flat], self.out_spec)}
+
+
+class _Whole(nn.Module):
+    """A whole model as one stage: takes `{input0: x0, input1: x1, ...}`, returns `{output: y}`.
+    Any module trains this way (data parallel over the stage's replicas), traced or not."""
+
+    def __init__(self, model: nn.Module, names: tuple[str, ...]):
+        super().__init__()
+        self.model = model
+        self.names = names
+
+    def forward(self, values: dict[str, torch.Tensor]) -> dict[str, object]:
+        return {OUTPUT: self.model(*(values[n] for n in self.names))}
+
+
+def _whole_stage(module: nn.Module, layers: tuple[int, ...], count: int) -> Stage:
+    names = tuple(f"input{i}" for i in range(count))
+    stage = Stage(0, _Whole(module, names), names, (OUTPUT,), {}, {}, layers)
+    _name_state(module, [stage])
+    return stage
 
 
 class _SequentialSlice(nn.Module):
@@ -132,9 +183,9 @@ def _sequential_stages(module: nn.Module, layer_sets: list[tuple[int, ...]], lay
     first layer (layers of a --method modules profile are leaf-module calls in execution
     order, named by the modules' qualified names)."""
     if not isinstance(module, nn.Sequential):
-        raise LaunchError(f"torch.fx cannot trace this {type(module).__name__}, and only an nn.Sequential can be "
-                          "split without it (by its children); make the model traceable by torch.fx or an "
-                          "nn.Sequential, then re-run pd profile and pd plan")
+        raise LaunchError(f"neither torch.fx nor torch.export captures this {type(module).__name__}, and only an "
+                          "nn.Sequential can be split without them (by its children); plan it again with pd plan (which "
+                          "keeps such a model in one stage), or make it traceable and re-run pd profile and pd plan")
     _check_layer_sets(layer_sets)
     children = list(module.named_children())
     index = {name: i for i, (name, _) in enumerate(children)}
@@ -163,22 +214,30 @@ def _sequential_stages(module: nn.Module, layer_sets: list[tuple[int, ...]], lay
     return stages
 
 
-def plan_stages(plan: Plan, module: nn.Module) -> list[Stage]:
-    """`check_model`, then the plan's stages of `module` (the plan's layer ranges and names)."""
+def plan_stages(plan: Plan, module: nn.Module, inputs: tuple[torch.Tensor, ...] | None = None) -> list[Stage]:
+    """`check_model`, then the plan's stages of `module` (the plan's layer sets and names);
+    `inputs` is a sample minibatch of the profile's size (needed for an exported model)."""
     _check_fingerprint(plan, module)
     p = plan.profile
     return build_stages(module, [s.layers for s in plan.stages], method=p.method,
-                        granularity=p.granularity, depth=p.depth, layer_names=_plan_layer_names(plan))
+                        granularity=p.granularity, depth=p.depth, layer_names=_plan_layer_names(plan), inputs=inputs)
 
 
-def check_model(plan: Plan, module: nn.Module) -> None:
+def sample_inputs(bundle, plan: Plan) -> tuple[torch.Tensor, ...]:
+    """A minibatch of the profile's size from the model's factory, made without touching the
+    global random state (every worker must still draw the same initial weights and dropout)."""
+    with torch.random.fork_rng(devices=[]):
+        return bundle.batch(plan.profile.batch_size, plan.profile.model["spec"] if plan.profile.model else "model")[1]
+
+
+def check_model(plan: Plan, module: nn.Module, inputs: tuple[torch.Tensor, ...] | None = None) -> None:
     """Raise `LaunchError` (one line) unless `module` is the model `plan` was made for: the same
-    parameter names and shapes (fingerprint) and, for fx profiles, the same layers."""
+    parameter names and shapes (fingerprint) and, for traced profiles, the same layers."""
     _check_fingerprint(plan, module)
     p = plan.profile
-    if p.method != "fx":
+    if p.method not in TRACERS:
         return  # the layers of a --method modules profile come from running the model, not from its code
-    groups = _layer_graph(module, p.granularity, p.depth).groups
+    groups = _layer_graph(module, p.method, p.granularity, p.depth, inputs).groups
     _check_layers(groups, p.layers, _plan_layer_names(plan), p.granularity, p.depth)
 
 
@@ -218,12 +277,15 @@ def _check_layer_sets(layer_sets: list[tuple[int, ...]]) -> int:
     return count
 
 
-def _layer_graph(module: nn.Module, granularity: str, depth: int | None):
+def _layer_graph(module: nn.Module, method: str, granularity: str, depth: int | None, inputs):
+    if method == "export" and inputs is None:
+        raise LaunchError("the plan was made from a torch.export profile, and capturing the model needs a sample "
+                          "minibatch; please report it")
     try:
-        return build_layer_graph(module, granularity, depth)
-    except FxUntraceable as exc:
-        raise LaunchError(f"the plan was made from a torch.fx profile, but torch.fx cannot trace this model ({exc}); "
-                          f"{_REPROFILE}") from None
+        return capture(module, inputs, method, granularity, depth)
+    except Untraceable as exc:
+        raise LaunchError(f"the plan was made from a torch.{method} profile, but torch.{method} cannot capture this "
+                          f"model ({exc}); {_REPROFILE}") from None
 
 
 def _check_layers(groups: list[Group], count: int, names: dict[int, str] | None, granularity: str,

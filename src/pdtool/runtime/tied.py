@@ -1,12 +1,14 @@
 """Tied weights: one parameter used by several stages (an embedding and an output head).
 
-Every worker of those stages holds its own copy (`Stage.tied`). In the synchronous modes
-(`flush`, `gpipe`) every stage steps once per batch, after all of the batch's backwards, so
-before each step the workers of the sharing stages all-reduce the copies' gradients: each
-adds its stage's mean gradient divided by its stage's replicas, and every copy gets the sum of
-the uses' gradients, as autograd gives it in one process (Megatron-LM ties its embeddings the
-same way). The copies start equal (same seed) and take equal steps, so they stay equal.
-`pipedream`, `vsync` and `2bw` are refused: they update the copies after different minibatches.
+Every worker of those stages holds its own copy (`Stage.tied`). In `2bw`, `flush` and `gpipe`
+every stage steps once per batch of m microbatches, so before each step the workers of the
+sharing stages all-reduce the copies' gradients: each adds its stage's mean gradient divided
+by its stage's replicas, and every copy gets the sum of the uses' gradients, as autograd gives
+it in one process (Megatron-LM ties its embeddings the same way). The copies start equal (same
+seed) and take equal steps, so they stay equal; in `2bw` both sharing stages run batch t on
+their version t-1, so the summed gradient is the whole model's at that version. `pipedream`
+and `vsync` are refused (by `pd plan`, and by `pd train` for a `--mode` override): they step
+each stage after different minibatches, so the copies would drift apart.
 """
 from __future__ import annotations
 
@@ -16,19 +18,19 @@ import torch
 import torch.distributed as dist
 
 from ..errors import LaunchError
-
-SYNCHRONOUS = ("flush", "gpipe")
+from ..plan import TIE_MODES
 
 
 def check_mode(stages, mode: str) -> None:
-    """Refuse tied weights across stages in a mode that updates the copies at different times."""
+    """Refuse tied weights across stages in a mode that updates the copies at different times
+    (the launcher's check of the built stages; `Plan.untrainable` says the same from the plan)."""
     ties = sorted({(stage.param_names[name], users) for stage in stages for name, users in stage.tied.items()})
-    if ties and mode not in SYNCHRONOUS:
+    if ties and mode not in TIE_MODES:
         name, users = ties[0]
         stages_text = ", ".join(map(str, users[:-1])) + f" and {users[-1]}"
         raise LaunchError(f"parameter {name} is used by stages {stages_text} (tied weights), and "
-                          f"mode {mode!r} would update its copies after different minibatches; train with --mode "
-                          "flush or gpipe, which add the copies' gradients before every step")
+                          f"mode {mode!r} would update its copies after different minibatches; use --mode 2bw, "
+                          "flush or gpipe (they add the copies' gradients before every step), or plan fewer stages")
 
 
 def owner(users: tuple[int, ...]) -> int:

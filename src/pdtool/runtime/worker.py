@@ -103,9 +103,9 @@ def worker_main(config: RunConfig) -> WorkerReport:
     stage_index, replica = place(plan, rank)
     torch.manual_seed(config.seed)  # every worker builds the same initial weights
     bundle = load_model(ModelRef(plan.profile.model["spec"], plan.profile.model.get("kwargs", {})))
-    from .stages import plan_stages
+    from .stages import plan_stages, sample_inputs
 
-    stages = plan_stages(plan, bundle.module)
+    stages = plan_stages(plan, bundle.module, sample_inputs(bundle, plan))
     schedule = make_schedule(plan, config)
     tied.check_mode(stages, schedule.mode)
     from ..data import load_source
