@@ -68,7 +68,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
                      profile.split)
     plan = Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=chosen,
                 stages=tuple(stages), groups=tuple(groups), predicted=prediction, command=command,
-                pdtool_version=__version__, state_space=states.space, shared=_shared(profile, stages))
+                pdtool_version=__version__, state_space=states.space, shared=shared_parameters(profile, stages))
     if plan.untrainable() is not None:
         if mode is not None:
             raise PlanError(plan.untrainable())
@@ -96,7 +96,7 @@ def _splittable(states: States, profile: Profile, say) -> States:
     return states.restricted(lambda mask: all(mask & m in (0, m) for m in children.values()))
 
 
-def _shared(profile: Profile, stages: list[PlanStage]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def shared_parameters(profile: Profile, stages) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """The profile's shared parameters that several of these stages use, with those stages."""
     stage_of = {layer: s for s, stage in enumerate(stages) for layer in stage.layers}
     found = []

@@ -5,12 +5,12 @@ import torch
 
 from pdtool.cluster import parse_cluster
 from pdtool.modelspec import load_model
-from pdtool.planner import make_plan
+from pdtool.planner import make_plan, shared_parameters
 from pdtool.profile import ModelRef
 from pdtool.profiler import profile_model
 from pdtool.runtime.executor import OptimizerConfig
 from pdtool.runtime.reference import run_reference
-from pdtool.runtime.stages import plan_stages
+from pdtool.runtime.stages import plan_stages, sample_inputs
 from pdtool.data import synthetic_source
 from pdtool.runtime.worker import RunConfig, make_schedule
 
@@ -22,7 +22,7 @@ def plan_with(tmp_path, split, mode="pipedream", ref=MLP, batch_size=4, name="p.
     """A plan of `ref` whose stages are `split`: [((first, last), replicas), ...]; saved in tmp_path."""
     profile = profile_model(ref, batch_size=batch_size, repeats=1, warmup=0)
     workers = sum(r for _, r in split)
-    plan = make_plan(profile, parse_cluster(f"{workers}x1GB/s"), mode=mode, simulate=False)
+    plan = make_plan(profile, parse_cluster(f"{workers}x1GB/s"), simulate=False)
     template = plan.stages[0]
     stages, rank = [], 0
     for (first, last), replicas in split:
@@ -30,7 +30,8 @@ def plan_with(tmp_path, split, mode="pipedream", ref=MLP, batch_size=4, name="p.
                                           first_name=profile.layers[first].name, last_name=profile.layers[last].name,
                                           ranks=tuple(range(rank, rank + replicas))))
         rank += replicas
-    plan = dataclasses.replace(plan, stages=tuple(stages), groups=())
+    plan = dataclasses.replace(plan, stages=tuple(stages), groups=(), mode=mode,
+                               shared=shared_parameters(profile, stages))
     path = tmp_path / name
     plan.save(path)
     return plan, path
@@ -45,7 +46,7 @@ def reference(plan, config, ref=MLP):
 
     torch.manual_seed(config.seed)
     bundle = load_model(ref)
-    stages = plan_stages(plan, bundle.module)
+    stages = plan_stages(plan, bundle.module, sample_inputs(bundle, plan))
     schedule = make_schedule(plan, config)
     source = synthetic_source(bundle, plan.profile.batch_size, config.seed)
     first = config.first_step * minibatches_per_step(schedule)

@@ -1,9 +1,10 @@
-"""Tied weights across stages (an embedding that is also the output head): the synchronous modes
-add the copies' gradients before each step, so a pipeline trains as one process does."""
+"""Tied weights across stages (an embedding that is also the output head): 2bw, flush and gpipe
+add the copies' gradients before each step, so flush and gpipe train as one process does, and
+2bw as the reference executor (and as one process for its first step, where no version lags)."""
 import pytest
 import torch
 
-from helpers import assert_same_run, config_for, gradient_accumulation, merged, plan_with
+from helpers import assert_same_run, config_for, gradient_accumulation, merged, plan_with, reference
 
 from pdtool.checkpoint import latest_complete, load_checkpoint
 from pdtool.errors import LaunchError
@@ -29,6 +30,21 @@ def test_tied_weights_train_as_in_one_process(tmp_path, mode, split):
     torch.testing.assert_close(last.weights["emb.weight"], expected_weights["emb.weight"])  # the head's copy too
 
 
+@pytest.mark.parametrize("split", [[((0, 0), 1), ((1, 2), 1), ((3, 3), 1)], [((0, 1), 2), ((2, 3), 1)]],
+                         ids=["1-1-1", "2-1"])
+def test_tied_weights_in_2bw_equal_the_reference_executor(tmp_path, split):
+    plan, path = plan_with(tmp_path, split, mode="2bw", ref=TIED)
+    config = config_for(path, steps=3, group=4)
+    losses, weights = merged(launch(config, len(plan.used_ranks)))
+    expected = reference(plan, config, ref=TIED)
+    assert_same_run(losses, weights, expected.losses, expected.weights, rel=1e-5)
+    # the first step sees no lag (every stage on version 0): it is gradient accumulation
+    first = config_for(path, steps=1, group=4)
+    once = reference(plan, first, ref=TIED)
+    expected_losses, expected_weights = gradient_accumulation(plan, first, ref=TIED)
+    assert_same_run(once.losses, once.weights, expected_losses, expected_weights, rel=1e-5)
+
+
 def test_tied_weights_checkpoint_once_and_resume(tmp_path):
     plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="flush", ref=TIED)
     root = tmp_path / "ckpt"
@@ -44,5 +60,5 @@ def test_tied_weights_in_an_asynchronous_mode_are_refused_in_one_line(tmp_path):
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="pipedream", ref=TIED)
     with pytest.raises(LaunchError, match=r"worker rank \d failed: parameter emb\.weight is used by stages 0 and 1 "
                                           r"\(tied weights\), and mode 'pipedream' would update its copies after "
-                                          r"different minibatches; train with --mode flush or gpipe"):
+                                          r"different minibatches; use --mode 2bw, flush or gpipe"):
         launch(config_for(path, steps=2), 2)

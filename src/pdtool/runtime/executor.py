@@ -183,6 +183,14 @@ class StageWorker:
 
         `tie`, when given, runs between the two: it adds the gradients of parameters this stage
         shares with others (tied weights, `Stage.tied`) across those stages."""
+        self.mean_gradients(allreduce)
+        if tie is not None:
+            tie(self)
+        self.finish_step()
+
+    def mean_gradients(self, allreduce: Allreduce | None = None) -> None:
+        """First half of a step: `.grad` of every live weight becomes the mean gradient of the
+        backwards since the last step, over the replicas (`allreduce` sums a flat buffer)."""
         if allreduce is None:  # one replica: scale the gradients in place, no flat buffer
             self._keep_current_version()
             if self.backwards > 1:
@@ -194,8 +202,9 @@ class StageWorker:
             allreduce(buffer)
             self._keep_current_version()
             self._set_mean_gradients(buffer)
-        if tie is not None:
-            tie(self)
+
+    def finish_step(self) -> None:
+        """Second half of a step: the optimizer applies `.grad`; the live weights become the next version."""
         self._step_optimizer()
 
     def gradient_buffer(self) -> torch.Tensor:
@@ -203,12 +212,6 @@ class StageWorker:
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.live]
         like = self.live[0] if self.live else torch.empty(0)
         return torch.cat(grads + [torch.tensor([float(self.backwards)], dtype=like.dtype, device=like.device)])
-
-    def apply_step(self, summed: torch.Tensor) -> None:
-        """Step with the mean gradient from `summed` (a `gradient_buffer` summed over the replicas)."""
-        self._keep_current_version()
-        self._set_mean_gradients(summed)
-        self._step_optimizer()
 
     def _set_mean_gradients(self, summed: torch.Tensor) -> None:
         count = max(float(summed[-1]), 1.0)

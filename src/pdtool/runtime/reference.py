@@ -44,6 +44,15 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
                                                        loss_fn if s == len(stages) - 1 else None)
             if prepare is not None:
                 prepare(workers[schedule.rank(s, i)])
+    # stages whose steps happen together: a stage's replicas, joined with every stage it shares a
+    # parameter with (tied weights: the copies' gradients are added before the step, as in `runtime.tied`)
+    together = {s: {s} for s in range(len(stages))}
+    for stage in stages:
+        for users in stage.tied.values():
+            joined = set().union(*(together[u] for u in users))
+            for u in joined:
+                together[u] = joined
+    steps_done = {rank: 0 for rank in workers}
     activations: dict[tuple[int, int], tuple[dict, Any]] = {}  # (stage, b) -> outputs of stage, target
     gradients: dict[tuple[int, int], dict] = {}                # (stage, b) -> gradients of stage's outputs
     position = {rank: 0 for rank in workers}
@@ -55,9 +64,9 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
             return action.stage == 0 or (action.stage - 1, action.minibatch) in activations
         if action.kind == "B":
             return action.stage == last or (action.stage, action.minibatch) in gradients
-        peers = [schedule.rank(action.stage, i) for i in range(schedule.replicas[action.stage])]
+        peers = [schedule.rank(s, i) for s in together[action.stage] for i in range(schedule.replicas[s])]
         return all(position[p] < len(schedule.workers[p]) and schedule.workers[p][position[p]].kind == "U"
-                   for p in peers)
+                   and steps_done[p] == steps_done[rank] for p in peers)
 
     while any(position[r] < len(schedule.workers[r]) for r in workers):
         progressed = False
@@ -82,15 +91,18 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
                     gradients[(s - 1, b)] = grads
                 position[rank] += 1
             else:
-                peers = [schedule.rank(s, i) for i in range(schedule.replicas[s])]
-                if len(peers) == 1:
-                    worker.step(None)
-                else:
-                    total = sum(workers[p].gradient_buffer() for p in peers)
+                joined = sorted(together[s])
+                for t in joined:
+                    peers = [schedule.rank(t, i) for i in range(schedule.replicas[t])]
+                    total = sum(workers[p].gradient_buffer() for p in peers) if len(peers) > 1 else None
                     for p in peers:
-                        workers[p].apply_step(total.clone())
-                for p in peers:
-                    position[p] += 1
+                        workers[p].mean_gradients(None if total is None else (lambda buffer, total=total: buffer.copy_(total)))
+                _add_tied_gradients([workers[schedule.rank(t, i)] for t in joined for i in range(schedule.replicas[t])])
+                for t in joined:
+                    for p in (schedule.rank(t, i) for i in range(schedule.replicas[t])):
+                        workers[p].finish_step()
+                        position[p] += 1
+                        steps_done[p] += 1
             progressed = True
         if not progressed:
             raise ScheduleError("the reference executor is stuck: the schedule deadlocks")
@@ -102,3 +114,20 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
             for name, p in worker.stage.module.named_parameters():
                 weights[worker.stage.param_names[name]] = p.detach().clone()
     return ReferenceRun(losses, weights, {rank: w.peak_versions for rank, w in workers.items()})
+
+
+def _add_tied_gradients(workers: list[StageWorker]) -> None:
+    """Every copy of a tied parameter gets the sum over its stages of each stage's mean gradient
+    (what `runtime.tied` all-reduces: each replica adds its gradient / its stage's replicas)."""
+    sums: dict[str, torch.Tensor] = {}
+    for worker in workers:
+        params = dict(worker.stage.module.named_parameters())
+        for name in worker.stage.tied:
+            p = params[name]
+            grad = (p.grad if p.grad is not None else torch.zeros_like(p)) / worker.schedule.replicas[worker.index]
+            whole = worker.stage.param_names[name]
+            sums[whole] = grad if whole not in sums else sums[whole] + grad
+    for worker in workers:
+        params = dict(worker.stage.module.named_parameters())
+        for name in worker.stage.tied:
+            params[name].grad = sums[worker.stage.param_names[name]].clone()

@@ -130,13 +130,23 @@ class _Rebuilt(nn.Module):
     def __init__(self, graph: nn.Module, out_spec):
         super().__init__()
         self.graph = graph
-        self.out_spec = out_spec
+        self.out_spec = _Shared(out_spec)
 
     def forward(self, values: dict[str, torch.Tensor]) -> dict[str, object]:
         from torch.utils._pytree import tree_unflatten
 
         flat = self.graph(values)[OUTPUT]
-        return {OUTPUT: tree_unflatten(list(flat) if isinstance(flat, (tuple, list)) else [flat], self.out_spec)}
+        return {OUTPUT: tree_unflatten(list(flat) if isinstance(flat, (tuple, list)) else [flat], self.out_spec.value)}
+
+
+class _Shared:
+    """An immutable value that copies of a stage share (a pytree spec: copying one is deprecated)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 class _Whole(nn.Module):
