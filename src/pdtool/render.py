@@ -51,6 +51,10 @@ BOTTLENECK_COLOUR = "#d62728"
 _BOTTLENECK_RE = re.compile(r"^stage (\d+)\b")
 
 
+TIED_COLOUR = "#7b2cbf"
+"""Colour of the dashed lines between layers that use one parameter (tied weights)."""
+
+
 def plan_graph(plan: Plan, profile: Profile) -> graphviz.Digraph:
     """The picture of `plan` over the layer graph of `profile`, as graphviz source.
 
@@ -106,6 +110,10 @@ def plan_graph(plan: Plan, profile: Profile) -> graphviz.Digraph:
                        penwidth="2.5", color="#222222", fontcolor="#222222", arrowsize="0.9", **attrs)
         else:
             graph.edge(_node(src), _node(dst), **attrs)
+    for name, layers in profile.shared:  # tied weights: a dashed line between the layers that share one
+        for other in layers[1:]:
+            graph.edge(_node(layers[0]), _node(other), label=f"tied: {_text(name)}", style="dashed", dir="none",
+                       color=TIED_COLOUR, fontcolor=TIED_COLOUR, constraint="false", penwidth="1.5")
     return graph
 
 
@@ -194,6 +202,9 @@ def _stage_label(index: int, stage: PlanStage, plan: Plan, is_bottleneck: bool) 
              f"{_ms(stage.time_ms)} ms\\l")
     if is_bottleneck:
         label += f"BOTTLENECK: {plan.predicted.bottleneck}\\l"
+    for name, stages in plan.shared:
+        if index in stages:
+            label += f"tied: {_text(name)} (a copy on stages {', '.join(map(str, stages))})\\l"
     return label
 
 

@@ -75,7 +75,9 @@ def plan_table(plan: Plan) -> str:
         f"mode {plan.mode}, cost model {plan.cost_model}{', straight' if plan.straight else ''}"
         f"{', stages over prefixes of the layer order' if plan.state_space == 'prefixes' else ''}",
         f"profile      {plan.profile.model['spec'] if plan.profile.model else '(imported)'}, "
-        f"batch {plan.profile.batch_size}, {plan.profile.layers} layers",
+        f"batch {plan.profile.batch_size}, {plan.profile.layers} layers ({plan.profile.method})",
+        *[f"tied         {name} is used by stages {', '.join(map(str, stages))}: each holds a copy, and the copies' "
+          "gradients are added before every step" for name, stages in plan.shared],
         "",
         table,
     ]

@@ -296,6 +296,7 @@ def build_layer_graph(module: nn.Module, granularity: str = "module", depth: int
         gm, out_spec = trace_fx(module, depth), None
         unit, root = _fx_unit(gm, granularity), module
     anchors, group = assign_groups(gm, granularity, unit)
+    _attribute_reads_per_group(gm, group)
     members: list[list[fx.Node]] = [[] for _ in anchors]
     for node in gm.graph.nodes:
         if node in group:
@@ -307,6 +308,36 @@ def build_layer_graph(module: nn.Module, granularity: str = "module", depth: int
     edges = sorted({(group[p], group[n]) for n in group for p in n.all_input_nodes
                     if p in group and group[p] != group[n]})
     return LayerGraph(groups, edges, gm, module, group, method, root, out_spec, shared)
+
+
+def _attribute_reads_per_group(gm: fx.GraphModule, group: dict[fx.Node, int]) -> None:
+    """Give every group its own read of each attribute it uses: a parameter (an embedding tied to
+    an output head) or buffer read in several layers is read in each, never passed between
+    layers as if it were an activation (the stages read their own too, `runtime.stages`)."""
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:
+        by_group: dict[int, list[fx.Node]] = {}
+        for user in node.users:
+            if user in group:
+                by_group.setdefault(group[user], []).append(user)
+        if not by_group:
+            continue
+        group[node] = min(by_group)
+        for g, users in sorted(by_group.items())[1:]:
+            first = min(users, key=lambda u: _position(gm, u))
+            with gm.graph.inserting_before(first):
+                copy = gm.graph.get_attr(node.target)
+            copy.meta = dict(node.meta)
+            group[copy] = g
+            for user in users:
+                user.replace_input_with(node, copy)
+    gm.recompile()
+
+
+def _position(gm: fx.GraphModule, node: fx.Node) -> int:
+    for index, candidate in enumerate(gm.graph.nodes):
+        if candidate is node:
+            return index
+    return -1
 
 
 def _describe(node: fx.Node, gm: fx.GraphModule) -> tuple[str, str]:
