@@ -1,6 +1,6 @@
 # pdtool: `make demo` sets everything up and runs the main job; `make test` runs the tests.
-# Both create (or reuse) a virtual environment in .venv, install pdtool with torch 2.13.0 (CPU),
-# and install Debian's graphviz where they can.
+# Both create (or reuse) a virtual environment in .venv, install pdtool with torch 2.13.0 (CPU) and
+# the test and hf extras (pytest, transformers), and install Debian's graphviz where they can.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c  # `pd train ... | tee` fails when pd train does
@@ -18,7 +18,7 @@ install: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,hf]'
 	touch $@
 
 # Rendering falls back to .dot files with a warning when `dot` is missing, so failing here is not fatal.

@@ -157,3 +157,37 @@ def tied_lm(vocab=11):
         return torch.randint(0, vocab, (n, 5)), torch.randint(0, vocab, (n, 5))
 
     return _TiedLM(vocab), batch, lambda logits, target: F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
+
+
+class _ShapeBranch(nn.Module):
+    """Branches on the input's size: torch.fx cannot trace it, torch.export takes the branch of the
+    sample (static shapes), so `rare` never runs and its parameters are in no layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.common = nn.Linear(8, 4)
+        self.rare = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.rare(h) if x.shape[0] > 1000 else self.common(h)
+
+
+def shape_branch():
+    return _ShapeBranch(), _batch, F.cross_entropy
+
+
+def tied_dynamic(vocab=11):
+    """A tied language model with data-dependent control flow: neither tracer captures it."""
+    class Gated(_TiedLM):
+        def forward(self, idx):
+            h = self.mid(self.emb(idx))
+            if h.sum() > -1e9:
+                h = self.act(h)
+            return self.head(self.mid2(h))
+
+    def batch(n):
+        return torch.randint(0, vocab, (n, 5)), torch.randint(0, vocab, (n, 5))
+
+    return Gated(vocab), batch, lambda logits, target: F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))

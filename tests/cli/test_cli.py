@@ -259,3 +259,45 @@ def test_every_help_example_parses_with_its_command():
             args = shlex.split(example)[2:]
             with command.make_context(name, args) as context:
                 assert context.params
+
+
+def _profile(tmp_path, spec, name, batch=3):
+    out = tmp_path / f"{name}.profile.json"
+    result = invoke("profile", "-m", spec, "-b", str(batch), "--repeats", "1", "--warmup", "0", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    return out, result
+
+
+def test_plan_gives_tied_weights_across_stages_a_mode_that_trains_them(tmp_path):
+    profile, _ = _profile(tmp_path, "toymodels:tied_lm", "tied")
+    out = tmp_path / "tied.plan.json"
+    result = invoke("plan", str(profile), "--cluster", "4x1GB/s", "--straight", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    plan = json.loads(out.read_text())
+    assert plan["mode"] == "2bw" and plan["shared"][0]["param"] == "emb.weight" and len(plan["shared"][0]["stages"]) > 1
+    assert "pd: note: parameter emb.weight is used by stages" in result.stderr and "uses mode 2bw" in result.stderr
+    shown = invoke("show", str(out))
+    assert "tied         emb.weight is used by stages" in shown.stdout
+    refused = tmp_path / "refused.plan.json"
+    result = invoke("plan", str(profile), "--cluster", "4x1GB/s", "--straight", "--mode", "pipedream", "-o", str(refused))
+    assert_one_line_error(result, "parameter emb.weight is used by stages")
+    assert "--mode 2bw, flush or gpipe" in result.stderr and not refused.exists()
+    assert invoke("plan", str(profile), "--cluster", "4x1GB/s", "--straight", "--mode", "flush",
+                  "-o", str(refused)).exit_code == 0
+
+
+def test_plan_keeps_a_model_no_tracer_captures_in_one_stage_or_cuts_between_children(tmp_path):
+    profile, made = _profile(tmp_path, "toymodels:tied_dynamic", "dynamic")
+    assert "neither torch.fx (" in made.stderr and "nor torch.export (" in made.stderr
+    out = tmp_path / "dynamic.plan.json"
+    result = invoke("plan", str(profile), "--cluster", "4x1GB/s", "--straight", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert "planned as one stage" in result.stderr
+    assert len(json.loads(out.read_text())["stages"]) == 1
+    sequential, _ = _profile(tmp_path, "toymodels:gated_sequential", "seq")
+    result = invoke("plan", str(sequential), "--cluster", "4x1GB/s", "--straight", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    layers = Profile.load(sequential).layers
+    for stage in json.loads(out.read_text())["stages"]:  # every stage starts a child of the nn.Sequential
+        first = layers[stage["layers"][0]].name
+        assert stage["layers"][0] == 0 or layers[stage["layers"][0] - 1].name.split(".")[0] != first.split(".")[0]

@@ -133,3 +133,44 @@ def test_pd_train_optimizer_mode_and_checkpoint_flags(tmp_path):
 
     _, _, extra = load_checkpoint(ckpt / "step-00000003")
     assert any(key.endswith("::exp_avg") for key in extra)  # Adam's state is in the checkpoint
+
+
+def _refused_before_any_worker(args, fragment):
+    """`pd train` refuses in the launcher: one line, exit 1, within seconds, no worker started."""
+    import time
+
+    began = time.perf_counter()
+    result = CliRunner().invoke(cli, ["train", *args])
+    assert time.perf_counter() - began < 30
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pd: error: ") and fragment in lines[0], result.stderr
+    assert "worker rank" not in lines[0]  # the launcher said it, not a worker
+
+
+def test_pd_train_refuses_tied_weights_in_pipedream_in_the_launcher(tmp_path):
+    from pdtool.profile import ModelRef
+
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="2bw", ref=ModelRef("toymodels:tied_lm"))
+    _refused_before_any_worker([str(path), "--mode", "pipedream"], "parameter emb.weight is used by stages 0 and 1")
+
+
+def test_pd_train_refuses_data_that_does_not_fit_the_model_in_the_launcher(tmp_path):
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])  # 12 input features; the digits have 64
+    _refused_before_any_worker([str(path), "--data", "digits"], "the first minibatch of --data digits")
+
+
+def test_pd_train_refuses_a_split_of_a_model_no_tracer_captures(tmp_path):
+    import dataclasses
+
+    from pdtool.plan import Plan
+    from pdtool.profile import ModelRef
+
+    plan, path = plan_with(tmp_path, [((0, 0), 1), ((1, 2), 1)], ref=ModelRef("toymodels:dynamic"))
+    assert plan.profile.split == "none"
+    _refused_before_any_worker([str(path)], "trains as one stage only")
+    one = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], layers=tuple(range(3)),
+                                                                last_name=plan.stages[1].last_name),))
+    one.save(tmp_path / "one.plan.json")
+    result = CliRunner().invoke(cli, ["train", str(tmp_path / "one.plan.json"), "--steps", "2", "--quiet"])
+    assert result.exit_code == 0, result.output  # one stage trains the module whole

@@ -139,3 +139,21 @@ def test_in_place_ops_profile_at_every_granularity(options):
     assert_times_positive(profile)
     first, last = profile.layers[0].name, profile.layers[-1].name
     assert first == "conv1" and last.startswith("head")
+
+
+def test_export_captures_what_fx_cannot_and_names_modules_that_never_ran():
+    messages = []
+    profile = profile_model(ModelRef("toymodels:shape_branch"), batch_size=4, warn=messages.append, **FAST)
+    assert profile.method == "export" and profile.split == "graph"
+    assert names(profile) == ["a", "common"]
+    assert [m for m in messages if "never ran with the sample" in m and ": rare;" in m]
+    assert profile.param_bytes == (8 * 8 + 8 + 8 * 4 + 4) * 4  # rare's parameters are not planned
+
+
+def test_tied_weights_are_recorded_by_every_tracer():
+    for spec, method in (("toymodels:tied_lm", "fx"), ("toymodels:tied_dynamic", "modules")):
+        profile = run(spec, batch_size=3)
+        assert profile.method == method
+        first, last = names(profile).index("emb"), names(profile).index("head")
+        assert profile.shared == (("emb.weight", (first, last)),)
+        assert profile.layers[last].param_bytes == 0  # counted once, with its first user

@@ -375,7 +375,10 @@ def _parameters(module: nn.Module, gm: fx.GraphModule, members: list[list[fx.Nod
         if node.op == "call_module" and node in group:
             found = [(p, {group[node]}) for p in gm.get_submodule(node.target).parameters()]
         elif node.op == "get_attr" and isinstance(_attr(gm, node.target), nn.Parameter):
-            found = [(_attr(gm, node.target), {group[u] for u in node.users if u in group} or {group.get(node, 0)})]
+            where = {group[u] for u in node.users if u in group}
+            if not where:  # read but never used (torch.export reads every parameter, used or not)
+                continue
+            found = [(_attr(gm, node.target), where)]
         else:
             continue
         for p, where in found:
