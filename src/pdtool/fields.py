@@ -69,6 +69,18 @@ class Fields:
         return [(f"{self.where + '.' if self.where else ''}{key}[{i}]", item)
                 for i, item in enumerate(self.get(key, list, optional=optional, default=[]) or [])]
 
+    def shared(self, key: str, ids: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The optional list `key` of `{"param": NAME, ids: [int, ...]}` objects (parameters used
+        by several layers or stages), as (name, ids) pairs."""
+        found = []
+        for where, item in self.items(key, optional=True):
+            f = Fields(item, self.source, where, known=("param", ids))
+            values = f.get(ids, list)
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+                f.fail(f"expected a list of {ids[:-1]} ids", f"list the {ids} that use the parameter", ids)
+            found.append((f.get("param", str), tuple(values)))
+        return tuple(found)
+
     def child(self, key: str, known: tuple[str, ...] | None = None) -> "Fields":
         path = f"{self.where}.{key}" if self.where else key
         return Fields(self.get(key, dict), self.source, path, known)

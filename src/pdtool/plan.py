@@ -257,13 +257,7 @@ class Plan(SchemaChecked):
                              pf.count("batch_size", 1), pf.count("layers", 1), method,
                              pf.get("granularity", str), pf.get("depth", int, optional=True),
                              pf.get("split", str, optional=True, default="children" if method == "modules" else "graph"))
-        shared = []
-        for where, item in top.items("shared", optional=True):
-            f = Fields(item, source, where, known=("param", "stages"))
-            ids = f.get("stages", list)
-            if not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
-                f.fail("expected a list of stage ids", "list the stages that use the parameter", "stages")
-            shared.append((f.get("param", str), tuple(ids)))
+        shared = top.shared("shared", "stages")
         stages = []
         for where, item in top.items("stages"):
             f = Fields(item, source, where, known=("id", "layers", "first_layer", "last_layer", "replicas", "ranks",
@@ -304,7 +298,7 @@ class Plan(SchemaChecked):
         prov = top.child("provenance", known=("command", "pdtool_version"))
         return cls(profile=profile, cluster=Cluster.from_json(top.get("cluster", dict), f"{source}: cluster"),
                    cost_model=top.get("cost_model", str), straight=top.get("straight", bool), mode=top.get("mode", str),
-                   state_space=top.get("state_space", str), shared=tuple(shared), stages=tuple(stages),
+                   state_space=top.get("state_space", str), shared=shared, stages=tuple(stages),
                    groups=tuple(groups),
                    predicted=Prediction(pr.number("time_per_minibatch_ms"), pr.get("bottleneck", str),
                                         pr.number("single_worker_ms"), pr.number("data_parallel_ms"), *simulated),

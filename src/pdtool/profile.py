@@ -201,20 +201,14 @@ class Profile(SchemaChecked):
                     and all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
                 top.fail(f"{where}: expected a pair of layer ids [src, dst], found {item!r:.40}", "fix the edge")
             edges.append((item[0], item[1]))
-        shared = []
-        for where, item in top.items("shared", optional=True):
-            f = Fields(item, source, where, known=("param", "layers"))
-            ids = f.get("layers", list)
-            if not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
-                f.fail("expected a list of layer ids", "list the ids of the layers that use the parameter", "layers")
-            shared.append((f.get("param", str), tuple(ids)))
+        shared = top.shared("shared", "layers")
         method = top.get("method", str)
         return cls(
             model=model, batch_size=top.count("batch_size", 1), inputs=tuple(inputs),
             device=top.get("device", str), torch_version=top.get("torch_version", str),
             fingerprint=top.get("fingerprint", str), method=method,
             split=top.get("split", str, optional=True, default="children" if method == "modules" else "graph"),
-            shared=tuple(shared),
+            shared=shared,
             granularity=top.get("granularity", str), depth=top.get("depth", int, optional=True),
             repeats=top.count("repeats"), step_ms=top.number("step_ms"),
             step_ms_spread=top.number("step_ms_spread"), layers=tuple(layers), edges=tuple(edges),

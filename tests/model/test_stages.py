@@ -118,10 +118,12 @@ def run_backward(stages, records, loss):
     return grads
 
 
+@pytest.mark.parametrize("method", ["fx", "export"])
 @pytest.mark.parametrize("name,starts", CASES, ids=[f"{n}-{len(s) + 1}" for n, s in CASES])
-def test_stages_give_the_models_output_and_gradients(name, starts):
+def test_stages_give_the_models_output_and_gradients(name, starts, method):
     module, inputs, target = MODELS[name]()
-    stages = build_stages(module, spans(ranges_for(module, starts)), **FX)
+    stages = build_stages(module, spans(ranges_for(module, starts)), method=method, granularity="module", depth=None,
+                          inputs=inputs)
     assert len(stages) == len(starts) + 1
     records = run_forward(stages, inputs)
     out = records[-1][1]["output"]
@@ -154,6 +156,19 @@ def test_each_stage_owns_exactly_its_layers_parameters(name, starts):
     assert sorted(seen) == sorted(whole)  # every parameter exactly once
     buffers = [q for stage in stages for q in stage.buffer_names.values()]
     assert sorted(buffers) == sorted(n for n, _ in module.named_buffers())
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("depth", [None, 1, 2])
+def test_torch_export_finds_the_layers_torch_fx_finds(name, depth):
+    """The same granularity from either tracer: the ops of one module call fold into one layer
+    (module-stack metadata) exactly as fx keeps that call whole, and `--depth` works alike."""
+    module, inputs, _ = MODELS[name]()
+    exported = build_layer_graph(module, depth=depth, method="export", inputs=inputs)
+    traced = build_layer_graph(module, depth=depth)
+    assert [g.name for g in exported.groups] == [g.name for g in traced.groups]
+    assert [g.params for g in exported.groups] == [g.params for g in traced.groups]
+    assert exported.edges == traced.edges
 
 
 @pytest.mark.parametrize("name,options,starts", [

@@ -241,9 +241,8 @@ def _export_unit(module: nn.Module, granularity: str, depth: int | None):
             return node
         call = _call_of(node, module, depth)
         if call is not None:
-            key, path, sub = call
-            trivial = isinstance(sub, TRIVIAL_MODULES) and not (depth is not None and path.count(".") + 1 >= depth)
-            return None if trivial else ("call", key)
+            key, _, sub = call
+            return None if isinstance(sub, TRIVIAL_MODULES) else ("call", key)
         return node if _aten_name(node) in HEAVY_ATEN else None
     return unit
 
