@@ -64,3 +64,16 @@ def test_the_digits_example_trains_and_reports_its_accuracy(tmp_path):
     again = make(tmp_path, *args)
     assert again.returncode == 0 and "pd train" in again.stdout
     assert "pd profile" not in again.stdout and "pd plan" not in again.stdout
+
+
+def test_the_gpt2_example_copied_elsewhere_trains_its_own_model(tmp_path):
+    """What a user does: copy examples/gpt2 (factory file and Makefile) and run make."""
+    pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+    for name in ("Makefile", "gpt2_text.py"):
+        shutil.copy(ROOT / "examples" / "gpt2" / name, tmp_path / name)
+    result = make(tmp_path, f"PDTOOL={ROOT}", f"PD={Path(sys.executable).parent / 'pd'}", "STEPS=3",
+                  "PD_ARGS_gpt2=-b 2 --threads 1 --repeats 1 --warmup 0 -q")
+    assert result.returncode == 0, result.stderr
+    assert "uses mode 2bw" in result.stderr  # the tied head: pd plan chose the mode and said why
+    assert "loss " in result.stdout and " at step 3 " in result.stdout
+    assert (tmp_path / "gpt2.svg").exists()
