@@ -184,12 +184,17 @@ class Plan(SchemaChecked):
                     f"modules (neither torch.fx nor torch.export captured the model), so it trains as one stage "
                     "only; plan it again with the current pd plan (which keeps it in one stage)")
         if self.shared and mode not in TIE_MODES:
-            name, stages = self.shared[0]
-            listed = ", ".join(map(str, stages[:-1])) + f" and {stages[-1]}"
-            return (f"parameter {name} is used by stages {listed} (tied weights), and mode {mode!r} would update its "
-                    f"copies after different minibatches; use --mode 2bw, flush or gpipe (they add the copies' "
-                    "gradients before every step), or plan fewer stages")
+            return (f"{self.describe_shared()} (tied weights), and mode {mode!r} would update its copies after "
+                    "different minibatches; use --mode 2bw, flush or gpipe (they add the copies' gradients before "
+                    "every step), or plan fewer stages")
         return None
+
+    def describe_shared(self) -> str:
+        """'parameter X is used by stages 0 and 3' (and how many more such parameters there are)."""
+        name, stages = self.shared[0]
+        listed = ", ".join(map(str, stages[:-1])) + f" and {stages[-1]}"
+        more = len(self.shared) - 1
+        return f"parameter {name}{f' (and {more} more)' if more else ''} is used by stages {listed}"
 
     @property
     def workers(self) -> int:

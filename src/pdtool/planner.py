@@ -72,9 +72,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     if plan.untrainable() is not None:
         if mode is not None:
             raise PlanError(plan.untrainable())
-        name, users = plan.shared[0]
-        say(f"parameter {name} is used by stages {', '.join(map(str, users))} (tied weights), which "
-            f"{chosen} cannot keep equal: the plan uses mode 2bw (every stage steps at batch boundaries after the "
+        say(f"{plan.describe_shared()} (tied weights), whose copies {chosen} cannot keep equal: the plan uses mode 2bw (every stage steps at batch boundaries after the "
             "sharing stages add their gradients; --mode flush or gpipe work too)")
         plan = dataclasses.replace(plan, mode="2bw")
     return _with_simulation(plan) if simulate else plan

@@ -157,3 +157,12 @@ def test_tied_weights_are_recorded_by_every_tracer():
         first, last = names(profile).index("emb"), names(profile).index("head")
         assert profile.shared == (("emb.weight", (first, last)),)
         assert profile.layers[last].param_bytes == 0  # counted once, with its first user
+
+
+def test_an_exported_profile_of_a_traceable_model_equals_its_fx_profile():
+    kwargs = dict(width=4, image_size=32, classes=3, blocks=[1])  # batch norm: buffers updated in the graph
+    exported, traced = run("pdtool.zoo:resnet50", kwargs, method="export"), run("pdtool.zoo:resnet50", kwargs)
+    assert exported.method == "export" and names(exported) == names(traced) and exported.edges == traced.edges
+    assert [l.param_bytes for l in exported.layers] == [l.param_bytes for l in traced.layers]
+    assert [l.act_bytes for l in exported.layers] == [l.act_bytes for l in traced.layers]
+    assert_times_positive(exported)

@@ -63,7 +63,15 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
         except Untraceable as exc:
             reasons[tracer] = str(exc)
             continue
-        layers, edges = _profile_graph(graph, module, inputs, repeats, warmup, clock, progress)
+        try:
+            layers, edges = _profile_graph(graph, module, inputs, repeats, warmup, clock, progress)
+        except ProfileError:
+            raise
+        except Exception as exc:  # a graph that captured but does not run layer by layer
+            text = str(exc).strip()
+            raise ProfileError(f"{ref.spec}: timing the layers of its torch.{tracer} graph failed with "
+                               f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}; profile it with "
+                               "--method modules (and please report it)") from None
         shared, used = tuple(sorted(graph.shared.items())), tracer
         planned = {name for group in graph.groups for name in group.params}
         break

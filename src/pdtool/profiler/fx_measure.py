@@ -50,7 +50,9 @@ def measure_split(split: fx.GraphModule, inputs: tuple[torch.Tensor, ...], *, re
     recorder = _RecordCalls(split)
     with torch.no_grad():
         recorder.run(*inputs)
-    originals = {id(t) for t in inputs}
+    # model inputs and the model's own buffers (an exported graph passes them to the layer that
+    # reads them) are data: no gradient flows to them
+    originals = {id(t) for t in inputs} | {id(b) for b in split.buffers()}
 
     def as_leaf(value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
