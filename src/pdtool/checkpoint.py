@@ -207,6 +207,11 @@ def _step_folders(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def existing_steps(root: str | os.PathLike) -> list[int]:
+    """The steps of the checkpoint folders under `root` (complete or not), newest first."""
+    return [step for step, _ in _step_folders(Path(root))]
+
+
 def latest_complete(root: str | os.PathLike, warn: Callable[[str], None] | None = None) -> Path | None:
     """The newest complete checkpoint folder under `root`, or None if there is none.
 

@@ -174,3 +174,10 @@ def test_pd_train_refuses_a_split_of_a_model_no_tracer_captures(tmp_path):
     one.save(tmp_path / "one.plan.json")
     result = CliRunner().invoke(cli, ["train", str(tmp_path / "one.plan.json"), "--steps", "2", "--quiet"])
     assert result.exit_code == 0, result.output  # one stage trains the module whole
+
+
+def test_pd_train_refuses_to_overwrite_checkpoints_without_resume(tmp_path):
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
+    (tmp_path / "ckpt" / "step-00000003").mkdir(parents=True)
+    _refused_before_any_worker([str(path), "--checkpoint-dir", str(tmp_path / "ckpt")],
+                               "already holds checkpoints (newest: step 3)")

@@ -316,7 +316,8 @@ def test_check_model_refuses_another_model_or_granularity(mlp_plan):
     one_line_error(lambda: check_model(by_op, same), "the plan has 4 layers but this model has 7 at granularity op")
 
 
-def test_a_stage_may_be_a_down_set_difference_rather_than_a_range():
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_a_stage_may_be_a_down_set_difference_rather_than_a_range(method):
     """Stage 0 runs a residual block's main branch start but not its downsample branch, which
     stage 1 runs (a cut the planner's down-set states allow on branchy graphs)."""
     module, inputs, target = MODELS["resnet"]()
@@ -324,7 +325,7 @@ def test_a_stage_may_be_a_down_set_difference_rather_than_a_range():
     main = {names.index(n) for n in ("conv1", "bn1", "maxpool", "layer1.0.conv1", "layer1.0.bn1")}
     rest = [i for i in range(len(names)) if i not in main]
     assert names.index("layer1.0.downsample.0") in rest and min(rest) < max(main)  # not a range
-    stages = build_stages(module, [sorted(main), rest], **FX)
+    stages = build_stages(module, [sorted(main), rest], method=method, granularity="module", depth=None, inputs=inputs)
     assert stages[0].layers == tuple(sorted(main))
     records = run_forward(stages, inputs)
     out = records[-1][1]["output"]

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint import MANIFEST, latest_complete, read_manifest, shard_name, write_manifest
+from ..checkpoint import MANIFEST, existing_steps, latest_complete, read_manifest, shard_name, write_manifest
 from ..errors import LaunchError
 from ..jsonio import write_text_atomic
 from ..plan import Plan
@@ -71,6 +71,10 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
                 raise LaunchError(f"the newest checkpoint ({folder}) is already at step {done} >= --steps "
                                   f"{config.steps}; ask for more steps")
             config = dataclasses.replace(config, resume=str(folder), first_step=done, steps=config.steps - done)
+    elif config.checkpoint_dir and existing_steps(config.checkpoint_dir):
+        raise LaunchError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints (newest: step "
+                          f"{existing_steps(config.checkpoint_dir)[0]}), which this run would overwrite; add --resume "
+                          "to continue from them, or give an empty or new folder")
     from .worker import make_schedule, minibatches_per_step
 
     per_step = minibatches_per_step(make_schedule(plan, dataclasses.replace(config, steps=1)))
