@@ -308,7 +308,9 @@ def evaluate(module: torch.nn.Module, data: Any, batch_size: int = 256) -> float
     try:
         with torch.no_grad():
             for inputs, target in batches:
-                predicted = module(*inputs).argmax(dim=-1)
+                output = module(*inputs)
+                logits = getattr(output, "logits", output)  # a Hugging Face ModelOutput carries its logits
+                predicted = logits.argmax(dim=-1)
                 correct += int((predicted == target).sum())
                 total += target.numel()
     finally:
