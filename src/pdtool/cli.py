@@ -333,8 +333,13 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
         if held_out(data) is None:
             raise click.UsageError("--evaluate needs a data set with a held-out split: --data digits, or a factory "
                                    "that takes train=False")
+    from .modelspec import local_origin
     from .runtime.preflight import preflight
 
+    origin = local_origin(plan.profile.model["spec"]) if plan.profile.model else None
+    if origin:  # the plan names code of the current folder: say which file runs before it does
+        click.echo(f"pd: importing the plan's model factory {plan.profile.model['spec']} from {origin} "
+                   "(current folder)", err=True)
     checked = preflight(plan, plan_path, mode, data, seed)  # before any worker starts: one line within seconds
     if epochs:
         config = _with_epochs(config, plan, epochs, checked.batches_per_epoch)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -77,17 +79,69 @@ def parse_model_args(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
     return kwargs
 
 
-def resolve_factory(spec: str, error: type[PdtoolError] = ModelError, what: str = "model",
-                    example: str = "pdtool.zoo:resnet50") -> Callable[..., Any]:
-    """Import `pkg.module:factory` (the current folder is importable, as with `python -m`).
+# Packages whose functions are tools, not model factories: a spec naming one of them (or the
+# standard library) is refused before anything is imported, so a plan file cannot make `pd`
+# call, e.g., `os:system`, `subprocess:run` or `torch.hub:load` (which runs a hubconf.py).
+NOT_FACTORIES = frozenset({
+    "torch", "torchvision", "torchaudio", "transformers", "huggingface_hub", "numpy", "pandas", "scipy",
+    "networkx", "click", "graphviz", "jsonschema", "pip", "setuptools", "pkg_resources", "_distutils_hack",
+    "pytest", "_pytest", "IPython", "jupyter_core", "matplotlib",
+})
 
-    Every failure is one `error` line about the `what` (model, data, ...) named by `spec`.
+
+def _refused_package(module_name: str) -> str | None:
+    """Why a factory may not come from `module_name` (a module or a function's `__module__`), or None."""
+    top = module_name.split(".")[0]
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "builtins":
+        return f"{top} is Python's standard library"
+    if top in NOT_FACTORIES:
+        return f"{top} is a tool package, not a model factory's"
+    return None
+
+
+def _import_path() -> None:
+    """Make the current folder importable, after every installed package (as `python -m` does,
+    but never shadowing an installed package with a same-named file of the current folder)."""
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+
+
+def local_origin(spec: str) -> str | None:
+    """The file of the current folder that importing `spec`'s module would run first (its
+    top-level module or package), or None when it comes from an installed package (or nowhere).
+    Looked up without importing anything."""
+    top = spec.partition(":")[0].split(".")[0]
+    if not top.isidentifier() or top in sys.modules:
+        return None
+    _import_path()
+    try:
+        found = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(found, "origin", None) or ""
+    folder = os.path.realpath(os.getcwd())
+    if origin and os.path.realpath(origin).startswith(folder + os.sep):
+        return os.path.relpath(origin)
+    return None
+
+
+def resolve_factory(spec: str, error: type[PdtoolError] = ModelError, what: str = "model",
+                    example: str = "pdtool.zoo:resnet50", strict: bool = True) -> Callable[..., Any]:
+    """Import `pkg.module:factory` (the current folder is importable after installed packages).
+
+    With `strict` (model specs, which plan and profile files carry), the factory must be a
+    Python function outside the standard library and the tool packages (`NOT_FACTORIES`): the
+    package is checked before it is imported, the function after. Every failure is one
+    `error` line about the `what` (model, data, ...) named by `spec`.
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise error(f"{what} {spec!r} is not of the form pkg.module:factory; write e.g. {example}")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    refused = _refused_package(module_name) if strict else None
+    if refused:
+        raise error(f"{what} {spec!r} does not name a {what} factory ({refused}), so pd will not import or call it; "
+                    f"name a function of your own that builds the {what}, e.g. {example}")
+    _import_path()
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -105,6 +159,12 @@ def resolve_factory(spec: str, error: type[PdtoolError] = ModelError, what: str 
             raise error(f"{what} {spec!r}: {module_name} has no attribute {attr!r}; check the factory name")
     if not callable(factory):
         raise error(f"{what} {spec!r}: {attr} is not callable; name a function that builds the {what}")
+    if strict:
+        where = _refused_package(getattr(factory, "__module__", None) or "builtins")
+        if not inspect.isfunction(factory) or where:
+            kind = where or f"a {type(factory).__name__}, not a Python function"
+            raise error(f"{what} {spec!r} does not name a {what} factory ({kind}), so pd will not call it; name a "
+                        f"function of your own that builds the {what}, e.g. {example}")
     return factory
 
 

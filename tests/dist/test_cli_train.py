@@ -181,3 +181,32 @@ def test_pd_train_refuses_to_overwrite_checkpoints_without_resume(tmp_path):
     (tmp_path / "ckpt" / "step-00000003").mkdir(parents=True)
     _refused_before_any_worker([str(path), "--checkpoint-dir", str(tmp_path / "ckpt")],
                                "already holds checkpoints (newest: step 3)")
+
+
+def test_a_plan_naming_a_non_factory_runs_nothing(tmp_path, monkeypatch):
+    import json
+
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
+    data = json.loads(path.read_text())
+    data["profile"]["model"] = {"spec": "os:system", "kwargs": {"command": "touch PWNED"}}
+    path.write_text(json.dumps(data))
+    monkeypatch.chdir(tmp_path)
+    _refused_before_any_worker([str(path)], "model 'os:system' does not name a model factory")
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_pd_train_says_which_file_of_the_current_folder_the_plan_imports(tmp_path, monkeypatch):
+    import json
+    import shutil
+    from pathlib import Path
+
+    _, path = plan_with(tmp_path, [((0, 3), 1)])
+    shutil.copy(Path(__file__).resolve().parents[1] / "toymodels.py", tmp_path / "mylocalmodels.py")
+    data = json.loads(path.read_text())
+    data["profile"]["model"]["spec"] = "mylocalmodels:missing_factory"
+    path.write_text(json.dumps(data))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["train", str(path)])
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[0] == ("pd: importing the plan's model factory mylocalmodels:missing_factory "
+                                             "from mylocalmodels.py (current folder)")

@@ -68,3 +68,29 @@ def test_full_size_zoo_models_have_their_published_parameter_counts():
     count = lambda spec: sum(p.numel() for p in load_model(ModelRef(spec)).module.parameters())  # noqa: E731
     assert count("pdtool.zoo:resnet50") == 25_557_032  # torchvision's resnet50
     assert count("pdtool.zoo:vgg16") == 138_357_544  # torchvision's vgg16
+
+
+@pytest.mark.parametrize("spec", ["os:system", "subprocess:run", "builtins:eval", "runpy:run_path", "torch.hub:load",
+                                  "torch:load", "toymodels:run_command", "toymodels:Dynamic", "toymodels:CALLABLE"])
+def test_a_model_spec_resolves_only_to_a_factory_function_of_a_model_package(spec, tmp_path, monkeypatch):
+    """Plan and profile files carry the model spec: it must not reach the standard library, a tool
+    package's function (also re-exported from a model module), a class or any other callable."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match="does not name a model factory") as info:
+        load_model(ModelRef(spec, {"command": "touch PWNED", "path": "PWNED"}))
+    assert "\n" not in str(info.value) and not (tmp_path / "PWNED").exists()
+
+
+def test_the_current_folder_never_shadows_an_installed_module(tmp_path):
+    """A file of the current folder named like an importable module is not what gets imported."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    (tmp_path / "toymodels.py").write_text("open('SHADOWED', 'w').close()\n")
+    env = dict(os.environ, PYTHONPATH=str(tests))
+    code = "from pdtool.modelspec import load_model; from pdtool.profile import ModelRef; load_model(ModelRef('toymodels:dynamic'))"
+    subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, env=env, check=True)  # -P: as the pd script
+    assert not (tmp_path / "SHADOWED").exists()
