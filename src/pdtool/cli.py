@@ -111,7 +111,7 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
     """
     if (spec is None) == (graph_txt is None):
         raise click.UsageError("give exactly one of --model and --from-pipedream")
-    check_writable(output)
+    check_writable(output, (graph_txt,) if graph_txt else ())
     if graph_txt is not None:
         from .pipedream_import import load_pipedream_graph
 
@@ -175,7 +175,7 @@ def plan(profile_path, cluster_spec, memory, straight, cost_model, mode, optimiz
     from .planner import make_plan
     from .profile import Profile
 
-    check_writable(output)
+    check_writable(output, (profile_path,) + ((cluster_spec,) if os.path.isfile(cluster_spec) else ()))
     cluster = parse_cluster(cluster_spec, memory)
     profile = Profile.load(profile_path)
     command = " ".join(["pd plan", os.path.basename(profile_path), "--cluster", cluster_spec]
@@ -221,7 +221,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path):
     from .simulate import chrome_trace, simulate as run_simulation, write_trace
 
     if trace_path is not None:
-        check_writable(trace_path)
+        check_writable(trace_path, (plan_path,))
     data = read_json(plan_path)
     if isinstance(data, dict) and data.get("schema") == PROFILE_SCHEMA:
         raise ArtifactError(f"{plan_path} is a profile ({PROFILE_SCHEMA}), not a plan; make a plan from it first: "
@@ -322,7 +322,7 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
         raise click.UsageError("--rdzv-endpoint numbers the machines itself: drop --node-rank and --master-port")
     for path in (metrics_path, trace_path):
         if path:
-            check_writable(path)
+            check_writable(path, (plan_path,) + tuple(p for p in (metrics_path, trace_path) if p and p != path))
     config = RunConfig(plan_path=os.path.abspath(plan_path), steps=steps, mode=mode, group=group, seed=seed,
                        optimizer=OptimizerConfig(optimizer, lr, momentum, weight_decay), timeout_s=timeout_s,
                        threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
@@ -432,7 +432,9 @@ def show(artifact, top, picture, profile_path):
         if picture:
             from .render import render_plan
 
-            written, warning = render_plan(plan, Profile.load(profile_path or _sibling_profile(artifact)), picture)
+            source = profile_path or _sibling_profile(artifact)
+            check_writable(picture, (artifact, source))
+            written, warning = render_plan(plan, Profile.load(source), picture)
             if warning:
                 click.echo(f"pd: warning: {warning}", err=True)
             click.echo(f"wrote {written}", err=True)

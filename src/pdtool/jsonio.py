@@ -43,8 +43,12 @@ def canonical_json(data: Any) -> str:
     return json.dumps(_round(data, ""), sort_keys=True, indent=2, allow_nan=False) + "\n"
 
 
-def check_writable(path: str | os.PathLike) -> Path | None:
-    """Fail early, before long work, if `path` cannot be written; returns its folder ("-": None)."""
+def check_writable(path: str | os.PathLike, inputs: tuple[str | os.PathLike, ...] = ()) -> Path | None:
+    """Fail early, before long work, if `path` cannot be written; returns its folder ("-": None).
+
+    Refused: a missing or read-only folder, a folder, an existing path that is not a regular
+    file (a device such as /dev/null, a pipe: writing replaces it with a file), and any of the
+    command's `inputs` (writing would destroy what the command reads)."""
     if str(path) == "-":
         return None
     target = Path(path)
@@ -53,6 +57,13 @@ def check_writable(path: str | os.PathLike) -> Path | None:
         raise ArtifactError(f"cannot write {target}: folder {folder} does not exist; create it first")
     if target.is_dir():
         raise ArtifactError(f"cannot write {target}: it is a folder; give a file name")
+    if os.path.lexists(target) and not target.is_file():
+        raise ArtifactError(f"cannot write {target}: it exists and is not a regular file (a device, pipe or broken "
+                            "link), which the atomic write would replace; give a file name")
+    for source in inputs:
+        if str(source) != "-" and os.path.exists(source) and os.path.exists(target) and os.path.samefile(source, target):
+            raise ArtifactError(f"cannot write {target}: it is also this command's input {source}, which the output "
+                                "would replace; give another output file")
     if not os.access(folder, os.W_OK):
         raise ArtifactError(f"cannot write {target}: folder {folder} is not writable; choose another output")
     return folder

@@ -301,3 +301,22 @@ def test_plan_keeps_a_model_no_tracer_captures_in_one_stage_or_cuts_between_chil
     for stage in json.loads(out.read_text())["stages"]:  # every stage starts a child of the nn.Sequential
         first = layers[stage["layers"][0]].name
         assert stage["layers"][0] == 0 or layers[stage["layers"][0] - 1].name.split(".")[0] != first.split(".")[0]
+
+
+def test_an_output_that_is_an_input_or_not_a_regular_file_is_refused(tmp_path):
+    import os
+
+    profile = tmp_path / "m.profile.json"
+    assert invoke("profile", *TINY, "-o", str(profile)).exit_code == 0
+    before = profile.read_bytes()
+    assert_one_line_error(invoke("plan", str(profile), "--cluster", "2x1GB/s", "-o", str(profile)),
+                          "it is also this command's input")
+    assert profile.read_bytes() == before
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert_one_line_error(invoke("plan", str(profile), "--cluster", "2x1GB/s", "-o", str(fifo)),
+                          "it exists and is not a regular file")
+    assert fifo.is_fifo()
+    plan = tmp_path / "m.plan.json"
+    assert invoke("plan", str(profile), "--cluster", "2x1GB/s", "-o", str(plan)).exit_code == 0
+    assert_one_line_error(invoke("simulate", str(plan), "--trace", str(plan)), "it is also this command's input")
