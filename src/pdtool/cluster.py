@@ -34,6 +34,12 @@ from .units import (BANDWIDTH_FORMS, exact_bandwidth, exact_bytes, format_bandwi
 SCHEMA = "pdtool.cluster/1"
 
 
+MAX_WORKERS = 16384
+"""Most workers a cluster may have: the planner's tables grow with the workers of a level."""
+MIN_BANDWIDTH, MAX_BANDWIDTH = 1.0, 1e18
+"""Bandwidths pdtool plans for, bytes/s: 1 B/s to 1 EB/s (a typo such as 2x1e-30B/s or 2x1e30GB/s is refused)."""
+
+
 @dataclass(frozen=True)
 class Level:
     """One level of the hierarchy: `count` units (workers at level 0, servers at level 1, ...)
@@ -45,10 +51,16 @@ class Level:
     def __post_init__(self) -> None:
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
             raise PlanError(f"a cluster level needs a count >= 1, not {self.count!r}; e.g. 4x12GB/s")
+        if self.count > MAX_WORKERS:
+            raise PlanError(f"a cluster level of {self.count} units is more than pdtool plans for (at most "
+                            f"{MAX_WORKERS} workers in all); describe a smaller cluster")
         if isinstance(self.bandwidth, bool) or not isinstance(self.bandwidth, (int, float)) \
                 or not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
             raise PlanError(f"a cluster level needs a positive bandwidth in bytes/s, not {self.bandwidth!r}; "
                             f"e.g. {BANDWIDTH_FORMS}")
+        if not MIN_BANDWIDTH <= self.bandwidth <= MAX_BANDWIDTH:
+            raise PlanError(f"bandwidth {self.bandwidth:g} B/s is outside what pdtool plans for (1 B/s to 1 EB/s); "
+                            f"give a real link's bandwidth, e.g. {BANDWIDTH_FORMS}")
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,9 @@ class Cluster(SchemaChecked):
         if not isinstance(self.levels, tuple) or not self.levels \
                 or not all(isinstance(level, Level) for level in self.levels):
             raise PlanError("a cluster needs at least one level (a tuple of Level); e.g. 4x12GB/s,4x10Gbit/s")
+        if self.workers > MAX_WORKERS:
+            raise PlanError(f"a cluster of {self.workers} workers is more than pdtool plans for (at most {MAX_WORKERS}); "
+                            "describe a smaller cluster")
         if self.memory is not None and (isinstance(self.memory, bool) or not isinstance(self.memory, int)
                                         or self.memory < 1):
             raise PlanError(f"memory per worker must be a whole number of bytes >= 1 or None, not {self.memory!r}")

@@ -5,9 +5,16 @@ gets the same kind of one-line message: `FILE: FIELD: PROBLEM; FIX`.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .errors import ArtifactError
+
+MAX_COUNT = 2**50
+"""Largest integer an artifact field may hold (bytes, counts): 1 PiB, far beyond any model,
+well inside a float's exact integers, so sums over layers stay exact."""
+MAX_NUMBER = 1e12
+"""Largest number an artifact field may hold (milliseconds: about 30 years)."""
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
                list: "a list", dict: "an object"}
@@ -51,16 +58,22 @@ class Fields:
             self.fail(f"expected {wanted}, found {describe(value)}", "fix the value or regenerate the file", key)
         return value
 
-    def number(self, key: str, minimum: float = 0.0) -> float:
+    def number(self, key: str, minimum: float = 0.0, maximum: float = MAX_NUMBER) -> float:
         value = self.get(key, float)
+        if not math.isfinite(value):
+            self.fail(f"must be a finite number, found {value}", "fix the value or regenerate the file", key)
         if value < minimum:
             self.fail(f"must be >= {minimum:g}, found {value:g}", "fix the value or regenerate the file", key)
+        if value > maximum:
+            self.fail(f"must be <= {maximum:g}, found {value:g}", "fix the value or regenerate the file", key)
         return value
 
-    def count(self, key: str, minimum: int = 0) -> int:
+    def count(self, key: str, minimum: int = 0, maximum: int = MAX_COUNT) -> int:
         value = self.get(key, int)
         if value < minimum:
             self.fail(f"must be >= {minimum}, found {value}", "fix the value or regenerate the file", key)
+        if value > maximum:
+            self.fail(f"must be <= {maximum} (2**50), found {value}", "fix the value or regenerate the file", key)
         return value
 
     def items(self, key: str, optional: bool = False) -> list[tuple[str, "Fields | Any"]]:

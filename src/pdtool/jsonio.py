@@ -117,13 +117,26 @@ def read_json(path: str | os.PathLike) -> Any:
         raise ArtifactError(f"{path}: is a folder, not a JSON file; give the file inside it") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{path}: cannot read it ({exc}); check the file and its permissions") from None
+    def refuse_constant(name: str) -> Any:
+        raise ArtifactError(f"{path}: {name} is not a number pdtool reads (JSON artifacts hold finite numbers only); "
+                            "put a finite value there or regenerate the file")
+
+    def finite_float(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            raise ArtifactError(f"{path}: the number {literal} is too large (beyond a float's range); put a finite "
+                                "value there or regenerate the file")
+        return value
+
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=refuse_constant, parse_float=finite_float)
     except json.JSONDecodeError as exc:
         raise ArtifactError(
             f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
             "regenerate the file or fix it by hand"
         ) from None
+    except RecursionError:
+        raise ArtifactError(f"{path}: JSON nested too deeply to be a pdtool file; check the file") from None
 
 
 def round_sig(value: float) -> float:

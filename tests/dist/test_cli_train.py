@@ -210,3 +210,21 @@ def test_pd_train_says_which_file_of_the_current_folder_the_plan_imports(tmp_pat
     assert result.exit_code == 1
     assert result.stderr.splitlines()[0] == ("pd: importing the plan's model factory mylocalmodels:missing_factory "
                                              "from mylocalmodels.py (current folder)")
+
+
+def test_a_diverging_run_stops_in_one_line_and_keeps_a_finite_checkpoint(tmp_path):
+    import torch
+
+    from pdtool.checkpoint import latest_complete, load_checkpoint
+    from pdtool.profile import ModelRef
+
+    digits = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": 16, "depth": 2, "classes": 10})
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=digits, batch_size=32)
+    ckpt = tmp_path / "ckpt"
+    result = CliRunner().invoke(cli, ["train", str(path), "--data", "digits", "--lr", "1000000", "--steps", "100",
+                                      "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--quiet"])
+    assert result.exit_code == 1
+    line = result.stderr.strip().splitlines()[-1]
+    assert "training diverged; lower --lr" in line and ("the loss became" in line or "is not finite" in line)
+    _, tensors, _ = load_checkpoint(latest_complete(ckpt))
+    assert all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())

@@ -270,7 +270,7 @@ def test_json_errors_name_file_and_field(tmp_path, data, fragment):
     parse_cluster("cluster-a"),
     parse_cluster("cluster-b:3", memory="12GB"),
     parse_cluster("4x12GB/s,4x10Gbit/s"),
-    Cluster(levels=(Level(3, 1234567891.123), Level(2, 0.1)), memory=123_456_789),
+    Cluster(levels=(Level(3, 1234567891.123), Level(2, 100.1)), memory=123_456_789),
 ])
 def test_json_round_trip_is_exact(cluster, tmp_path):
     data = cluster.to_json()

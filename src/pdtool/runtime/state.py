@@ -72,6 +72,11 @@ class ShardSaver:
             folder = checkpoint_folder(self.root, step)
             folder.mkdir(parents=True, exist_ok=True)
             tensors, extra = stage_state(self.worker)
+            bad = next((name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()),
+                       None)
+            if bad is not None:  # no shard: this checkpoint stays incomplete, --resume takes the one before
+                raise LaunchError(f"weight {bad} of stage {self.worker.index} is not finite at step {step}: training "
+                                  "diverged; lower --lr, then --resume from the last complete checkpoint")
             save_shard(folder, self.worker.index, tensors, extra)
         return step is not None
 

@@ -7,6 +7,7 @@ mismatch is one clear error instead of a hang.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -226,6 +227,11 @@ def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, bat
             began = clock()
             out = worker.forward(b, values, target)
             report.events.append((str(action), began, clock()))
+            if last and not math.isfinite(out):
+                step = (first + b) // minibatches_per_step(schedule) + 1
+                raise LaunchError(f"the loss became {out} at step {step} (minibatch {first + b}, last stage {s}): "
+                                  "training diverged; lower --lr, then --resume from the last checkpoint (written "
+                                  "before this step, it is kept)")
             if not last:
                 link.send([out[t.name] for t in specs[s]] + [target], peer(s + 1, b), b, ACTIVATION)
         elif action.kind == "B":
