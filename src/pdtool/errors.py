@@ -38,3 +38,11 @@ class ScheduleError(PdtoolError):
 
 class LaunchError(PdtoolError):
     """Workers could not be started, or one of them failed."""
+
+
+class Interrupted(PdtoolError):
+    """`pd train` was stopped by a signal (Ctrl-C, SIGTERM): exit code 128 + the signal's number."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -28,9 +28,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from ..errors import LaunchError
 
 ACTIVATION, GRADIENT = 0, 1
 _MAX_TENSORS = 256
@@ -67,12 +70,16 @@ class Link:
     """Messages of one worker: activations from the previous stage and to the next one,
     gradients from the next stage and to the previous one."""
 
-    def __init__(self, device: torch.device, window: int, groups: dict[tuple[int, int], object] | None = None):
+    def __init__(self, device: torch.device, window: int, groups: dict[tuple[int, int], object] | None = None,
+                 timeout_s: float | None = None, rank: int | None = None, on_silence=None):
         self.device = device
         self.window = window  # unconfirmed messages per link and direction (module docstring)
         self.groups = groups or {}  # (peer, direction) -> process group; the default group if absent
-        self.pending: dict[tuple[int, int], tuple[list, list[torch.Tensor]]] = {}
-        self.sends: dict[tuple[int, int], deque] = {}  # (peer, direction) -> (works, tensors) per message, oldest first
+        self.pending: dict[tuple[int, int], tuple[list, list[torch.Tensor], int]] = {}
+        self.sends: dict[tuple[int, int], deque] = {}  # (peer, direction) -> (works, tensors, minibatch), oldest first
+        self.timeout_s = timeout_s  # how long one message may take before its peer counts as gone (None: forever)
+        self.rank = rank
+        self.on_silence = on_silence  # called with a peer's rank when it stopped answering
 
     def post_recv(self, key: tuple[int, int], peer: int, specs: list[TensorSpec], direction: int) -> None:
         """Start receiving message `key` = (direction, minibatch) from `peer` into new buffers."""
@@ -81,12 +88,12 @@ class Link:
         buffers = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in specs]
         group = self.groups.get((peer, direction))
         works = [dist.irecv(t, src=peer, group=group, tag=tag(key[1], i, direction)) for i, t in enumerate(buffers)]
-        self.pending[key] = (works, buffers)
+        self.pending[key] = (works, buffers, peer)
 
     def wait_recv(self, key: tuple[int, int]) -> list[torch.Tensor]:
-        works, buffers = self.pending.pop(key)
+        works, buffers, peer = self.pending.pop(key)
         for work in works:
-            work.wait()
+            self._wait(work, f"the {_WHAT[key[0]]} of minibatch {key[1]} from rank {peer}", peer)
         return buffers
 
     def send(self, tensors: list[torch.Tensor], peer: int, minibatch: int, direction: int) -> None:
@@ -95,20 +102,46 @@ class Link:
         tensors = [t.contiguous() for t in tensors]
         works = [dist.isend(t, dst=peer, group=group, tag=tag(minibatch, i, direction)) for i, t in enumerate(tensors)]
         queue = self.sends.setdefault((peer, direction), deque())
-        queue.append((works, tensors))
+        queue.append((works, tensors, minibatch))
         while len(queue) > self.window:
-            _confirm_oldest(queue)
+            self._confirm_oldest(queue, peer, direction)
 
     def flush(self) -> None:
-        for queue in self.sends.values():
+        for (peer, direction), queue in self.sends.items():
             while queue:
-                _confirm_oldest(queue)
+                self._confirm_oldest(queue, peer, direction)
+
+    def _confirm_oldest(self, queue: deque, peer: int, direction: int) -> None:
+        """Wait for the oldest unconfirmed message of a link and let its tensors go."""
+        works, _, minibatch = queue.popleft()
+        for work in works:
+            self._wait(work, f"rank {peer} to take the {_WHAT[direction]} of minibatch {minibatch}", peer)
+
+    def _wait(self, work, what: str, peer: int) -> None:
+        """Wait for one transfer, at most `timeout_s`: a peer that stopped answering (hung, stopped,
+        or on a dead machine) ends this worker with one line, and the launcher stops the job."""
+        if self.timeout_s is None:
+            work.wait()
+            return
+        try:
+            finished = work.wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                raise
+            finished = False
+        if finished is False:
+            if self.on_silence is not None:
+                self.on_silence(peer)
+            who = f"rank {self.rank}" if self.rank is not None else "this worker"
+            raise PeerTimeout(f"{who} waited {self.timeout_s:g} s for {what}, which stopped answering; the job was "
+                              "stopped (--timeout sets how long a worker waits)")
 
 
-def _confirm_oldest(queue: deque) -> None:
-    """Wait for the oldest unconfirmed message of a link and let its tensors go."""
-    for work in queue.popleft()[0]:
-        work.wait()
+class PeerTimeout(LaunchError):
+    """A peer did not complete a transfer within the timeout."""
+
+
+_WHAT = {ACTIVATION: "activations", GRADIENT: "gradients"}
 
 
 def link_groups(stage_ranks: list[tuple[int, ...]], rank: int) -> dict[tuple[int, int], object]:

@@ -13,14 +13,21 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import re
+import signal
 import socket
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import LaunchError, PdtoolError
+from ..errors import Interrupted, LaunchError, PdtoolError
 from .worker import RunConfig, WorkerReport
+
+
+SHUTDOWN_S = 2
+"""Seconds the workers get to exit after SIGTERM when pd train itself is interrupted; then SIGKILL."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     `verbose`; otherwise a failure is the one line of `LaunchError`.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -61,10 +69,11 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
                           rdzv_configs={"rank": nodes.node_rank, "timeout": join_timeout})
     settings = LaunchConfig(
         min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=per_node, **rendezvous,
-        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        max_restarts=0, monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_S,
         logs_specs=DefaultLogsSpecs(),
     )
-    quiet = [] if verbose else [logging.getLogger(name) for name in _NOISY]
+    quiet = [] if verbose else [logging.getLogger(name) for name in _NOISY] + [
+        logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith(_NOISY)]
     levels = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.CRITICAL)
@@ -73,6 +82,9 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     except ChildFailedError as failure:
         line, raised = _explain(failure)
         raise LaunchError(line + (" (--verbose shows its traceback)" if raised and not verbose else "")) from None
+    except SignalException as stop:  # the agent has stopped the workers (SHUTDOWN_S of grace, then SIGKILL)
+        name = signal.Signals(stop.sigval).name
+        raise Interrupted(f"interrupted by {name}: every worker was stopped", int(stop.sigval)) from None
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
@@ -91,7 +103,11 @@ def _entry(config: RunConfig) -> WorkerReport:
         return record(worker_main)(config)  # record: the error file the launcher reads, written first
     except BaseException:
         _release_nccl()
-        raise
+        # The error is recorded. Leave at once: a process group's destructor waits for its pending
+        # transfers, and a peer that stopped answering (the reason for many errors) never completes them.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _release_nccl() -> None:

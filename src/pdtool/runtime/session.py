@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint import MANIFEST, existing_steps, latest_complete, read_manifest, shard_name, write_manifest
-from ..errors import LaunchError
+from ..errors import Interrupted, LaunchError
 from ..jsonio import write_text_atomic
 from ..plan import Plan
 from ..trace import measured_trace, write_trace
@@ -87,6 +87,13 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
     began = time.perf_counter()
     try:
         reports = launch(config, len(plan.used_ranks), nodes, verbose=verbose)
+    except Interrupted as stop:
+        if writer is not None:
+            writer.stop()
+        newest = latest_complete(config.checkpoint_dir) if config.checkpoint_dir else None
+        kept = (f"the last complete checkpoint is {newest} (--resume continues from it)" if newest else
+                "no checkpoint was completed" if config.checkpoint_dir else "no --checkpoint-dir was given")
+        raise Interrupted(f"{stop}; {kept}", stop.exit_code - 128) from None
     finally:
         if writer is not None:
             writer.stop()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -121,6 +123,7 @@ def worker_main(config: RunConfig) -> WorkerReport:
     dist.init_process_group(placement.backend, rank=rank, world_size=world,
                             timeout=timedelta(seconds=config.timeout_s),
                             device_id=device if device.type == "cuda" else None)
+    _publish_process(rank)
     # On an error, no orderly teardown: the launcher records this worker's error before its
     # connections close, so the job reports it rather than a peer's "connection closed".
     groups = {s: dist.new_group(list(st.ranks)) for s, st in enumerate(plan.stages) if st.replicas > 1}
@@ -146,13 +149,32 @@ def worker_main(config: RunConfig) -> WorkerReport:
                            config.checkpoint_every, minibatches_per_step(schedule))
     on_device = lambda b: tuple(_to(x, device) for x in batch(b))  # noqa: E731
     report = _run(plan, schedule, worker, stages, specs, on_device, groups.get(stage_index), tie,
-                  Link(device, window, links), saver, first, config.progress)
+                  Link(device, window, links, config.timeout_s, rank, _stop_silent_peer), saver, first, config.progress)
     report.peak_versions = worker.peak_versions
     if config.return_weights:
         report.weights = {stage.param_names[n]: p.detach().cpu().clone() for n, p in stage.module.named_parameters()}
     dist.barrier()
     dist.destroy_process_group()
     return report
+
+
+def _publish_process(rank: int) -> None:
+    """Leave this worker's machine and process id in the job's store (see `_stop_silent_peer`)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"pdtool/process/{rank}", f"{socket.gethostname()} {os.getpid()}")
+
+
+def _stop_silent_peer(peer: int) -> None:
+    """A peer stopped answering (hung or stopped, e.g. by SIGSTOP): it can no longer handle the
+    launcher's SIGTERM, which would then wait its grace period before a SIGKILL. When it runs on
+    this machine, end it now, so that the whole job stops within the timeout plus seconds."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        host, pid = store.get(f"pdtool/process/{peer}").decode().split()
+        if host == socket.gethostname() and int(pid) != os.getpid():
+            os.kill(int(pid), signal.SIGKILL)
+    except Exception:  # noqa: BLE001 - best effort: the launcher still stops it after its grace period
+        pass
 
 
 def minibatches_per_step(schedule: Schedule) -> int:

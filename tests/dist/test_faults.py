@@ -1,0 +1,87 @@
+"""Faults a running `pd train` meets: a worker that hangs (SIGSTOP) and signals to the launcher
+(SIGTERM, Ctrl-C's SIGINT). Each must end the whole job within its bound, with one line on
+stderr and the documented exit code, every worker process gone and the checkpoints kept."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import plan_with
+
+from pdtool.profile import ModelRef
+
+PD = str(Path(sys.executable).parent / "pd")
+DIGITS = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": 16, "depth": 2, "classes": 10})
+
+
+def workers_of(pid):
+    """The worker processes (spawned children) of the launcher `pid`."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            except FileNotFoundError:
+                continue
+            if b"spawn_main" in cmdline:
+                found.append(int(child))
+    return sorted(found)
+
+
+def alive(pid):
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def start_training(tmp_path, *extra):
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=DIGITS, batch_size=32)
+    ckpt = tmp_path / "ckpt"
+    process = subprocess.Popen([PD, "train", str(path), "--data", "digits", "--steps", "30000", "--quiet",
+                                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "200", *extra],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (ckpt / "step-00000200" / "manifest.json").exists():  # training is under way
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    return process, workers_of(process.pid), ckpt
+
+
+def finish(process, bound_s):
+    began = time.monotonic()
+    try:
+        _, err = process.communicate(timeout=bound_s + 30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return time.monotonic() - began, err.strip().splitlines()
+
+
+def test_a_hung_worker_ends_the_job_within_the_timeout(tmp_path):
+    process, workers, _ = start_training(tmp_path, "--timeout", "4")
+    assert len(workers) == 2
+    os.kill(workers[-1], signal.SIGSTOP)  # rank 1 stops answering
+    took, lines = finish(process, 4)
+    assert process.returncode == 1 and took < 4 + 6, (took, lines)
+    assert len(lines) == 1 and "which stopped answering" in lines[0] and "from rank 1" in lines[0], lines
+    assert not any(alive(w) for w in workers)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_every_worker_and_names_the_last_checkpoint(tmp_path, sig, code):
+    from pdtool.checkpoint import latest_complete
+
+    process, workers, ckpt = start_training(tmp_path)
+    os.kill(process.pid, sig)
+    took, lines = finish(process, 5)
+    assert process.returncode == code and took < 5, (took, lines)
+    assert len(lines) == 1 and lines[0].startswith(f"pd: error: interrupted by {sig.name}: every worker was stopped")
+    assert f"the last complete checkpoint is {latest_complete(ckpt)}" in lines[0]
+    assert not any(alive(w) for w in workers)
