@@ -1,6 +1,7 @@
-"""Faults a running `pd train` meets: a worker that hangs (SIGSTOP) and signals to the launcher
-(SIGTERM, Ctrl-C's SIGINT). Each must end the whole job within its bound, with one line on
-stderr and the documented exit code, every worker process gone and the checkpoints kept."""
+"""Faults a running `pd train` meets: a worker that hangs (SIGSTOP), signals to the launcher
+(SIGTERM, Ctrl-C's SIGINT), a port in use. Each must end the whole job within its bound, with
+one line on stderr and the documented exit code, every worker process gone and the checkpoints
+kept. And a one-machine job listens on loopback only."""
 import os
 import signal
 import subprocess
@@ -85,3 +86,53 @@ def test_a_signal_stops_every_worker_and_names_the_last_checkpoint(tmp_path, sig
     assert len(lines) == 1 and lines[0].startswith(f"pd: error: interrupted by {sig.name}: every worker was stopped")
     assert f"the last complete checkpoint is {latest_complete(ckpt)}" in lines[0]
     assert not any(alive(w) for w in workers)
+
+
+def listening_addresses(pids):
+    """(address, port) of every listening TCP socket of the processes `pids`."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                address, port = fields[1].split(":")
+                found.append((address, int(port, 16)))
+    return found
+
+
+def test_a_one_machine_job_listens_on_loopback_only(tmp_path):
+    process, workers, _ = start_training(tmp_path)
+    try:
+        addresses = listening_addresses([process.pid] + workers)
+    finally:
+        os.kill(process.pid, signal.SIGTERM)
+        finish(process, 5)
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net writes them
+    assert addresses and all(address in loopback for address, _ in addresses), addresses
+
+
+def test_a_port_in_use_is_one_line(tmp_path):
+    import socket
+
+    from click.testing import CliRunner
+
+    from pdtool.cli import cli
+
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(cli, ["train", str(path), "--master-port", str(port)])
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0] and "drop --master-port" in lines[0]

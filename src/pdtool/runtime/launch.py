@@ -59,11 +59,13 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
         raise LaunchError(f"the plan needs {workers} workers but {nodes.nnodes} machines x {per_node} workers "
                           f"make {per_node * nodes.nnodes}; set --nproc-per-node so that they match")
     join_timeout = int(config.timeout_s) + 60
+    local = nodes.nnodes == 1 and not nodes.rdzv_endpoint
+    store, store_port = _loopback_store(nodes.master_port, join_timeout) if local else (None, None)
     if nodes.rdzv_endpoint:
         rendezvous = dict(run_id=nodes.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=nodes.rdzv_endpoint,
                           rdzv_configs={"join_timeout": join_timeout, "last_call_timeout": 1})
     else:
-        port = nodes.master_port or _free_port()
+        port = nodes.master_port or _free_port() if not local else store_port
         rendezvous = dict(run_id=f"pdtool-{uuid.uuid4().hex[:8]}" if nodes.nnodes == 1 else "pdtool",
                           rdzv_backend="static", rdzv_endpoint=f"{nodes.master_addr}:{port}",
                           rdzv_configs={"rank": nodes.node_rank, "timeout": join_timeout})
@@ -77,6 +79,10 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     levels = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.CRITICAL)
+    saved_env = {name: os.environ.get(name) for name in _LOOPBACK_ENV}
+    if local:  # a one-machine job talks over loopback only: nothing listens on other interfaces
+        for name, value in _LOOPBACK_ENV.items():
+            os.environ.setdefault(name, value)
     try:
         results = elastic_launch(settings, _entry)(config)
     except ChildFailedError as failure:
@@ -88,7 +94,38 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        del store  # the rendezvous store's server closes with its last reference
     return {report.rank: report for report in results.values()}
+
+
+_LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+
+
+def _loopback_store(port: int | None, timeout_s: int):
+    """The rendezvous store of a one-machine job, listening on 127.0.0.1 only (torch's own store
+    listens on every interface): a socket bound to loopback, handed to a multi-tenant TCPStore
+    that torchelastic's static rendezvous then shares (same port, same process). `port` None
+    picks a free one, so no other process can take it in between."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port or 0))
+    except OSError as exc:
+        sock.close()
+        raise LaunchError(f"cannot listen on 127.0.0.1:{port} ({exc.strerror}): another program uses the port; drop "
+                          "--master-port (pd train picks a free port) or give another one") from None
+    sock.listen(128)
+    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], None, True, timedelta(seconds=timeout_s),
+                          wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.detach())
+    return store, store.port
 
 
 _NOISY = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher")
