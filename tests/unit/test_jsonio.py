@@ -64,3 +64,23 @@ def test_read_errors_name_the_file_and_the_fix(tmp_path):
         read_json(bad)
     with pytest.raises(ArtifactError, match="is a folder"):
         read_json(tmp_path)
+
+
+def test_a_full_disk_is_one_line_and_leaves_the_old_file(tmp_path, monkeypatch):
+    import errno
+
+    from pdtool.errors import ArtifactError
+    from pdtool.jsonio import write_json
+
+    out = tmp_path / "p.json"
+    write_json(out, {"a": 1})
+    before = out.read_bytes()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("os.fsync", full)
+    with pytest.raises(ArtifactError, match="No space left on device; free space") as info:
+        write_json(out, {"a": 2})
+    assert "\n" not in str(info.value)
+    assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["p.json"]  # no temporary left
