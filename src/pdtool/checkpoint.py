@@ -121,6 +121,9 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
     """The manifest of the checkpoint in `folder`, checked for schema and fields (not hashes)."""
     folder = Path(folder)
     path = folder / MANIFEST
+    if folder.is_symlink() or path.is_symlink():
+        raise ArtifactError(f"{path if path.is_symlink() else folder}: a symbolic link, not a checkpoint pdtool wrote; "
+                            "checkpoints hold regular files and folders only")
     if not path.is_file():
         raise ArtifactError(f"{folder}: no {MANIFEST}, so the checkpoint is incomplete; use an older one")
     manifest = read_json(path)
@@ -139,6 +142,8 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
 
 def _read_shard(folder: Path, stage: str, entry: dict[str, str]) -> bytes:
     path = folder / entry["file"]
+    if path.is_symlink():
+        raise ArtifactError(f"{path}: a symbolic link, not a shard pdtool wrote; checkpoints hold regular files only")
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -202,7 +207,7 @@ def _step_folders(root: Path) -> list[tuple[int, Path]]:
     found = []
     for path in root.iterdir():
         match = _FOLDER.fullmatch(path.name)
-        if match and path.is_dir():
+        if match and (path.is_dir() or path.is_symlink()):  # a link is listed, and then refused as one
             found.append((int(match.group(1)), path))
     return sorted(found, reverse=True)
 
@@ -212,15 +217,26 @@ def existing_steps(root: str | os.PathLike) -> list[int]:
     return [step for step, _ in _step_folders(Path(root))]
 
 
-def latest_complete(root: str | os.PathLike, warn: Callable[[str], None] | None = None) -> Path | None:
-    """The newest complete checkpoint folder under `root`, or None if there is none.
+def latest_complete(root: str | os.PathLike, warn: Callable[[str], None] | None = None,
+                    needs: set[str] | None = None) -> Path | None:
+    """The newest good checkpoint folder under `root`, or None if there is none.
 
-    Newer folders that are incomplete or corrupt are skipped; `warn` gets one line for each,
-    saying why. Hashes are checked only until a complete checkpoint is found.
+    One rule for every flaw: a folder that is incomplete, corrupt (a hash), unloadable (a shard
+    `weights_only` refuses), a symbolic link, or that lacks a parameter in `needs` (e.g. a
+    manifest missing a stage) is skipped, and `warn` gets one line for it saying why. With
+    `needs`, shards are loaded to check them; without, hashes are checked.
     """
     for step, folder in _step_folders(Path(root)):
         try:
-            manifest = verify_checkpoint(folder)
+            if needs is None:
+                manifest = verify_checkpoint(folder)
+            else:
+                manifest, tensors, _ = load_checkpoint(folder)
+                missing = sorted(needs - set(tensors))
+                if missing:
+                    raise ArtifactError(f"{folder}: has no {missing[0]}" + (f" (and {len(missing) - 1} more)"
+                                        if len(missing) > 1 else "") + ", which the model needs (a shard missing "
+                                        "from its manifest, or another model's checkpoint)")
             if manifest["step"] != step:
                 raise ArtifactError(f"{folder / MANIFEST}: says step {manifest['step']}, the folder step {step}")
         except ArtifactError as exc:

@@ -383,7 +383,8 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
         warn(f"{shared} on this machine: the measured time per minibatch will exceed the plan's prediction by "
              "about that oversubscription")
     result = session.run(config, Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id),
-                         verbose=verbose, resume=resume, warn=warn)
+                         verbose=verbose, resume=resume, warn=warn, needs=set(checked.parameters),
+                         say=lambda message: click.echo(f"pd: {message}", err=True))
     if metrics_path:
         session.write_metrics(metrics_path, result)
     if trace_path:

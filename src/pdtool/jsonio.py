@@ -86,7 +86,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
     except OSError as exc:
-        raise ArtifactError(f"cannot write {target}: {exc.strerror}; free space or choose another output") from None
+        raise ArtifactError(f"cannot write {target}: {exc.strerror or exc}; free space or choose another output") from None
     try:
         os.fchmod(fd, _default_mode())  # mkstemp makes 0600
         with os.fdopen(fd, "wb") as handle:
@@ -96,7 +96,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
         os.replace(tmp, target)
     except OSError as exc:  # a full disk (ENOSPC), a quota, an I/O error: the old file stays as it was
         Path(tmp).unlink(missing_ok=True)
-        raise ArtifactError(f"cannot write {target}: {exc.strerror}; free space or choose another output "
+        raise ArtifactError(f"cannot write {target}: {exc.strerror or exc}; free space or choose another output "
                             "(any previous file there is unchanged)") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -132,7 +132,7 @@ def test_a_failed_shard_write_leaves_no_file_under_the_final_name(tmp_path, monk
     else:
         monkeypatch.setattr(torch, "save", boom)
     folder = checkpoint_folder(tmp_path, 1)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises((OSError, ArtifactError), match="disk full"):  # a failed write is one ArtifactError line
         save_shard(folder, 0, {"a": torch.ones(2)})
     assert not folder.exists() or list(folder.iterdir()) == []
 
@@ -146,7 +146,7 @@ def test_a_failed_manifest_write_leaves_an_incomplete_checkpoint_and_the_old_one
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ArtifactError, match="disk full; free space"):
         write_manifest(folder, 2, PLAN, {0: digest}, {})
     monkeypatch.undo()
     assert sorted(p.name for p in folder.iterdir()) == ["stage-0.pt"]
@@ -200,3 +200,33 @@ def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
     with pytest.raises(ArtifactError, match="keep 0 is not a positive integer"):
         prune(tmp_path, keep=0)
 
+
+
+def test_one_rule_for_every_bad_checkpoint_skip_it_with_the_reason(tmp_path):
+    """Newest first: a symlinked folder, a symlinked shard, a shard weights_only refuses and a
+    manifest missing a stage are each skipped with one line saying why; the newest good one wins."""
+    import hashlib
+    import io
+
+    good = _save(tmp_path, 1, [{"a.w": torch.ones(2)}, {"b.w": torch.ones(2)}])
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    _save(outside, 9, [{"a.w": torch.ones(2)}, {"b.w": torch.ones(2)}])
+    os.symlink(checkpoint_folder(outside, 9), checkpoint_folder(tmp_path, 6))      # a linked step folder
+    linked = _save(tmp_path, 5, [{"a.w": torch.ones(2)}, {"b.w": torch.ones(2)}])
+    (linked / "stage-1.pt").unlink()
+    os.symlink(checkpoint_folder(outside, 9) / "stage-1.pt", linked / "stage-1.pt")  # a linked shard
+    pickled = _save(tmp_path, 4, [{"a.w": torch.ones(2)}, {"b.w": torch.ones(2)}])
+    buffer = io.BytesIO()
+    torch.save({"tensors": {"b.w": torch.ones(2)}, "extra": {"x": NotATensor()}}, buffer)
+    (pickled / "stage-1.pt").write_bytes(buffer.getvalue())
+    manifest = json.loads((pickled / "manifest.json").read_text())
+    manifest["shards"]["1"]["sha256"] = hashlib.sha256(buffer.getvalue()).hexdigest()
+    (pickled / "manifest.json").write_text(json.dumps(manifest))
+    _save(tmp_path, 3, [{"a.w": torch.ones(2)}])                                     # stage 1's shard not listed
+    warnings = []
+    assert latest_complete(tmp_path, warnings.append, needs={"a.w", "b.w"}) == good
+    assert len(warnings) == 4
+    assert "step-00000006" in warnings[0] and "symbolic link" in warnings[0]
+    assert "step-00000005" in warnings[1] and "symbolic link" in warnings[1]
+    assert "step-00000004" in warnings[2] and "cannot load the shard" in warnings[2]
+    assert "step-00000003" in warnings[3] and "has no b.w" in warnings[3]

@@ -25,9 +25,11 @@ from .stages import plan_stages, sample_inputs
 @dataclass(frozen=True)
 class Checked:
     """What the checks learnt that the launcher needs: minibatches in one epoch of the data
-    (None for endless synthetic data)."""
+    (None for endless synthetic data), and the whole-model names of the parameters the stages
+    hold (what a checkpoint to resume from must contain)."""
 
     batches_per_epoch: int | None
+    parameters: frozenset[str] = frozenset()
 
 
 def preflight(plan: Plan, plan_path: str, mode: str | None, data: str, seed: int) -> Checked:
@@ -45,7 +47,7 @@ def preflight(plan: Plan, plan_path: str, mode: str | None, data: str, seed: int
     source = load_source(data, bundle, plan.profile.batch_size, seed)
     inputs, target = source.batch(0)
     _run_once(stages, bundle.loss_fn, inputs, target, data)
-    return Checked(source.batches_per_epoch)
+    return Checked(source.batches_per_epoch, frozenset(n for stage in stages for n in stage.param_names.values()))
 
 
 def _run_once(stages, loss_fn, inputs, target, data: str) -> None:

@@ -56,21 +56,26 @@ def plan_sha256(path: str) -> str:
 
 
 def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume: bool = False,
-        warn=lambda message: None) -> TrainResult:
-    """Run `config` (config.steps = the step the run should reach) and complete its checkpoints."""
+        warn=lambda message: None, needs: set[str] | None = None, say=lambda message: None) -> TrainResult:
+    """Run `config` (config.steps = the step the run should reach) and complete its checkpoints.
+
+    With `resume`, the run continues from the newest good checkpoint (`checkpoint.latest_complete`:
+    bad ones are skipped with a `warn` line saying why; `needs` are the parameter names it must
+    hold), and `say` is told which; no good checkpoint is a `LaunchError`."""
     plan = Plan.load(config.plan_path)
     if resume:
         if not config.checkpoint_dir:
             raise LaunchError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
-        folder = latest_complete(config.checkpoint_dir, warn)
+        folder = latest_complete(config.checkpoint_dir, warn, needs)
         if folder is None:
-            warn(f"no complete checkpoint in {config.checkpoint_dir}; starting from step 0")
-        else:
-            done = read_manifest(folder)["step"]
-            if done >= config.steps:
-                raise LaunchError(f"the newest checkpoint ({folder}) is already at step {done} >= --steps "
-                                  f"{config.steps}; ask for more steps")
-            config = dataclasses.replace(config, resume=str(folder), first_step=done, steps=config.steps - done)
+            raise LaunchError(f"--resume: no good checkpoint in {config.checkpoint_dir} (every one was skipped, or "
+                              "there is none); drop --resume to start from step 0")
+        done = read_manifest(folder)["step"]
+        if done >= config.steps:
+            raise LaunchError(f"the newest checkpoint ({folder}) is already at step {done} >= --steps "
+                              f"{config.steps}; ask for more steps")
+        say(f"resuming from {folder} (step {done})")
+        config = dataclasses.replace(config, resume=str(folder), first_step=done, steps=config.steps - done)
     elif config.checkpoint_dir and existing_steps(config.checkpoint_dir):
         raise LaunchError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints (newest: step "
                           f"{existing_steps(config.checkpoint_dir)[0]}), which this run would overwrite; add --resume "
