@@ -98,6 +98,7 @@ def test_pd_train_on_digits_with_epochs_trace_checkpoints_and_resume(tmp_path):
     again = CliRunner().invoke(cli, [*args, "--epochs", "2", "--resume"], catch_exceptions=False)
     assert again.exit_code == 0, again.output
     assert "trained steps 6-10 (5 minibatches)" in again.stdout
+    assert f"pd: resuming from {ckpt / 'step-00000005'} (step 5)" in again.stderr
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000005", "step-00000010"]
 
 
@@ -228,3 +229,13 @@ def test_a_diverging_run_stops_in_one_line_and_keeps_a_finite_checkpoint(tmp_pat
     assert "training diverged; lower --lr" in line and ("the loss became" in line or "is not finite" in line)
     _, tensors, _ = load_checkpoint(latest_complete(ckpt))
     assert all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
+
+
+def test_pd_train_resume_without_a_good_checkpoint_is_one_line(tmp_path):
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
+    (tmp_path / "ckpt" / "step-00000002").mkdir(parents=True)  # incomplete: no manifest
+    result = CliRunner().invoke(cli, ["train", str(path), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"])
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("pd: warning: skipping checkpoint") and "incomplete" in lines[0]
+    assert lines[-1].startswith("pd: error: --resume: no good checkpoint in") and len(lines) == 2
