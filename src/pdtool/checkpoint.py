@@ -212,6 +212,34 @@ def _step_folders(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def set_aside_after(root: str | os.PathLike, step: int) -> list[tuple[Path, Path]]:
+    """Rename every checkpoint folder of a step after `step` (incomplete, corrupt, or from a run
+    that went further) to `step-N.set-aside[-K]`, so that a run resuming from `step` writes only
+    into folders it creates; returns (old, new) pairs. Nothing but the temporary files of
+    interrupted writes is deleted."""
+    moved = []
+    for found, path in _step_folders(Path(root)):
+        if found <= step:
+            continue
+        target = path.with_name(f"{path.name}.set-aside")
+        k = 2
+        while os.path.lexists(target):
+            target = path.with_name(f"{path.name}.set-aside-{k}")
+            k += 1
+        path.rename(target)
+        if not target.is_symlink():
+            remove_temporaries(target)  # what a crashed write left behind
+        moved.append((path, target))
+    return moved
+
+
+def remove_temporaries(folder: str | os.PathLike) -> None:
+    """Delete the temporary files of interrupted atomic writes (`.NAME.*.tmp`) in `folder`."""
+    for path in Path(folder).glob(".*.tmp"):
+        if path.is_file() and not path.is_symlink():
+            path.unlink(missing_ok=True)
+
+
 def existing_steps(root: str | os.PathLike) -> list[int]:
     """The steps of the checkpoint folders under `root` (complete or not), newest first."""
     return [step for step, _ in _step_folders(Path(root))]

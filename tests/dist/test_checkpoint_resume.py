@@ -74,3 +74,23 @@ def test_asynchronous_modes_resume_on_their_schedule(tmp_path, mode):
     got = final_weights(resumed)
     for name, value in expected.weights.items():
         torch.testing.assert_close(got[name], value)
+
+
+def test_resume_never_writes_into_a_folder_it_did_not_create(tmp_path):
+    """The newest checkpoint lost its manifest: resume from the one before, set the broken one
+    aside (with its shards, minus the leftovers of interrupted writes) and write new folders."""
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="flush")
+    root = tmp_path / "ckpt"
+    run(config_for(path, steps=2, group=2, checkpoint_dir=str(root), checkpoint_every=1))
+    broken = root / "step-00000002"
+    (broken / "manifest.json").unlink()
+    (broken / ".stage-0.pt.x1y2.tmp").write_bytes(b"half a shard")
+    old_shard = (broken / "stage-0.pt").read_bytes()
+    warnings = []
+    resumed = run(config_for(path, steps=3, group=2, checkpoint_dir=str(root)), resume=True, warn=warnings.append)
+    assert resumed.first_step == 1
+    aside = root / "step-00000002.set-aside"
+    assert (aside / "stage-0.pt").read_bytes() == old_shard and not (aside / "manifest.json").exists()
+    assert not list(aside.glob("*.tmp")) and not list(aside.glob(".*.tmp"))
+    assert any("skipping checkpoint" in w for w in warnings) and any("set-aside" in w for w in warnings)
+    assert read_manifest(root / "step-00000003")["step"] == 3 and not (root / "step-00000002").exists()

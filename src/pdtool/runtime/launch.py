@@ -15,9 +15,11 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +61,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
         raise LaunchError(f"the plan needs {workers} workers but {nodes.nnodes} machines x {per_node} workers "
                           f"make {per_node * nodes.nnodes}; set --nproc-per-node so that they match")
     join_timeout = int(config.timeout_s) + 60
+    logs = tempfile.mkdtemp(prefix="pdtool-workers-")  # the workers' error files; removed when the job ends
     local = nodes.nnodes == 1 and not nodes.rdzv_endpoint
     store, store_port = _loopback_store(nodes.master_port, join_timeout) if local else (None, None)
     if nodes.rdzv_endpoint:
@@ -72,7 +75,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     settings = LaunchConfig(
         min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=per_node, **rendezvous,
         max_restarts=0, monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_S,
-        logs_specs=DefaultLogsSpecs(),
+        logs_specs=DefaultLogsSpecs(log_dir=logs),
     )
     quiet = [] if verbose else [logging.getLogger(name) for name in _NOISY] + [
         logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith(_NOISY)]
@@ -100,6 +103,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
             else:
                 os.environ[name] = value
         del store  # the rendezvous store's server closes with its last reference
+        shutil.rmtree(logs, ignore_errors=True)
     return {report.rank: report for report in results.values()}
 
 

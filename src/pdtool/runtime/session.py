@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint import MANIFEST, existing_steps, latest_complete, read_manifest, shard_name, write_manifest
+from ..checkpoint import (MANIFEST, existing_steps, latest_complete, read_manifest, remove_temporaries,
+                          set_aside_after, shard_name, write_manifest)
 from ..errors import Interrupted, LaunchError
 from ..jsonio import write_text_atomic
 from ..plan import Plan
@@ -74,6 +75,9 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
         if done >= config.steps:
             raise LaunchError(f"the newest checkpoint ({folder}) is already at step {done} >= --steps "
                               f"{config.steps}; ask for more steps")
+        for old, new in set_aside_after(config.checkpoint_dir, done):
+            warn(f"set {old} aside as {new.name}: it is newer than the checkpoint resumed from, and this run "
+                 "writes only into checkpoint folders it creates")
         say(f"resuming from {folder} (step {done})")
         config = dataclasses.replace(config, resume=str(folder), first_step=done, steps=config.steps - done)
     elif config.checkpoint_dir and existing_steps(config.checkpoint_dir):
@@ -112,6 +116,7 @@ class _ManifestWriter(threading.Thread):
         super().__init__(daemon=True)
         self.root, self.stages, self.plan_hash, self.meta = root, stages, plan_hash, meta
         self.done = threading.Event()
+        self.before = {path.name for path in root.glob("step-*")}  # never completes a folder it did not see made
 
     def run(self) -> None:
         while not self.done.wait(0.2):
@@ -124,13 +129,14 @@ class _ManifestWriter(threading.Thread):
 
     def complete(self) -> None:
         for folder in sorted(self.root.glob("step-*")):
-            if (folder / MANIFEST).exists():
+            if folder.name in self.before or (folder / MANIFEST).exists() or folder.is_symlink():
                 continue
             shards = [folder / shard_name(s) for s in range(self.stages)]
             if all(p.is_file() for p in shards):
                 step = int(folder.name.split("-")[1])
                 hashes = {s: hashlib.sha256(p.read_bytes()).hexdigest() for s, p in enumerate(shards)}
                 write_manifest(folder, step, self.plan_hash, hashes, self.meta)
+                remove_temporaries(folder)
 
 
 def write_metrics(path: str, result: TrainResult) -> None:
