@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ from ..errors import Interrupted, LaunchError, PdtoolError
 from .worker import RunConfig, WorkerReport
 
 
+ECHO_DELAY_S = 2.0
+"""Seconds a worker whose error only reports a peer's disappearance waits before it exits."""
 SHUTDOWN_S = 2
 """Seconds the workers get to exit after SIGTERM when pd train itself is interrupted; then SIGKILL."""
 
@@ -142,10 +145,14 @@ def _entry(config: RunConfig) -> WorkerReport:
 
     try:
         return record(worker_main)(config)  # record: the error file the launcher reads, written first
-    except BaseException:
+    except BaseException as exc:
         _release_nccl()
-        # The error is recorded. Leave at once: a process group's destructor waits for its pending
-        # transfers, and a peer that stopped answering (the reason for many errors) never completes them.
+        # The error is recorded. Leave without the process group's teardown, which waits for pending
+        # transfers that a peer that stopped answering never completes. The launcher reports the
+        # first worker it sees exit; one that only echoes a peer's disappearance ("connection
+        # closed") leaves a moment later, so that the worker that failed first is the one reported.
+        if _echoes_a_peer(str(exc)):
+            time.sleep(ECHO_DELAY_S)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
