@@ -73,3 +73,21 @@ def test_an_untraceable_sequential_is_split_by_its_children(tmp_path):
     losses, weights = merged(launch(config, 2))
     expected_losses, expected_weights = gradient_accumulation(plan, config, ref=ref)
     assert_same_run(losses, weights, expected_losses, expected_weights)
+
+
+@pytest.mark.parametrize("split", [[((0, 3), 2)], [((0, 1), 2), ((2, 3), 2)], [((0, 1), 1), ((2, 3), 1)]],
+                         ids=["1x2", "2x2", "straight"])
+def test_the_measured_time_per_minibatch_agrees_with_the_wall_time(tmp_path, split):
+    """Replicated last stages complete minibatches side by side and out of id order: the
+    measurement counts completions in time order, over whole rounds of replicas."""
+    from pdtool.runtime.session import run
+
+    _, path = plan_with(tmp_path, split)
+    result = run(config_for(path, steps=12))
+    measured = result.time_per_minibatch_ms()
+    finished = sorted(result.finished.values())
+    began = min(start for report in result.reports.values() for _, start, _ in report.events)
+    span_ms = (finished[-1] - began) * 1000  # first action to last completion
+    assert measured is not None and measured > 0
+    assert measured * len(finished) <= span_ms * 1.05  # the steady state is no slower than the whole run
+    assert measured * len(finished) >= span_ms * 0.2   # and not absurdly faster than it

@@ -43,13 +43,17 @@ class TrainResult:
         return {b: t for r in self.reports.values() for b, t in r.finished.items()}
 
     def time_per_minibatch_ms(self) -> float | None:
-        """Steady state: slope of the last stage's backward end times over the second half."""
-        finished = sorted(self.finished.items())
-        if len(finished) < 4:
+        """Steady state, from what the workers did: the time the last stage took to complete its
+        last k minibatches, divided by k, where k is about half of them and a whole number of
+        rounds of its replicas (which complete their minibatches side by side, in any order):
+        completions are counted in time order, never by minibatch id."""
+        times = sorted(self.finished.values())
+        rounds = len(times) // self.plan.stages[-1].replicas
+        if rounds < 2 or len(times) < 4:
             return None
-        half = finished[len(finished) // 2:]
-        (b0, t0), (b1, t1) = half[0], half[-1]
-        return (t1 - t0) / (b1 - b0) * 1000 if b1 > b0 else None
+        k = max(rounds // 2, 1) * self.plan.stages[-1].replicas
+        span = times[-1] - times[-1 - k]
+        return span / k * 1000 if span > 0 else None
 
 
 def plan_sha256(path: str) -> str:
