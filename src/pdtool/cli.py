@@ -377,11 +377,10 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
              "GPU per worker (plan for fewer workers per machine to use the GPUs)")
     if on_cpu and config.threads is None:  # torch's default (every core in every worker) oversubscribes
         config = dataclasses.replace(config, threads=max(1, cores // local))
-    shared = f"{local} workers x {config.threads} thread(s) share {cores} CPU cores" if (
-        on_cpu and local * config.threads > cores) else None
-    if shared:
-        warn(f"{shared} on this machine: the measured time per minibatch will exceed the plan's prediction by "
-             "about that oversubscription")
+    if on_cpu and local * config.threads > cores:
+        warn(f"{local} workers x {config.threads} thread(s) share {cores} CPU cores on this machine: the measured time "
+             "per minibatch will exceed the plan's prediction, which gives every worker a core of its own")
+    shared = (config.threads, local, cores, on_cpu)  # what gap_reasons needs to explain a measurement
     result = session.run(config, Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id),
                          verbose=verbose, resume=resume, warn=warn, needs=set(checked.parameters),
                          say=lambda message: click.echo(f"pd: {message}", err=True))
@@ -399,10 +398,10 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
             click.echo(f"{label}: {path}", err=True)
 
 
-def _report(result, plan, config, shared: str | None) -> None:
+def _report(result, plan, config, shared: tuple) -> None:
     """What pd train prints when the workers are done: steps, loss, and the measured time per
-    minibatch beside the plan's predictions for the mode and group that ran (noting CPU
-    oversubscription, which they ignore)."""
+    minibatch beside the plan's predictions for the mode and group that ran, and why they differ
+    when they differ by more than 1.5x (`shared`: threads, local workers, cores, on the CPU)."""
     losses = result.losses
     if not losses:
         return
@@ -418,9 +417,16 @@ def _report(result, plan, config, shared: str | None) -> None:
         simulated = simulate(plan, mode=config.mode, group=config.group).time_per_minibatch_ms
     predicted = f"predicted {rate(plan.predicted.time_ms)} by the cost model" + (
         f", {rate(simulated)} simulated ({config.mode or plan.mode})" if simulated is not None else "")
-    note = f" (the predictions give every worker a core of its own; here {shared})" if shared else ""
-    click.echo(f"time per minibatch: measured {rate(measured)}, {predicted}{note}" if measured else
+    click.echo(f"time per minibatch: measured {rate(measured)}, {predicted}" if measured else
                f"time per minibatch: too few minibatches to measure; {predicted}")
+    if measured:
+        from .runtime.session import gap_reasons
+
+        reasons = gap_reasons(measured, plan.predicted.time_ms, plan, *shared)
+        if reasons:
+            click.echo(f"measured {measured / plan.predicted.time_ms:.1f}x the cost model's prediction, because:")
+            for reason in reasons:
+                click.echo(f"  - {reason}")
 
 
 def _with_epochs(config, plan, epochs, batches_per_epoch):

@@ -146,6 +146,11 @@ class ProfileRef:
     granularity: str
     depth: int | None
     split: str = "graph"
+    device: str = ""
+    layer_sum_over_step: float | None = None
+
+    def __post_init__(self) -> None:
+        round_float_fields(self)
 
 
 @dataclass(frozen=True)
@@ -214,7 +219,8 @@ class Plan(SchemaChecked):
             "schema": self.schema,
             "profile": {"sha256": p.sha256, "fingerprint": p.fingerprint, "model": p.model,
                         "batch_size": p.batch_size, "layers": p.layers, "method": p.method, "split": p.split,
-                        "granularity": p.granularity, "depth": p.depth},
+                        "granularity": p.granularity, "depth": p.depth, "device": p.device,
+                        "layer_sum_over_step": p.layer_sum_over_step},
             "cluster": self.cluster.to_json(),
             "cost_model": self.cost_model,
             "straight": self.straight,
@@ -256,12 +262,14 @@ class Plan(SchemaChecked):
         top = Fields(data, source, known=("schema", "profile", "cluster", "cost_model", "straight", "mode",
                                           "state_space", "shared", "stages", "groups", "predicted", "provenance"))
         pf = top.child("profile", known=("sha256", "fingerprint", "model", "batch_size", "layers", "method", "split",
-                                          "granularity", "depth"))
+                                          "granularity", "depth", "device", "layer_sum_over_step"))
         method = pf.get("method", str)
         profile = ProfileRef(pf.get("sha256", str), pf.get("fingerprint", str), pf.get("model", dict, optional=True),
                              pf.count("batch_size", 1), pf.count("layers", 1), method,
                              pf.get("granularity", str), pf.get("depth", int, optional=True),
-                             pf.get("split", str, optional=True, default="children" if method == "modules" else "graph"))
+                             pf.get("split", str, optional=True, default="children" if method == "modules" else "graph"),
+                             pf.get("device", str, optional=True, default=""),
+                             pf.get("layer_sum_over_step", float, optional=True))
         shared = top.shared("shared", "stages")
         stages = []
         for where, item in top.items("stages"):

@@ -65,7 +65,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     ref = ProfileRef(profile_sha256(profile), profile.fingerprint,
                      None if profile.model is None else {"spec": profile.model.spec, "kwargs": dict(profile.model.kwargs)},
                      profile.batch_size, len(profile.layers), profile.method, profile.granularity, profile.depth,
-                     profile.split)
+                     profile.split, profile.device, profile.layer_sum_over_step)
     plan = Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=chosen,
                 stages=tuple(stages), groups=tuple(groups), predicted=prediction, command=command,
                 pdtool_version=__version__, state_space=states.space, shared=shared_parameters(profile, stages))

@@ -166,3 +166,19 @@ def test_hand_edited_inconsistent_plans_are_refused_in_one_line(edit, message):
     with pytest.raises(ArtifactError, match=message) as info:
         Plan.from_json(data, "m.plan.json")
     assert str(info.value).startswith("m.plan.json: ") and "\n" not in str(info.value)
+
+
+def test_a_measurement_far_from_the_prediction_is_explained_from_what_pdtool_knows():
+    import dataclasses
+
+    from pdtool.runtime.session import gap_reasons
+
+    plan = make_plan(imported("vgg16"), parse_cluster("4x1.25e9B/s"), simulate=False)
+    plan = dataclasses.replace(plan, profile=dataclasses.replace(plan.profile, device="cpu (2 threads)",
+                                                                 layer_sum_over_step=0.5))
+    assert gap_reasons(1.2, 1.0, plan, 1, 4, 2, True) == []  # within 1.5x: nothing to say
+    reasons = gap_reasons(40.0, 1.0, plan, 1, 4, 2, True)
+    assert reasons[0].startswith("4 workers x 1 thread(s) share 2 cores (2.0x oversubscribed")
+    assert reasons[1].startswith("the profile was measured with 2 thread(s), the workers have 1")
+    assert reasons[2].startswith("the profile's layer times sum to 0.50 of a measured step")
+    assert reasons[3].startswith("about 5.0x outside what pdtool models")  # 40 / (2 * 2 * 2)
