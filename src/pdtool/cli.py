@@ -9,6 +9,7 @@ import dataclasses
 import os
 import sys
 import time
+from pathlib import Path
 
 import click
 
@@ -73,6 +74,11 @@ class _Progress:
             click.echo("\r\033[K", err=True, nl=False)
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 stage', '3 stages'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _examples(*lines: str) -> str:
     """A command's help epilog: example command lines, kept as written (click's \\b)."""
     return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
@@ -83,13 +89,9 @@ def _examples(*lines: str) -> str:
 def cli() -> None:
     """pdtool: PipeDream pipeline-parallel training for PyTorch.
 
-    \b
-    pd profile  measure a model layer by layer -> PROFILE.json
-    pd plan     partition it over a cluster    -> PLAN.json
-    pd simulate run a plan's schedule in simulated time: throughput, bubbles, memory
-    pd show     print a readable summary of a profile or a plan
-    pd train    run a plan on torch.distributed workers
-    """
+    The three phases, each a command below: pd profile MODEL -> PROFILE.json, pd plan
+    PROFILE.json -> PLAN.json, pd train PLAN.json (pd show and pd simulate look at the files).
+    `pd COMMAND --help` has examples."""
 
 
 @cli.command(short_help="measure a model layer by layer -> PROFILE.json",
@@ -209,7 +211,7 @@ def plan(profile_path, cluster_spec, memory, straight, cost_model, mode, optimiz
     result.save(output)
     if output != "-":
         pred = result.predicted
-        click.echo(f"wrote {output}: {len(result.stages)} stages ({result.mode}), {pred.time_ms:.3f} ms per minibatch, "
+        click.echo(f"wrote {output}: {_count(len(result.stages), 'stage')} ({result.mode}), {pred.time_ms:.3f} ms per minibatch, "
                    f"{pred.speedup_over_single:.2f}x over one worker, {pred.speedup_over_data_parallel:.2f}x over "
                    "data parallel", err=True)
 
@@ -362,6 +364,8 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     if origin:  # the plan names code of the current folder: say which file runs before it does
         click.echo(f"pd: importing the plan's model factory {plan.profile.model['spec']} from {origin} "
                    "(current folder)", err=True)
+    talk = (lambda message: None) if quiet else (lambda message: click.echo(f"pd: {message}", err=True))  # noqa: E731
+    talk("checking the plan against its model and the data (the model is built and run once here)")
     checked = preflight(plan, plan_path, mode, data, seed)  # before any worker starts: one line within seconds
     if epochs:
         config = _with_epochs(config, plan, epochs, checked.batches_per_epoch)
@@ -381,6 +385,8 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
         warn(f"{local} workers x {config.threads} thread(s) share {cores} CPU cores on this machine: the measured time "
              "per minibatch will exceed the plan's prediction, which gives every worker a core of its own")
     shared = (config.threads, local, cores, on_cpu)  # what gap_reasons needs to explain a measurement
+    talk(f"starting {local} worker process(es) on this machine ({'gloo, CPU' if on_cpu else 'NCCL, GPU'}); each "
+         "builds its stage, then training begins")
     result = session.run(config, Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id),
                          verbose=verbose, resume=resume, warn=warn, needs=set(checked.parameters),
                          say=lambda message: click.echo(f"pd: {message}", err=True))
@@ -461,7 +467,7 @@ def show(artifact, top, picture, profile_path):
         if picture:
             from .render import render_plan
 
-            source = profile_path or _sibling_profile(artifact)
+            source = profile_path or _sibling_profile(artifact, plan)
             check_writable(picture, (artifact, source))
             written, warning = render_plan(plan, Profile.load(source), picture)
             if warning:
@@ -475,13 +481,29 @@ def show(artifact, top, picture, profile_path):
     click.echo(profile_table(Profile.from_json(data, artifact), top), nl=False)
 
 
-def _sibling_profile(plan_path: str) -> str:
-    """X.profile.json for X.plan.json (the Make convention); else ask for --profile."""
-    if plan_path.endswith(".plan.json"):
-        candidate = plan_path[: -len(".plan.json")] + ".profile.json"
-        if os.path.exists(candidate):
-            return candidate
-    raise click.UsageError(f"--render needs the layer graph of {plan_path}: give --profile PROFILE.json")
+def _sibling_profile(plan_path: str, plan) -> str:
+    """The profile `plan` was made from: X.profile.json beside X.plan.json (the Make convention),
+    the file its command names, or any *.profile.json beside it or in the current folder, as
+    long as its sha256 is the one the plan records; else ask for --profile."""
+    from .plan import profile_sha256
+    from .profile import Profile
+
+    here = os.path.dirname(plan_path) or "."
+    named = plan.command.split()[2] if plan.command.startswith("pd plan ") and len(plan.command.split()) > 2 else None
+    candidates = ([plan_path[: -len(".plan.json")] + ".profile.json"] if plan_path.endswith(".plan.json") else []) + (
+        [os.path.join(here, named), named] if named else []) + sorted(
+        str(p) for folder in {here, "."} for p in Path(folder).glob("*.profile.json"))
+    for candidate in dict.fromkeys(candidates):
+        if not os.path.isfile(candidate):
+            continue
+        try:
+            if profile_sha256(Profile.load(candidate)) == plan.profile.sha256:
+                return candidate
+        except PdtoolError:
+            continue
+    raise click.UsageError(f"--render needs the layer graph of {plan_path}: no profile with its sha256 "
+                           f"({plan.profile.sha256[:12]}...) beside it or here; give --profile PROFILE.json "
+                           f"(the plan was made by: {plan.command or 'an unknown command'})")
 
 
 def main() -> None:

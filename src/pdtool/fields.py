@@ -104,10 +104,22 @@ def check_schema(data: Any, expected: str, source: str) -> None:
     if not isinstance(data, dict) or "schema" not in data:
         raise ArtifactError(f"{source}: no 'schema' field; this is not a pdtool artifact (expected {expected})")
     if data["schema"] != expected:
+        found, wanted = _KINDS.get(data["schema"]), _KINDS.get(expected, expected)
+        if found is not None:  # another pdtool artifact: say what it is and what to do with it
+            raise ArtifactError(f"{source}: this is a {found[0]} ({data['schema']}), not a {wanted[0]}; {found[1]}")
         raise ArtifactError(
             f"{source}: schema is {data['schema']!r}, expected {expected!r}; "
             "give a file of the right kind or regenerate it with this pdtool"
         )
+
+
+_KINDS = {
+    "pdtool.profile/1": ("profile", "plan it with pd plan PROFILE.json --cluster SPEC -o PLAN.json, then use the plan"),
+    "pdtool.plan/1": ("plan", "train it with pd train PLAN.json, or give the profile it was made from"),
+    "pdtool.cluster/1": ("cluster description", "give it to pd plan --cluster"),
+    "pdtool.checkpoint/1": ("checkpoint manifest", "give its folder's parent to pd train --checkpoint-dir"),
+}
+"""What each artifact is, and what to do with one given where another kind was expected."""
 
 
 def describe(value: Any) -> str:

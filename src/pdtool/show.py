@@ -71,7 +71,7 @@ def plan_table(plan: Plan) -> str:
         })
     table = pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.3f}")
     lines = [
-        f"plan         {len(plan.stages)} stages on {plan.workers} workers ({plan.cluster.describe()}), "
+        f"plan         {len(plan.stages)} stage{'' if len(plan.stages) == 1 else 's'} on {plan.workers} workers ({plan.cluster.describe()}), "
         f"mode {plan.mode}, cost model {plan.cost_model}{', straight' if plan.straight else ''}"
         f"{', stages over prefixes of the layer order' if plan.state_space == 'prefixes' else ''}",
         f"profile      {plan.profile.model['spec'] if plan.profile.model else '(imported)'}, "
@@ -123,7 +123,7 @@ def simulation_table(result: SimResult, plan: Plan) -> str:
     group = f", {result.group} microbatches per step" if result.mode not in ("pipedream", "vsync") else ""
     lines = [
         f"simulated    mode {result.mode}, {result.minibatches} minibatches{group}, {len(rows)} workers in "
-        f"{len(plan.stages)} stages ({plan.cluster.describe()})",
+        f"{len(plan.stages)} stage{'' if len(plan.stages) == 1 else 's'} ({plan.cluster.describe()})",
         f"predicted    {result.time_per_minibatch_ms:.3f} ms per minibatch ({result.samples_per_s:.1f} samples/s) "
         "in steady state",
         f"cost model   {model:.3f} ms per minibatch ({plan.samples_per_s:.1f} samples/s), bottleneck: "

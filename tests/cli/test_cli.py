@@ -201,8 +201,12 @@ def test_render_without_a_profile_or_on_a_profile_is_a_usage_error(tmp_path):
     profile = imported(tmp_path)
     plan = tmp_path / "elsewhere.json"
     invoke("plan", str(profile), "-c", "4x12GB/s", "-o", str(plan))
+    found = invoke("show", str(plan), "--render", str(tmp_path / "x.svg"))  # the profile with the plan's sha256
+    assert found.exit_code == 0 and (tmp_path / "x.svg").exists() or (tmp_path / "x.dot").exists()
+    profile.rename(tmp_path / "moved.json")  # no *.profile.json of that sha256 beside it or here
     result = invoke("show", str(plan), "--render", str(tmp_path / "x.svg"))
     assert result.exit_code == 2 and "give --profile PROFILE.json" in result.stderr
+    (tmp_path / "moved.json").rename(profile)
     assert invoke("show", str(profile), "--render", str(tmp_path / "x.svg")).exit_code == 2
     wrong = tmp_path / "other.profile.json"
     invoke("profile", "--from-pipedream", str(PIPEDREAM / "alexnet.graph.txt"), "-o", str(wrong))

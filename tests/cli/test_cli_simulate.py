@@ -100,7 +100,7 @@ def test_bad_files_are_one_line(files, tmp_path):
                           "is a profile (pdtool.profile/1), not a plan; make a plan from it first: pd plan")
     other = tmp_path / "other.json"
     other.write_text('{"schema": "pdtool.cluster/1"}')
-    assert_one_line_error(invoke("simulate", str(other)), "expected 'pdtool.plan/1'")
+    assert_one_line_error(invoke("simulate", str(other)), "this is a cluster description (pdtool.cluster/1), not a plan")
     assert not out.exists()
     assert_one_line_error(invoke("simulate", str(profile), "--trace", str(tmp_path / "no" / "t.json")),
                           "does not exist")

@@ -157,7 +157,8 @@ def _plan_json():
     (lambda d: d.update(state_space="antichains"), "unknown state space 'antichains'"),
     (lambda d: d.update(stages=[]), "at least one stage"),
     (lambda d: d.update(mode="fast"), "unknown mode 'fast'"),
-    (lambda d: d.update(schema="pdtool.profile/1"), "expected 'pdtool.plan/1'"),
+    (lambda d: d.update(schema="pdtool.profile/1"), r"this is a profile \(pdtool.profile/1\), not a plan"),
+    (lambda d: d.update(schema="pdtool.plan/9"), "expected 'pdtool.plan/1'"),
     (lambda d: d["stages"][0].pop("ranks"), r"stages\[0\].ranks: missing field"),
 ])
 def test_hand_edited_inconsistent_plans_are_refused_in_one_line(edit, message):

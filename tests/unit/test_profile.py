@@ -66,7 +66,7 @@ def _broken(edit):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(schema="pdtool.plan/1"), "schema is 'pdtool.plan/1', expected 'pdtool.profile/1'"),
+    (lambda d: d.update(schema="pdtool.plan/1"), r"this is a plan \(pdtool.plan/1\), not a profile; train it"),
     (lambda d: d.pop("schema"), "no 'schema' field"),
     (lambda d: d.pop("batch_size"), "batch_size: missing field"),
     (lambda d: d.update(batch_size="16"), "batch_size: expected an integer"),
