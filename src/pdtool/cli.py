@@ -365,7 +365,6 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
         click.echo(f"pd: importing the plan's model factory {plan.profile.model['spec']} from {origin} "
                    "(current folder)", err=True)
     talk = (lambda message: None) if quiet else (lambda message: click.echo(f"pd: {message}", err=True))  # noqa: E731
-    talk("checking the plan against its model and the data (the model is built and run once here)")
     checked = preflight(plan, plan_path, mode, data, seed)  # before any worker starts: one line within seconds
     if epochs:
         config = _with_epochs(config, plan, epochs, checked.batches_per_epoch)
@@ -385,11 +384,9 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
         warn(f"{local} workers x {config.threads} thread(s) share {cores} CPU cores on this machine: the measured time "
              "per minibatch will exceed the plan's prediction, which gives every worker a core of its own")
     shared = (config.threads, local, cores, on_cpu)  # what gap_reasons needs to explain a measurement
-    talk(f"starting {local} worker process(es) on this machine ({'gloo, CPU' if on_cpu else 'NCCL, GPU'}); each "
-         "builds its stage, then training begins")
     result = session.run(config, Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id),
                          verbose=verbose, resume=resume, warn=warn, needs=set(checked.parameters),
-                         say=lambda message: click.echo(f"pd: {message}", err=True))
+                         say=lambda message: click.echo(f"pd: {message}", err=True), talk=talk)
     if metrics_path:
         session.write_metrics(metrics_path, result)
     if trace_path:

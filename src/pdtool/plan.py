@@ -20,7 +20,7 @@ from .fields import Fields, check_schema
 from .schemas import SchemaChecked
 from .jsonio import canonical_json, read_json, round_float_fields, write_json
 from .partition import LayerSet
-from .profile import SPLITS, Profile
+from .profile import METHODS, SPLITS, Profile
 from .states import DOWN_SETS, PREFIXES
 
 SCHEMA = "pdtool.plan/1"
@@ -344,6 +344,8 @@ def _validate(plan: Plan, source: str) -> None:
         top.fail(f"unknown state space {plan.state_space!r}", f"use {DOWN_SETS} or {PREFIXES}", "state_space")
     if not plan.stages:
         top.fail("a plan needs at least one stage", "regenerate the plan with pd plan", "stages")
+    if plan.profile.method not in METHODS:
+        top.fail(f"unknown method {plan.profile.method!r}", f"use one of {', '.join(METHODS)}", "profile.method")
     if plan.profile.split not in SPLITS:
         top.fail(f"unknown split {plan.profile.split!r}", f"use one of {', '.join(SPLITS)}", "profile.split")
     layers = plan.profile.layers

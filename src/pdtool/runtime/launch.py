@@ -48,7 +48,8 @@ class Nodes:
     rdzv_id: str = "pdtool"           # the job's name at that rendezvous, the same on every machine
 
 
-def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: bool = False) -> dict[int, WorkerReport]:
+def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: bool = False,
+           talk=lambda message: None) -> dict[int, WorkerReport]:
     """Run the plan's workers; returns this machine's reports by global rank.
 
     The launcher's own logging (and a failing worker's traceback) is shown only when
@@ -89,6 +90,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     if local:  # a one-machine job talks over loopback only: nothing listens on other interfaces
         for name, value in _LOOPBACK_ENV.items():
             os.environ.setdefault(name, value)
+    talk(f"starting {per_node} worker process(es) on this machine: each builds its stage, then training begins")
     try:
         results = elastic_launch(settings, _entry)(config)
     except ChildFailedError as failure:

@@ -62,12 +62,14 @@ def plan_sha256(path: str) -> str:
 
 
 def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume: bool = False,
-        warn=lambda message: None, needs: set[str] | None = None, say=lambda message: None) -> TrainResult:
+        warn=lambda message: None, needs: set[str] | None = None, say=lambda message: None,
+        talk=lambda message: None) -> TrainResult:
     """Run `config` (config.steps = the step the run should reach) and complete its checkpoints.
 
     With `resume`, the run continues from the newest good checkpoint (`checkpoint.latest_complete`:
     bad ones are skipped with a `warn` line saying why; `needs` are the parameter names it must
-    hold), and `say` is told which; no good checkpoint is a `LaunchError`."""
+    hold), and `say` is told which; no good checkpoint is a `LaunchError`. `talk` hears what
+    the run is doing while the workers start."""
     plan = Plan.load(config.plan_path)
     if resume:
         if not config.checkpoint_dir:
@@ -100,7 +102,7 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
         writer.start()
     began = time.perf_counter()
     try:
-        reports = launch(config, len(plan.used_ranks), nodes, verbose=verbose)
+        reports = launch(config, len(plan.used_ranks), nodes, verbose=verbose, talk=talk)
     except Interrupted as stop:
         if writer is not None:
             writer.stop()
