@@ -230,7 +230,8 @@ def plan(profile_path, cluster_spec, memory, straight, cost_model, mode, optimiz
                    "or more for replicated stages].")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, allow_dash=True), metavar="OUT.json",
               help="Also write the simulated run as a Chrome trace (open it in Perfetto); '-' for stdout.")
-def simulate(plan_path, mode, minibatches, group, trace_path):
+@click.option("--quiet", "-q", is_flag=True, help="No talk on stderr (the summary still goes to stdout).")
+def simulate(plan_path, mode, minibatches, group, trace_path, quiet):
     """Run a plan's schedule in simulated time with the profile's costs.
 
     Every worker runs its actions in order; transfers take bytes / bandwidth of the link and
@@ -260,10 +261,12 @@ def simulate(plan_path, mode, minibatches, group, trace_path):
     trace = chrome_trace(result, the_plan)
     write_trace(trace_path, trace)
     if trace_path == "-":  # stdout carries the trace: the summary goes to stderr
-        click.echo(summary, err=True, nl=False)
+        if not quiet:
+            click.echo(summary, err=True, nl=False)
         return
     click.echo(summary, nl=False)
-    click.echo(f"wrote {trace_path}: {len(result.events)} actions and {len(result.transfers)} transfers on "
+    if not quiet:
+        click.echo(f"wrote {trace_path}: {len(result.events)} actions and {len(result.transfers)} transfers on "
                f"{len(result.busy_ms)} workers; open it in https://ui.perfetto.dev", err=True)
 
 

@@ -109,3 +109,9 @@ def test_bad_files_are_one_line(files, tmp_path):
 def test_help_lists_simulate():
     assert "simulate" in invoke("--help").stdout
     assert "--trace" in invoke("simulate", "--help").stdout
+
+
+def test_quiet_simulate_says_nothing_on_stderr(files, tmp_path):
+    _, plan = files
+    result = invoke("simulate", str(plan), "--trace", str(tmp_path / "t.json"), "-q")
+    assert result.exit_code == 0 and result.stderr == "" and "predicted" in result.stdout
