@@ -136,3 +136,33 @@ def test_a_port_in_use_is_one_line(tmp_path):
     assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0] and "drop --master-port" in lines[0]
+
+
+def test_a_worker_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
+    """SIGKILL a worker while checkpoints are written every step; `--resume` continues from the
+    last complete one and ends exactly where an uninterrupted run ends (flush is deterministic)."""
+    import torch
+
+    from pdtool.checkpoint import latest_complete, load_checkpoint
+
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=DIGITS, batch_size=32, mode="flush")
+    args = ["train", str(path), "--data", "digits", "--steps", "300", "--quiet", "--checkpoint-every", "1"]
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    subprocess.run([PD, *args, "--checkpoint-dir", str(whole)], check=True, capture_output=True)
+    process = subprocess.Popen([PD, *args, "--checkpoint-dir", str(broken)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (broken / "step-00000020" / "manifest.json").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    os.kill(workers_of(process.pid)[-1], signal.SIGKILL)
+    _, lines = finish(process, 10)
+    assert process.returncode == 1 and len(lines) == 1 and "worker rank 1 failed" in lines[0], lines
+    assert latest_complete(broken) is not None
+    resumed = subprocess.run([PD, *args, "--checkpoint-dir", str(broken), "--resume"], capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    _, expected, _ = load_checkpoint(whole / "step-00000300")
+    _, got, _ = load_checkpoint(broken / "step-00000300")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name])
