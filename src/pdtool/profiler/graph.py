@@ -28,6 +28,14 @@ its neighbours:
 So every op of the graph is inside some layer, and its time is measured with that layer.
 `split_module` (stock torch.fx, `LayerGraph.split`) then makes one submodule per group; the
 profiler times each submodule, and the train phase splits the same graph by stage.
+
+`torch.distributed.pipelining.pipeline` captures a model the same way (non-strict
+`torch.export`, `ExportedProgram.module(check_guards=False)`, fx `split_module`), and pdtool
+reuses those pieces rather than `pipeline` itself: `pipeline` cuts only at split points marked
+in the model's code, in graph order, and moves each stage's parameters under `submod_<i>`
+names, where a pdtool plan's stages are arbitrary down-set differences of the layer graph
+(a residual block's branches apart), skips are relayed stage to stage, and parameters keep
+their whole-model names for checkpoints and resume under another plan.
 """
 from __future__ import annotations
 
