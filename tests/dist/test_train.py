@@ -91,3 +91,15 @@ def test_the_measured_time_per_minibatch_agrees_with_the_wall_time(tmp_path, spl
     assert measured is not None and measured > 0
     assert measured * len(finished) <= span_ms * 1.05  # the steady state is no slower than the whole run
     assert measured * len(finished) >= span_ms * 0.2   # and not absurdly faster than it
+
+
+def test_a_model_no_tracer_captures_trains_whole_on_replicas_as_one_process(tmp_path):
+    """One stage, two replicas (data parallel), the module run whole: the same as one process's
+    gradient accumulation over the replicas' minibatches."""
+    ref = ModelRef("toymodels:dynamic")
+    plan, path = plan_with(tmp_path, [((0, 2), 2)], ref=ref, mode="flush")
+    assert plan.profile.method == "modules" and plan.profile.split == "none"
+    config = config_for(path, steps=3, group=2)
+    losses, weights = merged(launch(config, 2))
+    expected_losses, expected_weights = gradient_accumulation(plan, config, ref=ref)
+    assert_same_run(losses, weights, expected_losses, expected_weights)
