@@ -28,6 +28,14 @@ def good(tmp_path_factory):
     return json.loads((folder / "m.profile.json").read_text()), json.loads((folder / "m.plan.json").read_text())
 
 
+def edited(tree, edit, path):
+    """A copy of the JSON `tree` changed by `edit`, written to `path`."""
+    data = copy.deepcopy(tree)
+    edit(data)
+    path.write_text(json.dumps(data))
+    return path
+
+
 def check(args, tmp_path, output=None, codes=(1, 2)):
     """Run `pd args`; assert the one-line contract and that `output` (if any) kept its old text."""
     if output is not None:
@@ -79,10 +87,7 @@ def _profile_edits():
 
 @pytest.mark.parametrize("label, edit", _profile_edits(), ids=[label for label, _ in _profile_edits()])
 def test_a_broken_profile_is_one_line(good, tmp_path, label, edit):
-    data = copy.deepcopy(good[0])
-    edit(data)
-    path = tmp_path / "bad.profile.json"
-    path.write_text(json.dumps(data))
+    path = edited(good[0], edit, tmp_path / "bad.profile.json")
     check(["plan", path, "--cluster", "2x1GB/s", "-o", tmp_path / "out.plan.json"], tmp_path, tmp_path / "out.plan.json")
     check(["show", path], tmp_path)
 
@@ -129,10 +134,7 @@ def _plan_edits():
 
 @pytest.mark.parametrize("label, edit", _plan_edits(), ids=[label for label, _ in _plan_edits()])
 def test_a_broken_plan_is_one_line_in_every_command(good, tmp_path, label, edit):
-    data = copy.deepcopy(good[1])
-    edit(data)
-    path = tmp_path / "bad.plan.json"
-    path.write_text(json.dumps(data))
+    path = edited(good[1], edit, tmp_path / "bad.plan.json")
     check(["simulate", path, "--trace", tmp_path / "t.json"], tmp_path, tmp_path / "t.json")
     check(["show", path], tmp_path)
     check(["train", path, "--steps", "1", "--metrics", tmp_path / "m.csv"], tmp_path, tmp_path / "m.csv")
