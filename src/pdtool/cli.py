@@ -230,8 +230,11 @@ def plan(profile_path, cluster_spec, memory, straight, cost_model, mode, optimiz
                    "or more for replicated stages].")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, allow_dash=True), metavar="OUT.json",
               help="Also write the simulated run as a Chrome trace (open it in Perfetto); '-' for stdout.")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False), metavar="PROFILE.json",
+              help="The profile the plan was made from, to check the stages' data-flow order [default: found by "
+                   "its sha256 beside the plan or here; unchecked when none is found].")
 @click.option("--quiet", "-q", is_flag=True, help="No talk on stderr (the summary still goes to stdout).")
-def simulate(plan_path, mode, minibatches, group, trace_path, quiet):
+def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quiet):
     """Run a plan's schedule in simulated time with the profile's costs.
 
     Every worker runs its actions in order; transfers take bytes / bandwidth of the link and
@@ -253,6 +256,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, quiet):
                             f"pd plan {plan_path} --cluster SPEC -o PLAN.json")
     check_schema(data, PLAN_SCHEMA, plan_path)
     the_plan = Plan.from_json(data, plan_path)
+    _plan_profile(plan_path, the_plan, profile_path, needed=False)
     result = run_simulation(the_plan, mode=mode, minibatches=minibatches, group=group)
     summary = simulation_table(result, the_plan)
     if trace_path is None:
@@ -467,9 +471,9 @@ def show(artifact, top, picture, profile_path):
         if picture:
             from .render import render_plan
 
-            source = profile_path or _sibling_profile(artifact, plan)
+            source, profile = _plan_profile(artifact, plan, profile_path, needed=True)
             check_writable(picture, (artifact, source))
-            written, warning = render_plan(plan, Profile.load(source), picture)
+            written, warning = render_plan(plan, profile, picture)
             if warning:
                 click.echo(f"pd: warning: {warning}", err=True)
             click.echo(f"wrote {written}", err=True)
@@ -481,29 +485,22 @@ def show(artifact, top, picture, profile_path):
     click.echo(profile_table(Profile.from_json(data, artifact), top), nl=False)
 
 
-def _sibling_profile(plan_path: str, plan) -> str:
-    """The profile `plan` was made from: X.profile.json beside X.plan.json (the Make convention),
-    the file its command names, or any *.profile.json beside it or in the current folder, as
-    long as its sha256 is the one the plan records; else ask for --profile."""
-    from .plan import profile_sha256
+def _plan_profile(plan_path: str, plan, profile_path: str | None, needed: bool):
+    """The plan's profile (given, or found by its sha256), checked against the plan; None when
+    not `needed` and not found. Raises a usage error naming what to pass when needed and missing."""
+    from .plan import check_against_profile, find_profile
     from .profile import Profile
 
-    here = os.path.dirname(plan_path) or "."
-    named = plan.command.split()[2] if plan.command.startswith("pd plan ") and len(plan.command.split()) > 2 else None
-    candidates = ([plan_path[: -len(".plan.json")] + ".profile.json"] if plan_path.endswith(".plan.json") else []) + (
-        [os.path.join(here, named), named] if named else []) + sorted(
-        str(p) for folder in {here, "."} for p in Path(folder).glob("*.profile.json"))
-    for candidate in dict.fromkeys(candidates):
-        if not os.path.isfile(candidate):
-            continue
-        try:
-            if profile_sha256(Profile.load(candidate)) == plan.profile.sha256:
-                return candidate
-        except PdtoolError:
-            continue
-    raise click.UsageError(f"--render needs the layer graph of {plan_path}: no profile with its sha256 "
-                           f"({plan.profile.sha256[:12]}...) beside it or here; give --profile PROFILE.json "
-                           f"(the plan was made by: {plan.command or 'an unknown command'})")
+    source = profile_path or find_profile(plan_path, plan)
+    if source is None:
+        if needed:
+            raise click.UsageError(f"--render needs the layer graph of {plan_path}: no profile with its sha256 "
+                                   f"({plan.profile.sha256[:12]}...) beside it or here; give --profile PROFILE.json "
+                                   f"(the plan was made by: {plan.command or 'an unknown command'})")
+        return None, None
+    profile = Profile.load(source)
+    check_against_profile(plan, plan_path, profile, source)
+    return source, profile
 
 
 def main() -> None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import InitVar, dataclass
+from pathlib import Path
 from typing import Any
 
 from .cluster import Cluster
 from .costmodel import COST_MODELS
+from .errors import ArtifactError, PdtoolError
 from .fields import Fields, check_schema
 from .schemas import SchemaChecked
 from .jsonio import canonical_json, read_json, round_float_fields, write_json
@@ -386,3 +388,39 @@ def _validate(plan: Plan, source: str) -> None:
 def profile_sha256(profile: Profile) -> str:
     """sha256 of the profile's canonical JSON text (what `pd profile` writes)."""
     return hashlib.sha256(canonical_json(profile.to_json()).encode()).hexdigest()
+
+
+def find_profile(plan_path: str, plan: Plan) -> str | None:
+    """The profile `plan` was made from, or None: X.profile.json beside X.plan.json (the Make
+    convention), the file its command names, or any *.profile.json beside it or in the current
+    folder, as long as its sha256 is the one the plan records."""
+    here = os.path.dirname(plan_path) or "."
+    words = plan.command.split()
+    named = words[2] if plan.command.startswith("pd plan ") and len(words) > 2 else None
+    candidates = ([plan_path[: -len(".plan.json")] + ".profile.json"] if plan_path.endswith(".plan.json") else []) + (
+        [os.path.join(here, named), named] if named else []) + sorted(
+        str(p) for folder in {here, "."} for p in Path(folder).glob("*.profile.json"))
+    for candidate in dict.fromkeys(candidates):
+        if not os.path.isfile(candidate):
+            continue
+        try:
+            if profile_sha256(Profile.load(candidate)) == plan.profile.sha256:
+                return candidate
+        except PdtoolError:
+            continue
+    return None
+
+
+def check_against_profile(plan: Plan, plan_path: str, profile: Profile, profile_path: str) -> None:
+    """Refuse a profile that is not the plan's, and a plan whose stages are not in data-flow
+    order (a stage reading what a later stage computes: a hand edit that no schedule can run)."""
+    if profile_sha256(profile) != plan.profile.sha256:
+        raise ArtifactError(f"{profile_path} is not the profile {plan_path} was made from (sha256 "
+                            f"{plan.profile.sha256[:12]}... expected); give the profile named in the plan's command: "
+                            f"{plan.command or 'unknown'}")
+    owner = {layer: index for index, stage in enumerate(plan.stages) for layer in stage.layers}
+    for src, dst in profile.edges:
+        if owner[src] > owner[dst]:
+            raise ArtifactError(f"{plan_path}: stages[{owner[dst]}] reads layer {src} ({profile.layers[src].name}), "
+                                f"which stages[{owner[src]}] computes later: the stages are not in data-flow order "
+                                "(edited by hand?); regenerate the plan with pd plan")

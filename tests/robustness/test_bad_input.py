@@ -140,6 +140,36 @@ def test_a_broken_plan_is_one_line_in_every_command(good, tmp_path, label, edit)
     check(["train", path, "--steps", "1", "--metrics", tmp_path / "m.csv"], tmp_path, tmp_path / "m.csv")
 
 
+def _reversed(data):
+    """The two stages' layers swapped: every field valid, but stage 0 reads what stage 1 computes."""
+    first, second = data["stages"]
+    for key in ("layers", "first_layer", "last_layer"):
+        first[key], second[key] = second[key], first[key]
+
+
+@pytest.mark.parametrize("beside", [True, False], ids=["profile beside", "--profile"])
+def test_stages_out_of_data_flow_order_are_refused_by_every_command(good, tmp_path, beside):
+    folder = tmp_path / "plans"
+    folder.mkdir()
+    profile = (folder if beside else tmp_path) / ("m.profile.json" if beside else "elsewhere.json")
+    profile.write_text(json.dumps(good[0]))
+    path = edited(good[1], _reversed, folder / "m.plan.json")
+    given = [] if beside else ["--profile", profile]
+    check(["simulate", path, *given, "--trace", tmp_path / "t.json"], tmp_path, tmp_path / "t.json", codes=(1,))
+    check(["show", path, *given, "--render", tmp_path / "p.dot"], tmp_path, tmp_path / "p.dot", codes=(1,))
+    check(["train", path, "--steps", "1"], tmp_path, codes=(1,))
+    result = CliRunner().invoke(cli, ["simulate", str(path), *map(str, given)])
+    assert "not in data-flow order" in result.stderr
+
+
+def test_a_profile_that_is_not_the_plans_is_refused(good, tmp_path):
+    plan = tmp_path / "m.plan.json"
+    plan.write_text(json.dumps(good[1]))
+    other = edited(good[0], lambda d: d.__setitem__("step_ms", d["step_ms"] * 2), tmp_path / "other.json")
+    for args in (["simulate", plan, "--profile", other], ["show", plan, "--profile", other, "--render", tmp_path / "p.dot"]):
+        check(args, tmp_path, codes=(1,))
+
+
 def test_a_plan_whose_model_changed_is_refused_before_any_worker(good, tmp_path):
     data = copy.deepcopy(good[1])
     data["profile"]["model"]["kwargs"]["hidden"] = 9  # another model than the one profiled

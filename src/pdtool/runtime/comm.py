@@ -71,7 +71,7 @@ class Link:
     gradients from the next stage and to the previous one."""
 
     def __init__(self, device: torch.device, window: int, groups: dict[tuple[int, int], object] | None = None,
-                 timeout_s: float | None = None, rank: int | None = None, on_silence=None):
+                 timeout_s: float | None = None, rank: int | None = None):
         self.device = device
         self.window = window  # unconfirmed messages per link and direction (module docstring)
         self.groups = groups or {}  # (peer, direction) -> process group; the default group if absent
@@ -79,7 +79,6 @@ class Link:
         self.sends: dict[tuple[int, int], deque] = {}  # (peer, direction) -> (works, tensors, minibatch), oldest first
         self.timeout_s = timeout_s  # how long one message may take before its peer counts as gone (None: forever)
         self.rank = rank
-        self.on_silence = on_silence  # called with a peer's rank when it stopped answering
 
     def post_recv(self, key: tuple[int, int], peer: int, specs: list[TensorSpec], direction: int) -> None:
         """Start receiving message `key` = (direction, minibatch) from `peer` into new buffers."""
@@ -130,15 +129,17 @@ class Link:
                 raise
             finished = False
         if finished is False:
-            if self.on_silence is not None:
-                self.on_silence(peer)
             who = f"rank {self.rank}" if self.rank is not None else "this worker"
             raise PeerTimeout(f"{who} waited {self.timeout_s:g} s for {what}, which stopped answering; the job was "
-                              "stopped (--timeout sets how long a worker waits)")
+                              "stopped (--timeout sets how long a worker waits)", peer)
 
 
 class PeerTimeout(LaunchError):
-    """A peer did not complete a transfer within the timeout."""
+    """A peer (rank `peer`) did not complete a transfer within the timeout."""
+
+    def __init__(self, message: str, peer: int):
+        super().__init__(message)
+        self.peer = peer
 
 
 _WHAT = {ACTIVATION: "activations", GRADIENT: "gradients"}

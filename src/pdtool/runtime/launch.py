@@ -143,11 +143,14 @@ _NOISY = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distribut
 def _entry(config: RunConfig) -> WorkerReport:
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from .worker import worker_main
+    from .comm import PeerTimeout
+    from .worker import stop_silent_peer, worker_main
 
     try:
         return record(worker_main)(config)  # record: the error file the launcher reads, written first
     except BaseException as exc:
+        if isinstance(exc, PeerTimeout):
+            stop_silent_peer(exc.peer)
         _release_nccl()
         # The error is recorded. Leave without the process group's teardown, which waits for pending
         # transfers that a peer that stopped answering never completes. The launcher reports the
@@ -182,9 +185,12 @@ def _free_port() -> int:
 def _explain(failure) -> tuple[str, bool]:
     """One line: which rank failed first and its error message; and whether it raised (so
     that a traceback exists) rather than died. A worker's own error wins over a peer's
-    "connection closed" (failure times have a resolution of a second); among those, the first."""
+    "connection closed" (failure times have a resolution of a second); among those, the first,
+    and within a second one that recorded an error (e.g. "waited for rank 1, which stopped
+    answering") over one that died without (rank 1, which that worker then killed)."""
     messages = {rank: _message(info) for rank, info in failure.failures.items()}
-    rank = min(failure.failures, key=lambda r: (_echoes_a_peer(messages[r]), failure.failures[r].timestamp, r))
+    rank = min(failure.failures, key=lambda r: (_echoes_a_peer(messages[r]), failure.failures[r].timestamp,
+                                                  not messages[r], r))
     info, message = failure.failures[rank], messages[rank]
     raised = bool(message)
     if not message:

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import math
 import re
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from ..checkpoint import (MANIFEST, existing_steps, latest_complete, read_manifest, remove_temporaries,
                           set_aside_after, shard_name, write_manifest)
-from ..errors import Interrupted, LaunchError
+from ..errors import Interrupted, LaunchError, PdtoolError
 from ..jsonio import write_text_atomic
 from ..plan import Plan
 from ..trace import measured_trace, write_trace
@@ -106,44 +107,87 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
     except Interrupted as stop:
         if writer is not None:
             writer.stop()
-        newest = latest_complete(config.checkpoint_dir) if config.checkpoint_dir else None
-        kept = (f"the last complete checkpoint is {newest} (--resume continues from it)" if newest else
-                "no checkpoint was completed" if config.checkpoint_dir else "no --checkpoint-dir was given")
-        raise Interrupted(f"{stop}; {kept}", stop.exit_code - 128) from None
+        raise Interrupted(f"{stop}; {_kept(config.checkpoint_dir)}", stop.exit_code - 128) from None
+    except LaunchError as failure:
+        if writer is None:
+            raise
+        writer.stop()
+        raise LaunchError(f"{failure}; {_kept(config.checkpoint_dir)}") from None
     finally:
         if writer is not None:
             writer.stop()
+    if writer is not None and writer.error is not None:  # e.g. a full disk after the workers' last shard
+        raise writer.error
     return TrainResult(plan, reports, time.perf_counter() - began, config.first_step, config.steps, per_step)
 
 
+def _kept(checkpoint_dir: str | None) -> str:
+    """What a stopped run leaves to resume from."""
+    newest = latest_complete(checkpoint_dir) if checkpoint_dir else None
+    return (f"the last complete checkpoint is {newest} (--resume continues from it)" if newest else
+            "no checkpoint was completed" if checkpoint_dir else "no --checkpoint-dir was given")
+
+
 class _ManifestWriter(threading.Thread):
-    """Writes the manifest of every checkpoint folder whose shards are all written."""
+    """Writes the manifest of every checkpoint folder whose shards are all written. The first
+    error (a full disk) stops it and is kept in `error`; the workers meet the same disk."""
 
     def __init__(self, root: Path, stages: int, plan_hash: str, meta: dict):
         super().__init__(daemon=True)
         self.root, self.stages, self.plan_hash, self.meta = root, stages, plan_hash, meta
         self.done = threading.Event()
+        self.error: PdtoolError | None = None
         self.before = {path.name for path in root.glob("step-*")}  # never completes a folder it did not see made
 
     def run(self) -> None:
-        while not self.done.wait(0.2):
-            self.complete()
+        while not self.done.wait(0.2) and self._completed():
+            pass
 
     def stop(self) -> None:
+        """With the workers gone: complete what can be; on a full disk, keep the newest checkpoint
+        that fits (this run's unfinished folders make room for it), and the error."""
         self.done.set()
         self.join()
-        self.complete()
+        self.error = None
+        if not self._completed():
+            self._make_room()
+
+    def _make_room(self) -> None:
+        unfinished = sorted((f for f in self.root.glob("step-*") if f.name not in self.before and not f.is_symlink()
+                             and not (f / MANIFEST).exists()), reverse=True)
+        for folder in unfinished:  # shards missing: they can never complete now
+            if not all((folder / shard_name(s)).is_file() for s in range(self.stages)):
+                shutil.rmtree(folder, ignore_errors=True)
+        for folder in unfinished:  # newest first; one that cannot be completed makes room for the next
+            if folder.exists():
+                try:
+                    self._complete_one(folder)
+                    return
+                except PdtoolError:
+                    shutil.rmtree(folder, ignore_errors=True)
+
+    def _completed(self) -> bool:
+        """complete(), keeping its first error; whether it succeeded."""
+        if self.error is not None:
+            return False
+        try:
+            self.complete()
+        except PdtoolError as exc:
+            self.error = exc
+        return self.error is None
 
     def complete(self) -> None:
         for folder in sorted(self.root.glob("step-*")):
             if folder.name in self.before or (folder / MANIFEST).exists() or folder.is_symlink():
                 continue
-            shards = [folder / shard_name(s) for s in range(self.stages)]
-            if all(p.is_file() for p in shards):
-                step = int(folder.name.split("-")[1])
-                hashes = {s: hashlib.sha256(p.read_bytes()).hexdigest() for s, p in enumerate(shards)}
-                write_manifest(folder, step, self.plan_hash, hashes, self.meta)
-                remove_temporaries(folder)
+            if all((folder / shard_name(s)).is_file() for s in range(self.stages)):
+                self._complete_one(folder)
+
+    def _complete_one(self, folder: Path) -> None:
+        shards = [folder / shard_name(s) for s in range(self.stages)]
+        hashes = {s: hashlib.sha256(p.read_bytes()).hexdigest() for s, p in enumerate(shards)}
+        write_manifest(folder, int(folder.name.split("-")[1]), self.plan_hash, hashes, self.meta)
+        remove_temporaries(folder)
 
 
 def write_metrics(path: str, result: TrainResult) -> None:

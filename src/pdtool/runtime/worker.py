@@ -149,7 +149,7 @@ def worker_main(config: RunConfig) -> WorkerReport:
                            config.checkpoint_every, minibatches_per_step(schedule))
     on_device = lambda b: tuple(_to(x, device) for x in batch(b))  # noqa: E731
     report = _run(plan, schedule, worker, stages, specs, on_device, groups.get(stage_index), tie,
-                  Link(device, window, links, config.timeout_s, rank, _stop_silent_peer), saver, first, config.progress)
+                  Link(device, window, links, config.timeout_s, rank), saver, first, config.progress)
     report.peak_versions = worker.peak_versions
     if config.return_weights:
         report.weights = {stage.param_names[n]: p.detach().cpu().clone() for n, p in stage.module.named_parameters()}
@@ -159,15 +159,16 @@ def worker_main(config: RunConfig) -> WorkerReport:
 
 
 def _publish_process(rank: int) -> None:
-    """Leave this worker's machine and process id in the job's store (see `_stop_silent_peer`)."""
+    """Leave this worker's machine and process id in the job's store (see `stop_silent_peer`)."""
     store = dist.distributed_c10d._get_default_store()
     store.set(f"pdtool/process/{rank}", f"{socket.gethostname()} {os.getpid()}")
 
 
-def _stop_silent_peer(peer: int) -> None:
+def stop_silent_peer(peer: int) -> None:
     """A peer stopped answering (hung or stopped, e.g. by SIGSTOP): it can no longer handle the
     launcher's SIGTERM, which would then wait its grace period before a SIGKILL. When it runs on
-    this machine, end it now, so that the whole job stops within the timeout plus seconds."""
+    this machine, end it now, so that the whole job stops within the timeout plus seconds. Called
+    once this worker's error is recorded, so that the launcher reports the silence, not the kill."""
     try:
         store = dist.distributed_c10d._get_default_store()
         host, pid = store.get(f"pdtool/process/{peer}").decode().split()
