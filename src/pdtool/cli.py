@@ -323,6 +323,9 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
                    "the same endpoint and the rendezvous numbers the machines.")
 @click.option("--rdzv-id", default="pdtool", show_default=True,
               help="The job's name at the rendezvous (the same on every machine of one job).")
+@click.option("--iface", metavar="NAME",
+              help="Network interface of the workers' traffic (gloo and NCCL) [default: lo on one machine; the one "
+                   "that routes to the rendezvous host across machines, or GLOO_SOCKET_IFNAME if set].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where workers run: cuda gives each worker the GPU of its local rank and NCCL; cpu uses gloo; "
                    "auto takes the GPUs when torch sees one for every worker of this machine, else the CPU.")
@@ -333,7 +336,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, momentum, weight_decay, checkpoint_dir,
           checkpoint_every, resume, metrics_path, trace_path, timeout_s, threads, nnodes, node_rank, nproc_per_node,
-          master_addr, master_port, rdzv_endpoint, rdzv_id, device, verbose, evaluate, quiet):
+          master_addr, master_port, rdzv_endpoint, rdzv_id, iface, device, verbose, evaluate, quiet):
     """Train a plan on torch.distributed workers (gloo on CPU, NCCL on GPUs), one process per rank.
 
     Every worker builds its stage from the model the plan names, checks the plan against the
@@ -391,7 +394,8 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
         warn(f"{local} workers x {config.threads} thread(s) share {cores} CPU cores on this machine: the measured time "
              "per minibatch will exceed the plan's prediction, which gives every worker a core of its own")
     shared = (config.threads, local, cores, on_cpu)  # what gap_reasons needs to explain a measurement
-    result = session.run(config, Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id),
+    nodes = Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id, iface)
+    result = session.run(config, nodes,
                          verbose=verbose, resume=resume, warn=warn, needs=set(checked.parameters),
                          say=lambda message: click.echo(f"pd: {message}", err=True), talk=talk)
     if metrics_path:
@@ -416,8 +420,11 @@ def _report(result, plan, config, shared: tuple) -> None:
     if not losses:
         return
     first, last = losses[min(losses)], losses[max(losses)]
+    here, everywhere = len(result.reports), len(plan.used_ranks)
+    workers = f"{here} worker{'s' if here != 1 else ''}" + (f" of this machine ({everywhere} in the job)"
+                                                          if here < everywhere else "")
     click.echo(f"trained steps {result.first_step + 1}-{result.first_step + result.steps} ({len(losses)} minibatches) "
-               f"on {len(result.reports)} workers in {result.wall_s:.1f} s; loss {first:.4f} -> {last:.4f}")
+               f"on {workers} in {result.wall_s:.1f} s; loss {first:.4f} -> {last:.4f}")
     measured = result.time_per_minibatch_ms()
     rate = lambda ms: f"{ms:.3f} ms" + (f" ({plan.profile.batch_size / ms * 1e3:.0f} samples/s)" if ms > 0 else "")  # noqa: E731
     simulated = plan.predicted.simulated_ms
@@ -505,4 +512,7 @@ def _plan_profile(plan_path: str, plan, profile_path: str | None, needed: bool):
 
 def main() -> None:
     """Console-script entry point of `pd`."""
+    # torch's C++ warnings (e.g. a peer whose host name has no reverse DNS entry) are not one line
+    # of what to do; pd says what matters itself. TORCH_CPP_LOG_LEVEL=WARNING shows them again.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     cli(prog_name="pd")

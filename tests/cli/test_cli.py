@@ -211,7 +211,7 @@ def test_render_without_a_profile_or_on_a_profile_is_a_usage_error(tmp_path):
     wrong = tmp_path / "other.profile.json"
     invoke("profile", "--from-pipedream", str(PIPEDREAM / "alexnet.graph.txt"), "-o", str(wrong))
     assert_one_line_error(invoke("show", str(plan), "--render", str(tmp_path / "x.svg"), "--profile", str(wrong)),
-                          "pass the profile the plan was made from")
+                          "is not the profile")
 
 
 def test_help_and_version():

@@ -1,56 +1,59 @@
-"""Two `pd train` launchers of 2 workers each form one 4-worker job on 127.0.0.1, as two
-machines would with torch.distributed's static rendezvous (--nnodes, --node-rank, --master-*)."""
-import csv
-import socket
+"""Multi-machine training over a real network stack: two emulated machines (network namespaces
+joined by a switch, links shaped by tc; `bench/links.py`), one `pd train --nnodes 2` launcher
+in each. Skipped where namespaces cannot be made (not root)."""
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from helpers import config_for, gradient_accumulation, plan_with
+from helpers import plan_with
+
+from pdtool.profile import ModelRef
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import links  # noqa: E402 - the bench helper that makes the machines
+
+PD = str(Path(sys.executable).parent / "pd")
+DIGITS = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": 16, "depth": 2, "classes": 10})
+
+pytestmark = pytest.mark.skipif(links.available() is not None, reason=f"no emulated links: {links.available()}")
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def run_on(machines, plan, extra=(), on_second=()):
+    """`pd train plan` on both machines (node 0 hosts the rendezvous); [(returncode, stderr lines, stdout)]."""
+    processes = []
+    for rank, machine in enumerate(machines):
+        argv = [PD, "train", str(plan), "--data", "digits", "--steps", "10", "--nnodes", "2", "--node-rank", str(rank),
+                "--master-addr", machines[0].address, "--master-port", "29650", "--timeout", "20", *extra,
+                *(on_second if rank == 1 else ())]
+        processes.append(machine.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for process in processes:
+        out, err = process.communicate(timeout=240)
+        results.append((process.returncode, err.strip().splitlines(), out))
+    return results
 
 
-def test_two_launchers_form_one_job(tmp_path):
-    plan, path = plan_with(tmp_path, [((0, 0), 1), ((1, 1), 1), ((2, 2), 1), ((3, 3), 1)], mode="flush")
-    pd = str(Path(sys.executable).parent / "pd")
-    port = free_port()
-    common = ["train", str(path), "--steps", "3", "--group", "4", "--lr", "0.05", "--seed", "0", "--quiet",
-              "--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-              "--timeout", "30"]
-    metrics = tmp_path / "node1.csv"
-    nodes = [subprocess.Popen([pd, *common, "--node-rank", str(rank)] + (["--metrics", str(metrics)] if rank else []),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    outputs = [node.communicate(timeout=120) for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs
-    assert "on 2 workers" in outputs[1][0]  # the last stage (rank 3) runs on node 1
-    losses, _ = gradient_accumulation(plan, config_for(path, steps=3, group=4))
-    rows = list(csv.DictReader(metrics.open()))
-    assert [float(r["loss"]) for r in rows] == pytest.approx(
-        [sum(losses[b] for b in range(4 * k, 4 * k + 4)) / 4 for k in range(3)], rel=1e-5)
+def test_two_machines_train_over_a_shaped_link(tmp_path):
+    _, plan = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=DIGITS, batch_size=32)
+    with links.machines(2, "100Mbit") as machines:
+        results = run_on(machines, plan)
+    assert [code for code, _, _ in results] == [0, 0], results
+    for rank, (_, lines, _) in enumerate(results):  # each picked its namespace's interface, not loopback
+        assert f"talks on eth0 ({links.SUBNET}.{rank + 1})" in "\n".join(lines), lines
+    assert "trained steps 1-10" in results[1][2]  # the machine of the last stage reports the run
+    assert not links._namespaces()
 
 
-def test_two_launchers_meet_at_a_c10d_rendezvous(tmp_path):
-    """--rdzv-endpoint: no node ranks given; the rendezvous numbers the machines as they join."""
-    plan, path = plan_with(tmp_path, [((0, 0), 1), ((1, 1), 1), ((2, 2), 1), ((3, 3), 1)], mode="flush")
-    pd = str(Path(sys.executable).parent / "pd")
-    endpoint = f"127.0.0.1:{free_port()}"
-    common = ["train", str(path), "--steps", "2", "--group", "4", "--lr", "0.05", "--seed", "0", "--quiet",
-              "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", "t1", "--timeout", "30"]
-    metrics = [tmp_path / f"node{k}.csv" for k in (0, 1)]
-    nodes = [subprocess.Popen([pd, *common, "--metrics", str(m)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for m in metrics]
-    outputs = [node.communicate(timeout=120) for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs
-    reporting = [k for k in (0, 1) if "on 2 workers" in outputs[k][0]]
-    assert len(reporting) == 1, outputs  # one machine got ranks 2-3, with the last stage
-    losses, _ = gradient_accumulation(plan, config_for(path, steps=2, group=4))
-    rows = list(csv.DictReader(metrics[reporting[0]].open()))
-    assert [float(r["loss"]) for r in rows] == pytest.approx(
-        [sum(losses[b] for b in range(4 * k, 4 * k + 4)) / 4 for k in range(2)], rel=1e-5)
+def test_a_machine_on_the_wrong_interface_fails_within_seconds_with_one_line(tmp_path):
+    _, plan = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=DIGITS, batch_size=32)
+    began = time.monotonic()
+    with links.machines(2, "100Mbit") as machines:
+        results = run_on(machines, plan, extra=["--quiet"], on_second=["--iface", "lo"])
+    assert time.monotonic() - began < 30
+    for code, lines, _ in results:
+        errors = [line for line in lines if line.startswith("pd: error:")]
+        assert code == 1 and len(errors) == 1 and "cannot reach machine" in errors[0], lines
+        assert "Traceback" not in "\n".join(lines)

@@ -10,6 +10,7 @@ others at once; the failing rank's error comes back as one `LaunchError` line.
 """
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import logging
@@ -46,6 +47,7 @@ class Nodes:
     master_port: int | None = None
     rdzv_endpoint: str | None = None  # HOST:PORT of a c10d rendezvous (instead of master_addr/port)
     rdzv_id: str = "pdtool"           # the job's name at that rendezvous, the same on every machine
+    interface: str | None = None      # the network interface of the job's traffic (default: the route to the rendezvous)
 
 
 def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: bool = False,
@@ -67,12 +69,12 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     join_timeout = int(config.timeout_s) + 60
     logs = tempfile.mkdtemp(prefix="pdtool-workers-")  # the workers' error files; removed when the job ends
     local = nodes.nnodes == 1 and not nodes.rdzv_endpoint
-    store, store_port = _loopback_store(nodes.master_port, join_timeout) if local else (None, None)
+    store, network_env = _meet(nodes, join_timeout, talk)
     if nodes.rdzv_endpoint:
         rendezvous = dict(run_id=nodes.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=nodes.rdzv_endpoint,
                           rdzv_configs={"join_timeout": join_timeout, "last_call_timeout": 1})
     else:
-        port = nodes.master_port or _free_port() if not local else store_port
+        port = store.port if local else nodes.master_port
         rendezvous = dict(run_id=f"pdtool-{uuid.uuid4().hex[:8]}" if nodes.nnodes == 1 else "pdtool",
                           rdzv_backend="static", rdzv_endpoint=f"{nodes.master_addr}:{port}",
                           rdzv_configs={"rank": nodes.node_rank, "timeout": join_timeout})
@@ -86,10 +88,8 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     levels = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.CRITICAL)
-    saved_env = {name: os.environ.get(name) for name in _LOOPBACK_ENV}
-    if local:  # a one-machine job talks over loopback only: nothing listens on other interfaces
-        for name, value in _LOOPBACK_ENV.items():
-            os.environ.setdefault(name, value)
+    saved_env = {name: os.environ.get(name) for name in network_env}
+    os.environ.update(network_env)
     talk(f"starting {per_node} worker process(es) on this machine: each builds its stage, then training begins")
     try:
         results = elastic_launch(settings, _entry)(config)
@@ -112,29 +112,72 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     return {report.rank: report for report in results.values()}
 
 
-_LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+_IFNAME_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-def _loopback_store(port: int | None, timeout_s: int):
-    """The rendezvous store of a one-machine job, listening on 127.0.0.1 only (torch's own store
-    listens on every interface): a socket bound to loopback, handed to a multi-tenant TCPStore
-    that torchelastic's static rendezvous then shares (same port, same process). `port` None
-    picks a free one, so no other process can take it in between."""
+def _meet(nodes: Nodes, timeout_s: int, talk) -> tuple[object | None, dict[str, str]]:
+    """The rendezvous store this launcher holds (None where torch's c10d rendezvous hosts it) and
+    the environment that puts the workers' traffic on the job's interface. One machine: the
+    store and every socket on loopback only. Several: the interface that routes to the
+    rendezvous (or --iface, or a GLOO_SOCKET_IFNAME the user set), and with a static rendezvous
+    a check that every machine reaches every other one (`network.check_reachable`)."""
+    from . import network
+
+    if nodes.nnodes == 1 and not nodes.rdzv_endpoint:  # nothing listens on other interfaces
+        chosen = nodes.interface or "lo"
+        return _listening_store("127.0.0.1", nodes.master_port, timeout_s, "drop --master-port (pd train picks a "
+                                "free port) or give another one"), {name: chosen for name in _IFNAME_ENV}
+    host = nodes.rdzv_endpoint.rsplit(":", 1)[0] if nodes.rdzv_endpoint else nodes.master_addr
+    interface, address = network.pick_interface(host, nodes.interface or os.environ.get("GLOO_SOCKET_IFNAME"))
+    env = {name: interface for name in _IFNAME_ENV}
+    if nodes.rdzv_endpoint:
+        return None, env
+    if nodes.node_rank == 0:  # this machine hosts the rendezvous, on the master address
+        store = _listening_store(network.resolve(nodes.master_addr), nodes.master_port, timeout_s,
+                                 "give a free --master-port, the same on every machine")
+    else:
+        store = _client_store(nodes.master_addr, nodes.master_port, timeout_s, talk)
+    network.check_reachable(store, nodes.nnodes, nodes.node_rank, address, interface, timeout_s, talk)
+    return store, env
+
+
+def _listening_store(host: str, port: int | None, timeout_s: int, fix: str):
+    """A rendezvous store listening on `host` only (torch's own store listens on every interface):
+    a socket bound there, handed to a multi-tenant TCPStore that torchelastic's static rendezvous
+    then shares (same port, same process). `port` None picks a free one, so that no other process
+    can take it in between."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.bind(("127.0.0.1", port or 0))
+        sock.bind((host, port or 0))
     except OSError as exc:
         sock.close()
-        raise LaunchError(f"cannot listen on 127.0.0.1:{port} ({exc.strerror}): another program uses the port; drop "
-                          "--master-port (pd train picks a free port) or give another one") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise LaunchError(f"--master-addr {host} is not an address of this machine, and node rank 0 hosts the "
+                              "rendezvous: run node rank 0 on the machine at --master-addr") from None
+        raise LaunchError(f"cannot listen on {host}:{port} ({exc.strerror}): another program uses the port; "
+                          f"{fix}") from None
     sock.listen(128)
-    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], None, True, timedelta(seconds=timeout_s),
+    store = dist.TCPStore(host, sock.getsockname()[1], None, True, timedelta(seconds=timeout_s),
                           wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.detach())
-    return store, store.port
+    return store
+
+
+def _client_store(host: str, port: int, timeout_s: int, talk):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    talk(f"connecting to the rendezvous at {host}:{port} (node rank 0 hosts it; waiting up to {timeout_s} s)")
+    try:
+        return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError with a long text
+        raise LaunchError(f"cannot reach the rendezvous at {host}:{port} within {timeout_s} s "
+                          f"({str(exc).splitlines()[0][:120]}); start node rank 0 there, or check --master-addr, "
+                          "--master-port and the network") from None
 
 
 _NOISY = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher")
@@ -174,12 +217,6 @@ def _release_nccl() -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - already failing; the recorded error is what matters
             pass
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _explain(failure) -> tuple[str, bool]:

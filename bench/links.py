@@ -1,0 +1,189 @@
+"""Real network links with a set bandwidth and latency on one Linux machine.
+
+`machines(n, bandwidth, latency_ms)` makes n network namespaces, the emulated machines, each
+with one interface `eth0` and the address 10.201.0.(i+1)/24, plugged into a switch: a bridge in
+a namespace of its own. Each machine's port is shaped in both directions by `tc` (`tbf` for the
+bandwidth; `netem` for a one-way latency where the kernel has it), so every machine sends and receives at most
+`bandwidth` and TCP between two machines is a real link of that speed. A process runs on a
+machine with `Machine.popen`/`Machine.run` (`ip netns exec`). Every namespace is deleted on
+every way out (return, exception, SIGTERM, SIGINT, interpreter exit); leftovers of a run that
+was SIGKILLed are swept by the next one (they are named after the process that made them).
+
+Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN), `ip` and `tc`. `available()` says whether
+namespaces can be made here, and why not.
+
+    python bench/links.py [1Gbit]         # check: two machines at that bandwidth (100Mbit), a timed transfer
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+PREFIX = "pdlink"
+SUBNET = "10.201.0"
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def bits_per_s(text: str) -> float:
+    """'100Mbit', '1Gbit', '10Gbit/s', '2.5gbit' -> bits per second."""
+    found = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)bit(/s)?\s*", text.lower())
+    if not found:
+        raise ValueError(f"bandwidth {text!r}: write it like 100Mbit, 1Gbit or 10Gbit")
+    return float(found.group(1)) * _UNITS[found.group(2)]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """One emulated machine: its namespace and its address on the switch."""
+
+    namespace: str
+    address: str
+    interface: str = "eth0"
+
+    def command(self, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace, *argv]
+
+    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(self.command(argv), **kwargs)
+
+    def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(argv), **kwargs)
+
+
+def available() -> str | None:
+    """None when namespaces with shaped links can be made here, else why not."""
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (Debian: apt-get install iproute2)"
+    name = f"{PREFIX}-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot make a network namespace: {made.stderr.strip() or 'ip netns add failed'} (run as root)"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None
+
+
+def _ip(*args: str, namespace: str | None = None) -> None:
+    argv = (["ip", "-n", namespace] if namespace else ["ip"]) + list(args)
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {done.stderr.strip()}")
+
+
+def _shape(namespace: str, device: str, rate_bps: float, latency_ms: float) -> None:
+    """`tbf` (the rate) on `device`'s egress; under a `netem` delay when `latency_ms` > 0."""
+    def qdisc(*args: str) -> None:
+        done = subprocess.run(["tc", "-n", namespace, "qdisc", "add", "dev", device, *args], capture_output=True, text=True)
+        if done.returncode != 0:
+            kind = "netem (latency)" if "netem" in args else "tbf (bandwidth)"
+            raise RuntimeError(f"tc cannot add {kind} on {device}: {done.stderr.strip()}"
+                               + (" (this kernel lacks sch_netem: use latency_ms=0)" if "netem" in args else ""))
+
+    burst = max(int(rate_bps / 8 / 250), 64 * 1024)  # one timer tick's worth, at least a GSO packet
+    limit = max(int(rate_bps / 8 * 0.05), 4 * burst)  # 50 ms of queue
+    tbf = ["tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "limit", str(limit)]
+    if latency_ms > 0:
+        qdisc("root", "handle", "1:", "netem", "delay", f"{latency_ms}ms", "limit", "100000")
+        qdisc("parent", "1:1", "handle", "10:", *tbf)
+    else:
+        qdisc("root", *tbf)
+
+
+def _namespaces() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.startswith(PREFIX + "-")]
+
+
+def _delete(names: list[str]) -> None:
+    for name in names:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def sweep_stale() -> None:
+    """Delete namespaces left by a run of this helper whose process is gone (e.g. SIGKILLed)."""
+    for name in _namespaces():
+        owner = name.split("-")[1]
+        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            _delete([name])
+
+
+@contextlib.contextmanager
+def machines(n: int, bandwidth: str = "1Gbit", latency_ms: float = 0.0):
+    """n emulated machines on a switch whose ports carry `bandwidth` each way (see module doc)."""
+    if not 1 <= n <= 200:
+        raise ValueError("between 1 and 200 machines")
+    rate = bits_per_s(bandwidth)
+    sweep_stale()
+    tag = f"{PREFIX}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    switch = f"{tag}-sw"
+    made: list[str] = []
+
+    def cleanup() -> None:
+        _delete(list(reversed(made)))
+        made.clear()
+
+    def on_signal(signum, frame):  # noqa: ARG001 - turn the signal into an exception, so `finally` runs
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    atexit.register(cleanup)
+    try:
+        _ip("netns", "add", switch)
+        made.append(switch)
+        _ip("link", "add", "br0", "type", "bridge", namespace=switch)
+        _ip("link", "set", "br0", "up", namespace=switch)
+        found = []
+        for i in range(n):
+            name = f"{tag}-m{i}"
+            _ip("netns", "add", name)
+            made.append(name)
+            _ip("link", "set", "lo", "up", namespace=name)
+            port = f"p{i}"
+            _ip("link", "add", "eth0", "netns", name, "type", "veth", "peer", "name", port, "netns", switch)
+            _ip("link", "set", port, "master", "br0", namespace=switch)
+            _ip("link", "set", port, "up", namespace=switch)
+            address = f"{SUBNET}.{i + 1}"
+            _ip("addr", "add", f"{address}/24", "dev", "eth0", namespace=name)
+            _ip("link", "set", "eth0", "up", namespace=name)
+            _shape(name, "eth0", rate, latency_ms)     # what the machine sends
+            _shape(switch, port, rate, latency_ms)     # what it receives
+            found.append(Machine(name, address))
+        yield found
+    finally:
+        cleanup()
+        atexit.unregister(cleanup)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _check(bandwidth: str = "100Mbit") -> int:
+    why = available()
+    if why:
+        print(f"links: {why}")
+        return 1
+    with machines(2, bandwidth) as (a, b):
+        size = int(bits_per_s(bandwidth) / 8 * 0.6)
+        server = a.popen([sys.executable, "-c", "import socket\ns=socket.create_server(('0.0.0.0', 5999))\n"
+                          "c,_=s.accept()\nn=0\nwhile (d:=c.recv(1<<20)): n+=len(d)\nprint(n)"],
+                         stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        began = time.perf_counter()
+        b.run([sys.executable, "-c", f"import socket\nc=socket.create_connection(('{a.address}', 5999))\n"
+               f"c.sendall(bytes({size}))\nc.close()"], check=True)
+        got = int(server.communicate(timeout=60)[0])
+        took = time.perf_counter() - began
+        print(f"sent {got / 1e6:.1f} MB in {took:.2f} s: {got * 8 / took / 1e6:.1f} Mbit/s on a {bandwidth} link")
+    print(f"namespaces left: {_namespaces() or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_check(*sys.argv[1:2]))
