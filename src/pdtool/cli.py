@@ -178,6 +178,8 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
                    "or a preset (cluster-a[:SERVERS], cluster-b[:SERVERS]).")
 @click.option("--memory", metavar="SIZE", help="Memory per worker, e.g. 16GiB; stages that do not fit are ruled out.")
 @click.option("--straight", is_flag=True, help="No replicated stages: every stage runs on one unit of each level.")
+@click.option("--data-parallel", is_flag=True, help="No cuts: one stage replicated on every worker (to compare a "
+              "pipeline with data parallelism, e.g. in pd train).")
 @click.option("--cost-model", type=click.Choice(["pdtool", "pipedream"]), default="pdtool", show_default=True,
               help="pdtool: max(compute, all-reduce, transfer) per stage; pipedream: the original optimizer's formulas.")
 @click.option("--mode", type=click.Choice(["pipedream", "vsync", "2bw", "flush", "gpipe"]), default=None,
@@ -187,7 +189,7 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
               help="Optimizer state counted in the memory model (sgd with momentum: 1 buffer, adam: 2).")
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
               help="Plan JSON to write ('-' for stdout). Written atomically.")
-def plan(profile_path, cluster_spec, memory, straight, cost_model, mode, optimizer, output):
+def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model, mode, optimizer, output):
     """Partition a profiled model over a cluster with PipeDream's optimizer (pdtool.plan/1).
 
     Chooses stage boundaries and replicas per stage to minimise the time per minibatch of the
@@ -204,8 +206,9 @@ def plan(profile_path, cluster_spec, memory, straight, cost_model, mode, optimiz
     profile = Profile.load(profile_path)
     command = " ".join(["pd plan", os.path.basename(profile_path), "--cluster", cluster_spec]
                        + (["--memory", memory] if memory else []) + (["--straight"] if straight else [])
+                       + (["--data-parallel"] if data_parallel else [])
                        + ["--cost-model", cost_model] + (["--mode", mode] if mode else []) + ["--optimizer", optimizer])
-    result = make_plan(profile, cluster, cost_model=cost_model, straight=straight, mode=mode,
+    result = make_plan(profile, cluster, cost_model=cost_model, straight=straight, data_parallel=data_parallel, mode=mode,
                        optimizer_slots=2 if optimizer == "adam" else 1, command=command,
                        say=lambda message: click.echo(f"pd: note: {message}", err=True))
     result.save(output)

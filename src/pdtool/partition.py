@@ -131,14 +131,17 @@ class Solver:
     `costs` are per-layer costs (their down-sets are enumerated here, `build_states`) or
     ready-made `States`. `counts`/`bandwidths` describe the levels innermost first (bandwidth
     in bytes/s). `straight` forbids replication. `memory` (optional) prunes stages that do
-    not fit.
+    not fit. `every_worker` uses every unit of every level (the pipedream cost model always does).
     """
 
     def __init__(self, costs: ChainCosts | States, counts: list[int], bandwidths: list[float], model: CostModel,
-                 straight: bool = False, memory: Memory | None = None):
+                 straight: bool = False, memory: Memory | None = None, every_worker: bool = False):
         if not counts or min(counts) < 1:
             raise PlanError(f"every cluster level needs at least one unit, got counts {counts}")
-        self.states = costs if isinstance(costs, States) else build_states(costs)
+        self.exact = every_worker or model.exact_workers
+        # zero-time layers follow their producers only where that is safe (states.py, `_followers`)
+        self.states = costs if isinstance(costs, States) else build_states(
+            costs, followers=not self.exact and memory is None)
         self.S = len(self.states)
         self.counts = counts
         self.bandwidths = bandwidths
@@ -228,7 +231,7 @@ class Solver:
                 for table, choices, final in ((F, choice_F, False), (T, choice_T, True)):
                     stage = self._stage(level, context, r, m - r, False, final)
                     self._relax(table, choices, F[m - r], stage, level, a, m, r)
-        if self.model.exact_workers:
+        if self.exact:
             best = T[M]
         else:
             best = T[1:].min(axis=0)
@@ -318,7 +321,7 @@ class Solver:
         if not np.isfinite(best[b]):
             return None
         M = self.counts[level]
-        m = M if self.model.exact_workers else int(1 + T[1:, b].argmin())
+        m = M if self.exact else int(1 + T[1:, b].argmin())
         stages = []
         table, choices, j = T, choice_T, b
         while True:

@@ -27,13 +27,14 @@ SIMULATED_MINIBATCHES = 2048  # at most, so that planning a large cluster stays 
 
 def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool", straight: bool = False,
               mode: str | None = None, optimizer_slots: int = 1, command: str = "", simulate: bool = True,
-              say=lambda message: None) -> Plan:
+              data_parallel: bool = False, say=lambda message: None) -> Plan:
     """Run PipeDream's optimizer on `profile` for `cluster` and describe the result as a Plan.
 
     Trainability is decided here, not by the workers: the stages only cut where the model can
     be split (`Profile.split`), and a plan whose stages share a parameter (tied weights) gets a
     mode that trains them. `mode` None means `pipedream`, or `2bw` when stages share a parameter
     (`say` is told why); a mode given explicitly that cannot train the plan is a `PlanError`.
+    `data_parallel` allows no cut: one stage replicated on every worker (the baseline, as a plan).
     With `simulate`, the plan's schedule is also run through the simulator (design notes,
     section 4) and its steady-state time per minibatch and bubble fraction are recorded.
     """
@@ -47,8 +48,14 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     counts = [level.count for level in cluster.levels]
     bandwidths = [level.bandwidth for level in cluster.levels]
     memory = Memory(float(cluster.memory), optimizer_slots) if cluster.memory else None
-    states = _splittable(build_states(costs), profile, say)
-    solver = Solver(states, counts, bandwidths, model, straight=straight, memory=memory)
+    if data_parallel and straight:
+        raise PlanError("--data-parallel replicates one stage on every worker and --straight forbids replicas: "
+                        "give one of them")
+    # zero-time layers follow their producers only where that is safe (states.py, `_followers`)
+    states = _splittable(build_states(costs, followers=not model.exact_workers and memory is None), profile, say)
+    if data_parallel:
+        states = states.restricted(lambda mask: False)
+    solver = Solver(states, counts, bandwidths, model, straight=straight, memory=memory, every_worker=data_parallel)
     pipeline = solver.solve()
     if pipeline is None:
         raise PlanError(_no_plan_reason(profile, costs, states, counts, bandwidths, model, straight, memory, cluster))

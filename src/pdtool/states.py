@@ -12,9 +12,10 @@ branch" become possible.
 
 **Enumeration** (`build_states`). Breadth first from the empty set: a state's successors add
 one layer all of whose predecessors are already in. A layer with zero forward + backward time
-and no consumers (a sink such as gnmt's `__getitem__` nodes), or with zero time and nothing to
-carry (no parameters, empty output), does not multiply the states: it belongs to a non-empty
-state exactly when all its predecessors do, so it joins the stage of its (latest) producer.
+and no parameters that has no consumers (a sink such as gnmt's `__getitem__` nodes) or an empty
+output does not multiply the states where that is safe (no memory limit, idle workers allowed):
+it belongs to a non-empty state exactly when all its predecessors do, so it joins the stage of
+its (latest) producer.
 When the profile's order holds an edge `i -> i + 1` for every i, the down-sets are the prefixes
 of that order and they are taken directly (a chain, GPT, chains with skip connections).
 Beyond `MAX_STATES` states the planner falls back to the prefixes of the profile's order and
@@ -97,13 +98,15 @@ class States:
         return np.where(self.subset, totals[None, :] - totals[:, None], empty)
 
 
-def build_states(costs: ChainCosts, max_states: int = MAX_STATES) -> States:
+def build_states(costs: ChainCosts, max_states: int = MAX_STATES, followers: bool = True) -> States:
     """The down-sets of `costs`' layer graph (`costs.edges`; None: a chain in layer order),
-    or the prefixes of the layer order when there are more than `max_states` of them."""
+    or the prefixes of the layer order when there are more than `max_states` of them.
+    `followers` False keeps zero-time layers as layers of their own (see `_followers`: the
+    pruning is safe only where a plan may leave workers idle)."""
     n = costs.n
     if costs.edges is None or set(zip(range(n - 1), range(1, n))) <= set(costs.edges):
         return prefix_states(costs, DOWN_SETS)
-    masks = _enumerate(n, costs.edges, costs, max_states)
+    masks = _enumerate(n, costs.edges, costs, max_states, followers)
     if masks is None:
         return prefix_states(costs, PREFIXES)
     bits = _membership(masks, n)
@@ -136,7 +139,7 @@ def prefix_states(costs: ChainCosts, space: str = PREFIXES) -> States:
 
 
 # ----- pieces ----------------------------------------------------------------------------------
-def _enumerate(n: int, edges, costs: ChainCosts, max_states: int) -> list[int] | None:
+def _enumerate(n: int, edges, costs: ChainCosts, max_states: int, followers: bool = True) -> list[int] | None:
     """Every state as a bitmask, breadth first from the empty set (deterministic); None when
     there are more than `max_states`. Followers (`_followers`) join a state as soon as all
     their predecessors are in it (those without any: as soon as it is not empty)."""
@@ -145,7 +148,7 @@ def _enumerate(n: int, edges, costs: ChainCosts, max_states: int) -> list[int] |
     for src, dst in sorted(set(edges)):
         preds[dst] |= 1 << src
         succ[src].append(dst)
-    follows = _followers(succ, costs)
+    follows = _followers(succ, costs) if followers else [False] * n
     if all(follows):
         return [0, (1 << n) - 1]
     followers_of = [[w for w in succ[v] if follows[w]] for v in range(n)]
@@ -184,13 +187,16 @@ def _enumerate(n: int, edges, costs: ChainCosts, max_states: int) -> list[int] |
 
 
 def _followers(succ: list[list[int]], costs: ChainCosts) -> list[bool]:
-    """Layers that do not multiply the states: zero forward + backward time and either no
-    consumers (a sink such as `__getitem__(1)` of an LSTM) or nothing at all to carry (no
-    parameters, an output of 0 bytes: e.g. gnmt's `hidden` and its `__getitem__`s). Such a
-    layer joins a state as soon as its producers are all in: the latest producer's stage. For
-    a free layer this costs nothing (it keeps its producers' outputs inside the state, and its
-    own output is empty); for a sink it is the rule."""
-    return [bool(costs.compute[v] == 0 and (not succ[v] or (costs.params[v] == 0 and costs.acts[v] == 0)))
+    """Layers that do not multiply the states: zero forward + backward time, no parameters, and
+    either no consumers (a sink such as `__getitem__(1)` of an LSTM) or an output of 0 bytes
+    (e.g. gnmt's `hidden` and its `__getitem__`s). Such a layer joins a state as soon as its
+    producers are all in: the latest producer's stage. This loses no plan where a plan may use
+    fewer workers and memory is unlimited: a stage of its own would add only a transfer and take
+    a worker, while in its producer's stage it adds no compute, all-reduce or transfer. Where
+    every worker must be used (the pipedream cost model) such a stage can be the best use of a
+    worker, and under a memory limit it can be what makes its producer's stage fit, so the
+    planner keeps every down-set then (`build_states(followers=False)`)."""
+    return [bool(costs.compute[v] == 0 and costs.params[v] == 0 and (not succ[v] or costs.acts[v] == 0))
             for v in range(len(succ))]
 
 

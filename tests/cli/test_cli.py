@@ -324,3 +324,19 @@ def test_an_output_that_is_an_input_or_not_a_regular_file_is_refused(tmp_path):
     plan = tmp_path / "m.plan.json"
     assert invoke("plan", str(profile), "--cluster", "2x1GB/s", "-o", str(plan)).exit_code == 0
     assert_one_line_error(invoke("simulate", str(plan), "--trace", str(plan)), "it is also this command's input")
+
+
+def test_data_parallel_replicates_one_stage_on_every_worker(tmp_path):
+    """On a slow link the planner leaves a worker idle rather than all-reduce; --data-parallel
+    forces the baseline as a plan (to train it beside the pick), and refuses --straight."""
+    profile = imported(tmp_path)
+    slow, forced = tmp_path / "slow.plan.json", tmp_path / "dp.plan.json"
+    invoke("plan", str(profile), "-c", "4x10MB/s", "-o", str(slow))
+    result = invoke("plan", str(profile), "-c", "4x10MB/s", "--data-parallel", "-o", str(forced))
+    assert result.exit_code == 0, result.output
+    data = json.loads(forced.read_text())
+    assert [s["ranks"] for s in data["stages"]] == [[0, 1, 2, 3]] and "--data-parallel" in data["provenance"]["command"]
+    assert data["predicted"]["time_per_minibatch_ms"] == pytest.approx(data["predicted"]["data_parallel_ms"])
+    assert json.loads(slow.read_text())["predicted"]["time_per_minibatch_ms"] < data["predicted"]["time_per_minibatch_ms"]
+    assert_one_line_error(invoke("plan", str(profile), "-c", "4x1GB/s", "--data-parallel", "--straight",
+                                 "-o", str(tmp_path / "x.json")), "give one of them")

@@ -49,7 +49,7 @@ def random_dag(rng, n, splits=1, followers=True):
     if followers and rng.random() < 0.4:  # a zero-time sink hanging off some layer
         n += 1
         edges.add((int(rng.integers(0, n - 1)), n - 1))
-        compute, params, acts = (np.append(compute, 0.0), np.append(params, rng.uniform(0, 1e8)),
+        compute, params, acts = (np.append(compute, 0.0), np.append(params, rng.uniform(0, 1e8) * (rng.random() < 0.5)),
                                  np.append(acts, rng.uniform(0, 5e7)))
     if followers and rng.random() < 0.3:  # a free layer inside the graph
         v = int(rng.integers(1, n - 1))
@@ -60,7 +60,7 @@ def random_dag(rng, n, splits=1, followers=True):
 class Space:
     """The state space from its definition: frozensets of layers, the cut of each."""
 
-    def __init__(self, costs):
+    def __init__(self, costs, followers=True):
         n = self.n = costs.n
         self.all = frozenset(range(n))
         self.costs = costs
@@ -78,11 +78,11 @@ class Space:
                     downsets.add(d | {v})
                     todo.append(d | {v})
         downsets = sorted(downsets, key=lambda d: (len(d), sorted(d)))
-        if all((v, v + 1) in costs.edges for v in range(n - 1)):
-            self.states = downsets  # exactly the prefixes
+        if all((v, v + 1) in costs.edges for v in range(n - 1)) or not followers:
+            self.states = downsets  # exactly the prefixes, or every down-set
         else:
-            follower = {v for v in range(n) if costs.compute[v] == 0
-                        and (not succ[v] or (costs.params[v] == 0 and costs.acts[v] == 0))}
+            follower = {v for v in range(n) if costs.compute[v] == 0 and costs.params[v] == 0
+                        and (not succ[v] or costs.acts[v] == 0)}
             self.states = [frozenset()] + [d for d in downsets if d - follower
                                            and all((f in d) == (preds[f] <= d) for f in follower)]
             if len(follower) == n:
@@ -108,10 +108,11 @@ def charge_of(model, end, space):
 
 # ----- exhaustive search ---------------------------------------------------------------------------
 class BruteForce:
-    """Every chain of states and every replica assignment, each stage costed on its own."""
+    """Every chain of down-sets (all of them: no layer is assumed to follow its producers) and
+    every replica assignment, each stage costed on its own."""
 
     def __init__(self, costs, counts, bandwidths, model, straight=False, memory=None):
-        self.space = Space(costs)
+        self.space = Space(costs, followers=False)
         self.c, self.counts, self.bw, self.model = costs, counts, bandwidths, model
         self.straight, self.memory = straight, memory
         self.workers = math.prod(counts)
@@ -259,10 +260,11 @@ def test_a_residual_block_cuts_between_its_branches():
 
 def test_zero_time_sinks_and_free_layers_do_not_multiply_the_states():
     """A residual block 0 -> 1 -> 2 -> 5, 0 -> 3 -> 4 -> 5 where 4 has zero time and nothing to
-    carry (it follows 3) and 6 is a zero-time sink of 2 (it follows 2): still the block's 8 states."""
+    carry (it follows 3) and 6 is a zero-time sink of 2 without parameters (it follows 2): still
+    the block's 8 states."""
     edges = ((0, 1), (1, 2), (2, 5), (0, 3), (3, 4), (4, 5), (2, 6))
     compute = np.array([0.01, 0.01, 0.01, 0.01, 0.0, 0.01, 0.0])
-    params = np.array([1e6, 1e6, 1e6, 1e6, 0.0, 1e6, 1e6])
+    params = np.array([1e6, 1e6, 1e6, 1e6, 0.0, 1e6, 0.0])
     acts = np.array([1e6, 1e6, 1e6, 1e6, 0.0, 1e6, 5e5])
     states = build_states(ChainCosts.from_layers(compute, params, acts, edges))
     got = [frozenset(states.layers(0, s)) for s in range(len(states))]
@@ -272,6 +274,19 @@ def test_zero_time_sinks_and_free_layers_do_not_multiply_the_states():
     assert len(plan.stages) == 3
     for stage in plan.stages:
         assert (3 in stage.layers) == (4 in stage.layers) and (2 in stage.layers) == (6 in stage.layers)
+    every = build_states(ChainCosts.from_layers(compute, params, acts, edges), followers=False)
+    assert len(every) > len(states)  # where every worker must be used, they may be stages of their own
+    assert set(got) <= {frozenset(every.layers(0, s)) for s in range(len(every))}
+
+
+def test_with_every_worker_used_a_zero_time_layer_can_be_a_stage_of_its_own():
+    """A chain 0 -> 1 -> 2 plus a zero-time sink 3 of layer 0, on exactly 4 workers, straight:
+    only a plan that gives the sink a worker of its own uses all four."""
+    costs = ChainCosts.from_layers(np.array([0.01, 0.01, 0.01, 0.0]), np.zeros(4), np.array([1e3, 1e3, 1e3, 1e3]),
+                                   ((0, 1), (1, 2), (0, 3)))
+    found = Solver(costs, [4], [1e12], PipeDreamModel(), straight=True).solve()
+    assert found is not None and len(found.stages) == 4 and (3,) in [tuple(s.layers) for s in found.stages]
+    assert found.time == pytest.approx(BruteForce(costs, [4], [1e12], PipeDreamModel(), straight=True).solve())
 
 
 def test_a_free_source_joins_the_first_stage():

@@ -98,7 +98,7 @@ def test_too_many_down_sets_plan_over_prefixes_and_say_so(monkeypatch):
     import pdtool.planner as plan_module
     from pdtool.states import build_states
 
-    monkeypatch.setattr(plan_module, "build_states", lambda costs: build_states(costs, max_states=10))
+    monkeypatch.setattr(plan_module, "build_states", lambda costs, **kw: build_states(costs, max_states=10, **kw))
     plan = make_plan(imported("resnet18"), parse_cluster("4x1e10B/s,2x1.25e9B/s"), cost_model="pipedream",
                      simulate=False)
     assert plan.state_space == "prefixes" and plan.to_json()["state_space"] == "prefixes"

@@ -151,6 +151,7 @@ def _listening_store(host: str, port: int | None, timeout_s: int, fix: str):
     import torch.distributed as dist
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the last job's port may be in TIME_WAIT
     try:
         sock.bind((host, port or 0))
     except OSError as exc:

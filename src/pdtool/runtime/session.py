@@ -48,14 +48,17 @@ class TrainResult:
         """Steady state, from what the workers did: the time the last stage took to complete its
         last k minibatches, divided by k, where k is about half of them and a whole number of
         rounds of its replicas (which complete their minibatches side by side, in any order):
-        completions are counted in time order, never by minibatch id."""
+        completions are counted in time order, never by minibatch id. Across machines, this
+        machine's replicas of the last stage complete their share (round robin) of the job's
+        minibatches, so the job's time per minibatch is their time per minibatch x that share."""
         times = sorted(self.finished.values())
-        rounds = len(times) // self.plan.stages[-1].replicas
+        here = sum(1 for rank in self.plan.stages[-1].ranks if rank in self.reports)
+        rounds = len(times) // max(here, 1)
         if rounds < 2 or len(times) < 4:
             return None
-        k = max(rounds // 2, 1) * self.plan.stages[-1].replicas
+        k = max(rounds // 2, 1) * here
         span = times[-1] - times[-1 - k]
-        return span / k * 1000 if span > 0 else None
+        return span / k * here / self.plan.stages[-1].replicas * 1000 if span > 0 else None
 
 
 def plan_sha256(path: str) -> str:

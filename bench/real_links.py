@@ -1,0 +1,243 @@
+"""PipeDream's case on real links: 2 emulated machines (1 worker, 1 thread each) joined by a
+switch whose ports are shaped to 10 Gbit/s, 1 Gbit/s and 100 Mbit/s (`bench/links.py`: network
+namespaces, veth pairs, tc tbf), one `pd train --nnodes 2` launcher per machine.
+
+Two models, profiled once with `pd profile --threads 1`:
+- `fc`: pdtool.zoo:mlp 64-2048x4-10, batch 64: 51 MB of parameters, 0.5 MB between layers
+  (PipeDream's case: an all-reduce of the parameters costs far more than sending activations);
+- `conv`: pdtool.zoo:convnet 16 channels x 6 at 32x32, batch 32: 0.05 MB of parameters, 2 MB
+  between layers (the other way round).
+For every bandwidth, three plans: `pd plan --cluster 2x<bandwidth>` (pd plan's pick),
+`--data-parallel` (1 stage x 2) and `--straight` (a 2-stage pipeline); each is trained (the
+same plan is trained once) and its measured time per minibatch (what `pd train` prints) is set
+beside the prediction `pd plan` prints first, and pd plan's pick beside the measured fastest.
+
+Then time to a target held-out accuracy on the UCI digits for the `fc` model on the slowest
+link, data parallelism against pd plan's pick (pipedream): the epochs each needs are found on
+loopback (training is deterministic, so the link does not change the weights), then that many
+epochs are timed on the slow link (wall time of `pd train`, start-up included).
+
+Prints the table and whether each target is met, and writes real_links.png (time per
+minibatch against bandwidth: predicted lines, measured points) and real_links.csv.
+
+    python bench/real_links.py                        # about 6 minutes here; needs root (namespaces)
+    python bench/real_links.py --out /tmp/links       # where profiles, plans and the plot go
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import links  # noqa: E402
+
+PD = str(Path(sys.executable).parent / "pd")
+MODELS = {
+    "fc": ("pdtool.zoo:mlp", ["in_features=64", "hidden=2048", "depth=4", "classes=10"], 64),
+    "conv": ("pdtool.zoo:convnet", ["channels=16", "depth=6", "image_size=32", "classes=10"], 32),
+}
+BANDWIDTHS = ["10Gbit", "1Gbit", "100Mbit"]
+CONFIGS = {"pd plan": [], "data parallel": ["--data-parallel"], "straight": ["--straight"]}
+TARGET_ACCURACY = 0.90
+TRAIN = ["--lr", "0.05", "--momentum", "0.9", "--threads", "1", "--seed", "0"]
+
+
+def pd(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    done = subprocess.run([PD, *args], capture_output=True, text=True, **kwargs)
+    if done.returncode != 0:
+        raise SystemExit(f"pd {' '.join(args)} failed:\n{done.stderr}")
+    return done
+
+
+def plan(profile: Path, bandwidth: str, extra: list[str], out: Path) -> tuple[dict, float]:
+    """(the plan's JSON, the ms per minibatch pd plan prints)."""
+    done = pd("plan", str(profile), "--cluster", f"2x{bandwidth}/s", *extra, "-o", str(out))
+    printed = float(re.search(r"([0-9.]+) ms per minibatch", done.stderr).group(1))
+    return json.loads(out.read_text()), printed
+
+
+def train_on(machines, plan_path: Path, workers: int, args: list[str], timeout: float = 600) -> str:
+    """Run `pd train` on `workers` emulated machines; the output of the one that reports."""
+    procs = []
+    for rank, machine in enumerate(machines[:workers]):
+        argv = [PD, "train", str(plan_path), *args, "--quiet", "--timeout", "120"]
+        if workers > 1:
+            argv += ["--nnodes", str(workers), "--node-rank", str(rank), "--master-addr", machines[0].address,
+                     "--master-port", "29700"]
+        procs.append(machine.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        if proc.returncode != 0:
+            raise SystemExit(f"pd train {plan_path} failed:\n{err}")
+        outputs.append(out)
+    return next(o for o in outputs if "time per minibatch" in o)
+
+
+def measured_ms(output: str) -> float:
+    return float(re.search(r"measured ([0-9.]+) ms", output).group(1))
+
+
+def shape(data: dict) -> tuple:
+    return tuple((tuple(s["layers"]), len(s["ranks"])) for s in data["stages"])
+
+
+def describe(data: dict) -> str:
+    stages = data["stages"]
+    return " + ".join(f"{len(s['layers'])}L x{len(s['ranks'])}" for s in stages)
+
+
+def per_step(data: dict) -> int:
+    return len(data["stages"][0]["ranks"])  # pipedream: a step per round of stage 0's replicas
+
+
+def workers(data: dict) -> int:
+    return sum(len(s["ranks"]) for s in data["stages"])
+
+
+def profiles(out: Path) -> None:
+    for name, (spec, kwargs, batch) in MODELS.items():
+        pd("profile", "-m", spec, *[x for kw in kwargs for x in ("-a", kw)], "-b", str(batch), "--threads", "1",
+           "--repeats", "10", "-q", "-o", str(out / f"{name}.profile.json"))
+
+
+def speed_rows_at(out: Path, machines, bandwidth: str) -> list[dict]:
+    rows = []
+    for name in MODELS:
+        trained: dict[tuple, float] = {}
+        for config, extra in CONFIGS.items():
+            path = out / f"{name}-{bandwidth}-{config.replace(' ', '_')}.plan.json"
+            data, printed = plan(out / f"{name}.profile.json", bandwidth, extra, path)
+            key = shape(data)
+            if key not in trained:  # the same plan is trained once
+                minibatches = int(min(max(6000 / max(printed, 1e-3), 16), 64))
+                steps = max(minibatches // per_step(data), 4)
+                trained[key] = measured_ms(train_on(machines, path, workers(data), ["--steps", str(steps), *TRAIN]))
+            row = {"model": name, "bandwidth": bandwidth, "config": config, "plan": describe(data),
+                   "predicted_ms": printed, "simulated_ms": data["predicted"].get("simulated", {}).get("time_per_minibatch_ms"),
+                   "measured_ms": trained[key]}
+            rows.append(row)
+            print(f"{name:5} {bandwidth:>7} {config:14} {row['plan']:14} predicted {printed:9.2f} ms  simulated "
+                  f"{row['simulated_ms'] or float('nan'):9.2f} ms  measured {row['measured_ms']:9.2f} ms  "
+                  f"({row['measured_ms'] / printed:5.2f}x)", flush=True)
+    return rows
+
+
+def epochs_to_target(path: Path, max_epochs: int = 30) -> tuple[int, float]:
+    """The fewest epochs after which the plan reaches TARGET_ACCURACY held out, on loopback."""
+    for epochs in range(1, max_epochs + 1):
+        done = pd("train", str(path), "--data", "digits", "--epochs", str(epochs), "--evaluate", "--quiet", *TRAIN)
+        accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)%", done.stdout).group(1)) / 100
+        if accuracy >= TARGET_ACCURACY:
+            return epochs, accuracy
+    raise SystemExit(f"{path} does not reach {TARGET_ACCURACY:.0%} in {max_epochs} epochs")
+
+
+def accuracy_rows(out: Path, machines) -> list[dict]:
+    slow = BANDWIDTHS[-1]
+    rows = []
+    for config in ("data parallel", "pd plan"):
+        path = out / f"fc-{slow}-{config.replace(' ', '_')}.plan.json"
+        data = json.loads(path.read_text())
+        epochs, accuracy = epochs_to_target(path)
+        began = time.perf_counter()
+        train_on(machines, path, workers(data), ["--data", "digits", "--epochs", str(epochs), *TRAIN], timeout=1800)
+        wall = time.perf_counter() - began
+        rows.append({"config": config, "plan": describe(data), "mode": data["mode"], "epochs": epochs,
+                     "accuracy": accuracy, "wall_s": wall})
+        print(f"fc on {slow}: {config:14} ({describe(data)}, {data['mode']}) reaches {accuracy:.1%} after {epochs} "
+              f"epoch(s): {wall:.1f} s on the link", flush=True)
+    return rows
+
+
+def verdicts(rows: list[dict], accuracy: list[dict]) -> list[tuple[bool, str]]:
+    found = []
+    for name in MODELS:
+        for bandwidth in BANDWIDTHS:
+            here = [r for r in rows if r["model"] == name and r["bandwidth"] == bandwidth]
+            pick = next(r for r in here if r["config"] == "pd plan")
+            best = min(here, key=lambda r: r["measured_ms"])
+            ok = pick["measured_ms"] <= best["measured_ms"] * 1.05
+            found.append((ok, f"{name} {bandwidth}: pd plan's pick ({pick['plan']}, {pick['measured_ms']:.2f} ms) is "
+                              f"the measured fastest or within 5% (fastest: {best['config']}, {best['measured_ms']:.2f} ms)"))
+    worst = max(rows, key=lambda r: abs(r["measured_ms"] / r["predicted_ms"] - 1))
+    ratio = worst["measured_ms"] / worst["predicted_ms"]
+    found.append((abs(ratio - 1) <= 0.15, f"every configuration measured within 15% of pd plan's prediction (worst: "
+                                          f"{worst['model']} {worst['bandwidth']} {worst['config']}, {ratio:.2f}x)"))
+    slow = [r for r in rows if r["model"] == "fc" and r["bandwidth"] == BANDWIDTHS[-1]]
+    dp = next(r for r in slow if r["config"] == "data parallel")
+    pick = next(r for r in slow if r["config"] == "pd plan")
+    gain = dp["measured_ms"] / pick["measured_ms"]
+    found.append((gain >= 2, f"fc on {BANDWIDTHS[-1]}: pd plan's pick has {gain:.1f}x data parallelism's throughput "
+                             "(target 2x)"))
+    by = {r["config"]: r for r in accuracy}
+    faster = by["data parallel"]["wall_s"] / by["pd plan"]["wall_s"]
+    found.append((faster >= 1.5, f"fc on {BANDWIDTHS[-1]}: pd plan's pick reaches {TARGET_ACCURACY:.0%} {faster:.1f}x "
+                                 "faster than data parallelism (target 1.5x)"))
+    return found
+
+
+def plot(rows: list[dict], path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is missing (pip install -e '.[plot]')"
+    gbit = {b: links.bits_per_s(b) / 1e9 for b in BANDWIDTHS}
+    figure, axes = plt.subplots(1, len(MODELS), figsize=(6 * len(MODELS), 4.5))
+    for axis, name in zip(axes, MODELS):
+        for (config, colour) in zip(CONFIGS, ("tab:red", "tab:blue", "tab:green")):
+            here = sorted((r for r in rows if r["model"] == name and r["config"] == config),
+                          key=lambda r: gbit[r["bandwidth"]])
+            xs = [gbit[r["bandwidth"]] for r in here]
+            axis.plot(xs, [r["predicted_ms"] for r in here], "-", color=colour, label=f"{config}: predicted")
+            axis.plot(xs, [r["measured_ms"] for r in here], "o", color=colour, label=f"{config}: measured")
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        axis.set_xlabel("link bandwidth (Gbit/s)")
+        axis.set_ylabel("time per minibatch (ms)")
+        axis.set_title(f"{name}: 2 machines x 1 worker")
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    return f"wrote {path}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench-out/real_links"))
+    args = parser.parse_args()
+    why = links.available()
+    if why:
+        print(f"real_links: cannot emulate machines here: {why}")
+        return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    profiles(args.out)
+    rows = []
+    for bandwidth in BANDWIDTHS:  # a switch of that speed for each
+        with links.machines(2, bandwidth) as machines:
+            rows += speed_rows_at(args.out, machines, bandwidth)
+    with links.machines(2, BANDWIDTHS[-1]) as machines:
+        accuracy = accuracy_rows(args.out, machines)
+    with open(args.out / "real_links.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(plot(rows, args.out / "real_links.png"))
+    print()
+    results = verdicts(rows, accuracy)
+    for ok, text in results:
+        print(f"[{'met' if ok else 'NOT met'}] {text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
