@@ -214,9 +214,16 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
     result.save(output)
     if output != "-":
         pred = result.predicted
-        click.echo(f"wrote {output}: {_count(len(result.stages), 'stage')} ({result.mode}), {pred.time_ms:.3f} ms per minibatch, "
-                   f"{pred.speedup_over_single:.2f}x over one worker, {pred.speedup_over_data_parallel:.2f}x over "
-                   "data parallel", err=True)
+        model_single, model_dp = pred.cost_model_speedups
+        idle = result.workers - len(result.used_ranks)
+        click.echo(f"wrote {output}: {_count(len(result.stages), 'stage')} ({result.mode}"
+                   f"{f', {idle} of {result.workers} workers idle' if idle else ''}), {pred.expected_ms:.3f} ms per "
+                   f"minibatch{' (simulated)' if pred.simulated_ms is not None else ''}, "
+                   f"{pred.speedup_over_single:.2f}x over one worker, "
+                   + (f"{pred.speedup_over_data_parallel:.2f}x over data parallel" if pred.data_parallel_over_bytes is None
+                      else "data parallel does not fit in memory")
+                   + (f"; cost model {pred.time_ms:.3f} ms, {model_single:.2f}x, {model_dp:.2f}x"
+                      if pred.simulated_ms is not None else ""), err=True)
 
 
 @cli.command(short_help="run a plan's schedule in simulated time",
@@ -435,16 +442,17 @@ def _report(result, plan, config, shared: tuple) -> None:
         from .simulate import simulate
 
         simulated = simulate(plan, mode=config.mode, group=config.group).time_per_minibatch_ms
-    predicted = f"predicted {rate(plan.predicted.time_ms)} by the cost model" + (
-        f", {rate(simulated)} simulated ({config.mode or plan.mode})" if simulated is not None else "")
+    expected = simulated if simulated is not None else plan.predicted.time_ms
+    predicted = (f"predicted {rate(simulated)} (simulated, {config.mode or plan.mode}), {rate(plan.predicted.time_ms)} "
+                 "by the cost model" if simulated is not None else f"predicted {rate(expected)} by the cost model")
     click.echo(f"time per minibatch: measured {rate(measured)}, {predicted}" if measured else
                f"time per minibatch: too few minibatches to measure; {predicted}")
     if measured:
         from .runtime.session import gap_reasons
 
-        reasons = gap_reasons(measured, plan.predicted.time_ms, plan, *shared)
+        reasons = gap_reasons(measured, expected, plan, *shared)
         if reasons:
-            click.echo(f"measured {measured / plan.predicted.time_ms:.1f}x the cost model's prediction, because:")
+            click.echo(f"measured {measured / expected:.1f}x the prediction, because:")
             for reason in reasons:
                 click.echo(f"  - {reason}")
 

@@ -166,6 +166,18 @@ class Solver:
         context = (0, 1) if self.memory else None
         return self._reconstruct(top, context, 0, self.S - 1)
 
+    def candidates(self, limit: int) -> list[Pipeline]:
+        """The optimal pipeline for each number of top-level units it may use (all of them where
+        every worker must be used), fastest first by the cost model, at most `limit`: the
+        plans the planner compares in simulation."""
+        top = len(self.counts) - 1
+        context = (0, 1) if self.memory else None
+        _, _, T, _, _ = self._row(top, context, 0, track=True)
+        b = self.S - 1
+        counts = [self.counts[top]] if self.exact else range(1, self.counts[top] + 1)
+        finite = sorted((float(T[m, b]), m) for m in counts if np.isfinite(T[m, b]))
+        return [self._reconstruct(top, context, 0, b, units=m) for _, m in finite[:limit]]
+
     # ----- tables --------------------------------------------------------------------------
     def _unit_time(self, level: int, context: Context | None) -> np.ndarray:
         """Time of every stage (k, j) on one unit of `level` (one worker at level 0)."""
@@ -316,12 +328,13 @@ class Solver:
             choices[m, j[better], 1] = r
 
     # ----- reconstruction ------------------------------------------------------------------
-    def _reconstruct(self, level: int, context: Context | None, a: int, b: int) -> Pipeline | None:
+    def _reconstruct(self, level: int, context: Context | None, a: int, b: int,
+                     units: int | None = None) -> Pipeline | None:
         best, F, T, choice_F, choice_T = self._row(level, context, a, track=True)
         if not np.isfinite(best[b]):
             return None
         M = self.counts[level]
-        m = M if self.exact else int(1 + T[1:, b].argmin())
+        m = units if units is not None else M if self.exact else int(1 + T[1:, b].argmin())
         stages = []
         table, choices, j = T, choice_T, b
         while True:
@@ -339,4 +352,4 @@ class Solver:
                 break
             table, choices, j, m = F, choice_F, k, m - r
         stages.reverse()
-        return Pipeline(level, tuple(stages), float(best[b]))
+        return Pipeline(level, tuple(stages), float(best[b] if units is None else T[units, b]))

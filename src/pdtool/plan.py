@@ -122,17 +122,38 @@ class Prediction:
     simulated_ms: float | None = None
     simulated_bubble: float | None = None
     simulated_minibatches: int | None = None
+    candidates: int | None = None  # plans compared in simulation (pd plan); None: the cost model's optimum alone
+    why: str | None = None         # why this plan won among them
+    simulated_data_parallel_ms: float | None = None  # data parallelism on every worker, simulated
+    data_parallel_over_bytes: int | None = None  # data parallelism needs this much more memory per worker than there is
 
     def __post_init__(self) -> None:
         round_float_fields(self)
 
     @property
+    def expected_ms(self) -> float:
+        """The prediction: the simulated time per minibatch where the plan was simulated (it
+        includes what the cost model leaves out), else the cost model's."""
+        return self.simulated_ms if self.simulated_ms is not None else self.time_ms
+
+    @property
+    def baseline_ms(self) -> float:
+        """Data parallelism on every worker, as `expected_ms` is: simulated where the plan was."""
+        return self.simulated_data_parallel_ms if self.simulated_data_parallel_ms is not None else self.data_parallel_ms
+
+    @property
     def speedup_over_single(self) -> float:
-        return self.single_worker_ms / self.time_ms if self.time_ms else 0.0
+        return self.single_worker_ms / self.expected_ms if self.expected_ms else 0.0
 
     @property
     def speedup_over_data_parallel(self) -> float:
-        return self.data_parallel_ms / self.time_ms if self.time_ms else 0.0
+        return self.baseline_ms / self.expected_ms if self.expected_ms else 0.0
+
+    @property
+    def cost_model_speedups(self) -> tuple[float, float]:
+        """Over one worker and over data parallelism, by the cost model alone (PipeDream's figures)."""
+        return ((self.single_worker_ms / self.time_ms, self.data_parallel_ms / self.time_ms) if self.time_ms
+                else (0.0, 0.0))
 
 
 @dataclass(frozen=True)
@@ -213,7 +234,7 @@ class Plan(SchemaChecked):
 
     @property
     def samples_per_s(self) -> float:
-        return self.profile.batch_size / (self.predicted.time_ms / MS) if self.predicted.time_ms else 0.0
+        return self.profile.batch_size / (self.predicted.expected_ms / MS) if self.predicted.expected_ms else 0.0
 
     def to_json(self) -> dict[str, Any]:
         p, pred = self.profile, self.predicted
@@ -253,7 +274,9 @@ class Plan(SchemaChecked):
                 "speedup_over_data_parallel": pred.speedup_over_data_parallel,
                 "simulated": None if pred.simulated_ms is None else {
                     "time_per_minibatch_ms": pred.simulated_ms, "bubble_fraction": pred.simulated_bubble,
-                    "minibatches": pred.simulated_minibatches},
+                    "minibatches": pred.simulated_minibatches, "candidates": pred.candidates, "why": pred.why,
+                    "data_parallel_ms": pred.simulated_data_parallel_ms},
+                "data_parallel_over_bytes": pred.data_parallel_over_bytes,
             },
             "provenance": {"command": self.command, "pdtool_version": self.pdtool_version},
         }
@@ -305,18 +328,26 @@ class Plan(SchemaChecked):
                                     f.number("transfer_ms"), f.number("time_ms")))
         pr = top.child("predicted", known=("time_per_minibatch_ms", "bottleneck", "samples_per_s", "single_worker_ms",
                                            "data_parallel_ms", "speedup_over_single", "speedup_over_data_parallel",
-                                           "simulated"))
-        simulated = (None, None, None)
+                                           "simulated", "data_parallel_over_bytes"))
+        simulated = (None, None, None, None, None, None)
         if pr.get("simulated", dict, optional=True) is not None:
-            sim = pr.child("simulated", known=("time_per_minibatch_ms", "bubble_fraction", "minibatches"))
-            simulated = (sim.number("time_per_minibatch_ms"), sim.number("bubble_fraction"), sim.count("minibatches", 1))
+            sim = pr.child("simulated", known=("time_per_minibatch_ms", "bubble_fraction", "minibatches", "candidates",
+                                               "why", "data_parallel_ms"))
+            simulated = (sim.number("time_per_minibatch_ms"), sim.number("bubble_fraction"), sim.count("minibatches", 1),
+                         sim.count("candidates", 1) if sim.get("candidates", int, optional=True) is not None else None,
+                         sim.get("why", str, optional=True),
+                         sim.number("data_parallel_ms") if sim.get("data_parallel_ms", (int, float), optional=True)
+                         is not None else None)
+        over = pr.count("data_parallel_over_bytes") if pr.get("data_parallel_over_bytes", int, optional=True) is not None \
+            else None
         prov = top.child("provenance", known=("command", "pdtool_version"))
         return cls(profile=profile, cluster=Cluster.from_json(top.get("cluster", dict), f"{source}: cluster"),
                    cost_model=top.get("cost_model", str), straight=top.get("straight", bool), mode=top.get("mode", str),
                    state_space=top.get("state_space", str), shared=shared, stages=tuple(stages),
                    groups=tuple(groups),
                    predicted=Prediction(pr.number("time_per_minibatch_ms"), pr.get("bottleneck", str),
-                                        pr.number("single_worker_ms"), pr.number("data_parallel_ms"), *simulated),
+                                        pr.number("single_worker_ms"), pr.number("data_parallel_ms"), *simulated,
+                                        data_parallel_over_bytes=over),
                    command=prov.get("command", str), pdtool_version=prov.get("pdtool_version", str), source=source)
 
     @classmethod

@@ -25,6 +25,12 @@ from .units import format_bytes
 SIMULATED_MINIBATCHES = 2048  # at most, so that planning a large cluster stays quick
 
 
+CANDIDATES = 8
+"""Plans compared in simulation: the cost model's best for each number of workers it may use
+(fastest first, at most this many), as many straight pipelines as half that, and data
+parallelism on every worker."""
+
+
 def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool", straight: bool = False,
               mode: str | None = None, optimizer_slots: int = 1, command: str = "", simulate: bool = True,
               data_parallel: bool = False, say=lambda message: None) -> Plan:
@@ -35,30 +41,89 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     mode that trains them. `mode` None means `pipedream`, or `2bw` when stages share a parameter
     (`say` is told why); a mode given explicitly that cannot train the plan is a `PlanError`.
     `data_parallel` allows no cut: one stage replicated on every worker (the baseline, as a plan).
-    With `simulate`, the plan's schedule is also run through the simulator (design notes,
-    section 4) and its steady-state time per minibatch and bubble fraction are recorded.
+
+    With `simulate` (what `pd plan` does), the dynamic program's candidates (its best plan for
+    each number of workers it may use, and data parallelism) are run through the simulator,
+    which models what the cost model's max(compute, all-reduce, transfer) leaves out (a
+    transfer's latency within the stash depth, all-reduces after the backward); the plan that
+    simulates fastest wins, its simulated time is the prediction (`Prediction.expected_ms`) and
+    the simulated data parallelism the baseline, whichever cost model. Without it, the cost
+    model's optimum and figures, as PipeDream's optimizer gives them.
     """
-    chosen = mode or "pipedream"
-    if chosen not in MODES:
-        raise PlanError(f"unknown mode {chosen!r}; use one of {', '.join(MODES)}")
+    if (mode or "pipedream") not in MODES:
+        raise PlanError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     if cost_model not in COST_MODELS:
         raise PlanError(f"unknown cost model {cost_model!r}; use one of {', '.join(COST_MODELS)}")
+    if data_parallel and straight:
+        raise PlanError("--data-parallel replicates one stage on every worker and --straight forbids replicas: "
+                        "give one of them")
     model = COST_MODELS[cost_model]()
     costs = ChainCosts.from_profile(profile)
     counts = [level.count for level in cluster.levels]
     bandwidths = [level.bandwidth for level in cluster.levels]
     memory = Memory(float(cluster.memory), optimizer_slots) if cluster.memory else None
-    if data_parallel and straight:
-        raise PlanError("--data-parallel replicates one stage on every worker and --straight forbids replicas: "
-                        "give one of them")
     # zero-time layers follow their producers only where that is safe (states.py, `_followers`)
     states = _splittable(build_states(costs, followers=not model.exact_workers and memory is None), profile, say)
     if data_parallel:
         states = states.restricted(lambda mask: False)
     solver = Solver(states, counts, bandwidths, model, straight=straight, memory=memory, every_worker=data_parallel)
-    pipeline = solver.solve()
-    if pipeline is None:
+    pipelines = solver.candidates(CANDIDATES) if simulate else [solver.solve()]
+    if not pipelines or pipelines[0] is None:
         raise PlanError(_no_plan_reason(profile, costs, states, counts, bandwidths, model, straight, memory, cluster))
+    describe = lambda pipeline, s: _as_plan(pipeline, s, profile, cluster, costs, model, memory,  # noqa: E731
+                                            optimizer_slots, cost_model, straight, mode, command)
+    plans = [describe(p, solver) for p in pipelines]
+    if not simulate:
+        return _trainable(plans[0], mode, say)
+    if not straight and not data_parallel:  # straight pipelines: the cost model undervalues them most
+        lined = Solver(states, counts, bandwidths, model, straight=True, memory=memory)
+        plans += [describe(p, lined) for p in lined.candidates(CANDIDATES // 2) if p is not None]
+    unique = {tuple((s.layers, s.ranks) for s in p.stages): p for p in reversed(plans)}
+    ranked = [_with_simulation(p) for p in unique.values()]
+    dp_solver = Solver(states.restricted(lambda mask: False), counts, bandwidths, model, memory=memory,
+                       every_worker=True)
+    dp = None if data_parallel else dp_solver.solve()
+    baseline = _with_simulation(describe(dp, dp_solver)) if dp is not None else None
+    if baseline is not None and not straight:
+        ranked.append(baseline)
+    ranked.sort(key=lambda p: p.predicted.simulated_ms)
+    best = ranked[0]
+    if data_parallel:
+        baseline = best
+    why = (f"fastest of {len(ranked)} candidate plans in simulation" + (
+        f"; next: {_shape(ranked[1])} at {ranked[1].predicted.simulated_ms:.3f} ms" if len(ranked) > 1 else ""))
+    over = None if baseline is not None else _data_parallel_excess(profile, costs, states, counts, bandwidths, model,
+                                                                    memory, optimizer_slots)
+    best = dataclasses.replace(best, predicted=dataclasses.replace(
+        best.predicted, candidates=len(ranked), why=why, data_parallel_over_bytes=over,
+        simulated_data_parallel_ms=baseline.predicted.simulated_ms if baseline is not None else None))
+    return _trainable(best, mode, say)
+
+
+def _data_parallel_excess(profile, costs, states, counts, bandwidths, model, memory, optimizer_slots) -> int | None:
+    """Bytes per worker by which data parallelism on every worker exceeds the memory limit."""
+    if memory is None:
+        return None
+    solver = Solver(states.restricted(lambda mask: False), counts, bandwidths, model, every_worker=True)
+    free = solver.solve()
+    if free is None:
+        return None
+    stages, _ = _describe(free, profile, costs, model, solver, Memory(float("inf"), optimizer_slots))
+    return int(max(s.memory_bytes for s in stages) - memory.limit)
+
+
+def _shape(plan: Plan) -> str:
+    """A plan's stages in a few words: "2 stages x1 on 2 of 4 workers"."""
+    replicas = "x".join(str(s.replicas) for s in plan.stages)
+    used = len(plan.used_ranks)
+    return (f"{len(plan.stages)} stage{'s' if len(plan.stages) != 1 else ''} (replicas {replicas}) on {used}"
+            + (f" of {plan.workers}" if used < plan.workers else "") + " workers")
+
+
+def _as_plan(pipeline: Pipeline, solver: Solver, profile: Profile, cluster: Cluster, costs: ChainCosts,
+             model: CostModel, memory: Memory | None, optimizer_slots: int, cost_model: str, straight: bool,
+             mode: str | None, command: str) -> Plan:
+    """The plan of one of the dynamic program's pipelines, with the cost model's figures."""
     stages, groups = _describe(pipeline, profile, costs, model, solver, memory or Memory(float("inf"), optimizer_slots))
     items = [(s.time_ms, f"stage {i} {_dominant(s.compute_ms, s.allreduce_ms, s.transfer_ms)}")
              for i, s in enumerate(stages)]
@@ -66,6 +131,8 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
                           f"{_dominant(g.compute_ms, g.allreduce_ms, g.transfer_ms)}") for g in groups]
     slowest = max(time for time, _ in items)
     bottleneck = next(label for time, label in items if time >= slowest * (1 - 1e-9))  # stages win ties
+    counts = [level.count for level in cluster.levels]
+    bandwidths = [level.bandwidth for level in cluster.levels]
     prediction = Prediction(time_ms=pipeline.time * MS, bottleneck=bottleneck,
                             single_worker_ms=float(costs.compute.sum()) * MS,
                             data_parallel_ms=model.data_parallel(costs, counts, bandwidths) * MS)
@@ -73,16 +140,24 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
                      None if profile.model is None else {"spec": profile.model.spec, "kwargs": dict(profile.model.kwargs)},
                      profile.batch_size, len(profile.layers), profile.method, profile.granularity, profile.depth,
                      profile.split, profile.device, profile.layer_sum_over_step)
-    plan = Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=chosen,
+    plan = Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=mode or "pipedream",
                 stages=tuple(stages), groups=tuple(groups), predicted=prediction, command=command,
-                pdtool_version=__version__, state_space=states.space, shared=shared_parameters(profile, stages))
-    if plan.untrainable() is not None:
-        if mode is not None:
-            raise PlanError(plan.untrainable())
-        say(f"{plan.describe_shared()} (tied weights), whose copies {chosen} cannot keep equal: the plan uses mode 2bw (every stage steps at batch boundaries after the "
-            "sharing stages add their gradients; --mode flush or gpipe work too)")
-        plan = dataclasses.replace(plan, mode="2bw")
-    return _with_simulation(plan) if simulate else plan
+                pdtool_version=__version__, state_space=solver.states.space, shared=shared_parameters(profile, stages))
+    if mode is None and plan.untrainable() is not None:
+        plan = dataclasses.replace(plan, mode="2bw")  # `_trainable` says why, for the plan chosen
+    return plan
+
+
+def _trainable(plan: Plan, mode: str | None, say) -> Plan:
+    """The plan, when its mode trains it: an explicit mode that cannot is a PlanError; the
+    default mode was replaced by 2bw for tied weights (say why)."""
+    if mode is not None and plan.untrainable() is not None:
+        raise PlanError(plan.untrainable())
+    if mode is None and plan.mode == "2bw":
+        say(f"{plan.describe_shared()} (tied weights), whose copies pipedream cannot keep equal: the plan uses mode "
+            "2bw (every stage steps at batch boundaries after the sharing stages add their gradients; --mode flush or "
+            "gpipe work too)")
+    return plan
 
 
 def _splittable(states: States, profile: Profile, say) -> States:

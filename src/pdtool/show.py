@@ -6,6 +6,7 @@ import pandas as pd
 from .plan import Plan, compact_ranges
 from .profile import Profile
 from .simulate import SimResult
+from .units import format_bytes
 
 MB = 1e6
 
@@ -88,15 +89,25 @@ def plan_table(plan: Plan) -> str:
         } for g in plan.groups)
         lines += ["", "outer-level stages (each runs the inner stages of its layers on every unit):",
                   groups.to_string(index=False, float_format=lambda x: f"{x:.3f}")]
+    used = len(plan.used_ranks)
+    model_single, model_dp = pred.cost_model_speedups
+    simulated = pred.simulated_data_parallel_ms is not None
     lines += [
         "",
-        f"predicted    {pred.time_ms:.3f} ms per minibatch ({plan.samples_per_s:.1f} samples/s); "
-        f"bottleneck: {pred.bottleneck}",
-        *([f"simulated    {pred.simulated_ms:.3f} ms per minibatch, bubble {pred.simulated_bubble:.1%} "
-           f"({plan.mode} schedule, {pred.simulated_minibatches} minibatches)"] if pred.simulated_ms is not None else []),
-        f"one worker   {pred.single_worker_ms:.3f} ms -> speedup {pred.speedup_over_single:.2f}x",
-        f"data parallel on {plan.workers} workers  {pred.data_parallel_ms:.3f} ms -> speedup "
-        f"{pred.speedup_over_data_parallel:.2f}x",
+        f"predicted    {pred.expected_ms:.3f} ms per minibatch ({plan.samples_per_s:.1f} samples/s), "
+        + (f"simulated ({plan.mode} schedule, {pred.simulated_minibatches} minibatches, bubble "
+           f"{pred.simulated_bubble:.1%}); " if pred.simulated_ms is not None else "")
+        + f"cost model {pred.time_ms:.3f} ms, bottleneck: {pred.bottleneck}",
+        *([f"chosen       {pred.why}"] if pred.why else []),
+        *([f"idle         {plan.workers - used} of {plan.workers} workers: more stages or replicas would be slower "
+           "(their transfers or all-reduces cost more than the compute they share)"] if used < plan.workers else []),
+        f"one worker   {pred.single_worker_ms:.3f} ms -> speedup {pred.speedup_over_single:.2f}x"
+        + (f" (cost model {model_single:.2f}x)" if simulated else ""),
+        (f"data parallel on {plan.workers} workers does not fit: it needs {format_bytes(pred.data_parallel_over_bytes)} "
+         "per worker more than the memory limit" if pred.data_parallel_over_bytes is not None else
+         f"data parallel on {plan.workers} workers  {pred.baseline_ms:.3f} ms"
+         + (f" simulated ({pred.data_parallel_ms:.3f} ms by the cost model)" if simulated else "")
+         + f" -> speedup {pred.speedup_over_data_parallel:.2f}x" + (f" (cost model {model_dp:.2f}x)" if simulated else "")),
     ]
     return "\n".join(lines) + "\n"
 

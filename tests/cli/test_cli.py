@@ -147,14 +147,14 @@ def test_plan_writes_the_original_figures_and_show_explains_them(tmp_path):
     out = tmp_path / "vgg16.plan.json"
     result = invoke("plan", str(profile), "--cluster", "4x1.25e9B/s", "--cost-model", "pipedream", "-o", str(out))
     assert result.exit_code == 0, result.output
-    assert "3.81x over one worker, 2.84x over data parallel" in result.stderr
+    assert "cost model 176.349 ms, 3.81x, 2.84x" in result.stderr
     data = json.loads(out.read_text())
     assert [s["replicas"] for s in data["stages"]] == [3, 1]
     assert data["provenance"]["command"] == ("pd plan vgg16.profile.json --cluster 4x1.25e9B/s --cost-model pipedream "
                                              "--optimizer sgd")
     shown = invoke("show", str(out))
     assert shown.exit_code == 0
-    assert "<- bottleneck" in shown.stdout and "speedup 3.81x" in shown.stdout and "speedup 2.84x" in shown.stdout
+    assert "<- bottleneck" in shown.stdout and "(cost model 3.81x)" in shown.stdout and "(cost model 2.84x)" in shown.stdout
 
 
 def test_plan_is_byte_identical_when_run_twice(tmp_path):
@@ -337,6 +337,7 @@ def test_data_parallel_replicates_one_stage_on_every_worker(tmp_path):
     data = json.loads(forced.read_text())
     assert [s["ranks"] for s in data["stages"]] == [[0, 1, 2, 3]] and "--data-parallel" in data["provenance"]["command"]
     assert data["predicted"]["time_per_minibatch_ms"] == pytest.approx(data["predicted"]["data_parallel_ms"])
+    assert data["predicted"]["speedup_over_data_parallel"] == pytest.approx(1.0)
     assert json.loads(slow.read_text())["predicted"]["time_per_minibatch_ms"] < data["predicted"]["time_per_minibatch_ms"]
     assert_one_line_error(invoke("plan", str(profile), "-c", "4x1GB/s", "--data-parallel", "--straight",
                                  "-o", str(tmp_path / "x.json")), "give one of them")

@@ -34,15 +34,14 @@ def test_vgg16_on_4_workers_matches_the_original_optimizer():
     plan = make_plan(imported("vgg16"), parse_cluster("4x1.25e9B/s"), cost_model="pipedream")
     assert [s.replicas for s in plan.stages] == [3, 1]
     assert plan.predicted.time_ms / 1000 == pytest.approx(0.176349, rel=5e-5)
-    assert plan.predicted.speedup_over_single == pytest.approx(3.81, abs=0.005)
-    assert plan.predicted.speedup_over_data_parallel == pytest.approx(2.84, abs=0.005)
+    assert plan.predicted.cost_model_speedups == pytest.approx((3.81, 2.84), abs=0.005)
 
 
 def test_gnmt_on_4_workers_is_a_straight_pipeline_as_in_the_original():
     plan = make_plan(imported("gnmt"), parse_cluster("4x1.25e9B/s"), cost_model="pipedream")
     assert [s.replicas for s in plan.stages] == [1, 1, 1, 1]
     assert plan.predicted.time_ms / 1000 == pytest.approx(0.025868, rel=5e-5)
-    assert plan.predicted.speedup_over_single == pytest.approx(3.46, abs=0.005)
+    assert plan.predicted.cost_model_speedups[0] == pytest.approx(3.46, abs=0.005)
 
 
 # ----- the plan file --------------------------------------------------------------------------------

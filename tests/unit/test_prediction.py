@@ -1,0 +1,45 @@
+"""One prediction (issue 11): the time `pd plan` prints is the simulator's for the plan it
+chose, and no plan it compared, nor data parallelism, a straight pipeline or the cost model's
+own optimum, simulates faster."""
+from pathlib import Path
+
+import pytest
+
+from pdtool.cluster import parse_cluster
+from pdtool.pipedream_import import load_pipedream_graph
+from pdtool.planner import make_plan
+from pdtool.profile import Profile
+from pdtool.simulate import simulate
+
+ROOT = Path(__file__).resolve().parents[2] / "profiles"
+PROFILES = {name: (lambda n=name: load_pipedream_graph(ROOT / "pipedream" / f"{n}.graph.txt", 64 if n == "gnmt" else None))
+            for name in ("alexnet", "vgg16", "resnet18", "gnmt")}
+PROFILES.update({path.name.split(".")[0]: (lambda p=path: Profile.load(p)) for path in ROOT.glob("*.profile.json")})
+CLUSTERS = ["cluster-a:1", "cluster-b:2", "16x1.25GB/s"]
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+@pytest.mark.parametrize("name", sorted(PROFILES))
+@pytest.mark.parametrize("cost_model", ["pdtool", "pipedream"])
+def test_the_printed_prediction_is_the_simulators_and_nothing_simulates_faster(name, cluster, cost_model):
+    profile, spec = PROFILES[name](), parse_cluster(cluster)
+    try:
+        plan = make_plan(profile, spec, cost_model=cost_model)
+    except Exception as error:  # the pipedream cost model uses every worker: some shapes have no partition
+        pytest.skip(f"no plan: {error}")
+    pred = plan.predicted
+    assert pred.expected_ms == pred.simulated_ms and pred.candidates >= 1 and pred.why
+    again = simulate(plan).time_per_minibatch_ms  # a longer run than the planner's (it caps minibatches)
+    assert again == pytest.approx(pred.expected_ms, rel=0.15)
+    others = [make_plan(profile, spec, cost_model=cost_model, data_parallel=True)]
+    if cost_model == "pdtool":
+        others.append(make_plan(profile, spec, cost_model=cost_model, straight=True))
+    for other in others:
+        assert other.predicted.simulated_ms >= pred.expected_ms * (1 - 1e-9), (other.stages, plan.stages)
+    assert pred.simulated_data_parallel_ms == pytest.approx(others[0].predicted.simulated_ms)
+
+
+def test_the_data_parallel_baseline_is_the_same_whichever_cost_model():
+    profile, spec = PROFILES["gnmt"](), parse_cluster("cluster-b:2")
+    baselines = {make_plan(profile, spec, cost_model=m).predicted.baseline_ms for m in ("pdtool", "pipedream")}
+    assert len(baselines) == 1
