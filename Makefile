@@ -86,13 +86,15 @@ PD_ARGS_gpt = -a seq_len=128 -b 4 --repeats 5
 profiles: install
 	$(MAKE) --no-print-directory -B PD=$(PD) $(PROFILES:%=profiles/%.profile.json)
 
-# Every benchmark the README quotes (about 10 minutes here; run it on a quiet machine).
+# Every benchmark the README quotes (about 30 minutes here; run it on a quiet machine). real_links
+# needs root for its network namespaces and says so where it cannot make them.
 bench: install
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[plot]'
 	$(PY) bench/profile_speed.py
 	$(PY) bench/plan_speed.py
 	$(PY) bench/train_speed.py
 	$(PY) bench/time_to_accuracy.py
+	$(PY) bench/real_links.py
 
 clean:
 	rm -rf $(OUT) .pytest_cache
