@@ -201,7 +201,9 @@ def plot(rows: list[dict], path: Path) -> str:
                           key=lambda r: gbit[r["bandwidth"]])
             xs = [gbit[r["bandwidth"]] for r in here]
             axis.plot(xs, [r["predicted_ms"] for r in here], "-", color=colour, label=f"{config}: predicted")
-            axis.plot(xs, [r["measured_ms"] for r in here], "o", color=colour, label=f"{config}: measured")
+            big = config == "pd plan"  # a ring around the configuration pd plan picked (it is also one of the others)
+            axis.plot(xs, [r["measured_ms"] for r in here], "o", color=colour, label=f"{config}: measured",
+                      markersize=13 if big else 6, markerfacecolor="none" if big else colour, zorder=3)
         axis.set_xscale("log")
         axis.set_yscale("log")
         axis.set_xlabel("link bandwidth (Gbit/s)")

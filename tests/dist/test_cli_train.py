@@ -129,7 +129,7 @@ def test_pd_train_optimizer_mode_and_checkpoint_flags(tmp_path):
     from pdtool.simulate import simulate
 
     flush_ms = simulate(Plan.load(path), mode="flush", group=2).time_per_minibatch_ms
-    assert f", {flush_ms:.3f} ms" in result.stdout and "simulated (flush)" in result.stdout  # the schedule that ran
+    assert f"predicted {flush_ms:.3f} ms" in result.stdout and "(simulated, flush)" in result.stdout  # the schedule that ran
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000001", "step-00000002", "step-00000003"]
     from pdtool.checkpoint import load_checkpoint
 
