@@ -25,10 +25,17 @@ from .units import format_bytes
 SIMULATED_MINIBATCHES = 2048  # at most, so that planning a large cluster stays quick
 
 
-CANDIDATES = 8
+CANDIDATES = 4
 """Plans compared in simulation: the cost model's best for each number of workers it may use
-(fastest first, at most this many), as many straight pipelines as half that, and data
-parallelism on every worker."""
+(fastest first, at most this many), as many straight pipelines, and data parallelism on every
+worker."""
+RANKED_WORKERS = 64
+"""Clusters up to this many workers are ranked by simulation. Beyond, a simulation short enough
+to plan quickly is mostly pipeline fill and drain, so it cannot rank plans: the cost model's
+optimum is kept (and simulated alone), and the plan says so."""
+RANKING_MINIBATCHES_PER_WORKER = 8
+"""Candidates are compared on runs this long (per worker); the best `FINALISTS` in full."""
+FINALISTS = 3
 
 
 def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool", straight: bool = False,
@@ -75,23 +82,30 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     plans = [describe(p, solver) for p in pipelines]
     if not simulate:
         return _trainable(plans[0], mode, say)
-    if not straight and not data_parallel:  # straight pipelines: the cost model undervalues them most
+    ranking = cluster.workers <= RANKED_WORKERS
+    if ranking and not straight and not data_parallel:  # straight pipelines: the cost model undervalues them most
         lined = Solver(states, counts, bandwidths, model, straight=True, memory=memory)
-        plans += [describe(p, lined) for p in lined.candidates(CANDIDATES // 2) if p is not None]
-    unique = {tuple((s.layers, s.ranks) for s in p.stages): p for p in reversed(plans)}
-    ranked = [_with_simulation(p) for p in unique.values()]
+        plans += [describe(p, lined) for p in lined.candidates(CANDIDATES) if p is not None]
     dp_solver = Solver(states.restricted(lambda mask: False), counts, bandwidths, model, memory=memory,
                        every_worker=True)
     dp = None if data_parallel else dp_solver.solve()
-    baseline = _with_simulation(describe(dp, dp_solver)) if dp is not None else None
-    if baseline is not None and not straight:
-        ranked.append(baseline)
-    ranked.sort(key=lambda p: p.predicted.simulated_ms)
-    best = ranked[0]
-    if data_parallel:
-        baseline = best
+    baseline = describe(dp, dp_solver) if dp is not None else None
+    if ranking and baseline is not None and not straight:
+        plans.append(baseline)
+    unique = list({tuple((s.layers, s.ranks) for s in p.stages): p for p in reversed(plans)}.values())
+    if ranking and len(unique) > 1:  # compare on short runs, then the best few in full
+        short = RANKING_MINIBATCHES_PER_WORKER * cluster.workers
+        ranked = sorted(unique, key=lambda p: (_with_simulation(p, short).predicted.simulated_ms,
+                                               p.predicted.time_ms))
+        finalists = sorted((_with_simulation(p) for p in ranked[:FINALISTS]), key=lambda p: p.predicted.simulated_ms)
+        ranked = finalists + ranked[FINALISTS:]
+    else:
+        ranked = [plans[0]]
+    best = _with_simulation(ranked[0])
+    baseline = best if data_parallel else _with_simulation(baseline) if baseline is not None else None
     why = (f"fastest of {len(ranked)} candidate plans in simulation" + (
-        f"; next: {_shape(ranked[1])} at {ranked[1].predicted.simulated_ms:.3f} ms" if len(ranked) > 1 else ""))
+        f"; next: {_shape(ranked[1])}" if len(ranked) > 1 else "") if ranking else
+        f"the cost model's optimum (clusters over {RANKED_WORKERS} workers are not ranked by simulation)")
     over = None if baseline is not None else _data_parallel_excess(profile, costs, states, counts, bandwidths, model,
                                                                     memory, optimizer_slots)
     best = dataclasses.replace(best, predicted=dataclasses.replace(
@@ -187,13 +201,15 @@ def shared_parameters(profile: Profile, stages) -> tuple[tuple[str, tuple[int, .
     return tuple(found)
 
 
-def _with_simulation(plan: Plan) -> Plan:
-    """The plan with the simulator's figures for its own schedule recorded in `predicted`."""
+def _with_simulation(plan: Plan, most: int = SIMULATED_MINIBATCHES) -> Plan:
+    """The plan with the simulator's figures for its own schedule recorded in `predicted`, from a
+    run of at most `most` minibatches."""
     from . import simulate as simulator  # simulate imports plan: import here, not at the top
     from .schedule import default_group
 
     group = 1 if plan.mode in ("pipedream", "vsync") else default_group([s.replicas for s in plan.stages])
-    minibatches = min(simulator.default_minibatches(plan.workers, group), max(SIMULATED_MINIBATCHES // group, 1) * group)
+    most = min(most, SIMULATED_MINIBATCHES)
+    minibatches = min(simulator.default_minibatches(plan.workers, group), max(most // group, 1) * group)
     result = simulator.simulate(plan, minibatches=minibatches, group=None if group == 1 else group)
     return dataclasses.replace(plan, predicted=dataclasses.replace(
         plan.predicted, simulated_ms=result.time_per_minibatch_ms, simulated_bubble=result.bubble_fraction,
