@@ -517,7 +517,7 @@ def _plan_profile(plan_path: str, plan, profile_path: str | None, needed: bool):
                                    f"(the plan was made by: {plan.command or 'an unknown command'})")
         return None, None
     profile = Profile.load(source)
-    check_against_profile(plan, plan_path, profile, source)
+    check_against_profile(plan, profile, plan_path, source)
     return source, profile
 
 

@@ -58,8 +58,11 @@ class Fields:
             self.fail(f"expected {wanted}, found {describe(value)}", "fix the value or regenerate the file", key)
         return value
 
-    def number(self, key: str, minimum: float = 0.0, maximum: float = MAX_NUMBER) -> float:
-        value = self.get(key, float)
+    def number(self, key: str, minimum: float = 0.0, maximum: float = MAX_NUMBER, optional: bool = False) -> float:
+        """A finite number in [minimum, maximum]; None for a missing or null field when `optional`."""
+        value = self.get(key, float, optional=optional)
+        if value is None:
+            return None
         if not math.isfinite(value):
             self.fail(f"must be a finite number, found {value}", "fix the value or regenerate the file", key)
         if value < minimum:
@@ -68,8 +71,11 @@ class Fields:
             self.fail(f"must be <= {maximum:g}, found {value:g}", "fix the value or regenerate the file", key)
         return value
 
-    def count(self, key: str, minimum: int = 0, maximum: int = MAX_COUNT) -> int:
-        value = self.get(key, int)
+    def count(self, key: str, minimum: int = 0, maximum: int = MAX_COUNT, optional: bool = False) -> int:
+        """An integer in [minimum, maximum]; None for a missing or null field when `optional`."""
+        value = self.get(key, int, optional=optional)
+        if value is None:
+            return None
         if value < minimum:
             self.fail(f"must be >= {minimum}, found {value}", "fix the value or regenerate the file", key)
         if value > maximum:

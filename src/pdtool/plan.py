@@ -334,12 +334,9 @@ class Plan(SchemaChecked):
             sim = pr.child("simulated", known=("time_per_minibatch_ms", "bubble_fraction", "minibatches", "candidates",
                                                "why", "data_parallel_ms"))
             simulated = (sim.number("time_per_minibatch_ms"), sim.number("bubble_fraction"), sim.count("minibatches", 1),
-                         sim.count("candidates", 1) if sim.get("candidates", int, optional=True) is not None else None,
-                         sim.get("why", str, optional=True),
-                         sim.number("data_parallel_ms") if sim.get("data_parallel_ms", (int, float), optional=True)
-                         is not None else None)
-        over = pr.count("data_parallel_over_bytes") if pr.get("data_parallel_over_bytes", int, optional=True) is not None \
-            else None
+                         sim.count("candidates", 1, optional=True), sim.get("why", str, optional=True),
+                         sim.number("data_parallel_ms", optional=True))
+        over = pr.count("data_parallel_over_bytes", optional=True)
         prov = top.child("provenance", known=("command", "pdtool_version"))
         return cls(profile=profile, cluster=Cluster.from_json(top.get("cluster", dict), f"{source}: cluster"),
                    cost_model=top.get("cost_model", str), straight=top.get("straight", bool), mode=top.get("mode", str),
@@ -442,13 +439,19 @@ def find_profile(plan_path: str, plan: Plan) -> str | None:
     return None
 
 
-def check_against_profile(plan: Plan, plan_path: str, profile: Profile, profile_path: str) -> None:
-    """Refuse a profile that is not the plan's, and a plan whose stages are not in data-flow
-    order (a stage reading what a later stage computes: a hand edit that no schedule can run)."""
-    if profile_sha256(profile) != plan.profile.sha256:
-        raise ArtifactError(f"{profile_path} is not the profile {plan_path} was made from (sha256 "
-                            f"{plan.profile.sha256[:12]}... expected); give the profile named in the plan's command: "
-                            f"{plan.command or 'unknown'}")
+def check_against_profile(plan: Plan, profile: Profile, plan_path: str = "the plan",
+                          profile_path: str = "the profile given") -> None:
+    """Refuse a profile that is not the plan's (one line naming both), and a plan whose stages
+    are not in data-flow order (a stage reading what a later stage computes: a hand edit that
+    no schedule can run)."""
+    sha = profile_sha256(profile)
+    if sha != plan.profile.sha256:
+        raise ArtifactError(
+            f"{profile_path} is not the profile {plan_path} was made from: the plan records sha256 "
+            f"{plan.profile.sha256[:12]} ({plan.profile.layers} layers, "
+            f"{plan.profile.model['spec'] if plan.profile.model else 'imported'}), the profile is {sha[:12]} "
+            f"({len(profile.layers)} layers, {profile.model.spec if profile.model else 'imported'}); pass the profile "
+            f"the plan was made from (made by: {plan.command or 'an unknown command'})")
     owner = {layer: index for index, stage in enumerate(plan.stages) for layer in stage.layers}
     for src, dst in profile.edges:
         if owner[src] > owner[dst]:

@@ -86,26 +86,22 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     if ranking and not straight and not data_parallel:  # straight pipelines: the cost model undervalues them most
         lined = Solver(states, counts, bandwidths, model, straight=True, memory=memory)
         plans += [describe(p, lined) for p in lined.candidates(CANDIDATES) if p is not None]
-    dp_solver = Solver(states.restricted(lambda mask: False), counts, bandwidths, model, memory=memory,
-                       every_worker=True)
-    dp = None if data_parallel else dp_solver.solve()
+    dp_solver = None if data_parallel else _data_parallel_solver(states, counts, bandwidths, model, memory)
+    dp = dp_solver.solve() if dp_solver is not None else None
     baseline = describe(dp, dp_solver) if dp is not None else None
     if ranking and baseline is not None and not straight:
         plans.append(baseline)
-    unique = list({tuple((s.layers, s.ranks) for s in p.stages): p for p in reversed(plans)}.values())
-    if ranking and len(unique) > 1:  # compare on short runs, then the best few in full
-        short = RANKING_MINIBATCHES_PER_WORKER * cluster.workers
-        ranked = sorted(unique, key=lambda p: (_with_simulation(p, short).predicted.simulated_ms,
-                                               p.predicted.time_ms))
-        finalists = sorted((_with_simulation(p) for p in ranked[:FINALISTS]), key=lambda p: p.predicted.simulated_ms)
-        ranked = finalists + ranked[FINALISTS:]
+    ranked = _ranked(plans, cluster.workers) if ranking else [_with_simulation(plans[0])]
+    best = ranked[0]
+    if data_parallel:
+        baseline = best
+    elif baseline is not None:  # simulated already if it was a finalist
+        baseline = next((p for p in ranked[:FINALISTS] if _key(p) == _key(baseline)), None) or _with_simulation(baseline)
+    if not ranking:
+        why = f"the cost model's optimum (clusters over {RANKED_WORKERS} workers are not ranked by simulation)"
     else:
-        ranked = [plans[0]]
-    best = _with_simulation(ranked[0])
-    baseline = best if data_parallel else _with_simulation(baseline) if baseline is not None else None
-    why = (f"fastest of {len(ranked)} candidate plans in simulation" + (
-        f"; next: {_shape(ranked[1])}" if len(ranked) > 1 else "") if ranking else
-        f"the cost model's optimum (clusters over {RANKED_WORKERS} workers are not ranked by simulation)")
+        why = f"fastest of {len(ranked)} candidate plans in simulation" + (
+            f"; next: {_shape(ranked[1])}" if len(ranked) > 1 else "")
     over = None if baseline is not None else _data_parallel_excess(profile, costs, states, counts, bandwidths, model,
                                                                     memory, optimizer_slots)
     best = dataclasses.replace(best, predicted=dataclasses.replace(
@@ -114,11 +110,33 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     return _trainable(best, mode, say)
 
 
+def _key(plan: Plan) -> tuple:
+    """What makes two candidate plans the same: each stage's layers and ranks."""
+    return tuple((s.layers, s.ranks) for s in plan.stages)
+
+
+def _ranked(plans: list[Plan], workers: int) -> list[Plan]:
+    """The distinct plans, fastest first in simulation: compared on short runs, then the best
+    `FINALISTS` simulated in full (those come first, with their full figures)."""
+    unique = list({_key(p): p for p in reversed(plans)}.values())
+    if len(unique) == 1:
+        return [_with_simulation(unique[0])]
+    short = RANKING_MINIBATCHES_PER_WORKER * workers
+    ranked = sorted(unique, key=lambda p: (_with_simulation(p, short).predicted.simulated_ms, p.predicted.time_ms))
+    finalists = sorted((_with_simulation(p) for p in ranked[:FINALISTS]), key=lambda p: p.predicted.simulated_ms)
+    return finalists + ranked[FINALISTS:]
+
+
+def _data_parallel_solver(states: States, counts, bandwidths, model: CostModel, memory: Memory | None) -> Solver:
+    """The solver whose only plan is one stage of all layers on every worker."""
+    return Solver(states.restricted(lambda mask: False), counts, bandwidths, model, memory=memory, every_worker=True)
+
+
 def _data_parallel_excess(profile, costs, states, counts, bandwidths, model, memory, optimizer_slots) -> int | None:
     """Bytes per worker by which data parallelism on every worker exceeds the memory limit."""
     if memory is None:
         return None
-    solver = Solver(states.restricted(lambda mask: False), counts, bandwidths, model, every_worker=True)
+    solver = _data_parallel_solver(states, counts, bandwidths, model, None)
     free = solver.solve()
     if free is None:
         return None

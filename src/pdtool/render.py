@@ -25,9 +25,9 @@ from pathlib import Path
 
 import graphviz
 
-from .errors import ArtifactError, PdtoolError
+from .errors import PdtoolError
 from .jsonio import check_writable, write_bytes_atomic, write_text_atomic
-from .plan import Plan, PlanStage, compact_ranges, profile_sha256
+from .plan import Plan, PlanStage, check_against_profile, compact_ranges
 from .profile import Layer, Profile
 from .units import format_bytes
 
@@ -61,7 +61,7 @@ def plan_graph(plan: Plan, profile: Profile) -> graphviz.Digraph:
     Raises `ArtifactError` when the plan was not made from this profile (sha256 or layer
     count differ). Deterministic: nodes, clusters and edges appear in layer/stage order.
     """
-    _check_pair(plan, profile)
+    check_against_profile(plan, profile)
     stage_of = [0] * len(profile.layers)
     for index, stage in enumerate(plan.stages):
         for layer_id in stage.layers:
@@ -153,17 +153,6 @@ def render_plan(plan: Plan, profile: Profile, path: str | os.PathLike) -> tuple[
 
 
 # ----- pieces ----------------------------------------------------------------------------------
-def _check_pair(plan: Plan, profile: Profile) -> None:
-    """Refuse a profile the plan was not made from (one line naming both)."""
-    sha = profile_sha256(profile)
-    if plan.profile.sha256 != sha or plan.profile.layers != len(profile.layers):
-        raise ArtifactError(
-            f"the plan was made from profile sha256 {plan.profile.sha256[:12]} ({plan.profile.layers} layers, "
-            f"{plan.profile.model['spec'] if plan.profile.model else 'imported'}) but the profile given is sha256 "
-            f"{sha[:12]} ({len(profile.layers)} layers, {profile.model.spec if profile.model else 'imported'}); "
-            "pass the profile the plan was made from")
-
-
 def _columns(plan: Plan, rows: int) -> list[tuple[int, ...]]:
     """The layer ids of every column: each stage's layers split into equal runs of <= `rows`."""
     columns = []

@@ -68,13 +68,12 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
                           f"make {per_node * nodes.nnodes}; set --nproc-per-node so that they match")
     join_timeout = int(config.timeout_s) + 60
     logs = tempfile.mkdtemp(prefix="pdtool-workers-")  # the workers' error files; removed when the job ends
-    local = nodes.nnodes == 1 and not nodes.rdzv_endpoint
     store, network_env = _meet(nodes, join_timeout, talk)
     if nodes.rdzv_endpoint:
         rendezvous = dict(run_id=nodes.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=nodes.rdzv_endpoint,
                           rdzv_configs={"join_timeout": join_timeout, "last_call_timeout": 1})
     else:
-        port = store.port if local else nodes.master_port
+        port = store.port  # a free one on one machine; --master-port across machines
         rendezvous = dict(run_id=f"pdtool-{uuid.uuid4().hex[:8]}" if nodes.nnodes == 1 else "pdtool",
                           rdzv_backend="static", rdzv_endpoint=f"{nodes.master_addr}:{port}",
                           rdzv_configs={"rank": nodes.node_rank, "timeout": join_timeout})

@@ -148,7 +148,9 @@ class _ManifestWriter(threading.Thread):
 
     def stop(self) -> None:
         """With the workers gone: complete what can be; on a full disk, keep the newest checkpoint
-        that fits (this run's unfinished folders make room for it), and the error."""
+        that fits (this run's unfinished folders make room for it), and the error. Once."""
+        if self.done.is_set():
+            return
         self.done.set()
         self.join()
         self.error = None
@@ -156,18 +158,26 @@ class _ManifestWriter(threading.Thread):
             self._make_room()
 
     def _make_room(self) -> None:
-        unfinished = sorted((f for f in self.root.glob("step-*") if f.name not in self.before and not f.is_symlink()
-                             and not (f / MANIFEST).exists()), reverse=True)
+        unfinished = list(self._unfinished())[::-1]  # newest first
         for folder in unfinished:  # shards missing: they can never complete now
-            if not all((folder / shard_name(s)).is_file() for s in range(self.stages)):
+            if not self._has_shards(folder):
                 shutil.rmtree(folder, ignore_errors=True)
-        for folder in unfinished:  # newest first; one that cannot be completed makes room for the next
+        for folder in unfinished:  # one that cannot be completed makes room for the next older one
             if folder.exists():
                 try:
                     self._complete_one(folder)
                     return
                 except PdtoolError:
                     shutil.rmtree(folder, ignore_errors=True)
+
+    def _unfinished(self):
+        """This run's checkpoint folders without a manifest, oldest first."""
+        for folder in sorted(self.root.glob("step-*")):
+            if folder.name not in self.before and not folder.is_symlink() and not (folder / MANIFEST).exists():
+                yield folder
+
+    def _has_shards(self, folder: Path) -> bool:
+        return all((folder / shard_name(s)).is_file() for s in range(self.stages))
 
     def _completed(self) -> bool:
         """complete(), keeping its first error; whether it succeeded."""
@@ -180,10 +190,8 @@ class _ManifestWriter(threading.Thread):
         return self.error is None
 
     def complete(self) -> None:
-        for folder in sorted(self.root.glob("step-*")):
-            if folder.name in self.before or (folder / MANIFEST).exists() or folder.is_symlink():
-                continue
-            if all((folder / shard_name(s)).is_file() for s in range(self.stages)):
+        for folder in self._unfinished():
+            if self._has_shards(folder):
                 self._complete_one(folder)
 
     def _complete_one(self, folder: Path) -> None:
