@@ -137,7 +137,8 @@ def simulation_table(result: SimResult, plan: Plan) -> str:
         f"{len(plan.stages)} stage{'' if len(plan.stages) == 1 else 's'} ({plan.cluster.describe()})",
         f"predicted    {result.time_per_minibatch_ms:.3f} ms per minibatch ({result.samples_per_s:.1f} samples/s) "
         "in steady state",
-        f"cost model   {model:.3f} ms per minibatch ({plan.samples_per_s:.1f} samples/s), bottleneck: "
+        f"cost model   {model:.3f} ms per minibatch ({plan.profile.batch_size / model * 1e3 if model else 0.0:.1f} "
+        "samples/s), bottleneck: "
         f"{plan.predicted.bottleneck}{ratio}",
         f"run          {result.makespan_ms:.3f} ms for the whole run, bubble fraction {result.bubble_fraction:.3f} "
         "(share of the workers' time not spent in F or B)",

@@ -115,3 +115,15 @@ def test_quiet_simulate_says_nothing_on_stderr(files, tmp_path):
     _, plan = files
     result = invoke("simulate", str(plan), "--trace", str(tmp_path / "t.json"), "-q")
     assert result.exit_code == 0 and result.stderr == "" and "predicted" in result.stdout
+
+
+def test_the_cost_model_line_gives_the_cost_models_own_rate(files, tmp_path):
+    """The plan's samples/s is the simulated rate; the cost-model line must use the cost model's time."""
+    _, plan = files
+    data = json.loads(plan.read_text())
+    data["predicted"]["time_per_minibatch_ms"] = 40.0  # the cost model's figure, now unlike the simulator's
+    edited = tmp_path / "edited.plan.json"
+    edited.write_text(json.dumps(data))
+    out = invoke("simulate", str(edited)).stdout
+    line = re.search(r"cost model +([\d.]+) ms per minibatch \(([\d.]+) samples/s\)", out)
+    assert float(line[1]) == 40.0 and float(line[2]) == pytest.approx(data["profile"]["batch_size"] / 40.0 * 1e3, abs=0.1)

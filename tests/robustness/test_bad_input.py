@@ -220,6 +220,7 @@ def test_bad_plan_options(good, tmp_path, args):
     ["--checkpoint-every", "-1"], ["--nnodes", "0"], ["--master-port", "0"], ["--master-port", "70000"],
     ["--device", "tpu"], ["--mode", "turbo"], ["--data", "nothing_here:f"], ["--data", "justtext"],
     ["--resume"], ["--evaluate"], ["--rdzv-endpoint", "h:1", "--node-rank", "1"], ["--nnodes", "2"],
+    ["--iface", "nosuch0"],
 ], ids=lambda a: " ".join(a))
 def test_bad_train_options_start_no_worker(good, tmp_path, args):
     path = tmp_path / "m.plan.json"
@@ -229,6 +230,7 @@ def test_bad_train_options_start_no_worker(good, tmp_path, args):
 
 @pytest.mark.parametrize("args", [
     ["-n", "0"], ["-n", "100000000"], ["--group", "0"], ["--mode", "turbo"], ["--trace", "/no/such/folder/t.json"],
+    ["--profile", "/no/such/profile.json"],
 ], ids=lambda a: " ".join(a))
 def test_bad_simulate_options(good, tmp_path, args):
     path = tmp_path / "m.plan.json"

@@ -123,7 +123,7 @@ def _meet(nodes: Nodes, timeout_s: int, talk) -> tuple[object | None, dict[str, 
     from . import network
 
     if nodes.nnodes == 1 and not nodes.rdzv_endpoint:  # nothing listens on other interfaces
-        chosen = nodes.interface or "lo"
+        chosen = network.pick_interface("127.0.0.1", nodes.interface)[0] if nodes.interface else "lo"
         return _listening_store("127.0.0.1", nodes.master_port, timeout_s, "drop --master-port (pd train picks a "
                                 "free port) or give another one"), {name: chosen for name in _IFNAME_ENV}
     host = nodes.rdzv_endpoint.rsplit(":", 1)[0] if nodes.rdzv_endpoint else nodes.master_addr
