@@ -12,8 +12,10 @@ For every bandwidth, three plans: `pd plan --cluster 2x<bandwidth>` (pd plan's p
 that cost model uses every worker); each is trained (the
 same plan is trained once) and its measured time per minibatch (what `pd train` prints) is set
 beside the prediction `pd plan` prints first (the simulator's) and the cost model's, and pd
-plan's pick beside the measured fastest. Each link's real rate (one TCP stream) is printed
-above its rows: the emulation cannot reach 10 Gbit/s on every machine.
+plan's pick beside the measured fastest. Each link's real rate is measured first (a TCP stream
+each way at once for 3 s, what a pipeline's activations and gradients or an all-reduce put on
+it) and the plans are made for that rate, as a user writes the measured rate of a cluster's
+links into its description: the emulation does not reach 10 Gbit/s on every machine.
 
 Then time to a target held-out accuracy on the UCI digits for the `fc` model on the slowest
 link, data parallelism against the 2-stage pipeline and pd plan's pick (pipedream mode, 1F1B
@@ -61,7 +63,7 @@ def pd(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 
 def plan(profile: Path, bandwidth: str, extra: list[str], out: Path) -> tuple[dict, float]:
-    """(the plan's JSON, the ms per minibatch pd plan prints)."""
+    """(the plan's JSON, the ms per minibatch pd plan prints) on 2 machines whose link carries `bandwidth`."""
     done = pd("plan", str(profile), "--cluster", f"2x{bandwidth}/s", *extra, "-o", str(out))
     printed = float(re.search(r"([0-9.]+) ms per minibatch", done.stderr).group(1))
     return json.loads(out.read_text()), printed
@@ -112,13 +114,14 @@ def profiles(out: Path) -> None:
            "--repeats", "10", "-q", "-o", str(out / f"{name}.profile.json"))
 
 
-def speed_rows_at(out: Path, machines, bandwidth: str) -> list[dict]:
+def speed_rows_at(out: Path, machines, bandwidth: str, measured: str) -> list[dict]:
+    """Rows of the link set to `bandwidth`, planned for the `measured` rate it carries."""
     rows = []
     for name in MODELS:
         trained: dict[tuple, float] = {}
         for config, extra in CONFIGS.items():
             path = out / f"{name}-{bandwidth}-{config.replace(' ', '_')}.plan.json"
-            data, printed = plan(out / f"{name}.profile.json", bandwidth, extra, path)
+            data, printed = plan(out / f"{name}.profile.json", measured, extra, path)
             key = shape(data)
             if key not in trained:  # the same plan is trained once
                 minibatches = int(min(max(6000 / max(printed, 1e-3), 16), 64))
@@ -232,9 +235,10 @@ def main() -> int:
     rows = []
     for bandwidth in BANDWIDTHS:  # a switch of that speed for each
         with links.machines(2, bandwidth) as machines:
-            rate = links.throughput(machines[0], machines[1], bandwidth=bandwidth)
-            print(f"--- {bandwidth} link: one TCP stream measures {rate / 1e6:.0f} Mbit/s (start-up included)")
-            rows += speed_rows_at(args.out, machines, bandwidth)
+            rate = links.throughput(machines[0], machines[1], seconds=3, bandwidth=bandwidth, both_ways=True)
+            print(f"--- {bandwidth} link: a TCP stream each way at once measures {rate / 1e6:.0f} Mbit/s each; "
+                  f"planned as --cluster 2x{rate / 1e6:.0f}Mbit/s", flush=True)
+            rows += speed_rows_at(args.out, machines, bandwidth, f"{rate / 1e6:.0f}Mbit")
     with links.machines(2, BANDWIDTHS[-1]) as machines:
         accuracy = accuracy_rows(args.out, machines)
     with open(args.out / "real_links.csv", "w", newline="") as handle:

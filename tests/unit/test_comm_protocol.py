@@ -1,6 +1,6 @@
 """The runtime's message protocol, replayed on every generated schedule with blocking sends.
 
-`runtime.worker._run` posts the receives of the current and the next action, and
+`runtime.worker._run` posts the receives of its next messages ahead (`runtime.comm.Prefetch`), and
 `runtime.comm.Link.send` waits for a link's oldest unconfirmed message once `window` are
 pending; a send completes only when the peer has posted its receive (gloo). The replay runs
 each worker's action list as a coroutine under those rules, with the replicas' all-reduce at
@@ -11,7 +11,7 @@ from itertools import product
 
 import pytest
 
-from pdtool.runtime.comm import posted_at, receive_of
+from pdtool.runtime.comm import Prefetch, receive_of
 from pdtool.schedule import default_group, generate, stash_depth
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (1, 3, 1), (1, 1, 1, 1), (2, 1, 1)]
@@ -58,8 +58,9 @@ def replay(schedule, window, ties=()):
             while min(entered[group].values()) < entered[group][rank]:
                 yield ("collective", group)
 
+        prefetch = Prefetch(actions, len(reps), window)
         for i, action in enumerate(actions):
-            for ahead in posted_at(actions, i):
+            for ahead in prefetch.before(i):
                 post(ahead)
             b = action.minibatch
             if action.kind == "F":
@@ -120,9 +121,22 @@ def test_no_generated_schedule_deadlocks_with_the_runtimes_window_or_a_window_of
 
 
 def test_the_replay_finds_a_deadlock_when_sends_wait_for_their_receive():
-    """Window 0 (a send waits for its own receive) deadlocks a replicated input stage: one replica
-    waits in the all-reduce for the other, which waits for the last stage to take its activation,
-    which waits for the first replica to take a gradient."""
-    stuck = replay(generate("pipedream", (2, 1), 12), 0)
-    assert stuck == {"w0 s0r0": ("collective", ("stage", 0)), "w1 s0r1": ("send", 2, "F", 3),
-                     "w2 s1r0": ("send", 0, "B", 2)}
+    """Window 0 (a send waits for its own receive, and a worker posts only the next receive of
+    each direction) deadlocks a replicated last stage: stage 0 waits for minibatch 4's gradient
+    from replica 0, which waits in the all-reduce for replica 1, which waits for stage 0 to take
+    minibatch 5's gradient, whose receive stage 0 posts only after minibatch 4's."""
+    stuck = replay(generate("pipedream", (1, 2), 6), 0)
+    assert stuck == {"w0 s0r0": ("receive", "B", 4), "w1 s1r0": ("collective", ("stage", 1)),
+                     "w2 s1r1": ("send", 0, "B", 5)}
+
+
+def test_receives_are_posted_ahead_per_direction_in_action_order():
+    schedule = generate("pipedream", (1, 1), 8)
+    actions = schedule.workers[1]  # the last stage: only activations arrive, for its forwards
+    forwards = [a for a in actions if a.kind == "F"]
+    ahead = Prefetch(actions, 2, window=2)
+    assert ahead.before(0) == forwards[:3]
+    assert ahead.before(1) == forwards[1:4]  # F0 is action 0
+    first = schedule.workers[0]  # stage 0: only gradients arrive, for its backwards
+    backwards = [a for a in first if a.kind == "B"]
+    assert Prefetch(first, 2, window=1).before(0) == backwards[:2]

@@ -24,7 +24,7 @@ from ..modelspec import load_model
 from ..plan import Plan
 from ..profile import ModelRef
 from ..schedule import Schedule, default_group, generate, stash_depth
-from .comm import ACTIVATION, GRADIENT, Link, TensorSpec, link_groups, posted_at, receive_of
+from .comm import ACTIVATION, GRADIENT, Link, TensorSpec, Prefetch, link_groups, receive_of
 from . import tied
 from .device import choose, synchronizer
 from .executor import ASYNC_MODES, OptimizerConfig, StageWorker
@@ -235,8 +235,9 @@ def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, bat
     # (bench/train_speed.py model, 3 paired runs of 160 minibatches: 1.1-1.4 ms per minibatch less).
     made: dict[int, tuple] = {}
     upcoming = _next_forwards(actions) if s == 0 and not last else None
+    prefetch = Prefetch(actions, len(stages), link.window)
     for i, action in enumerate(actions):
-        for ahead in posted_at(actions, i):
+        for ahead in prefetch.before(i):
             post(ahead)
         b = action.minibatch
         if action.kind == "F":
