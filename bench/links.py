@@ -6,7 +6,8 @@ a namespace of its own. Each machine's port is shaped in both directions by `tc`
 bandwidth; `netem` for a one-way latency where the kernel has it), so every machine sends and receives at most
 `bandwidth` and TCP between two machines is a real link of that speed. A process runs on a
 machine with `Machine.popen`/`Machine.run` (`ip netns exec`). Every namespace is deleted on
-every way out (return, exception, SIGTERM, SIGINT, interpreter exit); leftovers of a run that
+every way out (return, exception, SIGTERM, SIGINT, interpreter exit), and what still runs on
+them is killed first; leftovers of a run that
 was SIGKILLed are swept by the next one (they are named after the process that made them).
 
 Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN), `ip` and `tc`. `available()` says whether
@@ -103,7 +104,12 @@ def _namespaces() -> list[str]:
 
 
 def _delete(names: list[str]) -> None:
+    """Stop what still runs on the machines (a pd train launcher and its workers), then delete them."""
     for name in names:
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 

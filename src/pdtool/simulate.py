@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 from .errors import ScheduleError
 from .plan import Plan
-from .schedule import Action, Schedule, default_group, generate, peak_versions, stash_depth, step_group
+from .schedule import Schedule, default_group, generate, peak_versions, stash_depth, step_group
+from .schedule.lower import ACTIVATION, Op, collective_key, lower, message
 from .trace import chrome_trace, write_trace
 
 __all__ = ["SimEvent", "SimResult", "SimTransfer", "allreduce_ms", "chrome_trace", "default_minibatches",
@@ -198,22 +199,25 @@ def simulate(plan: Plan, mode: str | None = None, minibatches: int | None = None
 
 
 class _Run:
-    """The state of one simulation; `go` advances every worker as far as its inputs allow."""
+    """The state of one simulation; `go` advances every worker through its lowered ops
+    (`schedule.lower`) as far as its inputs allow."""
 
     def __init__(self, plan: Plan, schedule: Schedule):
         self.plan, self.schedule = plan, schedule
+        self.ops = lower(schedule).workers
         n = len(schedule.workers)
         self.positions = [schedule.position(w) for w in range(n)]
         self.ranks = [plan.stages[s].ranks[i] for s, i in self.positions]  # schedule rank -> plan rank
         self.allreduce = [allreduce_ms(plan, s) for s in range(len(plan.stages))]
-        self.next = [0] * n            # index of each worker's next action
+        self.next = [0] * n            # index of each worker's next op
         self.free = [0.0] * n          # when each worker is free, ms
-        self.steps_done = [0] * n      # U actions done by each worker
+        self.began = [0.0] * n         # when the worker's current step began (its all-reduce)
+        self.met = [dict() for _ in range(n)]  # collectives done: key -> count
         self.held = [0] * n            # minibatches in flight on each worker now
         self.peak_held = [0] * n
-        self.arrived: dict[tuple[str, int, int], float] = {}  # (kind, stage, b): its input is at its worker
+        self.arrived: dict[tuple, float] = {}                 # message key (lower.message): at its receiver
         self.link_free: dict[tuple[int, int], float] = {}     # (src, dst) schedule ranks: link idle from
-        self.waiting: dict[tuple[int, int], dict[int, float]] = {}  # (stage, k): replica -> arrival at k-th U
+        self.waiting: dict[tuple, dict[int, float]] = {}      # (collective key, k): worker -> arrival
         self.events: list[tuple[float, int, int, SimEvent]] = []
         self.transfers: list[SimTransfer] = []
         self.todo: deque[int] = deque(range(n))
@@ -223,82 +227,84 @@ class _Run:
         while self.todo:
             worker = self.todo.popleft()
             self.queued.discard(worker)
-            while self.next[worker] < len(self.schedule.workers[worker]) and self._step(worker):
+            while self.next[worker] < len(self.ops[worker]) and self._step(worker):
                 pass
-        for worker, actions in enumerate(self.schedule.workers):
-            if self.next[worker] < len(actions):
+        for worker, ops in enumerate(self.ops):
+            if self.next[worker] < len(ops):
+                action = self.schedule.workers[worker][ops[self.next[worker]].at]
                 raise ScheduleError(f"simulation stalled: {self.schedule.label(worker)} waits forever at "
-                                    f"{actions[self.next[worker]]}; run validate() on the schedule")
+                                    f"{action}; run validate() on the schedule")
 
     def _wake(self, worker: int) -> None:
         if worker not in self.queued:
             self.queued.add(worker)
             self.todo.append(worker)
 
-    def _record(self, worker: int, action: Action, start: float, end: float) -> None:
+    def _record(self, worker: int, op: Op, start: float, end: float) -> None:
+        action = self.schedule.workers[worker][op.at]
         event = SimEvent(self.ranks[worker], str(action), action.kind, action.stage, action.minibatch, start, end)
-        self.events.append((start, worker, self.next[worker], event))
-        self.free[worker] = end
-        self.next[worker] += 1
+        self.events.append((start, worker, op.at, event))
 
     def _step(self, worker: int) -> bool:
-        """Run `worker`'s next action if it can start; False if it must wait for another worker."""
-        action = self.schedule.workers[worker][self.next[worker]]
-        if action.kind == "U":
-            return self._update(worker, action)
-        stage, b, last = action.stage, action.minibatch, self.schedule.stages - 1
-        needs = (action.kind == "F" and stage > 0) or (action.kind == "B" and stage < last)
-        key = (action.kind, stage, b)
-        if needs and key not in self.arrived:
-            return False
-        start = max(self.free[worker], self.arrived.get(key, 0.0))
-        s = self.plan.stages[stage]
-        end = start + (s.fwd_ms + s.data_ms if action.kind == "F" else s.bwd_ms)
-        if action.kind == "F":
-            self.held[worker] += 1
-            self.peak_held[worker] = max(self.peak_held[worker], self.held[worker])
+        """Run `worker`'s next op if it can start; False if it must wait for another worker."""
+        op = self.ops[worker][self.next[worker]]
+        s = self.plan.stages[op.stage]
+        if op.kind in ("allreduce", "tie"):
+            return self._collective(worker, op)
+        if op.kind == "recv":
+            key = message(op, worker)
+            if key not in self.arrived:
+                return False
+            self.free[worker] = max(self.free[worker], self.arrived.pop(key))
+        elif op.kind == "send":
+            self._send(worker, op, s.out_bytes if op.direction == ACTIVATION else s.in_bytes)
+        elif op.kind == "step":
+            start, end = self.began[worker], self.free[worker] + s.update_ms
+            self._record(worker, op, start, end)
+            self.free[worker] = end
         else:
-            self.held[worker] -= 1
-        self._record(worker, action, start, end)
-        if action.kind == "F" and stage < last:
-            self._send(worker, action, stage + 1, s.out_bytes, end)
-        elif action.kind == "B" and stage > 0:
-            self._send(worker, action, stage - 1, s.in_bytes, end)
+            start = self.free[worker]
+            end = start + (s.fwd_ms + s.data_ms if op.kind == "F" else s.bwd_ms)
+            self.held[worker] += 1 if op.kind == "F" else -1
+            self.peak_held[worker] = max(self.peak_held[worker], self.held[worker])
+            self._record(worker, op, start, end)
+            self.free[worker] = end
+        self.next[worker] += 1
         return True
 
-    def _send(self, worker: int, action: Action, stage: int, size: int, ready: float) -> None:
-        """Queue `action`'s output on the link to the worker of `stage` that runs its minibatch."""
-        b = action.minibatch
-        dst = self.schedule.rank(stage, self.schedule.replica_of(stage, b))
+    def _send(self, worker: int, op: Op, size: int) -> None:
+        """Queue a message on its directed link, FIFO, from when its worker is free."""
+        dst = op.peer
         link = (worker, dst)
-        start = max(ready, self.link_free.get(link, 0.0))
+        start = max(self.free[worker], self.link_free.get(link, 0.0))
         end = start + (size / link_bandwidth(self.plan, self.ranks[worker], self.ranks[dst]) * MS if size else 0.0)
         self.link_free[link] = end
         if size:
-            self.transfers.append(SimTransfer(self.ranks[worker], self.ranks[dst], str(action), size, start, end))
-        self.arrived[(action.kind, stage, b)] = end
+            name = str(self.schedule.workers[worker][op.at])
+            self.transfers.append(SimTransfer(self.ranks[worker], self.ranks[dst], name, size, start, end))
+        self.arrived[message(op, worker)] = end
         self._wake(dst)
 
-    def _update(self, worker: int, action: Action) -> bool:
-        """The k-th U of a worker: alone when unreplicated, else together with every replica."""
-        stage = action.stage
-        update = self.plan.stages[stage].update_ms
-        if self.schedule.replicas[stage] == 1:
-            self._record(worker, action, self.free[worker], self.free[worker] + update)
-            self.steps_done[worker] += 1
-            return True
-        key = (stage, self.steps_done[worker])
-        arrivals = self.waiting.setdefault(key, {})
+    def _collective(self, worker: int, op: Op) -> bool:
+        """The k-th op of a collective: every member starts when the last arrives. A replicas'
+        all-reduce lasts `allreduce_ms` (0 for one replica); a tie takes no simulated time."""
+        key = collective_key(op)
+        count = self.met[worker].get(key, 0)
+        arrivals = self.waiting.setdefault((key, count), {})
         arrivals[worker] = self.free[worker]
-        if len(arrivals) < self.schedule.replicas[stage]:
+        if len(arrivals) < len(op.group):
             return False
-        del self.waiting[key]
+        del self.waiting[(key, count)]
         start = max(arrivals.values())
-        for replica in sorted(arrivals):
-            self._record(replica, action, start, start + self.allreduce[stage] + update)
-            self.steps_done[replica] += 1
-            if replica != worker:
-                self._wake(replica)
+        took = self.allreduce[op.stage] if op.kind == "allreduce" else 0.0
+        for member in sorted(arrivals):
+            if op.kind == "allreduce":
+                self.began[member] = start
+            self.free[member] = start + took
+            self.met[member][key] = count + 1
+            self.next[member] += 1
+            if member != worker:
+                self._wake(member)
         return True
 
     def result(self) -> SimResult:

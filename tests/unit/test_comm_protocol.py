@@ -1,89 +1,79 @@
 """The runtime's message protocol, replayed on every generated schedule with blocking sends.
 
-`runtime.worker._run` posts the receives of its next messages ahead (`runtime.comm.Prefetch`), and
+Each worker runs its lowered ops (`schedule.lower`, what `runtime.worker._run` executes) as a
+coroutine under the runtime's rules: receives are posted ahead (`runtime.comm.Prefetch`);
 `runtime.comm.Link.send` waits for a link's oldest unconfirmed message once `window` are
-pending; a send completes only when the peer has posted its receive (gloo). The replay runs
-each worker's action list as a coroutine under those rules, with the replicas' all-reduce at
-every step, tied-weight all-reduces among sharing stages (flush, gpipe), the final flush of
-sends and a barrier, and asserts that every worker finishes."""
+pending, and a send completes only when the peer has posted its receive (gloo); the k-th op of
+a collective (the replicas' all-reduce, a tied-weight all-reduce) waits for every member's
+k-th. Then the final flush of sends and a barrier. The replay asserts that every worker finishes."""
 from collections import deque
 from itertools import product
 
 import pytest
 
-from pdtool.runtime.comm import Prefetch, receive_of
-from pdtool.schedule import default_group, generate, stash_depth
+from pdtool.runtime.comm import Prefetch
+from pdtool.schedule import ACTIVATION, GRADIENT, default_group, generate, lower, stash_depth
+from pdtool.schedule.lower import collective_key, message
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (1, 3, 1), (1, 1, 1, 1), (2, 1, 1)]
 
 
-def replay(schedule, window, ties=()):
-    """None when every worker finishes, else {worker label: what it waits for}."""
-    reps = schedule.replicas
-    ranks, start = [], 0
-    for r in reps:
-        ranks.append(tuple(range(start, start + r)))
-        start += r
-    peer = lambda stage, b: ranks[stage][b % reps[stage]]  # noqa: E731
+class JustInTime:
+    """A worker that posts each receive only when it needs the message (not the runtime's rule)."""
+
+    def __init__(self, ops, window):  # noqa: ARG002 - Prefetch's signature
+        self.ops = ops
+
+    def before(self, i):
+        return [self.ops[i]] if self.ops[i].kind == "recv" else []
+
+
+def replay(schedule, window, ties=(), posting=Prefetch):
+    """None when every worker finishes, else {worker label: what it waits for}. `posting`: which
+    receives a worker posts before each op (the runtime's `Prefetch`, or `JustInTime`)."""
+    low = lower(schedule, ties)
+    workers = len(low.workers)
     posted, sent = set(), set()
-    members = {("world",): tuple(range(start))}
-    members.update({("stage", s): ranks[s] for s in range(len(reps)) if reps[s] > 1})
-    members.update({("tie", t): tuple(r for s in t for r in ranks[s]) for t in ties})
-    entered = {g: dict.fromkeys(m, 0) for g, m in members.items()}
+    entered: dict[tuple, dict[int, int]] = {}  # (collective key, k) -> members arrived
 
     def worker(rank):
-        s, _ = schedule.position(rank)
-        last = s == len(reps) - 1
-        actions = schedule.workers[rank]
-        queues = {}
+        ops = low.workers[rank]
+        queues, met = {}, {}
 
-        def post(action):  # what runtime.worker posts, as it decides it
-            if receive_of(action, len(reps)) is not None:
-                posted.add((rank, action.kind, action.minibatch))
-
-        def confirm(dst, kind, queue, keep):
+        def confirm(queue, keep):
             while len(queue) > keep:
-                while (dst, kind, queue[0]) not in posted:
-                    yield ("send", dst, kind, queue[0])
+                while queue[0] not in posted:
+                    yield ("send",) + queue[0][1:]
                 queue.popleft()
 
-        def send(dst, kind, b):
-            sent.add((dst, kind, b))
-            queue = queues.setdefault((dst, kind), deque())
-            queue.append(b)
-            yield from confirm(dst, kind, queue, window)
+        def collective(key, group):
+            count = met.get(key, 0)
+            met[key] = count + 1
+            arrived = entered.setdefault((key, count), set())
+            arrived.add(rank)
+            while len(arrived) < len(group):
+                yield ("collective", key[0], count)
 
-        def collective(group):
-            entered[group][rank] += 1
-            while min(entered[group].values()) < entered[group][rank]:
-                yield ("collective", group)
-
-        prefetch = Prefetch(actions, len(reps), window)
-        for i, action in enumerate(actions):
+        prefetch = posting(ops, window)
+        for i, op in enumerate(ops):
             for ahead in prefetch.before(i):
-                post(ahead)
-            b = action.minibatch
-            if action.kind == "F":
-                while s > 0 and (rank, "F", b) not in sent:
-                    yield ("receive", "F", b)
-                if not last:
-                    yield from send(peer(s + 1, b), "F", b)
-            elif action.kind == "B":
-                while not last and (rank, "B", b) not in sent:
-                    yield ("receive", "B", b)
-                if s > 0:
-                    yield from send(peer(s - 1, b), "B", b)
-            else:
-                if reps[s] > 1:
-                    yield from collective(("stage", s))
-                for t in sorted(ties):
-                    if s in t:
-                        yield from collective(("tie", t))
-        for (dst, kind), queue in queues.items():
-            yield from confirm(dst, kind, queue, 0)
-        yield from collective(("world",))
+                posted.add(message(ahead, rank))
+            if op.kind == "recv":
+                while message(op, rank) not in sent:
+                    yield ("receive", op.direction, op.minibatch)
+            elif op.kind == "send":
+                key = message(op, rank)
+                sent.add(key)
+                queue = queues.setdefault((op.peer, op.direction), deque())
+                queue.append(key)
+                yield from confirm(queue, window)
+            elif op.kind in ("allreduce", "tie"):
+                yield from collective(collective_key(op), op.group)
+        for queue in queues.values():
+            yield from confirm(queue, 0)
+        yield from collective(("world",), range(workers))
 
-    running = {rank: worker(rank) for rank in range(start)}
+    running = {rank: worker(rank) for rank in range(workers)}
     waiting = {}
     while running:
         moved = False
@@ -121,22 +111,24 @@ def test_no_generated_schedule_deadlocks_with_the_runtimes_window_or_a_window_of
 
 
 def test_the_replay_finds_a_deadlock_when_sends_wait_for_their_receive():
-    """Window 0 (a send waits for its own receive, and a worker posts only the next receive of
-    each direction) deadlocks a replicated last stage: stage 0 waits for minibatch 4's gradient
-    from replica 0, which waits in the all-reduce for replica 1, which waits for stage 0 to take
-    minibatch 5's gradient, whose receive stage 0 posts only after minibatch 4's."""
-    stuck = replay(generate("pipedream", (1, 2), 6), 0)
-    assert stuck == {"w0 s0r0": ("receive", "B", 4), "w1 s1r0": ("collective", ("stage", 1)),
-                     "w2 s1r1": ("send", 0, "B", 5)}
+    """Window 0 (a send waits for its own receive) with receives posted only when needed
+    deadlocks the simplest pipeline: stage 0 waits for stage 1 to take minibatch 1's activations,
+    while stage 1 waits for stage 0 to take minibatch 0's gradient. The runtime's posting ahead
+    (`Prefetch`) avoids it even with window 0; a window of 1 avoids it even without posting ahead."""
+    schedule = generate("pipedream", (1, 1), 6)
+    assert replay(schedule, 0, posting=JustInTime) == {"w0 s0r0": ("send", 1, ACTIVATION, 1),
+                                                       "w1 s1r0": ("send", 0, GRADIENT, 0)}
+    assert replay(schedule, 0) is None
+    assert replay(schedule, 1, posting=JustInTime) is None
 
 
 def test_receives_are_posted_ahead_per_direction_in_action_order():
-    schedule = generate("pipedream", (1, 1), 8)
-    actions = schedule.workers[1]  # the last stage: only activations arrive, for its forwards
-    forwards = [a for a in actions if a.kind == "F"]
-    ahead = Prefetch(actions, 2, window=2)
-    assert ahead.before(0) == forwards[:3]
-    assert ahead.before(1) == forwards[1:4]  # F0 is action 0
-    first = schedule.workers[0]  # stage 0: only gradients arrive, for its backwards
-    backwards = [a for a in first if a.kind == "B"]
-    assert Prefetch(first, 2, window=1).before(0) == backwards[:2]
+    low = lower(generate("pipedream", (1, 1), 8))
+    ops = low.workers[1]  # the last stage: only activations arrive, for its forwards
+    receives = [op for op in ops if op.kind == "recv"]
+    assert [op.direction for op in receives] == [ACTIVATION] * 8
+    ahead = Prefetch(ops, window=2)
+    assert ahead.before(0) == receives[:3]
+    assert ahead.before(1) == receives[1:4]  # recv 0 is op 0
+    first = low.workers[0]  # stage 0: only gradients arrive, for its backwards
+    assert Prefetch(first, window=1).before(0) == [op for op in first if op.kind == "recv"][:2]

@@ -5,7 +5,8 @@ import sys
 
 CORE = ["pdtool.errors", "pdtool.fields", "pdtool.jsonio", "pdtool.units", "pdtool.cluster", "pdtool.profile",
         "pdtool.pipedream_import", "pdtool.costmodel", "pdtool.states", "pdtool.partition", "pdtool.plan",
-        "pdtool.planner", "pdtool.schedule", "pdtool.schedule_core", "pdtool.schedule_gen", "pdtool.schedule_check",
+        "pdtool.planner", "pdtool.schedule", "pdtool.schedule.core", "pdtool.schedule.generate", "pdtool.schedule.check",
+        "pdtool.schedule.lower",
         "pdtool.simulate", "pdtool.trace", "pdtool.render", "pdtool.show", "pdtool.schemas"]
 
 BLOCK_TORCH = """

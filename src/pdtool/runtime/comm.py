@@ -15,7 +15,7 @@ minibatches in one order (rule 8).
 A send is known to be complete only once waited on (gloo never reports one complete before),
 so a link keeps at most `window` unconfirmed messages per direction and then waits for its
 oldest; the worker uses the most minibatches any of its schedule's workers holds in flight
-(`schedule_core.stash_depth`), which bounds the tensors kept alive by what the stages stash
+(`schedule.stash_depth`), which bounds the tensors kept alive by what the stages stash
 anyway. Such a wait ends without this worker doing anything more: each direction of a link
 carries its messages in one order (schedule rule 8) and the peer posts the receives of its
 next messages of a direction in that order (`Prefetch`), before it needs them.
@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import LaunchError
+from ..schedule import ACTIVATION, GRADIENT
 
-ACTIVATION, GRADIENT = 0, 1
 _MAX_TENSORS = 256
 
 
@@ -47,41 +47,29 @@ class TensorSpec:
     dtype: torch.dtype
 
 
-def receive_of(action, stages: int) -> tuple[int, int] | None:
-    """(direction, stage it comes from) of the message `action` (a schedule Action) waits for, or
-    None: a forward needs the previous stage's activations, a backward the next stage's gradients."""
-    if action.kind == "F" and action.stage > 0:
-        return ACTIVATION, action.stage - 1
-    if action.kind == "B" and action.stage < stages - 1:
-        return GRADIENT, action.stage + 1
-    return None
-
-
 class Prefetch:
-    """Which receives a worker posts before it runs each action: for each direction, those of
-    the next `window + 1` actions that wait for a message of that direction (the current
-    action's included), in action order. A transfer can only run while its receive is posted
+    """Which receives a worker posts before it runs each of its lowered ops (`schedule.lower`):
+    for each direction, its next `window + 1` recv ops (the current one included), in order. A transfer can only run while its receive is posted
     (gloo reads a message into the buffer of its receive; the kernel's socket buffers hold only
     the start of a large one), so posting one action ahead left a transfer longer than one
     action's compute waiting (fc on a 100 Mbit/s link: 103 ms per minibatch, against 90 ms
     with this window). The buffers are bounded like the sends: `window` is the most
     minibatches any worker of the schedule holds in flight."""
 
-    def __init__(self, actions, stages: int, window: int):
-        self.actions = actions
+    def __init__(self, ops, window: int):
+        self.ops = ops
         self.count = window + 1
-        self.waiting: dict[int, list[int]] = {}  # direction -> indices of the actions that wait for one
-        for j, action in enumerate(actions):
-            wanted = receive_of(action, stages)
-            if wanted is not None:
-                self.waiting.setdefault(wanted[0], []).append(j)
+        self.waiting: dict[int, list[int]] = {}  # direction -> indices of the recv ops of that direction
+        for j, op in enumerate(ops):
+            if op.kind == "recv":
+                self.waiting.setdefault(op.direction, []).append(j)
 
     def before(self, i: int) -> list:
-        """The actions whose receives are posted (if not yet) before action i runs."""
+        """The recv ops that are posted (if not yet) before op i runs."""
         found = []
         for indices in self.waiting.values():
             k = bisect.bisect_left(indices, i)
-            found.extend(self.actions[j] for j in indices[k:k + self.count])
+            found.extend(self.ops[j] for j in indices[k:k + self.count])
         return found
 
 

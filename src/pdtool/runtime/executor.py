@@ -179,16 +179,6 @@ class StageWorker:
         self.backwards += 1
         return {k: g for k, g in zip(wanted_inputs, found[len(params):]) if g is not None}
 
-    def step(self, allreduce: Allreduce | None = None, tie: "Callable[[StageWorker], None] | None" = None) -> None:
-        """Optimizer step: sum gradients (and backward counts) over the replicas, apply their mean.
-
-        `tie`, when given, runs between the two: it adds the gradients of parameters this stage
-        shares with others (tied weights, `Stage.tied`) across those stages."""
-        self.mean_gradients(allreduce)
-        if tie is not None:
-            tie(self)
-        self.finish_step()
-
     def mean_gradients(self, allreduce: Allreduce | None = None) -> None:
         """First half of a step: `.grad` of every live weight becomes the mean gradient of the
         backwards since the last step, over the replicas (`allreduce` sums a flat buffer)."""
@@ -205,7 +195,7 @@ class StageWorker:
             self._set_mean_gradients(buffer)
 
     def finish_step(self) -> None:
-        """Second half of a step: the optimizer applies `.grad`; the live weights become the next version."""
+        """Second half of a step (between them, the `tie` ops of tied weights): the optimizer applies `.grad`; the live weights become the next version."""
         self._step_optimizer()
 
     def gradient_buffer(self) -> torch.Tensor:

@@ -38,30 +38,31 @@ def owner(users: tuple[int, ...]) -> int:
     return min(users)
 
 
-def make_tie(stages, stage_ranks: list[tuple[int, ...]], stage_index: int) -> Callable | None:
-    """The `tie` hook of `StageWorker.step` for this worker (None when its stage ties nothing).
+def sets(stages) -> list[tuple[int, ...]]:
+    """The sets of stages that share a parameter, sorted (the `ties` of `schedule.lower`)."""
+    return sorted({users for stage in stages for users in stage.tied.values()})
+
+
+def make_ties(stages, stage_ranks: list[tuple[int, ...]], stage_index: int) -> dict[tuple[int, ...], Callable]:
+    """For each set of sharing stages that this worker's stage belongs to, the function its
+    `tie` op runs (`StageWorker` -> None): all-reduce the shared parameters' gradients.
 
     Creates one process group per set of sharing stages (all their workers), on every rank in
     one order, as torch.distributed requires; call it on every rank."""
-    sets = sorted({users for stage in stages for users in stage.tied.values()})
-    groups = {users: dist.new_group(sorted(r for s in users for r in stage_ranks[s])) for users in sets}
+    groups = {users: dist.new_group(sorted(r for s in users for r in stage_ranks[s])) for users in sets(stages)}
     stage = stages[stage_index]
     mine: dict[tuple[int, ...], list[str]] = {}
     for name, users in sorted(stage.tied.items()):
         mine.setdefault(users, []).append(name)
-    if not mine:
-        return None
     replicas = len(stage_ranks[stage_index])
     params = dict(stage.module.named_parameters())
 
-    def tie(worker) -> None:
-        # the sets of stages in one order on every rank (own parameter names differ between stages),
-        # and the parameters of a set in the order of their whole-model names
-        for users in sorted(mine):
-            for name in sorted(mine[users], key=lambda n: stage.param_names[n]):
-                p = params[name]
-                grad = (p.grad if p.grad is not None else torch.zeros_like(p)) / replicas
-                dist.all_reduce(grad, group=groups[users])
-                p.grad = grad
+    def tie(users: tuple[int, ...], worker) -> None:  # noqa: ARG001 - the op's signature
+        # the parameters of a set in the order of their whole-model names (own names differ between stages)
+        for name in sorted(mine[users], key=lambda n: stage.param_names[n]):
+            p = params[name]
+            grad = (p.grad if p.grad is not None else torch.zeros_like(p)) / replicas
+            dist.all_reduce(grad, group=groups[users])
+            p.grad = grad
 
-    return tie
+    return {users: (lambda worker, users=users: tie(users, worker)) for users in mine}

@@ -23,8 +23,9 @@ from ..errors import LaunchError
 from ..modelspec import load_model
 from ..plan import Plan
 from ..profile import ModelRef
-from ..schedule import Schedule, default_group, generate, stash_depth
-from .comm import ACTIVATION, GRADIENT, Link, TensorSpec, Prefetch, link_groups, receive_of
+from ..schedule import ACTIVATION, GRADIENT, Schedule, default_group, generate, lower, stash_depth
+from ..schedule.lower import collective_key
+from .comm import Link, Prefetch, TensorSpec, link_groups
 from . import tied
 from .device import choose, synchronizer
 from .executor import ASYNC_MODES, OptimizerConfig, StageWorker
@@ -128,7 +129,9 @@ def worker_main(config: RunConfig) -> WorkerReport:
     # connections close, so the job reports it rather than a peer's "connection closed".
     groups = {s: dist.new_group(list(st.ranks)) for s, st in enumerate(plan.stages) if st.replicas > 1}
     links = link_groups([st.ranks for st in plan.stages], rank)
-    tie = tied.make_tie(stages, [st.ranks for st in plan.stages], stage_index)
+    ties = tied.make_ties(stages, [st.ranks for st in plan.stages], stage_index)
+    lowered = lower(schedule, tied.sets(stages), [r for st in plan.stages for r in st.ranks])  # stage-major, as the schedule
+    ops = lowered.workers[lowered.index(rank)]
     window = max(stash_depth(schedule, s) for s in range(schedule.stages))
     stage = stages[stage_index]
     stage.module.to(device)
@@ -148,8 +151,9 @@ def worker_main(config: RunConfig) -> WorkerReport:
         saver = ShardSaver(worker, config.checkpoint_dir, config.first_step, config.steps,
                            config.checkpoint_every, minibatches_per_step(schedule))
     on_device = lambda b: tuple(_to(x, device) for x in batch(b))  # noqa: E731
-    report = _run(plan, schedule, worker, stages, specs, on_device, groups.get(stage_index), tie,
-                  Link(device, window, links, config.timeout_s, rank), saver, first, config.progress)
+    report = _run(schedule, ops, worker, specs, on_device, _collectives(ops, groups.get(stage_index), ties),
+                  Link(device, window, links, config.timeout_s, rank), saver, first, config.progress,
+                  plan.profile.batch_size)
     report.peak_versions = worker.peak_versions
     if config.return_weights:
         report.weights = {stage.param_names[n]: p.detach().cpu().clone() for n, p in stage.module.named_parameters()}
@@ -203,82 +207,77 @@ def _to(value, device: torch.device):
     return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
 
-def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, batch, group, tie, link: Link, saver,
-         first: int, show_progress: bool) -> WorkerReport:
+def _run(schedule: Schedule, ops, worker: StageWorker, specs, batch, collectives, link: Link, saver, first: int,
+         show_progress: bool, batch_size: int) -> WorkerReport:
+    """Execute this worker's lowered ops (`schedule.lower`) in order."""
     s, replica = worker.index, worker.replica
-    last = s == len(stages) - 1
-    target_spec = specs[-1]
-    in_specs = (specs[s - 1] if s > 0 else []) + target_spec
-    grad_specs = [t for t in specs[s] if t.dtype.is_floating_point] if not last else []
+    last = s == schedule.stages - 1
+    incoming = {ACTIVATION: (specs[s - 1] if s > 0 else []) + specs[-1],
+                GRADIENT: [t for t in specs[s] if t.dtype.is_floating_point] if not last else []}
     report = WorkerReport(rank=worker.rank, stage=s, replica=replica)
-    peer = lambda stage, b: plan.stages[stage].ranks[b % plan.stages[stage].replicas]  # noqa: E731
-    actions = schedule.workers[schedule.rank(s, replica)]
-
-    def post(action) -> None:
-        wanted = receive_of(action, len(stages))
-        if wanted is not None:
-            direction, source = wanted
-            link.post_recv((direction, action.minibatch), peer(source, action.minibatch),
-                           in_specs if direction == ACTIVATION else grad_specs, direction)
-
-    allreduce = (lambda buffer: dist.all_reduce(buffer, group=group)) if group is not None else None
     start = time.perf_counter()
     sync = synchronizer(link.device)
 
     def clock() -> float:  # wall time after the device's queued work: events cover the work they name
         sync()
         return time.time()
-    progress = _Progress(first + schedule.minibatches, plan.profile.batch_size) if (
-        show_progress and last and replica == 0) else None
+    progress = _Progress(first + schedule.minibatches, batch_size) if show_progress and last and replica == 0 else None
     # The input stage makes the minibatch of its next forward before it waits for a gradient: the
     # making overlaps the wait and leaves the path gradient -> backward -> forward -> next stage
     # (bench/train_speed.py model, 3 paired runs of 160 minibatches: 1.1-1.4 ms per minibatch less).
     made: dict[int, tuple] = {}
-    upcoming = _next_forwards(actions) if s == 0 and not last else None
-    prefetch = Prefetch(actions, len(stages), link.window)
-    for i, action in enumerate(actions):
+    upcoming = _next_forwards(ops) if s == 0 and not last else None
+    inbox: dict[tuple[int, int], list] = {}   # (direction, minibatch) -> tensors received
+    outbox: dict[tuple[int, int], list] = {}  # (direction, minibatch) -> tensors to send
+    prefetch = Prefetch(ops, link.window)
+    step_began = 0.0
+    for i, op in enumerate(ops):
         for ahead in prefetch.before(i):
-            post(ahead)
-        b = action.minibatch
-        if action.kind == "F":
+            link.post_recv((ahead.direction, ahead.minibatch), ahead.peer, incoming[ahead.direction], ahead.direction)
+        b = op.minibatch
+        if op.kind == "recv":
+            if upcoming is not None and upcoming[i] is not None and upcoming[i] not in made:
+                made[upcoming[i]] = batch(upcoming[i])
+            inbox[(op.direction, b)] = link.wait_recv((op.direction, b))
+        elif op.kind == "send":
+            link.send(outbox.pop((op.direction, b)), op.peer, b, op.direction)
+        elif op.kind == "F":
             if s == 0:
                 inputs, target = made.pop(b) if b in made else batch(b)
-                values = dict(zip(stages[0].inputs, inputs))
+                values = dict(zip(worker.stage.inputs, inputs))
             else:
-                received = link.wait_recv((ACTIVATION, b))
+                received = inbox.pop((ACTIVATION, b))
                 values = {t.name: x for t, x in zip(specs[s - 1], received)}
                 target = received[-1]
             began = clock()
             out = worker.forward(b, values, target)
-            report.events.append((str(action), began, clock()))
+            report.events.append((f"{s}F{b}", began, clock()))
             if last and not math.isfinite(out):
                 step = (first + b) // minibatches_per_step(schedule) + 1
                 raise LaunchError(f"the loss became {out} at step {step} (minibatch {first + b}, last stage {s}): "
                                   "training diverged; lower --lr, then --resume from the last checkpoint (written "
                                   "before this step, it is kept)")
             if not last:
-                link.send([out[t.name] for t in specs[s]] + [target], peer(s + 1, b), b, ACTIVATION)
-        elif action.kind == "B":
-            grads = None
-            if upcoming is not None and upcoming[i] is not None and upcoming[i] not in made:
-                made[upcoming[i]] = batch(upcoming[i])
-            if not last:
-                grads = {t.name: g for t, g in zip(grad_specs, link.wait_recv((GRADIENT, b)))}
+                outbox[(ACTIVATION, b)] = [out[t.name] for t in specs[s]] + [target]
+        elif op.kind == "B":
+            grads = None if last else {t.name: g for t, g in zip(incoming[GRADIENT], inbox.pop((GRADIENT, b)))}
             began = clock()
             input_grads = worker.backward(b, grads)
-            report.events.append((str(action), began, clock()))
+            report.events.append((f"{s}B{b}", began, clock()))
             if last:
                 report.finished[first + b] = report.events[-1][2]
                 if progress is not None:
                     progress.update(first + b, worker.losses.get(b))
             if s > 0:
-                sent = [input_grads.get(t.name, torch.zeros(t.shape, dtype=t.dtype, device=link.device)) for t in specs[s - 1]
-                        if t.dtype.is_floating_point]
-                link.send(sent, peer(s - 1, b), b, GRADIENT)
-        else:
-            began = clock()
-            worker.step(allreduce, tie)
-            report.events.append((str(action), began, clock()))
+                outbox[(GRADIENT, b)] = [input_grads.get(t.name, torch.zeros(t.shape, dtype=t.dtype, device=link.device))
+                                         for t in specs[s - 1] if t.dtype.is_floating_point]
+        elif op.kind in ("allreduce", "tie"):
+            if op.kind == "allreduce":
+                step_began = clock()
+            collectives[collective_key(op)](worker)
+        else:  # step
+            worker.finish_step()
+            report.events.append((f"{s}U", step_began, clock()))
             began = clock()
             if saver is not None and saver.after_step():
                 report.events.append(("checkpoint", began, clock()))  # shows in the trace, counts as busy
@@ -291,14 +290,28 @@ def _run(plan: Plan, schedule: Schedule, worker: StageWorker, stages, specs, bat
     return report
 
 
-def _next_forwards(actions) -> list[int | None]:
-    """For each action index, the minibatch of the first forward after it (None: no more)."""
-    following: list[int | None] = [None] * len(actions)
+def _collectives(ops, replicas_group, ties: dict) -> dict:
+    """What each collective op of this worker runs, by `collective_key`: the replicas' gradient
+    mean (an all-reduce over `replicas_group`, or local with one replica) and the tied-weight sums."""
+    found = {}
+    for op in ops:
+        if op.kind == "allreduce" and len(op.group) > 1:
+            found[collective_key(op)] = lambda w: w.mean_gradients(lambda buffer: dist.all_reduce(buffer, group=replicas_group))
+        elif op.kind == "allreduce":
+            found[collective_key(op)] = lambda w: w.mean_gradients(None)
+        elif op.kind == "tie":
+            found[collective_key(op)] = ties[op.stages]
+    return found
+
+
+def _next_forwards(ops) -> list[int | None]:
+    """For each op index, the minibatch of the first forward after it (None: no more)."""
+    following: list[int | None] = [None] * len(ops)
     nxt = None
-    for i in range(len(actions) - 1, -1, -1):
+    for i in range(len(ops) - 1, -1, -1):
         following[i] = nxt
-        if actions[i].kind == "F":
-            nxt = actions[i].minibatch
+        if ops[i].kind == "F":
+            nxt = ops[i].minibatch
     return following
 
 

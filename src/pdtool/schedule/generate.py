@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .schedule_core import Action, Schedule, check_parameters, default_group, step_group, steps, warmup_forwards
+from .core import Action, Schedule, check_parameters, default_group, step_group, steps, warmup_forwards
 
 
 def generate(mode: str, replicas: Sequence[int], minibatches: int, group: int | None = None) -> Schedule:

@@ -22,8 +22,9 @@ naming the worker ("w3 s1r0"), the action and the fix:
 """
 from __future__ import annotations
 
-from .errors import ScheduleError
-from .schedule_core import Action, Schedule, peak_versions, stash_depth, step_group, steps
+from ..errors import ScheduleError
+from .core import Action, Schedule, peak_versions, stash_depth, step_group, steps
+from .lower import ACTIVATION, collective_key, lower, message, sender_action
 
 _MAX_LISTED = 6  # stuck workers named in a deadlock message
 
@@ -140,55 +141,53 @@ def _check_in_flight(schedule: Schedule) -> None:
 
 
 def _check_deadlock(schedule: Schedule) -> None:
-    last = schedule.stages - 1
-    done: set[Action] = set()
-    pos = [0] * len(schedule.workers)
-    stepped = [0] * len(schedule.workers)
-    peers = [[schedule.rank(s, i) for i in range(schedule.replicas[s])] for s in range(schedule.stages)]
+    """Run the lowered ops of every worker (`lower`): a send never waits, a recv waits for its
+    send, the k-th op of a collective waits for every member's k-th."""
+    low = lower(schedule)
+    workers = low.workers
+    pos = [0] * len(workers)
+    sent: set[tuple] = set()
+    met = [dict() for _ in workers]  # worker -> collective key -> how many it has done
 
-    def waits_for(action: Action) -> str | None:
-        """What `action` still waits for, or None when it can run."""
-        s, b = action.stage, action.minibatch
-        needs = [Action("F", s - 1, b)] if action.kind == "F" and s > 0 else []
-        if action.kind == "B":
-            needs = [Action("F", s, b)] + ([Action("B", s + 1, b)] if s < last else [])
-        missing = [str(need) for need in needs if need not in done]
-        return " and ".join(missing) or None
-
-    def at_step(rank: int, count: int) -> bool:
-        actions = schedule.workers[rank]
-        return pos[rank] < len(actions) and actions[pos[rank]].kind == "U" and stepped[rank] == count
+    def at_collective(rank: int, key: tuple, count: int) -> bool:
+        ops = workers[rank]
+        return pos[rank] < len(ops) and collective_key(ops[pos[rank]]) == key and met[rank].get(key, 0) == count
 
     progress = True
     while progress:
         progress = False
-        for rank, actions in enumerate(schedule.workers):
-            while pos[rank] < len(actions):
-                action = actions[pos[rank]]
-                if action.kind == "U":
-                    group = peers[action.stage]
-                    if not all(at_step(peer, stepped[rank]) for peer in group):
+        for rank, ops in enumerate(workers):
+            while pos[rank] < len(ops):
+                op = ops[pos[rank]]
+                if op.kind in ("allreduce", "tie"):
+                    key, count = collective_key(op), met[rank].get(collective_key(op), 0)
+                    if not all(at_collective(member, key, count) for member in op.group):
                         break
-                    for peer in group:
-                        pos[peer] += 1
-                        stepped[peer] += 1
-                elif waits_for(action) is None:
-                    done.add(action)
-                    pos[rank] += 1
-                else:
+                    for member in op.group:
+                        pos[member] += 1
+                        met[member][key] = count + 1
+                elif op.kind == "recv" and message(op, rank) not in sent:
                     break
+                else:
+                    if op.kind == "send":
+                        sent.add(message(op, rank))
+                    pos[rank] += 1
                 progress = True
-    stuck = [rank for rank, actions in enumerate(schedule.workers) if pos[rank] < len(actions)]
+    stuck = [rank for rank, ops in enumerate(workers) if pos[rank] < len(ops)]
     if not stuck:
         return
     notes = []
     for rank in stuck[:_MAX_LISTED]:
-        action = schedule.workers[rank][pos[rank]]
-        reason = (f"the other replicas' step {stepped[rank] + 1}" if action.kind == "U" else waits_for(action))
+        op = workers[rank][pos[rank]]
+        action = schedule.workers[rank][op.at]
+        reason = (sender_action(op) if op.kind == "recv" else
+                  f"the other replicas' step {met[rank].get(collective_key(op), 0) + 1}")
         notes.append(f"{schedule.label(rank)} at {action} waits for {reason}")
     more = f"; and {len(stuck) - _MAX_LISTED} more" if len(stuck) > _MAX_LISTED else ""
     total = sum(map(len, schedule.workers))
-    raise ScheduleError(f"deadlock after {sum(pos)} of {total} actions: {'; '.join(notes)}{more}; "
+    done = sum(workers[rank][pos[rank]].at if pos[rank] < len(workers[rank]) else len(schedule.workers[rank])
+               for rank in range(len(workers)))
+    raise ScheduleError(f"deadlock after {done} of {total} actions: {'; '.join(notes)}{more}; "
                         "reorder the actions so that each one's dependency can run first")
 
 
@@ -223,24 +222,17 @@ _NAMES = {"F": "forward", "B": "backward"}
 
 def _check_link_order(schedule: Schedule) -> None:
     """Per (sender, receiver, direction), the minibatches sent and received come in one order."""
-    sent: dict[tuple[int, int, str], list[int]] = {}
-    received: dict[tuple[int, int, str], list[int]] = {}
-    last = schedule.stages - 1
-    for rank, actions in enumerate(schedule.workers):
-        for action in actions:
-            s, b = action.stage, action.minibatch
-            if action.kind == "F" and s < last:
-                sent.setdefault((rank, schedule.rank(s + 1, schedule.replica_of(s + 1, b)), "F"), []).append(b)
-            if action.kind == "F" and s > 0:
-                received.setdefault((schedule.rank(s - 1, schedule.replica_of(s - 1, b)), rank, "F"), []).append(b)
-            if action.kind == "B" and s > 0:
-                sent.setdefault((rank, schedule.rank(s - 1, schedule.replica_of(s - 1, b)), "B"), []).append(b)
-            if action.kind == "B" and s < last:
-                received.setdefault((schedule.rank(s + 1, schedule.replica_of(s + 1, b)), rank, "B"), []).append(b)
-    for key, order in sent.items():
-        if received.get(key) != order:
-            source, dest, kind = key
-            what = "activations" if kind == "F" else "gradients"
+    order: dict[str, dict[tuple[int, int, int], list[int]]] = {"send": {}, "recv": {}}
+    for rank, ops in enumerate(lower(schedule).workers):
+        for op in ops:
+            if op.kind in order:
+                source, dest, direction, b = message(op, rank)
+                order[op.kind].setdefault((source, dest, direction), []).append(b)
+    for key, sent in order["send"].items():
+        received = order["recv"].get(key)
+        if received != sent:
+            source, dest, direction = key
+            what, kind = ("activations", "F") if direction == ACTIVATION else ("gradients", "B")
             raise ScheduleError(f"{schedule.label(dest)} receives the {what} of {schedule.label(source)} in the order "
-                                f"{received.get(key)} but they are sent in the order {order}; order the {kind} "
+                                f"{received} but they are sent in the order {sent}; order the {kind} "
                                 "actions of both workers alike")

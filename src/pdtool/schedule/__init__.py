@@ -12,21 +12,24 @@ Modes (PipeDream SOSP'19 sections 3.2-3.3; PipeDream-2BW/Flush arXiv 2006.09503 
 (1F1B, double-buffered weights, a step every m microbatches), `flush` (1F1B per batch of m, then
 a flush and a step), `gpipe` (all forwards, all backwards, a step, per batch of m).
 
-The code lives in three modules, all pure standard library:
-- `schedule_core`: `Action`, `Schedule` (ranks, text form, `versions`), the per-mode rules
+The package's modules, all pure standard library:
+- `core`: `Action`, `Schedule` (ranks, text form, `versions`), the per-mode rules
   (`warmup_forwards`, `default_group`, `step_group`, `steps`, `stash_depth`) and `peak_versions`;
-- `schedule_gen`: `generate`;
-- `schedule_check`: `validate`.
+- `generate`: `generate`, the schedule of each mode;
+- `lower`: `lower`, every worker's ops with their communication made explicit (`Op`): what
+  the runtime, the simulator and the validator read;
+- `check`: `validate`.
 Import the names from here.
 """
-from .schedule_check import validate
-from .schedule_core import (
+from .check import validate
+from .core import (
     KINDS, MODES, Action, Schedule, check_parameters, default_group, peak_versions, stash_depth, step_group, steps,
     warmup_forwards,
 )
-from .schedule_gen import generate
+from .generate import generate
+from .lower import ACTIVATION, GRADIENT, Lowered, Op, lower
 
 __all__ = [
-    "KINDS", "MODES", "Action", "Schedule", "check_parameters", "default_group", "generate", "peak_versions",
+    "ACTIVATION", "GRADIENT", "KINDS", "Lowered", "MODES", "Op", "lower", "Action", "Schedule", "check_parameters", "default_group", "generate", "peak_versions",
     "stash_depth", "step_group", "steps", "validate", "warmup_forwards",
 ]

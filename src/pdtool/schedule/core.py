@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from .errors import ScheduleError
+from ..errors import ScheduleError
 
 MODES = ("pipedream", "vsync", "2bw", "flush", "gpipe")
 KINDS = ("F", "B", "U")

@@ -1,0 +1,136 @@
+"""`lower`: a schedule made explicit, per worker, with all of its communication.
+
+A `Schedule` lists forwards, backwards and steps; what moves between workers follows from the
+plan's shape and the mode. `lower` writes it out once, as the ops each worker executes in
+order, with every peer resolved:
+
+- `F` of minibatch b on stage s: `recv` of its activations from the worker of stage s-1 that ran
+  b (s > 0), the `F`, then `send` of its outputs to the worker of stage s+1 that runs b (s < last);
+- `B`: `recv` of its output gradients from stage s+1 (s < last), the `B`, `send` of its input
+  gradients to stage s-1 (s > 0);
+- `U`: `allreduce` of the gradients among the replicas of the stage (its `group`: one rank when
+  the stage is not replicated, then it only takes the mean of the backwards since the last
+  step), a `tie` per set of stages that share weights with this one (`ties`: their workers
+  add the shared parameters' gradients), then `step` (the optimizer).
+
+Minibatch b runs on replica b mod r_s of every stage (1F1B-RR, PipeDream SOSP'19 section 3.2),
+which resolves every peer. The runtime (`runtime.worker`), the simulator, the validator's
+deadlock and link-order checks and the message-protocol test all read these lists; none of them
+re-derives routing or the per-mode rules. Pure standard library.
+
+    >>> from pdtool.schedule import generate
+    >>> low = lower(generate("pipedream", (1, 2), 4))
+    >>> " ".join(map(str, low.workers[0][:8]))
+    '0F0 send>1 0F1 send>2 0F2 send>1 recv<1 0B0'
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .core import Schedule
+
+ACTIVATION, GRADIENT = 0, 1  # what a message carries: a forward's outputs, or a backward's input gradients
+COMPUTE = ("F", "B")
+OP_KINDS = ("recv", "send", "F", "B", "allreduce", "tie", "step")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One thing a worker does.
+
+    `kind` is one of OP_KINDS; `stage` the worker's stage; `minibatch` that of an F, B, send or
+    recv (None for the step's ops). A `send`/`recv` moves the `direction` (ACTIVATION or
+    GRADIENT) message of `minibatch` to/from `peer` (a rank). An `allreduce`/`tie` is a
+    collective of `group` (ranks, sorted, this worker's included); `stages` names the sharing
+    stages of a `tie`. The k-th op of a collective on one worker meets the k-th op of the same
+    collective (kind and group) on every other member (`collective_key`)."""
+
+    kind: str
+    stage: int
+    minibatch: int | None = None
+    peer: int | None = None
+    direction: int | None = None
+    group: tuple[int, ...] = ()
+    stages: tuple[int, ...] = ()
+    at: int = 0  # index of the schedule action (F, B or U) this op belongs to, in the worker's list
+
+    def __str__(self) -> str:
+        if self.kind in COMPUTE:
+            return f"{self.stage}{self.kind}{self.minibatch}"
+        if self.kind in ("send", "recv"):
+            return f"{self.kind}{'>' if self.kind == 'send' else '<'}{self.peer}"
+        return f"{self.stage}{self.kind}"
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """Every worker's ops (`workers[rank]`, ranks as in `ranks`) for `schedule`."""
+
+    schedule: Schedule
+    workers: tuple[tuple[Op, ...], ...]
+    ranks: tuple[int, ...]  # schedule rank -> the rank the ops name (a plan's worker ranks)
+
+    def label(self, index: int) -> str:
+        return self.schedule.label(index)
+
+    def index(self, rank: int) -> int:
+        """The position in `workers` of the worker with rank `rank`."""
+        return self.ranks.index(rank)
+
+
+def lower(schedule: Schedule, ties: Sequence[tuple[int, ...]] = (), ranks: Sequence[int] | None = None) -> Lowered:
+    """The ops of every worker of `schedule`. `ties`: sets of stages that share weights (their
+    workers all-reduce the shared gradients at every step). `ranks[i]`: the rank of schedule
+    worker i in the ops' peers and groups (default: the schedule's own ranks)."""
+    ranks = tuple(range(len(schedule.workers))) if ranks is None else tuple(ranks)
+    last = schedule.stages - 1
+    replicas = [tuple(ranks[schedule.rank(s, i)] for i in range(r)) for s, r in enumerate(schedule.replicas)]
+    ties = sorted({tuple(sorted(t)) for t in ties if len(set(t)) > 1})
+
+    def peer(stage: int, b: int) -> int:
+        return replicas[stage][b % len(replicas[stage])]
+
+    workers = []
+    for index, actions in enumerate(schedule.workers):
+        stage, _ = schedule.position(index)
+        ops: list[Op] = []
+        for at, action in enumerate(actions):
+            b = action.minibatch
+            if action.kind == "F":
+                if stage > 0:
+                    ops.append(Op("recv", stage, b, peer(stage - 1, b), ACTIVATION, at=at))
+                ops.append(Op("F", stage, b, at=at))
+                if stage < last:
+                    ops.append(Op("send", stage, b, peer(stage + 1, b), ACTIVATION, at=at))
+            elif action.kind == "B":
+                if stage < last:
+                    ops.append(Op("recv", stage, b, peer(stage + 1, b), GRADIENT, at=at))
+                ops.append(Op("B", stage, b, at=at))
+                if stage > 0:
+                    ops.append(Op("send", stage, b, peer(stage - 1, b), GRADIENT, at=at))
+            else:
+                ops.append(Op("allreduce", stage, group=tuple(sorted(replicas[stage])), at=at))
+                for users in ties:
+                    if stage in users:
+                        group = tuple(sorted(r for s in users for r in replicas[s]))
+                        ops.append(Op("tie", stage, group=group, stages=users, at=at))
+                ops.append(Op("step", stage, at=at))
+        workers.append(tuple(ops))
+    return Lowered(schedule, tuple(workers), ranks)
+
+
+def collective_key(op: Op) -> tuple:
+    """What identifies the collective an `allreduce`/`tie` op takes part in (with its count)."""
+    return (op.kind, op.group, op.stages)
+
+
+def message(op: Op, rank: int) -> tuple[int, int, int, int]:
+    """(sender, receiver, direction, minibatch) of the message a `send`/`recv` op of worker
+    `rank` moves: a send and the recv that takes it have the same key."""
+    return (rank, op.peer, op.direction, op.minibatch) if op.kind == "send" else (op.peer, rank, op.direction, op.minibatch)
+
+
+def sender_action(op: Op) -> str:
+    """The action whose output a `recv` op waits for, in the schedule's text form ("0F3", "2B3")."""
+    return f"{op.stage - 1}F{op.minibatch}" if op.direction == ACTIVATION else f"{op.stage + 1}B{op.minibatch}"
