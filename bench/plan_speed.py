@@ -19,10 +19,10 @@ import random
 import time
 from pathlib import Path
 
-from pdtool.cluster import parse_cluster
-from pdtool.pipedream_import import load_pipedream_graph
+from pdtool.artifacts.cluster import parse_cluster
+from pdtool.artifacts.pipedream import load_pipedream_graph
 from pdtool.planner import make_plan
-from pdtool.profile import Layer, Profile
+from pdtool.artifacts.profile import Layer, Profile
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = [("4", "4x12GB/s"), ("16 (4x4)", "4x12GB/s,4x10Gbit/s"), ("64 (8x8)", "8x25GB/s,8x25Gbit/s"),

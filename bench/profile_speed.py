@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pdtool.profile import ModelRef
+from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
 
 CASES = [

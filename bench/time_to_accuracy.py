@@ -40,13 +40,13 @@ from pathlib import Path
 
 import torch
 
-from pdtool.checkpoint import load_checkpoint, read_manifest, save_shard
-from pdtool.cluster import parse_cluster
+from pdtool.artifacts.checkpoint import load_checkpoint, read_manifest, save_shard
+from pdtool.artifacts.cluster import parse_cluster
 from pdtool.data import digits, evaluate, load_source
 from pdtool.modelspec import load_model
-from pdtool.plan import Plan
+from pdtool.artifacts.plan import Plan
 from pdtool.planner import make_plan
-from pdtool.profile import ModelRef
+from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
 from pdtool.runtime import session
 from pdtool.runtime.executor import OptimizerConfig

@@ -58,12 +58,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from pdtool.cluster import parse_cluster
+from pdtool.artifacts.cluster import parse_cluster
 from pdtool.data import synthetic_source
 from pdtool.modelspec import load_model
-from pdtool.plan import Plan
+from pdtool.artifacts.plan import Plan
 from pdtool.planner import make_plan
-from pdtool.profile import ModelRef
+from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
 from pdtool.runtime.executor import OptimizerConfig
 from pdtool.runtime.launch import launch

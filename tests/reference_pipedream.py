@@ -13,7 +13,7 @@ plans over every reachable *down-set* ("antichain" state) of the layer DAG, a su
 module gives the original's optimum to compare pdtool's answer with.
 
 Nothing here imports pdtool's planner; only the `Profile` data class is read (its layers and
-edges, as `pdtool.pipedream_import.load_pipedream_graph` builds them from a graph.txt).
+edges, as `pdtool.artifacts.pipedream.load_pipedream_graph` builds them from a graph.txt).
 Pure Python + numpy, deterministic.
 
 Reading guide (section numbers are those of pipedream-reference.md):

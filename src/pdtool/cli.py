@@ -5,7 +5,6 @@ Data goes to stdout (`-o -`), talk and progress to stderr. A `PdtoolError` becom
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
@@ -52,7 +51,7 @@ MAX_THREADS = 1024
 MAX_SIMULATED = 10**5
 
 
-class _Progress:
+class _ProfileProgress:
     """Progress lines on stderr: rewritten in place on a terminal, at most one a second otherwise."""
 
     def __init__(self, quiet: bool):
@@ -137,7 +136,7 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
         raise click.UsageError("give exactly one of --model and --from-pipedream")
     check_writable(output, (graph_txt,) if graph_txt else ())
     if graph_txt is not None:
-        from .pipedream_import import load_pipedream_graph
+        from .artifacts.pipedream import load_pipedream_graph
 
         imported = load_pipedream_graph(graph_txt, batch_size)
         imported.save(output)
@@ -146,7 +145,7 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
         return
 
     from .modelspec import parse_model_args
-    from .profile import ModelRef
+    from .artifacts.profile import ModelRef
     from .profiler import profile_model
 
     if threads:
@@ -154,7 +153,7 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
 
         torch.set_num_threads(threads)
 
-    progress = _Progress(quiet)
+    progress = _ProfileProgress(quiet)
     ref = ModelRef(spec, parse_model_args(model_args))
     try:
         result = profile_model(ref, batch_size=batch_size, device=device, repeats=repeats, warmup=warmup,
@@ -197,9 +196,9 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
     """
     import os
 
-    from .cluster import parse_cluster
+    from .artifacts.cluster import parse_cluster
     from .planner import make_plan
-    from .profile import Profile
+    from .artifacts.profile import Profile
 
     check_writable(output, (profile_path,) + ((cluster_spec,) if os.path.isfile(cluster_spec) else ()))
     cluster = parse_cluster(cluster_spec, memory)
@@ -253,10 +252,11 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
     busy share, weight versions, in-flight minibatches and stashed activations.
     """
     from .errors import ArtifactError
-    from .plan import SCHEMA as PLAN_SCHEMA, Plan
-    from .profile import SCHEMA as PROFILE_SCHEMA
-    from .show import simulation_table
-    from .simulate import chrome_trace, simulate as run_simulation, write_trace
+    from .artifacts.plan import SCHEMA as PLAN_SCHEMA, Plan
+    from .artifacts.profile import SCHEMA as PROFILE_SCHEMA
+    from .views.show import simulation_table
+    from .simulate import simulate as run_simulation
+    from .views.trace import chrome_trace, write_trace
 
     if trace_path is not None:
         check_writable(trace_path, (plan_path,))
@@ -353,7 +353,7 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     world size and the model's fingerprint, then runs its schedule: 1F1B with weight stashing
     (pipedream), vsync, 2bw, flush or gpipe. A failing worker stops the whole job.
     """
-    from .plan import Plan
+    from .artifacts.plan import Plan
     from .runtime import session
     from .runtime.executor import OptimizerConfig
     from .runtime.launch import Nodes
@@ -378,35 +378,20 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
             raise click.UsageError("--evaluate needs a data set with a held-out split: --data digits, or a factory "
                                    "that takes train=False")
     from .modelspec import local_origin
-    from .runtime.preflight import preflight
+    from .runtime.job import prepare
 
     origin = local_origin(plan.profile.model["spec"]) if plan.profile.model else None
     if origin:  # the plan names code of the current folder: say which file runs before it does
         click.echo(f"pd: importing the plan's model factory {plan.profile.model['spec']} from {origin} "
                    "(current folder)", err=True)
     talk = (lambda message: None) if quiet else (lambda message: click.echo(f"pd: {message}", err=True))  # noqa: E731
-    checked = preflight(plan, plan_path, mode, data, seed)  # before any worker starts: one line within seconds
-    if epochs:
-        config = _with_epochs(config, plan, epochs, checked.batches_per_epoch)
     warn = lambda message: click.echo(f"pd: warning: {message}", err=True)  # noqa: E731
-    local = nproc_per_node or len(plan.used_ranks) // nnodes
-    cores = os.cpu_count() or 1
-    from .runtime.device import choose, visible_gpus
-
-    on_cpu = choose(device, 0, local).device.type == "cpu"  # a device this machine lacks fails here, not in a worker
-    gpus = visible_gpus()
-    if device == "auto" and 0 < gpus < local:
-        warn(f"torch sees {gpus} GPU(s) for {local} workers on this machine, so they train on the CPU; NCCL needs a "
-             "GPU per worker (plan for fewer workers per machine to use the GPUs)")
-    if on_cpu and config.threads is None:  # torch's default (every core in every worker) oversubscribes
-        config = dataclasses.replace(config, threads=max(1, cores // local))
-    if on_cpu and local * config.threads > cores:
-        warn(f"{local} workers x {config.threads} thread(s) share {cores} CPU cores on this machine: the measured time "
-             "per minibatch will exceed the plan's prediction, which gives every worker a core of its own")
-    shared = (config.threads, local, cores, on_cpu)  # what gap_reasons needs to explain a measurement
+    job = prepare(plan, config, epochs=epochs, nnodes=nnodes, nproc_per_node=nproc_per_node, warn=warn)  # before any worker starts: one line within seconds
+    config = job.config
+    shared = (config.threads, job.local, job.cores, job.on_cpu)  # what gap_reasons needs to explain a measurement
     nodes = Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id, iface)
     result = session.run(config, nodes,
-                         verbose=verbose, resume=resume, warn=warn, needs=set(checked.parameters),
+                         verbose=verbose, resume=resume, warn=warn, needs=set(job.checked.parameters),
                          say=lambda message: click.echo(f"pd: {message}", err=True), talk=talk)
     if metrics_path:
         session.write_metrics(metrics_path, result)
@@ -437,12 +422,10 @@ def _report(result, plan, config, shared: tuple) -> None:
                f"on {workers} in {result.wall_s:.1f} s; loss {first:.4f} -> {last:.4f}")
     measured = result.time_per_minibatch_ms()
     rate = lambda ms: f"{ms:.3f} ms" + (f" ({plan.profile.batch_size / ms * 1e3:.0f} samples/s)" if ms > 0 else "")  # noqa: E731
-    simulated = plan.predicted.simulated_ms
-    if config.mode not in (None, plan.mode) or config.group is not None:  # not the schedule the plan simulated
-        from .simulate import simulate
+    from .runtime.job import expected_ms
 
-        simulated = simulate(plan, mode=config.mode, group=config.group).time_per_minibatch_ms
-    expected = simulated if simulated is not None else plan.predicted.time_ms
+    simulated, cost_model = expected_ms(plan, config)
+    expected = simulated if simulated is not None else cost_model
     predicted = (f"predicted {rate(simulated)} (simulated, {config.mode or plan.mode}), {rate(plan.predicted.time_ms)} "
                  "by the cost model" if simulated is not None else f"predicted {rate(expected)} by the cost model")
     click.echo(f"time per minibatch: measured {rate(measured)}, {predicted}" if measured else
@@ -455,15 +438,6 @@ def _report(result, plan, config, shared: tuple) -> None:
             click.echo(f"measured {measured / expected:.1f}x the prediction, because:")
             for reason in reasons:
                 click.echo(f"  - {reason}")
-
-
-def _with_epochs(config, plan, epochs, batches_per_epoch):
-    """config with the steps that make `epochs` passes over the data set."""
-    from .runtime.session import steps_for_epochs
-    from .runtime.worker import make_schedule, minibatches_per_step
-
-    per_step = minibatches_per_step(make_schedule(plan, dataclasses.replace(config, steps=1)))
-    return dataclasses.replace(config, steps=steps_for_epochs(epochs, batches_per_epoch, per_step))
 
 
 @cli.command(short_help="print a summary of a profile or plan; draw a plan",
@@ -479,15 +453,15 @@ def _with_epochs(config, plan, epochs, batches_per_epoch):
               help="Plans: the profile the plan was made from, for --render [default: X.profile.json beside X.plan.json].")
 def show(artifact, top, picture, profile_path):
     """Print a readable summary of a profile or plan JSON file (and draw a plan)."""
-    from .plan import SCHEMA as PLAN_SCHEMA, Plan
-    from .profile import SCHEMA as PROFILE_SCHEMA, Profile
-    from .show import plan_table, profile_table
+    from .artifacts.plan import SCHEMA as PLAN_SCHEMA, Plan
+    from .artifacts.profile import SCHEMA as PROFILE_SCHEMA, Profile
+    from .views.show import plan_table, profile_table
 
     data = read_json(artifact)
     if isinstance(data, dict) and data.get("schema") == PLAN_SCHEMA:
         plan = Plan.from_json(data, artifact)
         if picture:
-            from .render import render_plan
+            from .views.render import render_plan
 
             source, profile = _plan_profile(artifact, plan, profile_path, needed=True)
             check_writable(picture, (artifact, source))
@@ -506,8 +480,8 @@ def show(artifact, top, picture, profile_path):
 def _plan_profile(plan_path: str, plan, profile_path: str | None, needed: bool):
     """The plan's profile (given, or found by its sha256), checked against the plan; None when
     not `needed` and not found. Raises a usage error naming what to pass when needed and missing."""
-    from .plan import check_against_profile, find_profile
-    from .profile import Profile
+    from .artifacts.plan import check_against_profile, find_profile
+    from .artifacts.profile import Profile
 
     source = profile_path or find_profile(plan_path, plan)
     if source is None:

@@ -5,7 +5,6 @@ wrong, where, and how to fix it. The CLI prints that line and exits with `EXIT_E
 click's own usage errors exit with `EXIT_USAGE`.
 """
 
-EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 

@@ -42,6 +42,11 @@ class Fields:
         location = f"{self.source}: {path}: " if path else f"{self.source}: "
         raise ArtifactError(f"{location}{problem}; {fix}")
 
+    def one_of(self, value: Any, allowed, what: str, key: str) -> None:
+        """Fail unless `value` (the `what` at `key`) is one of `allowed`."""
+        if value not in allowed:
+            self.fail(f"unknown {what} {value!r}", f"use one of {', '.join(map(str, allowed))}", key)
+
     def get(self, key: str, kind: type | tuple[type, ...], optional: bool = False, default: Any = None) -> Any:
         if key not in self.data:
             if optional:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .errors import ModelError, PdtoolError
-from .profile import ModelRef, TensorSpec
+from .artifacts.profile import ModelRef, TensorSpec
 
 Batch = tuple[Any, Any]
 

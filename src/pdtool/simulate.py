@@ -1,4 +1,4 @@
-"""The simulator: run a plan's schedule on the profile's costs, in simulated time (design.md section 4).
+"""The simulator: run a plan's schedule on the profile's costs, in simulated time.
 
 One of the three interpreters of a schedule. It predicts time per minibatch, bubbles and memory
 at any cluster size, without processes. Pure: standard library and pdtool's own modules.
@@ -33,15 +33,13 @@ from collections import deque
 from dataclasses import dataclass
 
 from .errors import ScheduleError
-from .plan import Plan
+from .artifacts.plan import MS_PER_S, Plan
 from .schedule import Schedule, default_group, generate, peak_versions, stash_depth, step_group
 from .schedule.lower import ACTIVATION, Op, collective_key, lower, message
-from .trace import chrome_trace, write_trace
 
-__all__ = ["SimEvent", "SimResult", "SimTransfer", "allreduce_ms", "chrome_trace", "default_minibatches",
-           "link_bandwidth", "simulate", "steady_state_ms", "write_trace"]
+__all__ = ["SimEvent", "SimResult", "SimTransfer", "allreduce_ms", "default_minibatches", "link_bandwidth",
+           "simulate", "steady_state_ms"]
 
-MS = 1e3  # ms per second
 
 
 @dataclass(frozen=True)
@@ -138,7 +136,7 @@ def allreduce_ms(plan: Plan, stage: int) -> float:
     if r == 1 or s.param_bytes == 0:
         return 0.0
     slowest = min(link_bandwidth(plan, x, y) for x in s.ranks for y in s.ranks if x != y)
-    return 2 * (r - 1) / r * s.param_bytes / slowest * MS
+    return 2 * (r - 1) / r * s.param_bytes / slowest * MS_PER_S
 
 
 def steady_state_ms(completions: dict[int, float], minibatches: int, period: int = 1, tail: int = 0,
@@ -277,7 +275,7 @@ class _Run:
         dst = op.peer
         link = (worker, dst)
         start = max(self.free[worker], self.link_free.get(link, 0.0))
-        end = start + (size / link_bandwidth(self.plan, self.ranks[worker], self.ranks[dst]) * MS if size else 0.0)
+        end = start + (size / link_bandwidth(self.plan, self.ranks[worker], self.ranks[dst]) * MS_PER_S if size else 0.0)
         self.link_free[link] = end
         if size:
             name = str(self.schedule.workers[worker][op.at])
@@ -329,7 +327,7 @@ class _Run:
         return SimResult(
             mode=schedule.mode, minibatches=schedule.minibatches, group=schedule.group, makespan_ms=makespan,
             time_per_minibatch_ms=per_minibatch,
-            samples_per_s=plan.profile.batch_size / (per_minibatch / MS) if per_minibatch > 0 else 0.0,
+            samples_per_s=plan.profile.batch_size / (per_minibatch / MS_PER_S) if per_minibatch > 0 else 0.0,
             bubble_fraction=bubble, busy_ms=busy,
             peak_versions={self.ranks[w]: versions[w] for w in range(workers)},
             peak_in_flight=in_flight, peak_activation_bytes=activations, events=events,

@@ -5,7 +5,7 @@ import pytest
 from click.testing import CliRunner
 
 from pdtool.cli import cli
-from pdtool.profile import Profile
+from pdtool.artifacts.profile import Profile
 
 PIPEDREAM = Path(__file__).resolve().parents[2] / "profiles" / "pipedream"
 

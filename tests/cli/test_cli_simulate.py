@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from pdtool.cli import cli
-from pdtool.profile import Layer, Profile
+from pdtool.artifacts.profile import Layer, Profile
 from test_cli import assert_one_line_error
 
 

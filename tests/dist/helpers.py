@@ -3,10 +3,10 @@ import dataclasses
 
 import torch
 
-from pdtool.cluster import parse_cluster
+from pdtool.artifacts.cluster import parse_cluster
 from pdtool.modelspec import load_model
 from pdtool.planner import make_plan, shared_parameters
-from pdtool.profile import ModelRef
+from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
 from pdtool.runtime.executor import OptimizerConfig
 from pdtool.runtime.reference import run_reference
@@ -41,7 +41,7 @@ def reference(plan, config, ref=MLP):
     """The reference executor's run of the same plan and schedule (resumed like the runtime
     when config.resume names a checkpoint: its weights and optimizer state, minibatches from
     config.first_step on)."""
-    from pdtool.runtime.state import restore
+    from pdtool.runtime.shards import restore
     from pdtool.runtime.worker import minibatches_per_step
 
     torch.manual_seed(config.seed)

@@ -5,9 +5,9 @@ import torch
 
 from helpers import config_for, plan_with
 
-from pdtool.checkpoint import latest_complete, load_checkpoint, read_manifest
+from pdtool.artifacts.checkpoint import latest_complete, load_checkpoint, read_manifest
 from pdtool.errors import LaunchError
-from pdtool.profile import ModelRef
+from pdtool.artifacts.profile import ModelRef
 from pdtool.runtime.session import run
 
 

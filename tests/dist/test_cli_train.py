@@ -22,7 +22,7 @@ def test_pd_train_runs_a_plan_and_reports_loss_and_time(tmp_path):
 
 
 def test_pd_train_failure_is_one_line_and_exit_1(tmp_path):
-    from pdtool.profile import ModelRef
+    from pdtool.artifacts.profile import ModelRef
 
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=ModelRef("toymodels:exploding", {"after": 8}))
     result = CliRunner().invoke(cli, ["train", str(path), "--steps", "10"])
@@ -83,7 +83,7 @@ def test_pd_train_bad_plan_file_is_one_line(tmp_path):
 def test_pd_train_on_digits_with_epochs_trace_checkpoints_and_resume(tmp_path):
     import json
 
-    from pdtool.profile import ModelRef
+    from pdtool.artifacts.profile import ModelRef
 
     ref = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": 16, "depth": 1, "classes": 10})
     _, path = plan_with(tmp_path, [((0, 0), 1), ((1, 1), 1)], ref=ref, batch_size=256)
@@ -125,13 +125,13 @@ def test_pd_train_optimizer_mode_and_checkpoint_flags(tmp_path):
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "trained steps 1-3 (6 minibatches)" in result.stdout  # flush: 2 microbatches per step
-    from pdtool.plan import Plan
+    from pdtool.artifacts.plan import Plan
     from pdtool.simulate import simulate
 
     flush_ms = simulate(Plan.load(path), mode="flush", group=2).time_per_minibatch_ms
     assert f"predicted {flush_ms:.3f} ms" in result.stdout and "(simulated, flush)" in result.stdout  # the schedule that ran
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000001", "step-00000002", "step-00000003"]
-    from pdtool.checkpoint import load_checkpoint
+    from pdtool.artifacts.checkpoint import load_checkpoint
 
     _, _, extra = load_checkpoint(ckpt / "step-00000003")
     assert any(key.endswith("::exp_avg") for key in extra)  # Adam's state is in the checkpoint
@@ -151,7 +151,7 @@ def _refused_before_any_worker(args, fragment):
 
 
 def test_pd_train_refuses_tied_weights_in_pipedream_in_the_launcher(tmp_path):
-    from pdtool.profile import ModelRef
+    from pdtool.artifacts.profile import ModelRef
 
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="2bw", ref=ModelRef("toymodels:tied_lm"))
     _refused_before_any_worker([str(path), "--mode", "pipedream"], "parameter emb.weight is used by stages 0 and 1")
@@ -165,8 +165,8 @@ def test_pd_train_refuses_data_that_does_not_fit_the_model_in_the_launcher(tmp_p
 def test_pd_train_refuses_a_split_of_a_model_no_tracer_captures(tmp_path):
     import dataclasses
 
-    from pdtool.plan import Plan
-    from pdtool.profile import ModelRef
+    from pdtool.artifacts.plan import Plan
+    from pdtool.artifacts.profile import ModelRef
 
     plan, path = plan_with(tmp_path, [((0, 0), 1), ((1, 2), 1)], ref=ModelRef("toymodels:dynamic"))
     assert plan.profile.split == "none"
@@ -217,8 +217,8 @@ def test_pd_train_says_which_file_of_the_current_folder_the_plan_imports(tmp_pat
 def test_a_diverging_run_stops_in_one_line_and_keeps_a_finite_checkpoint(tmp_path):
     import torch
 
-    from pdtool.checkpoint import latest_complete, load_checkpoint
-    from pdtool.profile import ModelRef
+    from pdtool.artifacts.checkpoint import latest_complete, load_checkpoint
+    from pdtool.artifacts.profile import ModelRef
 
     digits = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": 16, "depth": 2, "classes": 10})
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=digits, batch_size=32)

@@ -6,7 +6,7 @@ from helpers import config_for, plan_with
 
 from pdtool.data import dataset_source, digits, evaluate
 from pdtool.modelspec import load_model
-from pdtool.profile import ModelRef
+from pdtool.artifacts.profile import ModelRef
 from pdtool.runtime.executor import OptimizerConfig
 from pdtool.runtime.session import run
 

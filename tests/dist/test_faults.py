@@ -13,7 +13,7 @@ import pytest
 
 from helpers import plan_with
 
-from pdtool.profile import ModelRef
+from pdtool.artifacts.profile import ModelRef
 
 PD = str(Path(sys.executable).parent / "pd")
 DIGITS = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": 16, "depth": 2, "classes": 10})
@@ -78,7 +78,7 @@ def test_a_hung_worker_ends_the_job_within_the_timeout(tmp_path):
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_stops_every_worker_and_names_the_last_checkpoint(tmp_path, sig, code):
-    from pdtool.checkpoint import latest_complete
+    from pdtool.artifacts.checkpoint import latest_complete
 
     process, workers, ckpt = start_training(tmp_path)
     os.kill(process.pid, sig)
@@ -144,7 +144,7 @@ def test_a_worker_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
     last complete one and ends exactly where an uninterrupted run ends (flush is deterministic)."""
     import torch
 
-    from pdtool.checkpoint import latest_complete, load_checkpoint
+    from pdtool.artifacts.checkpoint import latest_complete, load_checkpoint
 
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=DIGITS, batch_size=32, mode="flush")
     args = ["train", str(path), "--data", "digits", "--steps", "300", "--quiet", "--checkpoint-every", "1"]
@@ -191,7 +191,7 @@ def fill(folder, leave_bytes):
 
 
 def test_a_full_disk_stops_the_job_with_one_line_and_keeps_the_checkpoints(tmp_path, small_disk):
-    from pdtool.checkpoint import latest_complete, verify_checkpoint
+    from pdtool.artifacts.checkpoint import latest_complete, verify_checkpoint
 
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=DIGITS, batch_size=32, mode="flush")
     fill(small_disk, 64 * 1024)  # room for a few checkpoints of this tiny model, not for 400

@@ -15,7 +15,7 @@ one_gpu = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA
 
 @one_gpu
 def test_one_stage_on_a_gpu_equals_gradient_accumulation_and_checkpoints(tmp_path):
-    from pdtool.checkpoint import latest_complete, load_checkpoint
+    from pdtool.artifacts.checkpoint import latest_complete, load_checkpoint
     from pdtool.runtime.session import run
 
     plan, path = plan_with(tmp_path, [((0, 3), 1)], mode="flush")

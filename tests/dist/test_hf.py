@@ -11,7 +11,7 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '
 
 from helpers import assert_same_run, config_for, gradient_accumulation, merged, plan_with, reference  # noqa: E402
 
-from pdtool.profile import ModelRef  # noqa: E402
+from pdtool.artifacts.profile import ModelRef  # noqa: E402
 from pdtool.runtime.launch import launch  # noqa: E402
 from pdtool.runtime.session import run  # noqa: E402
 

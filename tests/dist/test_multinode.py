@@ -10,7 +10,7 @@ import pytest
 
 from helpers import plan_with
 
-from pdtool.profile import ModelRef
+from pdtool.artifacts.profile import ModelRef
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import links  # noqa: E402 - the bench helper that makes the machines

@@ -6,9 +6,9 @@ import torch
 
 from helpers import assert_same_run, config_for, gradient_accumulation, merged, plan_with, reference
 
-from pdtool.checkpoint import latest_complete, load_checkpoint
+from pdtool.artifacts.checkpoint import latest_complete, load_checkpoint
 from pdtool.errors import LaunchError
-from pdtool.profile import ModelRef
+from pdtool.artifacts.profile import ModelRef
 from pdtool.runtime.launch import launch
 from pdtool.runtime.session import run
 

@@ -7,7 +7,7 @@ import torch
 from helpers import assert_same_run, config_for, gradient_accumulation, merged, plan_with, reference
 
 from pdtool.errors import LaunchError
-from pdtool.profile import ModelRef
+from pdtool.artifacts.profile import ModelRef
 from pdtool.runtime.launch import launch
 from pdtool.runtime.worker import make_schedule
 from pdtool.schedule import peak_versions
@@ -23,7 +23,7 @@ def test_asynchronous_modes_equal_the_reference_executor(tmp_path, mode, split):
     config = config_for(path, steps=4)
     reports = launch(config, len(plan.used_ranks))
     losses, weights = merged(reports)
-    bound = peak_versions(make_schedule(plan, config))  # the design notes' versions per worker
+    bound = peak_versions(make_schedule(plan, config))  # the README's versions per worker
     assert all(report.peak_versions <= bound[rank] for rank, report in reports.items())
     assert max(report.peak_versions for report in reports.values()) >= 1  # weights were stashed
     run = reference(plan, config)

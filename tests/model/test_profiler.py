@@ -2,7 +2,7 @@ import pytest
 
 from pdtool.errors import ModelError, ProfileError
 from pdtool.modelspec import load_model
-from pdtool.profile import ModelRef, Profile
+from pdtool.artifacts.profile import ModelRef, Profile
 from pdtool.profiler import profile_model
 
 FAST = dict(repeats=2, warmup=1)

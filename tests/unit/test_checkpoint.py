@@ -5,8 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from pdtool.checkpoint import (checkpoint_folder, latest_complete, load_checkpoint, prune, save_shard,
-                               write_manifest)
+from pdtool.artifacts.checkpoint import (
+    checkpoint_folder, latest_complete, load_checkpoint, save_shard, write_manifest,
+)
 from pdtool.errors import ArtifactError
 from pdtool.jsonio import canonical_json
 
@@ -188,18 +189,6 @@ def test_damaged_manifests_are_one_line_errors(tmp_path):
         load_checkpoint(folder)
     with pytest.raises(ArtifactError, match="step -1 is not a non-negative integer"):
         checkpoint_folder(tmp_path, -1)
-
-
-def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
-    folders = [_save(tmp_path, step, [{"a": torch.full((2,), float(step))}]) for step in (10, 20, 30, 40)]
-    (folders[3] / "manifest.json").unlink()  # 40 incomplete (maybe being written): kept, not counted
-    removed = prune(tmp_path, keep=2)
-    assert removed == [folders[0]]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000020", "step-00000030", "step-00000040"]
-    assert prune(tmp_path, keep=5) == []
-    with pytest.raises(ArtifactError, match="keep 0 is not a positive integer"):
-        prune(tmp_path, keep=0)
-
 
 
 def test_one_rule_for_every_bad_checkpoint_skip_it_with_the_reason(tmp_path):

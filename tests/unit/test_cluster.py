@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from pdtool.cluster import DEFAULT_SERVERS, PRESETS, SCHEMA, Cluster, Level, parse_cluster, preset
+from pdtool.artifacts.cluster import DEFAULT_SERVERS, PRESETS, SCHEMA, Cluster, Level, parse_cluster, preset
 from pdtool.errors import ArtifactError, PdtoolError, PlanError
 from pdtool.jsonio import canonical_json
 from pdtool.units import (exact_bandwidth, exact_bytes, format_bandwidth, format_bytes, parse_bandwidth,

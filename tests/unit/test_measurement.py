@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from pdtool.cluster import parse_cluster
+from pdtool.artifacts.cluster import parse_cluster
 from pdtool.planner import make_plan
-from pdtool.profile import Profile
+from pdtool.artifacts.profile import Profile
 from pdtool.runtime.session import TrainResult
 from pdtool.runtime.worker import WorkerReport
 

@@ -8,14 +8,15 @@ nothing to carry) is present exactly when all its producers are, plus the empty 
 import itertools
 import math
 import zlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from pdtool import partition
-from pdtool.costmodel import ChainCosts, DefaultModel, Memory, PipeDreamModel
-from pdtool.partition import Solver, flatten
-from pdtool.states import DOWN_SETS, PREFIXES, build_states, prefix_states
+from pdtool.planner import partition
+from pdtool.planner.costmodel import ChainCosts, DefaultModel, Memory, PipeDreamModel
+from pdtool.planner.partition import Solver
+from pdtool.planner.states import DOWN_SETS, PREFIXES, build_states, prefix_states
 
 INF = math.inf
 
@@ -170,6 +171,22 @@ class BruteForce:
 
 
 CASES = [([1], 1), ([2], 1), ([3], 1), ([4], 1), ([2, 2], 2), ([3, 2], 2), ([2, 3], 2), ([1, 3], 2), ([2, 1, 2], 3)]
+
+
+def flatten(pipeline, inner_workers):
+    """The innermost stages in order, as (layers, ranks) with global ranks (unit-major: rank =
+    unit * W + local), walked here independently of the planner's own walk."""
+    def walk(p, bases):
+        leaves = []
+        size = inner_workers[p.level]
+        for stage in p.stages:
+            units = range(stage.units_before, stage.units_before + stage.replicas)
+            here = [base + u * size for base in bases for u in units]
+            leaves += [SimpleNamespace(layers=stage.layers, ranks=tuple(sorted(here)))] if stage.inner is None else \
+                walk(stage.inner, here)
+        return leaves
+
+    return walk(pipeline, [0])
 
 
 def check_leaves(found, solver, costs, counts, straight):

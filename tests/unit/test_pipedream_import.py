@@ -7,8 +7,8 @@ import pytest
 
 from pdtool.errors import ArtifactError
 from pdtool.jsonio import canonical_json
-from pdtool.pipedream_import import DEVICE, layer_order, load_pipedream_graph
-from pdtool.profile import Profile
+from pdtool.artifacts.pipedream import DEVICE, layer_order, load_pipedream_graph
+from pdtool.artifacts.profile import Profile
 
 PROFILES = Path(__file__).resolve().parents[2] / "profiles" / "pipedream"  # the original's published profiles
 
@@ -40,7 +40,7 @@ def test_shipped_profiles_match_the_reference_table(model):
     assert profile.layer_sum_ms == pytest.approx(total_ms, abs=0.05)
     assert profile.param_bytes / 1e6 == pytest.approx(params_mb, abs=0.05)
     assert all(src < dst for src, dst in profile.edges)
-    assert nx.is_directed_acyclic_graph(profile.to_networkx())
+    assert nx.is_directed_acyclic_graph(nx.DiGraph(profile.edges))
 
 
 @pytest.mark.parametrize("model", sorted(REFERENCE))

@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from pdtool.cluster import parse_cluster
+from pdtool.artifacts.cluster import parse_cluster
 from pdtool.errors import ArtifactError, PlanError
 from pdtool.jsonio import canonical_json
-from pdtool.pipedream_import import load_pipedream_graph
-from pdtool.plan import Plan, compact_ranges
+from pdtool.artifacts.pipedream import load_pipedream_graph
+from pdtool.artifacts.plan import Plan, compact_ranges
 from pdtool.planner import make_plan
-from pdtool.profile import Layer, Profile
+from pdtool.artifacts.profile import Layer, Profile
 
 PIPEDREAM = Path(__file__).resolve().parents[2] / "profiles" / "pipedream"
 
@@ -81,7 +81,7 @@ def test_a_stage_can_be_a_set_of_layers_and_the_plan_says_which_states_it_used()
         assert (stage["first_layer"], stage["last_layer"]) == (profile.layers[stage["layers"][0]].name,
                                                                profile.layers[stage["layers"][-1]].name)
     assert canonical_json(Plan.from_json(json.loads(canonical_json(data)), "p.json").to_json()) == canonical_json(data)
-    from pdtool.show import plan_table
+    from pdtool.views.show import plan_table
 
     table = plan_table(plan)
     assert all(f" {compact_ranges(s.layers)} " in table for s in plan.stages)
@@ -94,8 +94,8 @@ def test_layer_sets_are_shown_as_ranges():
 
 
 def test_too_many_down_sets_plan_over_prefixes_and_say_so(monkeypatch):
-    import pdtool.planner as plan_module
-    from pdtool.states import build_states
+    import pdtool.planner.make as plan_module
+    from pdtool.planner.states import build_states
 
     monkeypatch.setattr(plan_module, "build_states", lambda costs, **kw: build_states(costs, max_states=10, **kw))
     plan = make_plan(imported("resnet18"), parse_cluster("4x1e10B/s,2x1.25e9B/s"), cost_model="pipedream",

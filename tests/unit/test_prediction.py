@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from pdtool.cluster import parse_cluster
-from pdtool.pipedream_import import load_pipedream_graph
+from pdtool.artifacts.cluster import parse_cluster
+from pdtool.artifacts.pipedream import load_pipedream_graph
 from pdtool.planner import make_plan
-from pdtool.profile import Profile
+from pdtool.artifacts.profile import Profile
 from pdtool.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[2] / "profiles"

@@ -5,7 +5,7 @@ import pytest
 
 from pdtool.errors import ArtifactError
 from pdtool.jsonio import canonical_json
-from pdtool.profile import SCHEMA, Layer, ModelRef, Profile, TensorSpec
+from pdtool.artifacts.profile import SCHEMA, Layer, ModelRef, Profile, TensorSpec
 
 
 def make_profile(**overrides) -> Profile:
@@ -46,13 +46,6 @@ def test_derived_figures():
     assert profile.layer_sum_over_step == pytest.approx(30 / 25)
     assert profile.param_bytes == 40 * (0 + 1 + 2 + 3)
     assert profile.to_json()["layer_sum_over_step"] == pytest.approx(1.2)
-
-
-def test_networkx_dag_has_layers_edges_and_attributes():
-    graph = make_profile().to_networkx()
-    assert sorted(graph.nodes) == [0, 1, 2, 3]
-    assert sorted(graph.edges) == [(0, 1), (0, 3), (1, 2), (2, 3)]
-    assert graph.nodes[2]["name"] == "l2" and graph.nodes[2]["fwd_ms"] == 3.0 and graph.nodes[2]["act_bytes"] == 300
 
 
 def _json():

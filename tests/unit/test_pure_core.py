@@ -3,11 +3,13 @@ where torch is not installed, and `pd plan`/`pd simulate`/`pd show` start fast."
 import subprocess
 import sys
 
-CORE = ["pdtool.errors", "pdtool.fields", "pdtool.jsonio", "pdtool.units", "pdtool.cluster", "pdtool.profile",
-        "pdtool.pipedream_import", "pdtool.costmodel", "pdtool.states", "pdtool.partition", "pdtool.plan",
-        "pdtool.planner", "pdtool.schedule", "pdtool.schedule.core", "pdtool.schedule.generate", "pdtool.schedule.check",
-        "pdtool.schedule.lower",
-        "pdtool.simulate", "pdtool.trace", "pdtool.render", "pdtool.show", "pdtool.schemas"]
+CORE = ["pdtool.errors", "pdtool.fields", "pdtool.jsonio", "pdtool.units",
+        "pdtool.artifacts", "pdtool.artifacts.cluster", "pdtool.artifacts.profile", "pdtool.artifacts.plan",
+        "pdtool.artifacts.pipedream", "pdtool.artifacts.schemas",
+        "pdtool.planner", "pdtool.planner.costmodel", "pdtool.planner.states", "pdtool.planner.partition",
+        "pdtool.planner.make", "pdtool.schedule", "pdtool.schedule.core", "pdtool.schedule.generate",
+        "pdtool.schedule.check", "pdtool.schedule.lower", "pdtool.simulate",
+        "pdtool.views", "pdtool.views.trace", "pdtool.views.render", "pdtool.views.show"]
 
 BLOCK_TORCH = """
 import importlib.abc, sys

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from pdtool.cluster import Cluster, Level
-from pdtool.costmodel import ChainCosts, PipeDreamModel
+from pdtool.artifacts.cluster import Cluster, Level
+from pdtool.planner.costmodel import ChainCosts, PipeDreamModel
 from pdtool.jsonio import round_sig
-from pdtool.partition import Solver
-from pdtool.pipedream_import import load_pipedream_graph
+from pdtool.planner.partition import Solver
+from pdtool.artifacts.pipedream import load_pipedream_graph
 from pdtool.planner import make_plan
-from pdtool.states import build_states as pdtool_states
+from pdtool.planner.states import build_states as pdtool_states
 
 from reference_pipedream import build_states, first_source_in_file, solve
 

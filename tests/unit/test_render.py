@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from pdtool.cluster import parse_cluster
+from pdtool.artifacts.cluster import parse_cluster
 from pdtool.errors import ArtifactError, PdtoolError
-from pdtool.pipedream_import import load_pipedream_graph
-from pdtool.plan import compact_ranges
+from pdtool.artifacts.pipedream import load_pipedream_graph
+from pdtool.artifacts.plan import compact_ranges
 from pdtool.planner import make_plan
-from pdtool.profile import Layer, Profile
-from pdtool.render import FORMATS, plan_graph, render_plan
+from pdtool.artifacts.profile import Layer, Profile
+from pdtool.views.render import FORMATS, plan_graph, render_plan
 from pdtool.units import format_bytes
 
 PIPEDREAM = Path(__file__).resolve().parents[2] / "profiles" / "pipedream"

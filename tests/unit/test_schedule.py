@@ -1,4 +1,4 @@
-"""Schedules: generation per mode, text form, validator, weight versions (design.md section 4)."""
+"""Schedules: generation per mode, text form, validator, weight versions."""
 import dataclasses
 
 import pytest

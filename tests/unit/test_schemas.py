@@ -5,12 +5,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from pdtool.cluster import PRESETS, parse_cluster, preset
+from pdtool.artifacts.cluster import PRESETS, parse_cluster, preset
 from pdtool.errors import ArtifactError
-from pdtool.plan import Plan
+from pdtool.artifacts.plan import Plan
 from pdtool.planner import make_plan
-from pdtool.profile import Profile
-from pdtool.schemas import NAMES, schema, validate
+from pdtool.artifacts.profile import Profile
+from pdtool.artifacts.schemas import NAMES, schema, check_document
 
 PROFILES = sorted((Path(__file__).parents[2] / "profiles").glob("*.profile.json"))
 
@@ -29,15 +29,15 @@ def test_every_schema_is_a_valid_json_schema(name):
 @pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.name)
 def test_shipped_profiles_and_their_plans_satisfy_the_schemas(path):
     profile, plan = written(path)
-    validate(json.loads(path.read_text()), "profile", str(path))
-    validate(profile, "profile", "written")
-    validate(plan, "plan", "written")
+    check_document(json.loads(path.read_text()), "profile", str(path))
+    check_document(profile, "profile", "written")
+    check_document(plan, "plan", "written")
 
 
 def test_cluster_files_satisfy_the_cluster_schema():
     for name in PRESETS:
-        validate(preset(name).to_json(), "cluster", name)
-    validate({"levels": [{"count": 4, "bandwidth": 1e9}]}, "cluster", "hand-written")
+        check_document(preset(name).to_json(), "cluster", name)
+    check_document({"levels": [{"count": 4, "bandwidth": 1e9}]}, "cluster", "hand-written")
 
 
 def test_the_schemas_list_exactly_the_fields_pdtool_writes():
@@ -83,7 +83,7 @@ def test_plans_refuse_a_negative_derived_figure(tmp_path):
 ])
 def test_schema_messages_are_one_line_naming_the_field(data, message):
     with pytest.raises(ArtifactError) as info:
-        validate(data, "cluster", "c.json")
+        check_document(data, "cluster", "c.json")
     assert "\n" not in str(info.value) and str(info.value).startswith(f"c.json: {message}")
     assert str(info.value).endswith("(schema: pdtool/schemas/cluster.schema.json)")
 

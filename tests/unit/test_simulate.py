@@ -1,17 +1,16 @@
-"""The simulator: bubbles, steady state, replicas, transfers, memory, invariants, trace (design.md section 4)."""
+"""The simulator: bubbles, steady state, replicas, transfers, memory, invariants, trace."""
 import json
 
 import pytest
 
-from pdtool.cluster import Cluster, Level, parse_cluster
-from pdtool.costmodel import Memory
+from pdtool.artifacts.cluster import Cluster, Level, parse_cluster
+from pdtool.planner.costmodel import Memory
 from pdtool.errors import ScheduleError
-from pdtool.plan import Plan, PlanStage, Prediction, ProfileRef
+from pdtool.artifacts.plan import Plan, PlanStage, Prediction, ProfileRef
 from pdtool.planner import make_plan
 from pdtool.schedule import MODES, default_group, generate, peak_versions
-from pdtool.simulate import (
-    allreduce_ms, chrome_trace, default_minibatches, link_bandwidth, simulate, steady_state_ms, write_trace,
-)
+from pdtool.simulate import allreduce_ms, default_minibatches, link_bandwidth, simulate, steady_state_ms
+from pdtool.views.trace import chrome_trace, write_trace
 from test_plan import chain_profile
 
 FAST = ((64, 1e18),)  # one server, transfers take ~0

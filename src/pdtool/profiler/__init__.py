@@ -1,6 +1,6 @@
 """`pd profile`: measure a model layer by layer and build its `Profile`.
 
-The layer graph comes from one traced graph (see `graph`): torch.fx symbolic tracing where
+The layer graph comes from one traced graph (`pdtool.layergraph`): torch.fx symbolic tracing where
 the model traces, else torch.export (Hugging Face transformers and other models with Python
 fx cannot follow); the same graph is what `pd train` splits into stages. Where neither tracer
 captures the model, the layers are leaf module calls in execution order (see `modules`), and
@@ -17,11 +17,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from ..allocator import keep_freed_memory
 from ..errors import ProfileError
 from ..modelspec import fingerprint, load_model, tensor_specs
-from ..profile import Layer, ModelRef, Profile
+from ..artifacts.profile import Layer, ModelRef, Profile
 from .fx_measure import LayerCost, measure_split
-from .graph import TRACERS, LayerGraph, Untraceable, build_layer_graph
+from ..layergraph import TRACERS, LayerGraph, Untraceable, capture
 from .modules import measure_modules
 from .timing import Clock, measure_data, measure_step, measure_update
 
@@ -32,19 +33,13 @@ def _no_progress(message: str) -> None:
     pass
 
 
-def capture(module: nn.Module, inputs: tuple[torch.Tensor, ...], method: str, granularity: str,
-            depth: int | None) -> LayerGraph:
-    """The layer graph of `module` by the tracer `method` ("fx" or "export"), the way `pd
-    profile` made it; raises `Untraceable` when that tracer cannot capture the model."""
-    return build_layer_graph(module, granularity, depth, method=method, inputs=inputs)
-
-
 def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str = "cpu", repeats: int = 10,
                   warmup: int = 2, granularity: str = "module", depth: int | None = None,
                   method: str = "auto", progress: Callable[[str], None] = _no_progress,
                   warn: Callable[[str], None] = _no_progress) -> Profile:
     """Profile the model `ref` names; `progress` receives one short line per unit of work,
     `warn` what the user should know about the result (a fallback, modules never called)."""
+    keep_freed_memory()  # as the workers do, so that the profile measures what they run
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup}); fix the flags")
     bundle = load_model(ref)

@@ -41,7 +41,7 @@ _MAX_TENSORS = 256
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class BoundaryTensor:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -91,7 +91,7 @@ class Link:
         self.timeout_s = timeout_s  # how long one message may take before its peer counts as gone (None: forever)
         self.rank = rank
 
-    def post_recv(self, key: tuple[int, int], peer: int, specs: list[TensorSpec], direction: int) -> None:
+    def post_recv(self, key: tuple[int, int], peer: int, specs: list[BoundaryTensor], direction: int) -> None:
         """Start receiving message `key` = (direction, minibatch) from `peer` into new buffers."""
         if key in self.pending:
             return

@@ -16,8 +16,8 @@ import torch
 from ..data import load_source
 from ..errors import LaunchError, PdtoolError
 from ..modelspec import load_model
-from ..plan import Plan
-from ..profile import ModelRef
+from ..artifacts.plan import Plan
+from ..artifacts.profile import ModelRef
 from . import tied
 from .stages import plan_stages, sample_inputs
 

@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint import (MANIFEST, existing_steps, latest_complete, read_manifest, remove_temporaries,
+from ..artifacts.checkpoint import (MANIFEST, existing_steps, latest_complete, read_manifest, remove_temporaries,
                           set_aside_after, shard_name, write_manifest)
 from ..errors import Interrupted, LaunchError, PdtoolError
 from ..jsonio import write_text_atomic
-from ..plan import Plan
-from ..trace import measured_trace, write_trace
+from ..artifacts.plan import Plan
+from ..views.trace import measured_trace, write_trace
 from .launch import Nodes, launch
 from .worker import RunConfig, WorkerReport
 
@@ -239,7 +239,7 @@ def held_out_accuracy(result: TrainResult, config: RunConfig) -> tuple[float, in
 
     from ..data import evaluate, held_out
     from ..modelspec import load_model
-    from ..profile import ModelRef
+    from ..artifacts.profile import ModelRef
 
     dataset = held_out(config.data)
     model_ref = result.plan.profile.model

@@ -4,7 +4,7 @@ The model is captured by the tracer that made its profile (torch.fx, or torch.ex
 sample minibatch of the profile's size) and grouped into layers exactly as `pd profile` grouped
 it (`profiler.capture`, so layer i is group i); every graph node goes to the stage whose layer
 set holds its group, and each stage becomes an `fx.GraphModule` made of its own nodes only
-(design notes, sections 4 and 5). A model neither tracer captures is split by module
+(the README's "pd train" section). A model neither tracer captures is split by module
 selection instead: one stage runs it whole, or stages are runs of the children of its
 top-level nn.Sequential.
 
@@ -45,9 +45,8 @@ from torch import fx, nn
 
 from ..errors import LaunchError
 from ..modelspec import fingerprint
-from ..plan import Plan
-from ..profiler import capture
-from ..profiler.graph import TRACERS, Group, Untraceable
+from ..artifacts.plan import Plan
+from ..layergraph import TRACERS, Group, Untraceable, capture
 
 OUTPUT = "output"
 _REPROFILE = "re-run pd profile and pd plan for this model"
@@ -238,17 +237,6 @@ def sample_inputs(bundle, plan: Plan) -> tuple[torch.Tensor, ...]:
     global random state (every worker must still draw the same initial weights and dropout)."""
     with torch.random.fork_rng(devices=[]):
         return bundle.batch(plan.profile.batch_size, plan.profile.model["spec"] if plan.profile.model else "model")[1]
-
-
-def check_model(plan: Plan, module: nn.Module, inputs: tuple[torch.Tensor, ...] | None = None) -> None:
-    """Raise `LaunchError` (one line) unless `module` is the model `plan` was made for: the same
-    parameter names and shapes (fingerprint) and, for traced profiles, the same layers."""
-    _check_fingerprint(plan, module)
-    p = plan.profile
-    if p.method not in TRACERS:
-        return  # the layers of a --method modules profile come from running the model, not from its code
-    groups = _layer_graph(module, p.method, p.granularity, p.depth, inputs).groups
-    _check_layers(groups, p.layers, _plan_layer_names(plan), p.granularity, p.depth)
 
 
 # ----- checks ---------------------------------------------------------------------------------

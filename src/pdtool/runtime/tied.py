@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import LaunchError
-from ..plan import TIE_MODES
+from ..artifacts.plan import TIE_MODES
 
 
 def check_mode(stages, mode: str) -> None:

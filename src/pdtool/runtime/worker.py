@@ -19,13 +19,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..allocator import keep_freed_memory
 from ..errors import LaunchError
 from ..modelspec import load_model
-from ..plan import Plan
-from ..profile import ModelRef
+from ..artifacts.plan import Plan
+from ..artifacts.profile import ModelRef
 from ..schedule import ACTIVATION, GRADIENT, Schedule, default_group, generate, lower, stash_depth
 from ..schedule.lower import collective_key
-from .comm import Link, Prefetch, TensorSpec, link_groups
+from .comm import Link, Prefetch, BoundaryTensor, link_groups
 from . import tied
 from .device import choose, synchronizer
 from .executor import ASYNC_MODES, OptimizerConfig, StageWorker
@@ -91,6 +92,7 @@ def place(plan: Plan, rank: int) -> tuple[int, int]:
 
 def worker_main(config: RunConfig) -> WorkerReport:
     """Entry point of every worker process."""
+    keep_freed_memory()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     placement = choose(config.device, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
@@ -141,12 +143,12 @@ def worker_main(config: RunConfig) -> WorkerReport:
         loss_fn.to(device)  # e.g. class weights
     worker = StageWorker(stage, schedule, replica, config.optimizer, loss_fn if last else None)
     if config.resume:
-        from .state import restore
+        from .shards import restore
 
         restore(worker, config.resume)
     saver = None
     if config.checkpoint_dir and replica == 0:
-        from .state import ShardSaver
+        from .shards import ShardSaver
 
         saver = ShardSaver(worker, config.checkpoint_dir, config.first_step, config.steps,
                            config.checkpoint_every, minibatches_per_step(schedule))
@@ -187,7 +189,7 @@ def minibatches_per_step(schedule: Schedule) -> int:
     return schedule.replicas[0] if schedule.mode in ASYNC_MODES else schedule.group
 
 
-def boundary_specs(stages, sample) -> list[list[TensorSpec]]:
+def boundary_specs(stages, sample) -> list[list[BoundaryTensor]]:
     """Per stage, the names, shapes and dtypes of what it sends on, and last the target's."""
     inputs, target = sample
     values = dict(zip(stages[0].inputs, inputs))
@@ -195,8 +197,8 @@ def boundary_specs(stages, sample) -> list[list[TensorSpec]]:
     with torch.no_grad():
         for stage in stages[:-1]:
             values = stage.forward(values)
-            specs.append([TensorSpec(n, tuple(values[n].shape), values[n].dtype) for n in stage.outputs])
-    specs.append([TensorSpec("target", tuple(target.shape), target.dtype)])
+            specs.append([BoundaryTensor(n, tuple(values[n].shape), values[n].dtype) for n in stage.outputs])
+    specs.append([BoundaryTensor("target", tuple(target.shape), target.dtype)])
     return specs
 
 
@@ -221,7 +223,7 @@ def _run(schedule: Schedule, ops, worker: StageWorker, specs, batch, collectives
     def clock() -> float:  # wall time after the device's queued work: events cover the work they name
         sync()
         return time.time()
-    progress = _Progress(first + schedule.minibatches, batch_size) if show_progress and last and replica == 0 else None
+    progress = _TrainProgress(first + schedule.minibatches, batch_size) if show_progress and last and replica == 0 else None
     # The input stage makes the minibatch of its next forward before it waits for a gradient: the
     # making overlaps the wait and leaves the path gradient -> backward -> forward -> next stage
     # (bench/train_speed.py model, 3 paired runs of 160 minibatches: 1.1-1.4 ms per minibatch less).
@@ -315,7 +317,7 @@ def _next_forwards(ops) -> list[int | None]:
     return following
 
 
-class _Progress:
+class _TrainProgress:
     """One line on stderr, at most once a second: minibatches done, loss, samples/s."""
 
     def __init__(self, total: int, batch_size: int):

@@ -1,4 +1,4 @@
-"""Schedules as data: what every worker does, in order (design.md section 4).
+"""Schedules as data: what every worker does, in order.
 
 One generator builds a `Schedule` for each mode; the runtime, the reference executor and the
 simulator all interpret it, and `validate` checks it without running anything.

@@ -1,4 +1,4 @@
-"""`validate`: check a schedule without running anything (design.md section 4).
+"""`validate`: check a schedule without running anything.
 
 The checks run in this order, and the first broken rule raises a one-line `ScheduleError`
 naming the worker ("w3 s1r0"), the action and the fix:

@@ -1,4 +1,4 @@
-"""`generate`: one schedule builder for every mode (design.md section 4).
+"""`generate`: one schedule builder for every mode.
 
 Every worker (stage s, replica i) runs the minibatches b = i, i + r_s, i + 2 r_s, ... (1F1B-RR,
 PipeDream SOSP'19 section 3.2), in one of two orders:

@@ -39,7 +39,8 @@ from math import prod
 import numpy as np
 
 from .costmodel import ChainCosts, CostModel, Memory
-from .errors import PlanError
+from ..artifacts.plan import LayerSet
+from ..errors import PlanError
 from .states import States, build_states
 
 INF = float("inf")
@@ -47,26 +48,8 @@ _GUESS_WIDTH = 16  # mean band width per j above which `_relax` tries even split
 Context = tuple[int, int]  # (workers before, replication of the enclosing stages)
 
 
-class LayerSet:
-    """Mixin for things that hold `layers`, a sorted tuple of layer ids."""
-
-    @property
-    def first(self) -> int:
-        return self.layers[0]
-
-    @property
-    def last(self) -> int:
-        return self.layers[-1]
-
-    @property
-    def is_range(self) -> bool:
-        """Whether the layers are the contiguous range first..last (always on a chain; on a
-        branchy graph a stage may be any difference of two down-sets, see states.py)."""
-        return len(self.layers) == self.last - self.first + 1
-
-
 @dataclass(frozen=True)
-class Stage(LayerSet):
+class PipelineStage(LayerSet):
     """One stage of the partition at some level: the layers of state `end` not in state
     `start` (`layers`, ascending), on r units of that level.
 
@@ -89,40 +72,12 @@ class Pipeline:
     """A pipeline of stages from one state to another on the units of one level."""
 
     level: int
-    stages: tuple[Stage, ...]
+    stages: tuple[PipelineStage, ...]
     time: float
 
     @property
     def units(self) -> int:
         return sum(s.replicas for s in self.stages)
-
-
-@dataclass(frozen=True)
-class LeafStage(LayerSet):
-    """A stage of the flattened plan: layers, total replicas, the workers (ranks) running it,
-    and its replica count at each level, innermost first."""
-
-    layers: tuple[int, ...]
-    ranks: tuple[int, ...]
-    replicas_per_level: tuple[int, ...]
-
-
-def flatten(pipeline: Pipeline, inner_workers: list[int]) -> list[LeafStage]:
-    """The innermost stages in order, with global ranks (unit-major: rank = unit * W + local)."""
-
-    def walk(p: Pipeline, bases: list[int], outer: tuple[int, ...]) -> list[LeafStage]:
-        leaves = []
-        size = inner_workers[p.level]
-        for stage in p.stages:
-            units = range(stage.units_before, stage.units_before + stage.replicas)
-            here = [base + u * size for base in bases for u in units]
-            if stage.inner is None:
-                leaves.append(LeafStage(stage.layers, tuple(sorted(here)), (stage.replicas,) + outer))
-            else:
-                leaves.extend(walk(stage.inner, here, (stage.replicas,) + outer))
-        return leaves
-
-    return walk(pipeline, [0], ())
 
 
 class Solver:
@@ -206,7 +161,7 @@ class Solver:
                 inner_context = (outer_before + outer * before * self.inner[level], outer * r)
             unit = self._unit_time(level, inner_context)
             charge = self.final if final else True
-            times = self.model.stage_times(self.states, unit, self.params, r, self.bandwidths[level],
+            times = self.model.stage_times(self.states.cut, unit, self.params, r, self.bandwidths[level],
                                            self.inner[level], first, charge)
             if self.memory and level == 0:
                 outer_before, outer = context
@@ -347,7 +302,7 @@ class Solver:
                     outer_before, outer = context
                     inner_context = (outer_before + outer * (m - r) * self.inner[level], outer * r)
                 inner = self._reconstruct(level - 1, inner_context, k, j)
-            stages.append(Stage(k, j, self.states.layers(k, j), r, float(time), m - r, inner))
+            stages.append(PipelineStage(k, j, self.states.layers(k, j), r, float(time), m - r, inner))
             if k == a:
                 break
             table, choices, j, m = F, choice_F, k, m - r

@@ -23,14 +23,13 @@ import hashlib
 import io
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from .errors import ArtifactError
-from .jsonio import read_json, write_bytes_atomic, write_json
+from ..errors import ArtifactError
+from ..jsonio import read_json, write_bytes_atomic, write_json
 
 SCHEMA = "pdtool.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -273,26 +272,3 @@ def latest_complete(root: str | os.PathLike, warn: Callable[[str], None] | None 
             continue
         return folder
     return None
-
-
-def prune(root: str | os.PathLike, keep: int) -> list[Path]:
-    """Delete the checkpoint folders older than the `keep` newest complete ones; returns them.
-
-    Folders newer than the oldest kept one are left alone, complete or not (one may be
-    being written). Nothing is deleted unless `keep` complete checkpoints exist.
-    """
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ArtifactError(f"keep {keep!r} is not a positive integer; keep at least the newest checkpoint")
-    kept = 0
-    removed: list[Path] = []
-    for _step, folder in _step_folders(Path(root)):
-        if kept >= keep:
-            shutil.rmtree(folder)
-            removed.append(folder)
-            continue
-        try:
-            verify_checkpoint(folder)
-        except ArtifactError:
-            continue
-        kept += 1
-    return removed

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import checkpoint_folder, load_checkpoint, save_shard
+from ..artifacts.checkpoint import checkpoint_folder, load_checkpoint, save_shard
 from ..errors import LaunchError
 from ..schedule import step_group
 from . import tied

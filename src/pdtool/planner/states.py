@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..artifacts.plan import DOWN_SETS, PREFIXES
 from .costmodel import ChainCosts
 
 MAX_STATES = 2000
@@ -46,8 +47,6 @@ MAX_STATES = 2000
 32 MB each at 2000 states, and a level above the innermost solves one row per start state;
 a graph with more down-sets is planned over the prefixes of the profile's order instead."""
 
-DOWN_SETS = "down-sets"
-PREFIXES = "prefixes"
 
 
 @dataclass(frozen=True, eq=False)

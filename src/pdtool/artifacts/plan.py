@@ -16,14 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from .cluster import Cluster
-from .costmodel import COST_MODELS
-from .errors import ArtifactError, PdtoolError
-from .fields import Fields, check_schema
+from ..errors import ArtifactError, PdtoolError
+from ..fields import Fields, check_schema
 from .schemas import SchemaChecked
-from .jsonio import canonical_json, read_json, round_float_fields, write_json
-from .partition import LayerSet
+from ..jsonio import canonical_json, read_json, round_float_fields, write_json
 from .profile import METHODS, SPLITS, Profile
-from .states import DOWN_SETS, PREFIXES
 
 SCHEMA = "pdtool.plan/1"
 MODES = ("pipedream", "vsync", "2bw", "flush", "gpipe")
@@ -31,7 +28,23 @@ TIE_MODES = ("2bw", "flush", "gpipe")
 """Modes that train tied weights (a parameter used by several stages): every stage steps at
 batch boundaries, so the sharing stages add their copies' gradients before each step and the
 copies stay equal. `pipedream` and `vsync` step each stage after different minibatches."""
-MS = 1e3
+MS_PER_S = 1e3  # the planner works in seconds, plans and the simulator in ms
+
+
+COST_MODELS = ("pdtool", "pipedream")  # the planner's cost models (`planner.costmodel`), by name
+DOWN_SETS, PREFIXES = "down-sets", "prefixes"  # the planner's state spaces (`planner.states`)
+
+
+class LayerSet:
+    """Mixin for things that hold `layers`, a sorted tuple of layer ids."""
+
+    @property
+    def first(self) -> int:
+        return self.layers[0]
+
+    @property
+    def last(self) -> int:
+        return self.layers[-1]
 
 
 @dataclass(frozen=True)
@@ -234,7 +247,7 @@ class Plan(SchemaChecked):
 
     @property
     def samples_per_s(self) -> float:
-        return self.profile.batch_size / (self.predicted.expected_ms / MS) if self.predicted.expected_ms else 0.0
+        return self.profile.batch_size / (self.predicted.expected_ms / MS_PER_S) if self.predicted.expected_ms else 0.0
 
     def to_json(self) -> dict[str, Any]:
         p, pred = self.profile, self.predicted
@@ -366,12 +379,9 @@ def _layer_ids(f: Fields, key: str) -> tuple[int, ...]:
 def _validate(plan: Plan, source: str) -> None:
     """The invariants a plan holds; a hand edit that breaks one gets one clear line."""
     top = Fields({}, source)
-    if plan.mode not in MODES:
-        top.fail(f"unknown mode {plan.mode!r}", f"use one of {', '.join(MODES)}", "mode")
-    if plan.cost_model not in COST_MODELS:
-        top.fail(f"unknown cost model {plan.cost_model!r}", f"use one of {', '.join(COST_MODELS)}", "cost_model")
-    if plan.state_space not in (DOWN_SETS, PREFIXES):
-        top.fail(f"unknown state space {plan.state_space!r}", f"use {DOWN_SETS} or {PREFIXES}", "state_space")
+    top.one_of(plan.mode, MODES, "mode", "mode")
+    top.one_of(plan.cost_model, COST_MODELS, "cost model", "cost_model")
+    top.one_of(plan.state_space, (DOWN_SETS, PREFIXES), "state space", "state_space")
     if not plan.stages:
         top.fail("a plan needs at least one stage", "regenerate the plan with pd plan", "stages")
     if plan.profile.method not in METHODS:

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .plan import Plan, compact_ranges
-from .profile import Profile
-from .simulate import SimResult
-from .units import format_bytes
+from ..artifacts.plan import Plan, compact_ranges
+from ..artifacts.profile import Profile
+from ..simulate import SimResult
+from ..units import format_bytes
 
 MB = 1e6
 

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import graphviz
 
-from .errors import PdtoolError
-from .jsonio import check_writable, write_bytes_atomic, write_text_atomic
-from .plan import Plan, PlanStage, check_against_profile, compact_ranges
-from .profile import Layer, Profile
-from .units import format_bytes
+from ..errors import PdtoolError
+from ..jsonio import check_writable, write_bytes_atomic, write_text_atomic
+from ..artifacts.plan import Plan, PlanStage, check_against_profile, compact_ranges
+from ..artifacts.profile import Layer, Profile
+from ..units import format_bytes
 
 FORMATS = ("svg", "png", "pdf", "dot")
 """Picture formats `render_plan` writes, by file extension; "dot" is graphviz's source text."""

@@ -46,16 +46,13 @@ earlier stages, in a pipeline of `W` workers, has `k = floor((W - 1 - before) / 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .profile import Profile
+from ..artifacts.profile import Profile
 
-if TYPE_CHECKING:
-    from .states import States
 
-MS = 1e-3
+SECONDS_PER_MS = 1e-3  # profiles are in ms, the planner works in seconds
 
 
 @dataclass(frozen=True)
@@ -75,7 +72,7 @@ class ChainCosts:
 
     @classmethod
     def from_profile(cls, profile: Profile) -> "ChainCosts":
-        return cls.from_layers(np.array([l.total_ms * MS for l in profile.layers], dtype=float),
+        return cls.from_layers(np.array([l.total_ms * SECONDS_PER_MS for l in profile.layers], dtype=float),
                                np.array([l.param_bytes for l in profile.layers], dtype=float),
                                np.array([l.act_bytes for l in profile.layers], dtype=float), profile.edges)
 
@@ -110,7 +107,7 @@ class Memory:
 
     @staticmethod
     def in_flight(workers: int, before: int, replicas: int) -> int:
-        """Minibatches a replica holds at once under 1F1B-RR (design notes, section 4)."""
+        """Minibatches a replica holds at once under 1F1B-RR (the README's "Schedules" table)."""
         return (workers - 1 - before) // replicas + 1
 
     def need(self, params: np.ndarray | float, stashed: np.ndarray | float, in_flight: int):
@@ -124,7 +121,7 @@ class CostModel:
     `stage_times` returns, for every pair of states (k, j) (a matrix; +inf where `unit` is,
     as where D_k is not a strict subset of D_j), the time per minibatch of the stage
     `D_j \\ D_k` with `r` replicas at a level of bandwidth `bandwidth` whose units hold `inner`
-    workers each. `unit` is the stage's time on one unit, `params` its parameter bytes. `first`
+    workers each. `cut` holds the bytes crossing each state's cut, `unit` is the stage's time on one unit, `params` its parameter bytes. `first`
     says the stage starts its sub-problem (no stage before it), `charge_out` whether its
     output is paid (a later stage follows it, or the original's rule; a vector over j).
     """
@@ -132,7 +129,7 @@ class CostModel:
     name = "abstract"
     exact_workers = False  # True: a level must use all its units (the original's rule)
 
-    def stage_times(self, states: "States", unit: np.ndarray, params: np.ndarray, r: int, bandwidth: float,
+    def stage_times(self, cut: np.ndarray, unit: np.ndarray, params: np.ndarray, r: int, bandwidth: float,
                     inner: int, first: bool, charge_out: bool | np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
@@ -164,10 +161,10 @@ class DefaultModel(CostModel):
 
     name = "pdtool"
 
-    def stage_times(self, states, unit, params, r, bandwidth, inner, first, charge_out):
+    def stage_times(self, cut, unit, params, r, bandwidth, inner, first, charge_out):
         allreduce = 2.0 * (r - 1) / r * params / bandwidth
-        cut_in = 0.0 if first else states.cut[:, None]
-        cut_out = np.where(charge_out, states.cut[None, :], 0.0)
+        cut_in = 0.0 if first else cut[:, None]
+        cut_out = np.where(charge_out, cut[None, :], 0.0)
         transfer = (cut_in + cut_out) / bandwidth
         return np.maximum(np.maximum(unit, allreduce), transfer) / r
 
@@ -200,14 +197,14 @@ class PipeDreamModel(CostModel):
     def __init__(self, activation_compression_ratio: float | None = 1.0):
         self.ratio = activation_compression_ratio
 
-    def stage_times(self, states, unit, params, r, bandwidth, inner, first, charge_out):
+    def stage_times(self, cut, unit, params, r, bandwidth, inner, first, charge_out):
         if first:  # the base case: one replicated stage, sync divided by the inner workers
             return (unit + 4.0 * (r - 1) * params / (bandwidth * r) / inner) / r
         time = (unit + 4.0 * (r - 1) * params / (bandwidth * r)) / r
         if self.ratio is None:
             return time
-        transfer_in = 2.0 * states.cut[:, None] / (bandwidth * r) / self.ratio
-        transfer_out = np.where(charge_out, 2.0 * states.cut[None, :] / (bandwidth * r) / self.ratio, 0.0)
+        transfer_in = 2.0 * cut[:, None] / (bandwidth * r) / self.ratio
+        transfer_out = np.where(charge_out, 2.0 * cut[None, :] / (bandwidth * r) / self.ratio, 0.0)
         return np.maximum(time, np.maximum(transfer_in, transfer_out))
 
     def stage_bound(self, r, bandwidth, inner):
@@ -234,5 +231,5 @@ class PipeDreamModel(CostModel):
         return time
 
 
-COST_MODELS = {"pdtool": DefaultModel, "pipedream": PipeDreamModel}
+MODELS = {"pdtool": DefaultModel, "pipedream": PipeDreamModel}  # by the names of `artifacts.plan.COST_MODELS`
 

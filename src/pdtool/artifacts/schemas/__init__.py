@@ -2,7 +2,7 @@
 
 `profile.schema.json`, `plan.schema.json` and `cluster.schema.json` (JSON Schema 2020-12, in
 this folder) describe the structure of every file `pd` reads and writes: fields, types, ranges
-and enumerations. `validate` checks a parsed document against one of them and turns the
+and enumerations. `check_document` checks a parsed document against one of them and turns the
 first problem into the one-line `ArtifactError` every malformed file gets
 (`FILE: FIELD: PROBLEM; FIX`). What a schema cannot say (layer ids in order, edges between
 existing layers, ranks used once, ...) the artifact classes check after it.
@@ -14,8 +14,8 @@ import importlib.resources
 import json
 from typing import Any
 
-from ..errors import ArtifactError
-from ..fields import describe
+from ...errors import ArtifactError
+from ...fields import describe
 
 NAMES = ("profile", "plan", "cluster")
 _TYPES = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
@@ -27,7 +27,7 @@ def schema(name: str) -> dict[str, Any]:
     return json.loads(_text(name))
 
 
-def validate(data: Any, name: str, source: str) -> None:
+def check_document(data: Any, name: str, source: str) -> None:
     """Raise ArtifactError naming `source` and the field unless `data` satisfies schema `name`."""
     import jsonschema
 
@@ -49,7 +49,7 @@ class SchemaChecked:
         naming `source` (default: the schema's name)."""
         source = source or cls.SCHEMA_NAME
         parsed = cls._read(data, source)
-        validate(data, cls.SCHEMA_NAME, source)
+        check_document(data, cls.SCHEMA_NAME, source)
         return parsed
 
     @classmethod

@@ -7,7 +7,7 @@ interquartile range as `*_spread`), the bytes of the outputs it hands to other l
 `(src, dst)` say that dst reads an output of src; since layers are topologically ordered,
 `src < dst` always, and an edge with `dst > src + 1` skips layers (a residual connection).
 
-Pure: no torch. `Profile.to_networkx` gives the layer DAG for graph algorithms.
+Pure: no torch.
 """
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ import os
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
-import networkx as nx
 
-from .fields import Fields, check_schema
+from ..fields import Fields, check_schema
 from .schemas import SchemaChecked
-from .jsonio import read_json, round_float_fields, write_json
+from ..jsonio import read_json, round_float_fields, write_json
 
 SCHEMA = "pdtool.profile/1"
 METHODS = ("fx", "export", "modules", "pipedream")
@@ -125,15 +124,6 @@ class Profile(SchemaChecked):
     def param_bytes(self) -> int:
         return sum(layer.param_bytes for layer in self.layers)
 
-    def to_networkx(self) -> nx.DiGraph:
-        """The layer DAG: nodes are layer ids with the layer's fields as attributes."""
-        graph = nx.DiGraph()
-        for layer in self.layers:
-            graph.add_node(layer.id, **{k: getattr(layer, k) for k in Layer.__dataclass_fields__ if k != "id"})
-        graph.add_edges_from(self.edges)
-        return graph
-
-    # ----- JSON ----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         """The JSON tree of this profile (`layer_sum_over_step` is derived, written for readers)."""
         return {
@@ -235,12 +225,9 @@ _LAYER_FIELDS = ("id", "name", "kind", "fwd_ms", "bwd_ms", "fwd_ms_spread", "bwd
 def _validate(p: Profile, source: str) -> None:
     """Check the invariants every profile holds; raise `ArtifactError` naming the first broken one."""
     top = Fields({}, source)
-    if p.method not in METHODS:
-        top.fail(f"unknown method {p.method!r}", f"use one of {', '.join(METHODS)}", "method")
-    if p.split not in SPLITS:
-        top.fail(f"unknown split {p.split!r}", f"use one of {', '.join(SPLITS)}", "split")
-    if p.granularity not in ("module", "op"):
-        top.fail(f"unknown granularity {p.granularity!r}", "use 'module' or 'op'", "granularity")
+    top.one_of(p.method, METHODS, "method", "method")
+    top.one_of(p.split, SPLITS, "split", "split")
+    top.one_of(p.granularity, ("module", "op"), "granularity", "granularity")
     if p.depth is not None and p.depth < 1:
         top.fail(f"must be >= 1 or null, found {p.depth}", "fix the value", "depth")
     if p.batch_size < 1:

@@ -24,11 +24,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import PlanError
-from .fields import Fields
+from ..errors import PlanError
+from ..fields import Fields
 from .schemas import SchemaChecked
-from .jsonio import read_json
-from .units import (BANDWIDTH_FORMS, exact_bandwidth, exact_bytes, format_bandwidth, format_bytes,
+from ..jsonio import read_json
+from ..units import (BANDWIDTH_FORMS, exact_bandwidth, exact_bytes, format_bandwidth, format_bytes,
                     parse_bandwidth, parse_bytes)
 
 SCHEMA = "pdtool.cluster/1"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import networkx as nx
 
-from .errors import ArtifactError
+from ..errors import ArtifactError
 from .profile import Layer, Profile
 
 DEVICE = "unknown (imported from PipeDream graph.txt)"

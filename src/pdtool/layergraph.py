@@ -417,3 +417,10 @@ def _named_groups(anchors: list[fx.Node], members: list[list[fx.Node]], describe
             name = f"{name}#{seen[name]}"
         groups.append(Group(name, kind, tuple(n.name for n in nodes), owned))
     return groups
+
+
+def capture(module: nn.Module, inputs: tuple[torch.Tensor, ...], method: str, granularity: str,
+            depth: int | None) -> LayerGraph:
+    """The layer graph of `module` by the tracer `method` ("fx" or "export"), the way `pd
+    profile` made it; raises `Untraceable` when that tracer cannot capture the model."""
+    return build_layer_graph(module, granularity, depth, method=method, inputs=inputs)

@@ -10,11 +10,11 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from .jsonio import write_text_atomic
+from ..jsonio import write_text_atomic
 
 if TYPE_CHECKING:
-    from .plan import Plan
-    from .simulate import SimResult
+    from ..artifacts.plan import Plan
+    from ..simulate import SimResult
 
 US_PER_MS = 1e3
 

@@ -11,15 +11,19 @@ import dataclasses
 
 import numpy as np
 
-from . import __version__
-from .cluster import Cluster
-from .costmodel import COST_MODELS, ChainCosts, CostModel, Memory
-from .errors import PlanError
-from .partition import Pipeline, Solver, Stage
-from .plan import MODES, MS, Plan, PlanGroup, PlanStage, Prediction, ProfileRef, compact_ranges, profile_sha256
-from .profile import Profile
+from .. import __version__
+from .. import simulate as simulator
+from ..artifacts.cluster import Cluster
+from ..artifacts.plan import (
+    MODES, MS_PER_S, Plan, PlanGroup, PlanStage, Prediction, ProfileRef, compact_ranges, profile_sha256,
+)
+from ..artifacts.profile import Profile
+from ..errors import PlanError
+from ..schedule import default_group
+from ..units import format_bytes
+from .costmodel import MODELS, ChainCosts, CostModel, Memory
+from .partition import Pipeline, PipelineStage, Solver
 from .states import States, build_states
-from .units import format_bytes
 
 
 SIMULATED_MINIBATCHES = 2048  # at most, so that planning a large cluster stays quick
@@ -59,12 +63,12 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     """
     if (mode or "pipedream") not in MODES:
         raise PlanError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
-    if cost_model not in COST_MODELS:
-        raise PlanError(f"unknown cost model {cost_model!r}; use one of {', '.join(COST_MODELS)}")
+    if cost_model not in MODELS:
+        raise PlanError(f"unknown cost model {cost_model!r}; use one of {', '.join(MODELS)}")
     if data_parallel and straight:
         raise PlanError("--data-parallel replicates one stage on every worker and --straight forbids replicas: "
                         "give one of them")
-    model = COST_MODELS[cost_model]()
+    model = MODELS[cost_model]()
     costs = ChainCosts.from_profile(profile)
     counts = [level.count for level in cluster.levels]
     bandwidths = [level.bandwidth for level in cluster.levels]
@@ -165,9 +169,9 @@ def _as_plan(pipeline: Pipeline, solver: Solver, profile: Profile, cluster: Clus
     bottleneck = next(label for time, label in items if time >= slowest * (1 - 1e-9))  # stages win ties
     counts = [level.count for level in cluster.levels]
     bandwidths = [level.bandwidth for level in cluster.levels]
-    prediction = Prediction(time_ms=pipeline.time * MS, bottleneck=bottleneck,
-                            single_worker_ms=float(costs.compute.sum()) * MS,
-                            data_parallel_ms=model.data_parallel(costs, counts, bandwidths) * MS)
+    prediction = Prediction(time_ms=pipeline.time * MS_PER_S, bottleneck=bottleneck,
+                            single_worker_ms=float(costs.compute.sum()) * MS_PER_S,
+                            data_parallel_ms=model.data_parallel(costs, counts, bandwidths) * MS_PER_S)
     ref = ProfileRef(profile_sha256(profile), profile.fingerprint,
                      None if profile.model is None else {"spec": profile.model.spec, "kwargs": dict(profile.model.kwargs)},
                      profile.batch_size, len(profile.layers), profile.method, profile.granularity, profile.depth,
@@ -222,9 +226,6 @@ def shared_parameters(profile: Profile, stages) -> tuple[tuple[str, tuple[int, .
 def _with_simulation(plan: Plan, most: int = SIMULATED_MINIBATCHES) -> Plan:
     """The plan with the simulator's figures for its own schedule recorded in `predicted`, from a
     run of at most `most` minibatches."""
-    from . import simulate as simulator  # simulate imports plan: import here, not at the top
-    from .schedule import default_group
-
     group = 1 if plan.mode in ("pipedream", "vsync") else default_group([s.replicas for s in plan.stages])
     most = min(most, SIMULATED_MINIBATCHES)
     minibatches = min(simulator.default_minibatches(plan.workers, group), max(most // group, 1) * group)
@@ -265,15 +266,15 @@ def _describe(pipeline: Pipeline, profile: Profile, costs: ChainCosts, model: Co
                 stages.append(_leaf(stage, terms, outer, sorted(here), profile, costs, solver, memory, stages))
             else:
                 groups.append(PlanGroup(p.level, stage.layers, stage.replicas,
-                                        terms["compute"] / outer * MS, terms["allreduce"] / outer * MS, terms["transfer"] / outer * MS,
-                                        terms["time"] / outer * MS))
+                                        terms["compute"] / outer * MS_PER_S, terms["allreduce"] / outer * MS_PER_S, terms["transfer"] / outer * MS_PER_S,
+                                        terms["time"] / outer * MS_PER_S))
                 walk(stage.inner, here, outer * stage.replicas)
 
     walk(pipeline, [0], 1)
     return stages, groups
 
 
-def _leaf(stage: Stage, terms: dict, outer: int, ranks: list[int], profile: Profile, costs: ChainCosts,
+def _leaf(stage: PipelineStage, terms: dict, outer: int, ranks: list[int], profile: Profile, costs: ChainCosts,
           solver: Solver, memory: Memory, earlier: list[PlanStage]) -> PlanStage:
     before = sum(s.replicas for s in earlier)
     k = Memory.in_flight(solver.workers, before, len(ranks))
@@ -284,8 +285,8 @@ def _leaf(stage: Stage, terms: dict, outer: int, ranks: list[int], profile: Prof
     return PlanStage(stage.layers, layers[0].name, layers[-1].name, tuple(ranks), k,
                      sum(l.fwd_ms for l in layers), sum(l.bwd_ms for l in layers), params,
                      int(solver.states.cut[a]), int(solver.states.cut[b]), int(solver.stashed[a, b]),
-                     terms["compute"] / outer * MS, terms["allreduce"] / outer * MS,
-                     terms["transfer"] / outer * MS, terms["time"] / outer * MS, int(round(need)),
+                     terms["compute"] / outer * MS_PER_S, terms["allreduce"] / outer * MS_PER_S,
+                     terms["transfer"] / outer * MS_PER_S, terms["time"] / outer * MS_PER_S, int(round(need)),
                      update_ms=profile.update_ms * params / profile.param_bytes if profile.param_bytes else 0.0,
                      data_ms=profile.data_ms if not earlier else 0.0)
 

@@ -1,0 +1,67 @@
+"""What `pd train` decides before it starts workers, and what it expects of them.
+
+`prepare` turns a plan and the user's options into the `RunConfig` the workers run: it runs
+the launcher's checks (`preflight`: the model, the plan's split, the mode, the first minibatch),
+turns epochs into steps, picks the device and the threads per CPU worker, and says what would
+make the measurement differ from the prediction. `expected_ms` is the prediction a run is
+compared with. The CLI only parses options and prints; benches and tests call these directly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from ..artifacts.plan import Plan
+from .preflight import Checked, preflight
+from .session import steps_for_epochs
+from .worker import RunConfig, make_schedule, minibatches_per_step
+
+
+@dataclass(frozen=True)
+class Job:
+    """A run ready to start: its config, the launcher's checks, and this machine's share
+    (`threads` per worker, `local` workers, `cores`, `on_cpu`) for explaining a measurement."""
+
+    config: RunConfig
+    checked: Checked
+    local: int
+    cores: int
+    on_cpu: bool
+
+
+def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes: int = 1,
+            nproc_per_node: int | None = None, warn: Callable[[str], None] = lambda message: None) -> Job:
+    """Check everything the files and options show, before any worker starts (one line each),
+    and fill in the steps (from `epochs`) and the threads per CPU worker."""
+    checked = preflight(plan, config.plan_path, config.mode, config.data, config.seed)
+    if epochs:
+        per_step = minibatches_per_step(make_schedule(plan, dataclasses.replace(config, steps=1)))
+        config = dataclasses.replace(config, steps=steps_for_epochs(epochs, checked.batches_per_epoch, per_step))
+    local = nproc_per_node or len(plan.used_ranks) // nnodes
+    cores = os.cpu_count() or 1
+    from .device import choose, visible_gpus
+
+    on_cpu = choose(config.device, 0, local).device.type == "cpu"  # a device this machine lacks fails here
+    gpus = visible_gpus()
+    if config.device == "auto" and 0 < gpus < local:
+        warn(f"torch sees {gpus} GPU(s) for {local} workers on this machine, so they train on the CPU; NCCL needs a "
+             "GPU per worker (plan for fewer workers per machine to use the GPUs)")
+    if on_cpu and config.threads is None:  # torch's default (every core in every worker) oversubscribes
+        config = dataclasses.replace(config, threads=max(1, cores // local))
+    if on_cpu and local * config.threads > cores:
+        warn(f"{local} workers x {config.threads} thread(s) share {cores} CPU cores on this machine: the measured time "
+             "per minibatch will exceed the plan's prediction, which gives every worker a core of its own")
+    return Job(config, checked, local, cores, on_cpu)
+
+
+def expected_ms(plan: Plan, config: RunConfig) -> tuple[float | None, float]:
+    """(simulated, cost model) time per minibatch for the mode and group that `config` runs: the
+    plan's own figures, or a new simulation when --mode or --group changed the schedule."""
+    simulated = plan.predicted.simulated_ms
+    if config.mode not in (None, plan.mode) or config.group is not None:
+        from ..simulate import simulate
+
+        simulated = simulate(plan, mode=config.mode, group=config.group).time_per_minibatch_ms
+    return simulated, plan.predicted.time_ms
