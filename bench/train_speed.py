@@ -5,9 +5,11 @@ Side by side in one run on this machine: the same model, the same 2-stage split 
 microbatch size and optimizer (SGD, lr 0.01, momentum 0.9); every worker is its own process
 with one thread (`torch.set_num_threads(1)`), gloo on CPU:
 
-- pdtool `flush` (m microbatches per step) and `pipedream` (a step after every minibatch),
-  started by `pdtool.runtime.launch.launch`, as `pd train` starts them;
-- torch.distributed.pipelining's `Schedule1F1B` and `ScheduleGPipe` (n_microbatches = m per
+- pdtool `flush` (m microbatches per step), `zb` (flush with each backward split into its input
+  and weight gradients, ZB-H1) and `pipedream` (a step after every minibatch), started by
+  `pdtool.runtime.launch.launch`, as `pd train` starts them;
+- torch.distributed.pipelining's `Schedule1F1B`, `ScheduleGPipe` and
+  `ScheduleInterleavedZeroBubble` (with one stage per rank: its ZB-H1) (n_microbatches = m per
   step) on pdtool's own two stage modules (`runtime.stages.plan_stages`), wrapped to take and
   return positional tensors, 2 processes (torch.multiprocessing);
 - DDP: 2 processes with a full replica each; a step is the same global batch as a flush step,
@@ -72,6 +74,7 @@ from pdtool.runtime.worker import RunConfig
 from pdtool.simulate import simulate
 
 OPTIMIZER = OptimizerConfig("sgd", 0.01, 0.9, 0.0)
+MODES_RUN = ("flush", "zb", "pipedream")  # pdtool's rows
 SEED = 0
 
 
@@ -189,15 +192,20 @@ class Positional(nn.Module):
 
 
 def _pipelining(rank: int, world: int, setup: Setup, queue, schedule_name: str) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble,
+    )
 
     bundle, batch = _build(setup)
     stages = plan_stages(Plan.load(setup.plan_path), bundle.module)
     last = rank == world - 1
     module = Positional(stages[rank], last)
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    kind = {"Schedule1F1B": Schedule1F1B, "ScheduleGPipe": ScheduleGPipe}[schedule_name]
-    schedule = kind(stage, n_microbatches=setup.group, loss_fn=bundle.loss_fn)  # every rank: it also means "train"
+    if schedule_name == "ScheduleInterleavedZeroBubble":  # a list of this rank's stages: one here
+        schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=setup.group, loss_fn=bundle.loss_fn)
+    else:
+        kind = {"Schedule1F1B": Schedule1F1B, "ScheduleGPipe": ScheduleGPipe}[schedule_name]
+        schedule = kind(stage, n_microbatches=setup.group, loss_fn=bundle.loss_fn)  # every rank: it also means "train"
     optimizer = _sgd(module.parameters())
     total = (setup.warmup + setup.minibatches) // setup.group
     targets = [torch.cat([batch(s * setup.group + k)[1] for k in range(setup.group)]) for s in range(total)] \
@@ -333,10 +341,16 @@ def _pdtool(setup: Setup, mode: str) -> tuple[float, float, list[dict[str, float
     return ms, start_up, per_minibatch, how
 
 
+def _measured_bubble(actions: list[dict[str, float]], ms: float) -> float:
+    """The workers' idle share of the time per minibatch, in no action (`actions`: per worker, ms
+    per minibatch inside each kind of action), as the simulator's `bubble_fraction`."""
+    return 1 - sum(sum(a.values()) for a in actions) / (len(actions) * ms) if ms > 0 else 0.0
+
+
 def _action_seconds(report, window: tuple[float, float] = (-math.inf, math.inf)) -> dict[str, float]:
-    """Seconds a worker spent in its F, B and U actions that began inside `window` (epoch seconds),
+    """Seconds a worker spent in its F, B, W and U actions that began inside `window` (epoch seconds),
     from `WorkerReport.events` where the reports have them."""
-    seconds = {"F": 0.0, "B": 0.0, "U": 0.0}
+    seconds = {"F": 0.0, "B": 0.0, "W": 0.0, "U": 0.0}
     for action, began, ended in getattr(report, "events", None) or []:
         kind = action.lstrip("0123456789")[:1]
         if kind in seconds and window[0] <= began < window[1]:
@@ -367,9 +381,9 @@ def main() -> None:
                      command="bench/train_speed.py")
     if len(plan.stages) != 2:
         raise SystemExit(f"the planner chose {len(plan.stages)} stage(s), not 2; change --hidden/--depth/--in-features")
-    predicted = {mode: simulate(plan, mode, minibatches=max(args.minibatches, 64),
-                                group=None if mode == "pipedream" else m).time_per_minibatch_ms
-                 for mode in ("pipedream", "flush")}
+    simulated = {mode: simulate(plan, mode, minibatches=max(args.minibatches, 64),
+                                group=None if mode == "pipedream" else m) for mode in MODES_RUN}
+    predicted = {mode: result.time_per_minibatch_ms for mode, result in simulated.items()}
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "mlp.plan.json"
         plan.save(path)
@@ -390,10 +404,10 @@ def main() -> None:
         stage_ms = measure("limit (slowest stage alone)", lambda: _stage_times(setup), max)
         pair_ms = measure("both stages at once, no messages", lambda: _spawn(_stages_at_once, setup), max)
         measure("one process", lambda: _single(setup))
-        for mode in ("flush", "pipedream"):
+        for mode in MODES_RUN:
             _, start_up[mode], actions[mode], how = measure(f"pdtool {mode}", lambda: _pdtool(setup, mode),
                                                             lambda r: r[0])
-        for name in ("Schedule1F1B", "ScheduleGPipe"):
+        for name in ("Schedule1F1B", "ScheduleGPipe", "ScheduleInterleavedZeroBubble"):
             measure(f"torch {name}", lambda: _spawn(_pipelining, setup, name))
         measure("DDP (2 replicas)", lambda: _spawn(_ddp, setup))
         free.append(_free_cores(setup))
@@ -422,13 +436,17 @@ def main() -> None:
     print("vs Schedule1F1B: its time / the contender's (> 1 is faster); vs limit: limit time / the contender's; "
           "predicted: the simulator on the plan for that schedule; other CPU use: cores busy with programs other "
           "than this benchmark while that row ran (0 on a quiet machine)")
-    for mode in ("flush", "pipedream"):
+    for mode in MODES_RUN:
         if any(sum(a.values()) for a in actions[mode]):
-            parts = "; ".join(f"stage {s} F {a['F']:.1f} B {a['B']:.1f} U {a['U']:.1f} rest "
+            parts = "; ".join(f"stage {s} F {a['F']:.1f} B {a['B']:.1f} W {a['W']:.1f} U {a['U']:.1f} rest "
                               f"{rows[f'pdtool {mode}'] - sum(a.values()):.1f}" for s, a in enumerate(actions[mode]))
             print(f"pdtool {mode}, ms per minibatch inside actions (rest: waits, messages, data, Python): {parts}")
-    print(f"pdtool time per minibatch from the {how}; start-up {start_up['flush']:.1f} / "
-          f"{start_up['pipedream']:.1f} s per launch (flush / pipedream)")
+    print(f"pdtool time per minibatch from the {how}; start-up "
+          f"{' / '.join(f'{start_up[mode]:.1f}' for mode in MODES_RUN)} s per launch ({' / '.join(MODES_RUN)})")
+    bubble = {mode: (simulated[mode].bubble_fraction, _measured_bubble(actions[mode], rows[f"pdtool {mode}"]))
+              for mode in ("flush", "zb")}
+    print("bubble (share of the workers' time idle: in no F, B, W or U), simulated / measured: "
+          + "; ".join(f"{mode} {sim:.3f} / {real:.3f}" for mode, (sim, real) in bubble.items()))
     checks = [
         ("pdtool flush at least as fast as Schedule1F1B", rows["pdtool flush"] <= base,
          f"{base / rows['pdtool flush']:.2f}x"),
@@ -439,7 +457,16 @@ def main() -> None:
     ]
     checks += [(f"pdtool {mode} within 15% of its prediction",
                 abs(rows[f"pdtool {mode}"] / predicted[mode] - 1) <= 0.15,
-                f"{rows[f'pdtool {mode}'] / predicted[mode]:.2f}") for mode in ("flush", "pipedream")]
+                f"{rows[f'pdtool {mode}'] / predicted[mode]:.2f}") for mode in MODES_RUN]
+    zb_torch = rows["torch ScheduleInterleavedZeroBubble"]
+    checks += [
+        ("pdtool zb's bubble at most half of flush's, simulated", bubble["zb"][0] <= bubble["flush"][0] / 2,
+         f"{bubble['zb'][0] / bubble['flush'][0]:.2f}"),
+        ("pdtool zb's bubble at most half of flush's, measured", bubble["zb"][1] <= bubble["flush"][1] / 2,
+         f"{bubble['zb'][1] / max(bubble['flush'][1], 1e-9):.2f}"),
+        ("pdtool zb faster than torch's zero bubble (ScheduleInterleavedZeroBubble)", rows["pdtool zb"] < zb_torch,
+         f"{zb_torch / rows['pdtool zb']:.2f}x"),
+    ]
     measured = all(ms > 0 for ms in rows.values())
     for label, ok, value in checks:
         print(f"- target: {label}: {value}, {'NOT MEASURED (noise)' if not measured else 'met' if ok else 'NOT MET'}")

@@ -16,6 +16,7 @@ from . import __version__
 from .errors import PdtoolError
 from .fields import check_schema
 from .jsonio import check_writable, read_json
+from .schedule.core import MODES
 
 
 class _Pd(click.Group):
@@ -181,7 +182,7 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
               "pipeline with data parallelism, e.g. in pd train).")
 @click.option("--cost-model", type=click.Choice(["pdtool", "pipedream"]), default="pdtool", show_default=True,
               help="pdtool: max(compute, all-reduce, transfer) per stage; pipedream: the original optimizer's formulas.")
-@click.option("--mode", type=click.Choice(["pipedream", "vsync", "2bw", "flush", "gpipe"]), default=None,
+@click.option("--mode", type=click.Choice(MODES), default=None,
               help="Schedule mode the plan is to be trained with [default: pipedream, or 2bw when stages share a "
                    "parameter (tied weights), which pipedream cannot train].")
 @click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True,
@@ -229,7 +230,7 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
              epilog=_examples("pd simulate resnet.plan.json --trace resnet.trace.json",
                                 "pd simulate resnet.plan.json --mode flush --group 8"))
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False, allow_dash=True))
-@click.option("--mode", type=click.Choice(["pipedream", "vsync", "2bw", "flush", "gpipe"]), default=None,
+@click.option("--mode", type=click.Choice(MODES), default=None,
               help="Schedule mode to simulate [default: the plan's].")
 @click.option("--minibatches", "-n", type=click.IntRange(1, MAX_SIMULATED), default=None,
               help="Minibatches (microbatches in 2bw/flush/gpipe) to run [default: 16 per worker, "
@@ -296,7 +297,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
 @click.option("--data", default="synthetic", show_default=True, metavar="SOURCE",
               help="synthetic (the model factory's batches), digits (the UCI handwritten digits shipped with "
                    "pdtool), or PKG.MODULE:FACTORY returning a torch Dataset of (input, target) items.")
-@click.option("--mode", type=click.Choice(["pipedream", "vsync", "2bw", "flush", "gpipe"]),
+@click.option("--mode", type=click.Choice(MODES),
               help="Schedule mode [default: the plan's].")
 @click.option("--group", "-g", type=click.IntRange(1, 65536),
               help="2bw/flush/gpipe: microbatches per optimizer step [default: the number of stages, or more].")

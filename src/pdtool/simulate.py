@@ -7,7 +7,8 @@ The model (all times in ms):
 - Workers. The plan's stage s replica i is schedule rank (s, i) and runs on plan rank
   `plan.stages[s].ranks[i]`; results are keyed by plan ranks. Every worker runs its action list
   in order, one action at a time, each as soon as its worker is free and its input is there.
-- Compute. `F` of stage s takes the stage's `fwd_ms`, `B` its `bwd_ms` (one minibatch on one
+- Compute. `F` of stage s takes the stage's `fwd_ms`, `B` its `bwd_ms` (in mode `zb`, B its
+  `bwd_ms - wgrad_ms` and W its `wgrad_ms`) (one minibatch on one
   worker, as profiled); `F` on stage 0 also makes its minibatch (`data_ms`). Within a worker,
   `B` of b follows `F` of b by the schedule's order.
 - Transfers. `F` of b on stage s > 0 needs `F` of b on stage s-1 and then its activations,
@@ -34,7 +35,9 @@ from dataclasses import dataclass
 
 from .errors import ScheduleError
 from .artifacts.plan import MS_PER_S, Plan
-from .schedule import Schedule, default_group, generate, peak_versions, stash_depth, step_group
+from .schedule import (
+    ASYNC_MODES, FLUSH_MODES, Schedule, default_group, generate, peak_versions, stash_depth, step_group,
+)
 from .schedule.lower import ACTIVATION, Op, collective_key, lower, message
 
 __all__ = ["SimEvent", "SimResult", "SimTransfer", "allreduce_ms", "default_minibatches", "link_bandwidth",
@@ -77,10 +80,11 @@ class SimResult:
 
     `makespan_ms` runs from the first start to the last end. `time_per_minibatch_ms` is the
     steady-state period (`steady_state_ms`); `samples_per_s` is the profile's batch size over it.
-    `bubble_fraction` is 1 - (F and B time of all workers) / (workers * makespan). `busy_ms` is
-    each worker's F and B time. `peak_versions` (from the schedule) is the most weight versions a
-    worker holds at once; `peak_in_flight` the most minibatches it holds between the start of a
-    forward and the end of its backward; `peak_activation_bytes` that times the stage's
+    `bubble_fraction` is the workers' idle share: 1 - (time in any action, U with its all-reduce
+    included) / (workers * makespan). `busy_ms` is each worker's F, B and W time.
+    `peak_versions` (from the schedule) is the most weight versions a worker holds at once;
+    `peak_in_flight` the most minibatches it holds between the start of a forward and the end of
+    its backward (its W, where there is one); `peak_activation_bytes` that times the stage's
     `activation_bytes`. `events` are all actions, by start time; `transfers` all messages.
     """
 
@@ -187,13 +191,23 @@ def simulate(plan: Plan, mode: str | None = None, minibatches: int | None = None
     mode = plan.mode if mode is None else mode
     replicas = tuple(s.replicas for s in plan.stages)
     if group is None:
-        group = 1 if mode in ("pipedream", "vsync") else default_group(replicas)
+        group = 1 if mode in ASYNC_MODES else default_group(replicas)
     if minibatches is None:  # a bad group is reported by the schedule's checks, not here
         minibatches = default_minibatches(sum(replicas), group if isinstance(group, int) and group >= 1 else 1)
     schedule = generate(mode, replicas, minibatches, group)
     run = _Run(plan, schedule)
     run.go()
     return run.result()
+
+
+def _compute_ms(op: Op, s) -> float:
+    """The time of an F, B or W op on stage `s`: a B followed by a W computes the input
+    gradients only, the W the rest of the backward."""
+    if op.kind == "F":
+        return s.fwd_ms + s.data_ms
+    if op.kind == "W":
+        return s.wgrad_ms
+    return s.bwd_ms - (0.0 if op.weights else s.wgrad_ms)
 
 
 class _Run:
@@ -262,8 +276,8 @@ class _Run:
             self.free[worker] = end
         else:
             start = self.free[worker]
-            end = start + (s.fwd_ms + s.data_ms if op.kind == "F" else s.bwd_ms)
-            self.held[worker] += 1 if op.kind == "F" else -1
+            end = start + _compute_ms(op, s)
+            self.held[worker] += 1 if op.kind == "F" else -1 if op.kind == "W" or op.weights else 0
             self.peak_held[worker] = max(self.peak_held[worker], self.held[worker])
             self._record(worker, op, start, end)
             self.free[worker] = end
@@ -315,9 +329,13 @@ class _Run:
             if e.kind != "U":
                 busy[e.rank] += e.end_ms - e.start_ms
         workers = len(self.ranks)
-        bubble = 1 - sum(busy.values()) / (workers * makespan) if makespan > 0 else 0.0
-        completions = {e.minibatch: e.end_ms for e in events if e.kind == "B" and e.stage == 0}
-        flushes = schedule.mode in ("flush", "gpipe")
+        acting = sum(busy.values()) + sum(e.end_ms - e.start_ms for e in events if e.kind == "U")
+        bubble = max(0.0, 1 - acting / (workers * makespan)) if makespan > 0 else 0.0
+        completions: dict[int, float] = {}  # stage 0's minibatches: the end of their last backward part
+        for e in events:
+            if e.kind in ("B", "W") and e.stage == 0:
+                completions[e.minibatch] = max(completions.get(e.minibatch, 0.0), e.end_ms)
+        flushes = schedule.mode in FLUSH_MODES
         tail = 0 if flushes else max(stash_depth(schedule, s) * r for s, r in enumerate(schedule.replicas))
         per_minibatch = steady_state_ms(completions, schedule.minibatches, step_group(schedule, 0), tail, first)
         versions = peak_versions(schedule)

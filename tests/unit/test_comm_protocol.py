@@ -92,7 +92,7 @@ def replay(schedule, window, ties=(), posting=Prefetch):
 
 
 def schedules():
-    for mode, reps in product(("pipedream", "vsync", "2bw", "flush", "gpipe"), LAYOUTS):
+    for mode, reps in product(("pipedream", "vsync", "2bw", "flush", "gpipe", "zb"), LAYOUTS):
         if mode in ("pipedream", "vsync"):
             yield generate(mode, reps, 6 * reps[0])
         else:
@@ -105,7 +105,7 @@ def test_no_generated_schedule_deadlocks_with_the_runtimes_window_or_a_window_of
     runtime_window = max(stash_depth(schedule, s) for s in range(schedule.stages))
     for window in sorted({1, runtime_window}):
         assert replay(schedule, window) is None, (window, replay(schedule, window))
-    if schedule.mode in ("flush", "gpipe") and schedule.stages > 1:
+    if schedule.mode in ("flush", "gpipe", "zb") and schedule.stages > 1:
         ties = ((0, schedule.stages - 1),)  # an embedding tied to the output head
         assert replay(schedule, runtime_window, ties) is None
 

@@ -7,7 +7,7 @@ CORE = ["pdtool.errors", "pdtool.fields", "pdtool.jsonio", "pdtool.units",
         "pdtool.artifacts", "pdtool.artifacts.cluster", "pdtool.artifacts.profile", "pdtool.artifacts.plan",
         "pdtool.artifacts.pipedream", "pdtool.artifacts.schemas",
         "pdtool.planner", "pdtool.planner.costmodel", "pdtool.planner.states", "pdtool.planner.partition",
-        "pdtool.planner.make", "pdtool.schedule", "pdtool.schedule.core", "pdtool.schedule.generate",
+        "pdtool.planner.make", "pdtool.schedule", "pdtool.schedule.core", "pdtool.schedule.generator",
         "pdtool.schedule.check", "pdtool.schedule.lower", "pdtool.simulate",
         "pdtool.views", "pdtool.views.trace", "pdtool.views.render", "pdtool.views.show"]
 

@@ -30,7 +30,7 @@ def forward_versions(schedule: Schedule, stage: int) -> list[int]:
 
 # ----- actions and text ------------------------------------------------------------------------
 @pytest.mark.parametrize("text, action", [
-    ("0F3", Action("F", 0, 3)), ("1B3", Action("B", 1, 3)), ("0U", Action("U", 0)), ("12F105", Action("F", 12, 105)),
+    ("0F3", Action("F", 0, 3)), ("1B3", Action("B", 1, 3)), ("1W3", Action("W", 1, 3)), ("0U", Action("U", 0)), ("12F105", Action("F", 12, 105)),
 ])
 def test_action_text_round_trip(text, action):
     assert Action.parse(text) == action
@@ -39,7 +39,7 @@ def test_action_text_round_trip(text, action):
 
 @pytest.mark.parametrize("text", ["", "F3", "0X3", "0F", "0U3", "-1F2", "0 F3", "0f3", "1B3x"])
 def test_action_parse_rejects_bad_text(text):
-    with pytest.raises(ScheduleError, match=r"bad action .*expected <stage>F<minibatch>.*e\.g\. 0F3, 1B3, 0U"):
+    with pytest.raises(ScheduleError, match=r"bad action .*expected <stage>F<minibatch>.*e\.g\. 0F3, 1B3, 1W3, 0U"):
         Action.parse(text)
 
 
@@ -147,7 +147,7 @@ def _grid():
     for replicas in PATTERNS:
         for mode in MODES:
             groups = [1] if mode in ("pipedream", "vsync") else {default_group(replicas), default_group(replicas) + 1}
-            if mode in ("flush", "gpipe"):
+            if mode in ("flush", "gpipe", "zb"):
                 groups |= {1, 2}
             for group in sorted(groups):
                 for minibatches in range(1, 13):
@@ -162,6 +162,8 @@ def test_validator_accepts_every_generated_schedule():
         validate(schedule)
         table = schedule.versions()
         assert all(table[("B", s, b)] == table[("F", s, b)] for s in range(len(replicas)) for b in range(minibatches))
+        if mode == "zb":
+            assert all(table[("W", s, b)] == table[("F", s, b)] for s in range(len(replicas)) for b in range(minibatches))
         if mode == "2bw":
             assert max(peak_versions(schedule).values()) <= 2, (replicas, minibatches, group)
         count += 1
@@ -310,7 +312,7 @@ def test_vsync_every_stage_sees_the_same_staleness(replicas):
     assert [forward_versions(straight, s) for s in range(3)] == [[0, 0, 0, 1, 2]] * 3
 
 
-@pytest.mark.parametrize("mode", ["flush", "gpipe"])
+@pytest.mark.parametrize("mode", ["flush", "gpipe", "zb"])
 def test_flush_and_gpipe_run_batch_t_on_version_t(mode):
     for replicas in [(1, 1, 1), (2, 1), (1, 2)]:
         schedule = generate(mode, replicas, 12, group=3)
@@ -365,3 +367,28 @@ def test_validator_rejects_messages_received_out_of_order():
     with pytest.raises(ScheduleError, match=r"^w0 s0r0 receives the gradients of w1 s1r0 in the order \[0, 1, 2, 3\] "
                                             r"but they are sent in the order \[1, 0, 2, 3\]; order the B actions"):
         validate(Schedule.from_text(text))
+
+
+def test_zb_splits_every_backward_and_keeps_the_later_stages_ws_for_the_drain():
+    """ZB-H1 on 4 stages, one batch of 4: stage s runs a W after each B from its (s+1)-th B on,
+    the rest at the end of the batch; every W follows its B, and the step follows every W."""
+    schedule = generate("zb", (1, 1, 1, 1), 4)
+    validate(schedule)
+    assert [str(a) for a in schedule.workers[0]] == "0F0 0F1 0F2 0F3 0B0 0W0 0B1 0W1 0B2 0W2 0B3 0W3 0U".split()
+    assert [str(a) for a in schedule.workers[3]] == "3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3W0 3W1 3W2 3W3 3U".split()
+    assert [stash_depth(schedule, s) for s in range(4)] == [4, 4, 4, 4]  # held from F to W: warm-up + 1 + lag
+
+
+@pytest.mark.parametrize("schedule, message", [
+    (Schedule.from_text("schedule mode=flush replicas=1 minibatches=1 group=1\nw0 s0r0: 0F0 0B0 0W0 0U"),
+     r"0W0 is a weight-gradient action, but mode 'flush' runs whole backwards"),
+    (Schedule.from_text("schedule mode=zb replicas=1 minibatches=1 group=1\nw0 s0r0: 0F0 0B0 0U"),
+     r"the weight gradients 0W0 of minibatch 0 is missing"),
+    (Schedule.from_text("schedule mode=zb replicas=1 minibatches=1 group=1\nw0 s0r0: 0F0 0W0 0B0 0U"),
+     r"0W0 \(action 1\) comes before its backward 0B0 \(action 2\); run the backward first"),
+    (Schedule.from_text("schedule mode=zb replicas=1 minibatches=1 group=1\nw0 s0r0: 0F0 0B0 0U 0W0"),
+     r"0W0 comes after 1 optimizer steps"),
+])
+def test_validator_checks_weight_gradient_actions(schedule, message):
+    with pytest.raises(ScheduleError, match=message):
+        validate(schedule)

@@ -1,4 +1,4 @@
-"""The published JSON Schemas (src/pdtool/schemas/) agree with what pdtool writes and reads."""
+"""The published JSON Schemas (src/pdtool/artifacts/schemas/) agree with what pdtool writes and reads."""
 import json
 from pathlib import Path
 
@@ -62,7 +62,7 @@ def test_what_the_reader_ignores_the_schema_still_refuses(tmp_path):
     with pytest.raises(ArtifactError) as info:
         Profile.load(path)
     assert str(info.value) == (f"{path}: layer_sum_over_step: expected a number or null, found a string ('fast'); "
-                               "fix the value or regenerate the file (schema: pdtool/schemas/profile.schema.json)")
+                               "fix the value or regenerate the file (schema: pdtool/artifacts/schemas/profile.schema.json)")
 
 
 def test_plans_refuse_a_negative_derived_figure(tmp_path):
@@ -85,5 +85,5 @@ def test_schema_messages_are_one_line_naming_the_field(data, message):
     with pytest.raises(ArtifactError) as info:
         check_document(data, "cluster", "c.json")
     assert "\n" not in str(info.value) and str(info.value).startswith(f"c.json: {message}")
-    assert str(info.value).endswith("(schema: pdtool/schemas/cluster.schema.json)")
+    assert str(info.value).endswith("(schema: pdtool/artifacts/schemas/cluster.schema.json)")
 

@@ -180,8 +180,8 @@ def test_every_action_runs_once_without_overlap_and_after_its_inputs(mode, repli
         if kind == "B":
             assert e.start_ms >= ends[("F", s, b)].end_ms - 1e-9
     assert result.makespan_ms == pytest.approx(max(e.end_ms for e in result.events))
-    busy = sum(result.busy_ms.values())
-    assert result.bubble_fraction == pytest.approx(1 - busy / (len(result.busy_ms) * result.makespan_ms))
+    acting = sum(result.busy_ms.values()) + sum(e.end_ms - e.start_ms for e in result.events if e.kind == "U")
+    assert result.bubble_fraction == pytest.approx(1 - acting / (len(result.busy_ms) * result.makespan_ms))
     assert set(result.peak_versions) == set(result.peak_in_flight) == {r for rs in ranks for r in rs}
 
 

@@ -20,11 +20,10 @@ from ..errors import ArtifactError, PdtoolError
 from ..fields import Fields, check_schema
 from .schemas import SchemaChecked
 from ..jsonio import canonical_json, read_json, round_float_fields, write_json
+from ..schedule.core import MODES, TIE_MODES
 from .profile import METHODS, SPLITS, Profile
 
 SCHEMA = "pdtool.plan/1"
-MODES = ("pipedream", "vsync", "2bw", "flush", "gpipe")
-TIE_MODES = ("2bw", "flush", "gpipe")
 """Modes that train tied weights (a parameter used by several stages): every stage steps at
 batch boundaries, so the sharing stages add their copies' gradients before each step and the
 copies stay equal. `pipedream` and `vsync` step each stage after different minibatches."""
@@ -60,7 +59,8 @@ class PlanStage(LayerSet):
     divided by all replicas), `memory_bytes` what one of its workers needs, `in_flight` the
     minibatches each of its workers holds at once under 1F1B. `update_ms` is one optimizer step
     of its parameters on one worker and `data_ms` the making of one minibatch (stage 0 only),
-    both from the profile; the simulator charges them, the cost model does not.
+    both from the profile; the simulator charges them, the cost model does not. `wgrad_ms` is
+    the part of `bwd_ms` that computes the weight gradients (the W of mode `zb`).
     """
 
     layers: tuple[int, ...]
@@ -81,6 +81,7 @@ class PlanStage(LayerSet):
     memory_bytes: int
     update_ms: float = 0.0
     data_ms: float = 0.0
+    wgrad_ms: float = 0.0
 
     def __post_init__(self) -> None:
         round_float_fields(self)
@@ -268,7 +269,7 @@ class Plan(SchemaChecked):
                  "replicas": s.replicas, "ranks": list(s.ranks), "in_flight": s.in_flight,
                  "fwd_ms": s.fwd_ms, "bwd_ms": s.bwd_ms, "param_bytes": s.param_bytes,
                  "in_bytes": s.in_bytes, "out_bytes": s.out_bytes, "activation_bytes": s.activation_bytes,
-                 "update_ms": s.update_ms, "data_ms": s.data_ms,
+                 "update_ms": s.update_ms, "data_ms": s.data_ms, "wgrad_ms": s.wgrad_ms,
                  "compute_ms": s.compute_ms, "allreduce_ms": s.allreduce_ms, "transfer_ms": s.transfer_ms,
                  "time_ms": s.time_ms, "memory_bytes": s.memory_bytes}
                 for i, s in enumerate(self.stages)
@@ -314,7 +315,7 @@ class Plan(SchemaChecked):
             f = Fields(item, source, where, known=("id", "layers", "first_layer", "last_layer", "replicas", "ranks",
                                                    "in_flight", "fwd_ms", "bwd_ms", "param_bytes", "in_bytes",
                                                    "out_bytes", "activation_bytes", "compute_ms", "allreduce_ms", "transfer_ms",
-                                                   "time_ms", "memory_bytes", "update_ms", "data_ms"))
+                                                   "time_ms", "memory_bytes", "update_ms", "data_ms", "wgrad_ms"))
             layers = _layer_ids(f, "layers")
             ranks = f.get("ranks", list)
             if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
@@ -331,7 +332,10 @@ class Plan(SchemaChecked):
                                     f.number("compute_ms"), f.number("allreduce_ms"),
                                     f.number("transfer_ms"), f.number("time_ms"), f.count("memory_bytes"),
                                     f.get("update_ms", float, optional=True, default=0.0),
-                                    f.get("data_ms", float, optional=True, default=0.0)))
+                                    f.get("data_ms", float, optional=True, default=0.0),
+                                    # a plan from before weight gradients were timed: half the backward
+                                    f.get("wgrad_ms", float, optional=True, default=f.number("bwd_ms") / 2
+                                          if f.count("param_bytes") else 0.0)))
         groups = []
         for where, item in top.items("groups"):
             f = Fields(item, source, where, known=("level", "layers", "units", "compute_ms", "allreduce_ms",

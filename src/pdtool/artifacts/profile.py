@@ -57,6 +57,7 @@ class Layer:
     fwd_ms_spread: float = 0.0
     bwd_ms_spread: float = 0.0
     ops: tuple[str, ...] = ()
+    wgrad_ms: float | None = None  # the part of bwd_ms that computes the weight gradients (None: not measured)
 
     def __post_init__(self) -> None:
         round_float_fields(self)
@@ -149,7 +150,7 @@ class Profile(SchemaChecked):
                 {
                     "id": l.id, "name": l.name, "kind": l.kind,
                     "fwd_ms": l.fwd_ms, "bwd_ms": l.bwd_ms,
-                    "fwd_ms_spread": l.fwd_ms_spread, "bwd_ms_spread": l.bwd_ms_spread,
+                    "fwd_ms_spread": l.fwd_ms_spread, "bwd_ms_spread": l.bwd_ms_spread, "wgrad_ms": l.wgrad_ms,
                     "act_bytes": l.act_bytes, "param_bytes": l.param_bytes, "ops": list(l.ops),
                 }
                 for l in self.layers
@@ -184,6 +185,7 @@ class Profile(SchemaChecked):
                 fwd_ms=f.number("fwd_ms"), bwd_ms=f.number("bwd_ms"),
                 fwd_ms_spread=f.number("fwd_ms_spread"), bwd_ms_spread=f.number("bwd_ms_spread"),
                 act_bytes=f.count("act_bytes"), param_bytes=f.count("param_bytes"), ops=tuple(ops),
+                wgrad_ms=f.number("wgrad_ms", optional=True),
             ))
         edges = []
         for where, item in top.items("edges"):
@@ -218,7 +220,7 @@ class Profile(SchemaChecked):
 _TOP_FIELDS = ("schema", "model", "batch_size", "inputs", "device", "torch_version", "fingerprint",
                "method", "split", "shared", "granularity", "depth", "repeats", "step_ms", "step_ms_spread", "update_ms", "data_ms",
                "layer_sum_over_step", "layers", "edges")
-_LAYER_FIELDS = ("id", "name", "kind", "fwd_ms", "bwd_ms", "fwd_ms_spread", "bwd_ms_spread",
+_LAYER_FIELDS = ("id", "name", "kind", "fwd_ms", "bwd_ms", "fwd_ms_spread", "bwd_ms_spread", "wgrad_ms",
                  "act_bytes", "param_bytes", "ops")
 
 
@@ -245,6 +247,9 @@ def _validate(p: Profile, source: str) -> None:
         for key in ("fwd_ms", "bwd_ms", "fwd_ms_spread", "bwd_ms_spread", "act_bytes", "param_bytes"):
             if getattr(layer, key) < 0:
                 top.fail(f"{key} is negative ({getattr(layer, key)})", "costs are never negative; fix it", where)
+        if layer.wgrad_ms is not None and not 0 <= layer.wgrad_ms <= layer.bwd_ms:
+            top.fail(f"wgrad_ms {layer.wgrad_ms} is outside 0..bwd_ms ({layer.bwd_ms})",
+                     "the weight gradients are a part of the backward; fix it or remove it", where)
     for field_name in ("step_ms", "step_ms_spread", "update_ms", "data_ms"):
         if getattr(p, field_name) < 0:
             top.fail(f"is negative ({getattr(p, field_name)})", "fix the value", field_name)

@@ -15,11 +15,11 @@ from .. import __version__
 from .. import simulate as simulator
 from ..artifacts.cluster import Cluster
 from ..artifacts.plan import (
-    MODES, MS_PER_S, Plan, PlanGroup, PlanStage, Prediction, ProfileRef, compact_ranges, profile_sha256,
+    MS_PER_S, Plan, PlanGroup, PlanStage, Prediction, ProfileRef, compact_ranges, profile_sha256,
 )
 from ..artifacts.profile import Profile
 from ..errors import PlanError
-from ..schedule import default_group
+from ..schedule import ASYNC_MODES, MODES, default_group
 from ..units import format_bytes
 from .costmodel import MODELS, ChainCosts, CostModel, Memory
 from .partition import Pipeline, PipelineStage, Solver
@@ -226,7 +226,7 @@ def shared_parameters(profile: Profile, stages) -> tuple[tuple[str, tuple[int, .
 def _with_simulation(plan: Plan, most: int = SIMULATED_MINIBATCHES) -> Plan:
     """The plan with the simulator's figures for its own schedule recorded in `predicted`, from a
     run of at most `most` minibatches."""
-    group = 1 if plan.mode in ("pipedream", "vsync") else default_group([s.replicas for s in plan.stages])
+    group = 1 if plan.mode in ASYNC_MODES else default_group([s.replicas for s in plan.stages])
     most = min(most, SIMULATED_MINIBATCHES)
     minibatches = min(simulator.default_minibatches(plan.workers, group), max(most // group, 1) * group)
     result = simulator.simulate(plan, minibatches=minibatches, group=None if group == 1 else group)
@@ -288,7 +288,16 @@ def _leaf(stage: PipelineStage, terms: dict, outer: int, ranks: list[int], profi
                      terms["compute"] / outer * MS_PER_S, terms["allreduce"] / outer * MS_PER_S,
                      terms["transfer"] / outer * MS_PER_S, terms["time"] / outer * MS_PER_S, int(round(need)),
                      update_ms=profile.update_ms * params / profile.param_bytes if profile.param_bytes else 0.0,
-                     data_ms=profile.data_ms if not earlier else 0.0)
+                     data_ms=profile.data_ms if not earlier else 0.0,
+                     wgrad_ms=sum(_weight_gradient_ms(l) for l in layers))
+
+
+def _weight_gradient_ms(layer) -> float:
+    """The layer's measured weight-gradient time; unmeasured (an older or imported profile): half
+    its backward when it has parameters (a matmul's two gradients cost alike), else none."""
+    if layer.wgrad_ms is not None:
+        return layer.wgrad_ms
+    return layer.bwd_ms / 2 if layer.param_bytes else 0.0
 
 
 def _no_plan_reason(profile: Profile, costs: ChainCosts, states: States, counts, bandwidths, model, straight, memory,

@@ -4,7 +4,9 @@ PipeDream's profiler (Narayanan et al., SOSP 2019, section 3.1) times each layer
 and backward pass separately. Here every layer is a submodule made by `split_module`; one
 forward pass of the whole split model records each submodule's inputs, then each
 submodule is run on its own: forward (timed), then backward from a gradient of ones on its
-differentiable outputs (timed), `repeats` times after `warmup` untimed rounds.
+differentiable outputs (timed), `repeats` times after `warmup` untimed rounds. Each round of a
+layer with parameters whose inputs need gradients also times a backward of the input gradients
+alone; what the whole backward takes beyond it is the layer's `wgrad_ms` (the W of mode `zb`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class LayerCost:
     bwd_ms: float
     bwd_ms_spread: float
     act_bytes: int
+    wgrad_ms: float | None = None  # the part of bwd_ms that computes the weight gradients
 
 
 class _RecordCalls(fx.Interpreter):
@@ -76,7 +79,8 @@ def measure_split(split: fx.GraphModule, inputs: tuple[torch.Tensor, ...], *, re
         sub = split.get_submodule(name)
         args, kwargs = tree_map(as_leaf, args), tree_map(as_leaf, kwargs)
         leaves = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
-        fwd, bwd = [], []
+        splits = any(p.requires_grad for p in sub.parameters()) and bool(leaves)
+        fwd, bwd, inputs_only = [], [], []
         for round_ in range(warmup + repeats):
             sub.zero_grad(set_to_none=True)
             for leaf in leaves:
@@ -87,8 +91,27 @@ def measure_split(split: fx.GraphModule, inputs: tuple[torch.Tensor, ...], *, re
             middle = clock()
             backward_from(result)
             end = clock()
+            if splits:  # the same layer's backward of the input gradients only (zb's B), right after
+                inputs_only.append(_input_gradients_s(sub(*tree_map(fresh, args), **tree_map(fresh, kwargs)), leaves,
+                                                      clock))
             if round_ >= warmup:
                 fwd.append(middle - start)
                 bwd.append(end - middle)
-        costs.append(LayerCost(*summarize(fwd), *summarize(bwd), act_bytes=nbytes(out)))
+        fwd_ms, fwd_spread = summarize(fwd)
+        bwd_ms, bwd_spread = summarize(bwd)
+        if splits:
+            wgrad = min(max(0.0, bwd_ms - summarize(inputs_only[warmup:])[0]), bwd_ms)
+        else:  # no parameters: no weight gradients; inputs that need none: all of the backward is
+            wgrad = bwd_ms if any(p.requires_grad for p in sub.parameters()) else 0.0
+        costs.append(LayerCost(fwd_ms, fwd_spread, bwd_ms, bwd_spread, act_bytes=nbytes(out), wgrad_ms=wgrad))
     return costs
+
+
+def _input_gradients_s(result, leaves: list[torch.Tensor], clock: Clock) -> float:
+    """Seconds of a backward from `result` that computes the gradients of `leaves` only."""
+    roots = [t for t in tensors_in(result) if t.requires_grad]
+    if not roots:
+        return 0.0
+    start = clock()
+    torch.autograd.grad(roots, leaves, [torch.ones_like(t) for t in roots], allow_unused=True)
+    return clock() - start

@@ -34,9 +34,9 @@ import torch
 from torch.func import functional_call
 
 from ..errors import LaunchError
-from ..schedule import Action, Schedule
+from ..schedule import ASYNC_MODES, Action, Schedule
+from .split_backward import input_gradients, weight_gradients
 
-ASYNC_MODES = ("pipedream", "vsync")
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,7 @@ class StageWorker:
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.peak_versions = 0    # most stashed versions held at once (live weights not counted)
         self.stash: dict[int, tuple[dict, Any, int]] = {}
+        self.split: dict[int, tuple[Any, int]] = {}  # minibatch -> (what its W needs, version) between B and W
         self.backwards = 0        # backwards since the last step
         self.losses: dict[int, float] = {}
         self._flat: torch.Tensor | None = None  # the gradient buffer of replica all-reduces (gradient_buffer)
@@ -157,9 +158,10 @@ class StageWorker:
             return loss
         return {k: o.detach() for k, o in outputs.items()}
 
-    def backward(self, b: int, grads: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Backward of minibatch b on the version its forward used; adds parameter gradients to
-        the live weights and returns the gradients of the inputs (floating ones only)."""
+    def backward(self, b: int, grads: dict[str, torch.Tensor] | None = None, weights: bool = True) -> dict[str, torch.Tensor]:
+        """Backward of minibatch b on the version its forward used; returns the gradients of the
+        inputs (floating ones only). With `weights` it also adds the parameter gradients to the
+        live weights; without, `weight_backward(b)` does that later (mode `zb`'s W)."""
         leaves, outputs, v, params = self.stash.pop(b)
         if self.version_of[("B", b)] != v:
             raise LaunchError(f"worker {self.rank}: minibatch {b} ran forward on version {v} but the schedule "
@@ -170,14 +172,34 @@ class StageWorker:
             pairs = [(outputs[k], grads[k]) for k in outputs if outputs[k].requires_grad and grads.get(k) is not None]
             roots, seeds = [p[0] for p in pairs], [p[1] for p in pairs]
         wanted_inputs = [k for k, t in leaves.items() if t.requires_grad]
-        targets = list(params.values()) + [leaves[k] for k in wanted_inputs]
-        found = torch.autograd.grad(roots, targets, seeds, allow_unused=True) if roots and targets else [None] * len(targets)
-        for live, grad in zip(self.live, found[:len(params)]):
-            if grad is not None:
-                live.grad = grad.detach() if live.grad is None else live.grad.add_(grad)
+        inputs = [leaves[k] for k in wanted_inputs]
         self._used(v)
+        if not weights:
+            found, pending = input_gradients(roots, seeds, inputs, list(params.values())) if roots else ([], None)
+            self.split[b] = (pending, v)
+            return {k: g for k, g in zip(wanted_inputs, found) if g is not None}
+        targets = list(params.values()) + inputs
+        found = torch.autograd.grad(roots, targets, seeds, allow_unused=True) if roots and targets else [None] * len(targets)
+        self._add_gradients(found[:len(params)])
         self.backwards += 1
         return {k: g for k, g in zip(wanted_inputs, found[len(params):]) if g is not None}
+
+    def weight_backward(self, b: int) -> None:
+        """The weight gradients of minibatch b, whose `backward(b, weights=False)` ran: added to
+        the live weights (mode `zb`'s W)."""
+        pending, v = self.split.pop(b)
+        if self.version_of[("W", b)] != v:
+            raise LaunchError(f"worker {self.rank}: minibatch {b} ran its backward on version {v} but the schedule "
+                              f"puts its weight gradients on version {self.version_of[('W', b)]}")
+        if pending is not None:
+            self._add_gradients(weight_gradients(pending))
+        self._used(v)
+        self.backwards += 1
+
+    def _add_gradients(self, grads) -> None:
+        for live, grad in zip(self.live, grads):
+            if grad is not None:
+                live.grad = grad.detach() if live.grad is None else live.grad.add_(grad)
 
     def mean_gradients(self, allreduce: Allreduce | None = None) -> None:
         """First half of a step: `.grad` of every live weight becomes the mean gradient of the

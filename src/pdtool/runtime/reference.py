@@ -64,6 +64,8 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
             return action.stage == 0 or (action.stage - 1, action.minibatch) in activations
         if action.kind == "B":
             return action.stage == last or (action.stage, action.minibatch) in gradients
+        if action.kind == "W":
+            return True  # its worker's B ran before it
         peers = [schedule.rank(s, i) for s in together[action.stage] for i in range(schedule.replicas[s])]
         return all(position[p] < len(schedule.workers[p]) and schedule.workers[p][position[p]].kind == "U"
                    and steps_done[p] == steps_done[rank] for p in peers)
@@ -86,9 +88,13 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
                     activations[(s, b)] = (out, target)
                 position[rank] += 1
             elif action.kind == "B":
-                grads = worker.backward(b, None if s == last else gradients.pop((s, b)))
+                split = ("W", b) in worker.version_of  # zb: the weight gradients come in the W
+                grads = worker.backward(b, None if s == last else gradients.pop((s, b)), weights=not split)
                 if s > 0:
                     gradients[(s - 1, b)] = grads
+                position[rank] += 1
+            elif action.kind == "W":
+                worker.weight_backward(b)
                 position[rank] += 1
             else:
                 joined = sorted(together[s])

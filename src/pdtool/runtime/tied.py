@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import LaunchError
-from ..artifacts.plan import TIE_MODES
+from ..schedule import TIE_MODES
 
 
 def check_mode(stages, mode: str) -> None:

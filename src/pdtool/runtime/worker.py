@@ -24,12 +24,12 @@ from ..errors import LaunchError
 from ..modelspec import load_model
 from ..artifacts.plan import Plan
 from ..artifacts.profile import ModelRef
-from ..schedule import ACTIVATION, GRADIENT, Schedule, default_group, generate, lower, stash_depth
+from ..schedule import ACTIVATION, ASYNC_MODES, GRADIENT, Schedule, default_group, generate, lower, stash_depth
 from ..schedule.lower import collective_key
 from .comm import Link, Prefetch, BoundaryTensor, link_groups
 from . import tied
 from .device import choose, synchronizer
-from .executor import ASYNC_MODES, OptimizerConfig, StageWorker
+from .executor import OptimizerConfig, StageWorker
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,7 @@ def _run(schedule: Schedule, ops, worker: StageWorker, specs, batch, collectives
         elif op.kind == "B":
             grads = None if last else {t.name: g for t, g in zip(incoming[GRADIENT], inbox.pop((GRADIENT, b)))}
             began = clock()
-            input_grads = worker.backward(b, grads)
+            input_grads = worker.backward(b, grads, op.weights)
             report.events.append((f"{s}B{b}", began, clock()))
             if last:
                 report.finished[first + b] = report.events[-1][2]
@@ -273,6 +273,10 @@ def _run(schedule: Schedule, ops, worker: StageWorker, specs, batch, collectives
             if s > 0:
                 outbox[(GRADIENT, b)] = [input_grads.get(t.name, torch.zeros(t.shape, dtype=t.dtype, device=link.device))
                                          for t in specs[s - 1] if t.dtype.is_floating_point]
+        elif op.kind == "W":
+            began = clock()
+            worker.weight_backward(b)
+            report.events.append((f"{s}W{b}", began, clock()))
         elif op.kind in ("allreduce", "tie"):
             if op.kind == "allreduce":
                 step_began = clock()

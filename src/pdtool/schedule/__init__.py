@@ -10,12 +10,13 @@ simulator all interpret it, and `validate` checks it without running anything.
 Modes (PipeDream SOSP'19 sections 3.2-3.3; PipeDream-2BW/Flush arXiv 2006.09503 sections 3.1-3.2):
 `pipedream` (1F1B with weight stashing), `vsync` (1F1B, one staleness for all stages), `2bw`
 (1F1B, double-buffered weights, a step every m microbatches), `flush` (1F1B per batch of m, then
-a flush and a step), `gpipe` (all forwards, all backwards, a step, per batch of m).
+a flush and a step), `gpipe` (all forwards, all backwards, a step, per batch of m), `zb` (flush
+with each backward split in two, the weight gradients filling the drain: ZB-H1, Qi et al. 2023).
 
 The package's modules, all pure standard library:
 - `core`: `Action`, `Schedule` (ranks, text form, `versions`), the per-mode rules
   (`warmup_forwards`, `default_group`, `step_group`, `steps`, `stash_depth`) and `peak_versions`;
-- `generate`: `generate`, the schedule of each mode;
+- `generator`: `generate`, the schedule of each mode;
 - `lower`: `lower`, every worker's ops with their communication made explicit (`Op`): what
   the runtime, the simulator and the validator read;
 - `check`: `validate`.
@@ -23,13 +24,14 @@ Import the names from here.
 """
 from .check import validate
 from .core import (
-    KINDS, MODES, Action, Schedule, check_parameters, default_group, peak_versions, stash_depth, step_group, steps,
+    ASYNC_MODES, FLUSH_MODES, KINDS, MODES, SPLIT_MODES, TIE_MODES, Action, Schedule, check_parameters, default_group, peak_versions, stash_depth, step_group, steps,
     warmup_forwards,
 )
-from .generate import generate
+from .generator import generate
 from .lower import ACTIVATION, GRADIENT, Lowered, Op, lower
 
 __all__ = [
-    "ACTIVATION", "GRADIENT", "KINDS", "Lowered", "MODES", "Op", "lower", "Action", "Schedule", "check_parameters", "default_group", "generate", "peak_versions",
+    "ACTIVATION", "ASYNC_MODES", "FLUSH_MODES", "GRADIENT", "KINDS", "Lowered", "MODES", "Op", "SPLIT_MODES",
+    "TIE_MODES", "lower", "Action", "Schedule", "check_parameters", "default_group", "generate", "peak_versions",
     "stash_depth", "step_group", "steps", "validate", "warmup_forwards",
 ]

@@ -4,11 +4,13 @@ The checks run in this order, and the first broken rule raises a one-line `Sched
 naming the worker ("w3 s1r0"), the action and the fix:
 1. every action belongs to the worker's stage, names a minibatch of the run, and runs on its
    round-robin replica b mod r_s (1F1B-RR, PipeDream SOSP'19 section 3.2);
-2. each (stage, minibatch) has exactly one forward and one backward;
-3. on its worker, every forward comes before its backward;
+2. each (stage, minibatch) has exactly one forward and one backward, and in `zb` one W (its
+   weight gradients), in no other mode any;
+3. on its worker, every forward comes before its backward, and the backward before its W;
 4. every worker of stage s runs `steps` U actions (so replicas step together), and the t-th U
    closes step group t: it follows the worker's backwards of group t and precedes later ones;
-5. no worker ever holds more than `stash_depth` minibatches in flight;
+5. no worker ever holds more than `stash_depth` minibatches in flight (from the forward to the
+   backward, or to the W where there is one);
 6. no deadlock: all workers execute their lists in order; an action runs once its dependencies
    have (forward of b on stage s-1 before forward on s; backward on s+1 before backward on s;
    own forward before backward), and the k-th U of the replicas of a replicated stage is one
@@ -23,7 +25,7 @@ naming the worker ("w3 s1r0"), the action and the fix:
 from __future__ import annotations
 
 from ..errors import ScheduleError
-from .core import Action, Schedule, peak_versions, stash_depth, step_group, steps
+from .core import FLUSH_MODES, SPLIT_MODES, Action, Schedule, peak_versions, stash_depth, step_group, steps
 from .lower import ACTIVATION, collective_key, lower, message, sender_action
 
 _MAX_LISTED = 6  # stuck workers named in a deadlock message
@@ -63,12 +65,15 @@ def _check_placement(schedule: Schedule) -> None:
 
 
 def _check_once(schedule: Schedule) -> dict[Action, tuple[int, int]]:
-    """(rank, index) of every F and B action, each present exactly once."""
+    """(rank, index) of every F, B and W action, each present exactly once (W only where the mode splits)."""
     where: dict[Action, tuple[int, int]] = {}
     for rank, actions in enumerate(schedule.workers):
         for index, action in enumerate(actions):
             if action.kind == "U":
                 continue
+            if action.kind == "W" and schedule.mode not in SPLIT_MODES:
+                raise ScheduleError(f"{schedule.label(rank)}: {action} is a weight-gradient action, but mode "
+                                    f"{schedule.mode!r} runs whole backwards; remove it, or use mode 'zb'")
             if action in where:
                 first_rank, first_index = where[action]
                 raise ScheduleError(f"{schedule.label(rank)}: {action} appears twice (actions {first_index} and "
@@ -76,22 +81,27 @@ def _check_once(schedule: Schedule) -> dict[Action, tuple[int, int]]:
             where[action] = (rank, index)
     for stage in range(schedule.stages):
         for minibatch in range(schedule.minibatches):
-            for kind in ("F", "B"):
+            for kind in ("F", "B", "W") if schedule.mode in SPLIT_MODES else ("F", "B"):
                 action = Action(kind, stage, minibatch)
                 if action not in where:
                     owner = schedule.label(schedule.rank(stage, schedule.replica_of(stage, minibatch)))
                     raise ScheduleError(f"{owner}: the {_NAMES[kind]} {action} of minibatch {minibatch} is missing; "
-                                        f"every minibatch needs one forward and one backward on every stage")
+                                        f"every minibatch needs one {' and one '.join(_NAMES[k] for k in _kinds(schedule))} "
+                                        "on every stage")
     return where
+
+
+def _kinds(schedule: Schedule) -> tuple[str, ...]:
+    return ("F", "B", "W") if schedule.mode in SPLIT_MODES else ("F", "B")
 
 
 def _check_forward_first(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> None:
     for action, (rank, index) in where.items():
-        if action.kind == "B":
-            forward = Action("F", action.stage, action.minibatch)
-            if where[forward][1] > index:
-                raise ScheduleError(f"{schedule.label(rank)}: {action} (action {index}) comes before its forward "
-                                    f"{forward} (action {where[forward][1]}); run the forward first")
+        if action.kind in ("B", "W"):
+            before = Action("F" if action.kind == "B" else "B", action.stage, action.minibatch)
+            if where[before][1] > index:
+                raise ScheduleError(f"{schedule.label(rank)}: {action} (action {index}) comes before its "
+                                    f"{_NAMES[before.kind]} {before} (action {where[before][1]}); run the {_NAMES[before.kind]} first")
 
 
 def _check_steps(schedule: Schedule) -> None:
@@ -115,7 +125,7 @@ def _check_steps(schedule: Schedule) -> None:
             for action in schedule.workers[rank]:
                 if action.kind == "U":
                     done += 1
-                elif action.kind == "B" and done != action.minibatch // size:
+                elif action.kind in ("B", "W") and done != action.minibatch // size:
                     t = action.minibatch // size
                     raise ScheduleError(
                         f"{schedule.label(rank)}: {action} comes after {done} optimizer steps, but minibatch "
@@ -136,7 +146,7 @@ def _check_in_flight(schedule: Schedule) -> None:
                         f"{schedule.label(rank)}: {len(flight)} minibatches in flight after {action} "
                         f"({', '.join(map(str, flight))}), but mode {schedule.mode!r} lets stage {stage} hold at most "
                         f"{depth}; run a backward before this forward")
-            elif action.kind == "B":
+            elif action.kind == _kinds(schedule)[-1]:  # held until its last backward part
                 flight.remove(action.minibatch)
 
 
@@ -205,7 +215,7 @@ def _check_versions(schedule: Schedule) -> None:
                     f"{schedule.label(rank)}: {action} needs version {version} of stage {action.stage} under mode "
                     f"{schedule.mode!r}, but only {live} steps have run there; move it after step {version}")
             batch = action.minibatch // schedule.group
-            if schedule.mode in ("flush", "gpipe") and version != batch:
+            if schedule.mode in FLUSH_MODES and version != batch:
                 raise ScheduleError(
                     f"{schedule.label(rank)}: {action} runs on version {version}, but mode {schedule.mode!r} runs "
                     f"batch {batch} (microbatches {batch * schedule.group}..{(batch + 1) * schedule.group - 1}) on "
@@ -217,7 +227,7 @@ def _check_versions(schedule: Schedule) -> None:
                                     f"keeps at most 2; use a larger group (now {schedule.group}) or fewer in flight")
 
 
-_NAMES = {"F": "forward", "B": "backward"}
+_NAMES = {"F": "forward", "B": "backward", "W": "weight gradients"}
 
 
 def _check_link_order(schedule: Schedule) -> None:

@@ -1,7 +1,8 @@
 """Schedule types, their text form, the per-mode rules and the weight-version analysis.
 
 A `Schedule` lists, for every worker (stage s, replica i), its actions: `F` (forward of one
-minibatch), `B` (backward of one minibatch) and `U` (optimizer step; on a replicated stage the
+minibatch), `B` (backward of one minibatch; in `zb`, only its input gradients), `W` (`zb` only:
+the weight gradients of a minibatch whose `B` ran) and `U` (optimizer step; on a replicated stage the
 replicas all-reduce their gradients first and step together). Sends and receives are implied:
 forward of b on stage s > 0 needs forward of b on stage s-1, backward of b on stage s < last
 needs backward of b on stage s+1. Minibatch b runs on replica b mod r_s of every stage s, forward
@@ -24,10 +25,14 @@ from typing import Sequence
 
 from ..errors import ScheduleError
 
-MODES = ("pipedream", "vsync", "2bw", "flush", "gpipe")
-KINDS = ("F", "B", "U")
+MODES = ("pipedream", "vsync", "2bw", "flush", "gpipe", "zb")
+ASYNC_MODES = ("pipedream", "vsync")    # a step per round of a stage's replicas (the others: per group of m)
+FLUSH_MODES = ("flush", "gpipe", "zb")  # the pipeline drains before every step: gradient accumulation
+SPLIT_MODES = ("zb",)                   # every backward is B (input gradients), then W (weight gradients)
+TIE_MODES = ("2bw",) + FLUSH_MODES      # the copies of a tied weight step after the same minibatches
+KINDS = ("F", "B", "W", "U")
 
-_ACTION_RE = re.compile(r"(\d+)([FB])(\d+)|(\d+)U")
+_ACTION_RE = re.compile(r"(\d+)([FBW])(\d+)|(\d+)U")
 _WORKER_RE = re.compile(r"w(\d+)\s+s(\d+)r(\d+):(.*)")
 _HEADER_KEYS = ("mode", "replicas", "minibatches", "group")
 
@@ -43,7 +48,8 @@ class Action:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ScheduleError(f"action kind {self.kind!r} is unknown; use 'F' (forward), 'B' (backward) or 'U' (step)")
+            raise ScheduleError(f"action kind {self.kind!r} is unknown; use 'F' (forward), 'B' (backward), 'W' "
+                                "(weight gradients) or 'U' (step)")
         if not _is_count(self.stage):
             raise ScheduleError(f"action stage {self.stage!r} is not a stage index; use an integer >= 0")
         if self.kind == "U" and self.minibatch is not None:
@@ -60,8 +66,8 @@ class Action:
         """Read the compact form written by `str`: "0F3", "1B3", "0U"."""
         match = _ACTION_RE.fullmatch(text.strip()) if isinstance(text, str) else None
         if match is None:
-            raise ScheduleError(
-                f"bad action {text!r}: expected <stage>F<minibatch>, <stage>B<minibatch> or <stage>U, e.g. 0F3, 1B3, 0U")
+            raise ScheduleError(f"bad action {text!r}: expected <stage>F<minibatch>, <stage>B<minibatch>, "
+                                f"<stage>W<minibatch> or <stage>U, e.g. 0F3, 1B3, 1W3, 0U")
         if match.group(4) is not None:
             return cls("U", int(match.group(4)))
         return cls(match.group(2), int(match.group(1)), int(match.group(3)))
@@ -197,16 +203,16 @@ class Schedule:
             table[("F", stage, minibatch)] = self._rule(stage, minibatch, version, live)
         for actions in self.workers:
             for action in actions:
-                if action.kind == "B":
+                if action.kind in ("B", "W"):
                     key = ("F", action.stage, action.minibatch)
                     if key not in table:
                         raise ScheduleError(f"{action} has no forward {Action('F', *key[1:])}, so it has no weight "
                                             "version; run validate() on the schedule first")
-                    table[("B", action.stage, action.minibatch)] = table[key]
+                    table[(action.kind, action.stage, action.minibatch)] = table[key]
         return table
 
     def _rule(self, stage: int, minibatch: int, live_version: int, live: dict[tuple[int, int], int]) -> int:
-        if self.mode in ("pipedream", "flush", "gpipe"):
+        if self.mode in ("pipedream",) + FLUSH_MODES:
             return live_version
         entry = minibatch if self.mode == "vsync" else minibatch - minibatch % self.group
         if (0, entry) not in live:
@@ -243,7 +249,7 @@ def default_group(replicas: Sequence[int]) -> int:
 
 def step_group(schedule: Schedule, stage: int) -> int:
     """Minibatches per optimizer step of `stage`: r_s for pipedream/vsync (one round of the replicas), m otherwise."""
-    return schedule.replicas[stage] if schedule.mode in ("pipedream", "vsync") else schedule.group
+    return schedule.replicas[stage] if schedule.mode in ASYNC_MODES else schedule.group
 
 
 def steps(schedule: Schedule, stage: int) -> int:
@@ -255,16 +261,27 @@ def stash_depth(schedule: Schedule, stage: int) -> int:
     """The most minibatches a worker of `stage` may hold in flight (forward done, backward not yet).
 
     pipedream, vsync, 2bw: warmup + 1 (1F1B never holds more; PipeDream SOSP'19 section 3.2);
-    flush: the same, within one batch of m; gpipe: the whole batch's share, ceil(m / r_s). Never
-    more than the minibatches a replica of the stage gets at all (ceil(N / r_s), or per batch).
+    flush: the same, within one batch of m; gpipe: the whole batch's share, ceil(m / r_s); zb:
+    warmup + 1 + `weight_lag` (a minibatch is held until its W). Never more than the minibatches
+    a replica of the stage gets at all (ceil(N / r_s), or per batch).
     """
     if not 0 <= stage < schedule.stages:
         raise ScheduleError(f"stage {stage} is out of range for {schedule.stages} stages; use 0..{schedule.stages - 1}")
     r = schedule.replicas[stage]
-    share = -(-(schedule.minibatches if schedule.mode in ("pipedream", "vsync", "2bw") else schedule.group) // r)
+    share = -(-(schedule.minibatches if schedule.mode in ASYNC_MODES + ("2bw",) else schedule.group) // r)
     if schedule.mode == "gpipe":
         return share
-    return min(warmup_forwards(schedule.replicas, stage) + 1, share)
+    lag = weight_lag(schedule.replicas, stage) if schedule.mode in SPLIT_MODES else 0
+    return min(warmup_forwards(schedule.replicas, stage) + 1 + lag, share)
+
+
+def weight_lag(replicas: Sequence[int], stage: int) -> int:
+    """zb: how many backwards a worker of `stage` runs before its first W (then one W after each
+    B, and the rest at the end): the stage's index, as in ZB-H1 (Qi et al. 2023, section 3.1;
+    torch.distributed.pipelining's ScheduleInterleavedZeroBubble with one stage per rank). The
+    later stages, which wait least for gradients, keep their Ws back to fill the drain, when the
+    earlier stages wait for them."""
+    return stage
 
 
 def peak_versions(schedule: Schedule) -> dict[int, int]:
@@ -318,7 +335,7 @@ def check_parameters(mode: str, replicas: Sequence[int], minibatches: int, group
         raise ScheduleError(f"minibatches={minibatches!r}; the run needs an integer number of minibatches >= 1")
     if not _is_count(group) or group < 1:
         raise ScheduleError(f"group={group!r}; the microbatches per step must be an integer >= 1")
-    if mode in ("pipedream", "vsync"):
+    if mode in ASYNC_MODES:
         if group != 1:
             raise ScheduleError(f"group={group} does not apply to mode {mode!r}, which steps after every minibatch "
                                 "(every round of the replicas); leave group unset or 1, or use 2bw, flush or gpipe")

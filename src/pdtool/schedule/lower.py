@@ -7,7 +7,8 @@ order, with every peer resolved:
 - `F` of minibatch b on stage s: `recv` of its activations from the worker of stage s-1 that ran
   b (s > 0), the `F`, then `send` of its outputs to the worker of stage s+1 that runs b (s < last);
 - `B`: `recv` of its output gradients from stage s+1 (s < last), the `B`, `send` of its input
-  gradients to stage s-1 (s > 0);
+  gradients to stage s-1 (s > 0); a `B` whose minibatch has a `W` (mode `zb`) computes only the
+  input gradients (`Op.weights` False), and the `W` the weight gradients, with no message;
 - `U`: `allreduce` of the gradients among the replicas of the stage (its `group`: one rank when
   the stage is not replicated, then it only takes the mean of the backwards since the last
   step), a `tie` per set of stages that share weights with this one (`ties`: their workers
@@ -31,8 +32,8 @@ from typing import Sequence
 from .core import Schedule
 
 ACTIVATION, GRADIENT = 0, 1  # what a message carries: a forward's outputs, or a backward's input gradients
-COMPUTE = ("F", "B")
-OP_KINDS = ("recv", "send", "F", "B", "allreduce", "tie", "step")
+COMPUTE = ("F", "B", "W")
+OP_KINDS = ("recv", "send", "F", "B", "W", "allreduce", "tie", "step")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Op:
     direction: int | None = None
     group: tuple[int, ...] = ()
     stages: tuple[int, ...] = ()
+    weights: bool = True  # a B that also computes the weight gradients (no W follows it)
     at: int = 0  # index of the schedule action (F, B or U) this op belongs to, in the worker's list
 
     def __str__(self) -> str:
@@ -94,6 +96,7 @@ def lower(schedule: Schedule, ties: Sequence[tuple[int, ...]] = (), ranks: Seque
     workers = []
     for index, actions in enumerate(schedule.workers):
         stage, _ = schedule.position(index)
+        split = {a.minibatch for a in actions if a.kind == "W"}
         ops: list[Op] = []
         for at, action in enumerate(actions):
             b = action.minibatch
@@ -106,9 +109,11 @@ def lower(schedule: Schedule, ties: Sequence[tuple[int, ...]] = (), ranks: Seque
             elif action.kind == "B":
                 if stage < last:
                     ops.append(Op("recv", stage, b, peer(stage + 1, b), GRADIENT, at=at))
-                ops.append(Op("B", stage, b, at=at))
+                ops.append(Op("B", stage, b, weights=b not in split, at=at))
                 if stage > 0:
                     ops.append(Op("send", stage, b, peer(stage - 1, b), GRADIENT, at=at))
+            elif action.kind == "W":
+                ops.append(Op("W", stage, b, at=at))
             else:
                 ops.append(Op("allreduce", stage, group=tuple(sorted(replicas[stage])), at=at))
                 for users in ties:

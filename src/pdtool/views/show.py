@@ -5,6 +5,7 @@ import pandas as pd
 
 from ..artifacts.plan import Plan, compact_ranges
 from ..artifacts.profile import Profile
+from ..schedule.core import ASYNC_MODES
 from ..simulate import SimResult
 from ..units import format_bytes
 
@@ -131,7 +132,7 @@ def simulation_table(result: SimResult, plan: Plan) -> str:
     table = pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.1f}")
     model = plan.predicted.time_ms
     ratio = f", simulated / cost model = {result.time_per_minibatch_ms / model:.3f}" if model else ""
-    group = f", {result.group} microbatches per step" if result.mode not in ("pipedream", "vsync") else ""
+    group = f", {result.group} microbatches per step" if result.mode not in ASYNC_MODES else ""
     lines = [
         f"simulated    mode {result.mode}, {result.minibatches} minibatches{group}, {len(rows)} workers in "
         f"{len(plan.stages)} stage{'' if len(plan.stages) == 1 else 's'} ({plan.cluster.describe()})",
@@ -141,7 +142,7 @@ def simulation_table(result: SimResult, plan: Plan) -> str:
         "samples/s), bottleneck: "
         f"{plan.predicted.bottleneck}{ratio}",
         f"run          {result.makespan_ms:.3f} ms for the whole run, bubble fraction {result.bubble_fraction:.3f} "
-        "(share of the workers' time not spent in F or B)",
+        "(share of the workers' time idle: waiting for a message, a peer or the pipeline to fill)",
         "",
         table,
     ]

@@ -100,5 +100,5 @@ def _explain(error, name: str, source: str) -> str:
     else:
         problem = error.message
     location = f"{source}: {where}: " if where else f"{source}: "
-    return f"{location}{problem}; {fix} (schema: pdtool/schemas/{name}.schema.json)"
+    return f"{location}{problem}; {fix} (schema: pdtool/artifacts/schemas/{name}.schema.json)"
 

@@ -8,6 +8,10 @@ PipeDream SOSP'19 section 3.2), in one of two orders:
   microbatches and drains the pipeline before the step (PipeDream-Flush, arXiv 2006.09503
   section 3.2).
 - gpipe: per batch of m, all its forwards, then all its backwards in the same order.
+- zb (zero bubble, ZB-H1): flush's order with every backward split into B (input gradients,
+  what the stage before waits for) and W (weight gradients, which nobody waits for): a worker
+  of stage s runs W of its oldest pending minibatch after each B from its (s+1)-th on, and the
+  remaining Ws at the end of the batch, where they fill the drain (`weight_lag`).
 Then the optimizer steps go in: the step closing step group t (`step_group` minibatches) comes
 right after the worker's last backward of a minibatch of groups 0..t, or first of all if it has
 none. On a replicated stage every replica thus runs one U per group, including groups it had no
@@ -18,7 +22,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .core import Action, Schedule, check_parameters, default_group, step_group, steps, warmup_forwards
+from .core import (
+    ASYNC_MODES, SPLIT_MODES, Action, Schedule, check_parameters, default_group, step_group, steps, warmup_forwards,
+    weight_lag,
+)
 
 
 def generate(mode: str, replicas: Sequence[int], minibatches: int, group: int | None = None) -> Schedule:
@@ -29,7 +36,7 @@ def generate(mode: str, replicas: Sequence[int], minibatches: int, group: int | 
     must be a multiple of it. pipedream and vsync take no group (None or 1).
     """
     if group is None:
-        group = 1 if mode in ("pipedream", "vsync") else default_group(replicas) if _sane(replicas) else 1
+        group = 1 if mode in ASYNC_MODES else default_group(replicas) if _sane(replicas) else 1
     check_parameters(mode, replicas, minibatches, group)
     shell = Schedule(mode, tuple(replicas), minibatches, group, tuple(() for _ in range(sum(replicas))))
     workers = []
@@ -43,7 +50,7 @@ def generate(mode: str, replicas: Sequence[int], minibatches: int, group: int | 
 
 def _forward_backward_order(shell: Schedule, stage: int, own: list[int]) -> list[Action]:
     """F and B actions of one worker for its minibatches `own`, before the steps go in."""
-    if shell.mode in ("pipedream", "vsync", "2bw"):
+    if shell.mode in ASYNC_MODES + ("2bw",):
         batches = [own]
     else:
         batches = [[b for b in own if b // shell.group == t] for t in range(shell.minibatches // shell.group)]
@@ -54,10 +61,25 @@ def _forward_backward_order(shell: Schedule, stage: int, own: list[int]) -> list
             continue
         warmup = min(warmup_forwards(shell.replicas, stage), len(batch))
         order += [Action("F", stage, b) for b in batch[:warmup]]
-        for forward, backward in zip(batch[warmup:], batch):
-            order += [Action("F", stage, forward), Action("B", stage, backward)]
-        order += [Action("B", stage, b) for b in batch[len(batch) - warmup:]]
+        steady = [[Action("F", stage, forward), Action("B", stage, backward)]
+                  for forward, backward in zip(batch[warmup:], batch)]
+        drain = [[Action("B", stage, b)] for b in batch[len(batch) - warmup:]]
+        if shell.mode in SPLIT_MODES:
+            _add_weight_gradients(steady + drain, stage, weight_lag(shell.replicas, stage))
+        order += [action for actions in steady + drain for action in actions]
     return order
+
+
+def _add_weight_gradients(rounds: list[list[Action]], stage: int, lag: int) -> None:
+    """In place: after the B of each round from round `lag` on, the W of the oldest minibatch
+    whose B ran; the Ws still pending after the last round."""
+    pending: list[int] = []
+    for index, actions in enumerate(rounds):
+        pending.append(actions[-1].minibatch)
+        if index >= lag:
+            actions.append(Action("W", stage, pending.pop(0)))
+    if rounds:
+        rounds[-1] += [Action("W", stage, b) for b in pending]
 
 
 def _with_steps(shell: Schedule, stage: int, order: list[Action]) -> tuple[Action, ...]:
@@ -65,7 +87,7 @@ def _with_steps(shell: Schedule, stage: int, order: list[Action]) -> tuple[Actio
     size = step_group(shell, stage)
     last = [-1] * steps(shell, stage)  # last[t]: index in `order` of the worker's last backward of group t
     for index, action in enumerate(order):
-        if action.kind == "B":
+        if action.kind in ("B", "W"):  # a step needs the weight gradients of its group
             last[action.minibatch // size] = max(last[action.minibatch // size], index)
     follows: dict[int, int] = {}  # index in `order` (-1: the start) -> how many U come right after it
     latest = -1

@@ -1,0 +1,140 @@
+"""A backward in two parts, for zero-bubble schedules: the input gradients now, the weight
+gradients later.
+
+The stage before waits for the input gradients, nobody for the weight gradients, so `zb` runs
+the first part (B) as soon as it can and the second (W) where the worker would otherwise idle.
+Splitting without computing anything twice needs the autograd graph: `input_gradients` walks it
+from the outputs, finds where the paths to the parameters leave the paths to the inputs (for a
+Linear layer, its AddmmBackward node: it passes gradients both to the layer's input and to its
+weight and bias), computes the input gradients with the graph kept, and saves the gradients
+that reached those nodes (a hook before each). `weight_gradients` later runs only those nodes'
+parameter parts, from the saved gradients (torch.distributed.pipelining splits its backward the
+same way). A parameter that some path from the outputs reaches without passing the inputs'
+paths (every parameter of stage 0, whose inputs are data) is computed from the outputs in W.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+
+@dataclass
+class Pending:
+    """What `weight_gradients` needs: per group of parameters, the nodes where their paths
+    leave the inputs' paths and the gradients saved there; the parameters reached otherwise."""
+
+    params: list[torch.Tensor]
+    groups: list[tuple[list[int], list, dict]] = field(default_factory=list)  # (param indices, nodes, saved grads)
+    direct: list[int] = field(default_factory=list)
+    roots: list[torch.Tensor] = field(default_factory=list)
+    seeds: list | None = None
+
+
+def _node(tensor: torch.Tensor):
+    return get_gradient_edge(tensor).node
+
+
+def input_gradients(roots: list[torch.Tensor], seeds, inputs: list[torch.Tensor], params: list[torch.Tensor]):
+    """(the gradients of `inputs`, a `Pending` for `weight_gradients`): back-propagate `seeds`
+    from `roots` to the inputs only, keeping the graph and what the parameters' part needs."""
+    parents: dict = {}  # node -> the nodes that pass it gradients (toward the roots)
+    stack, seen = [r.grad_fn for r in roots if r.grad_fn is not None], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is not None:
+                parents.setdefault(child, []).append(node)
+                stack.append(child)
+    feeds_inputs = _closure([_node(x) for x in inputs], parents)
+    pending = Pending(params, roots=roots, seeds=seeds)
+    by_nodes: dict[frozenset, int] = {}
+    for index, p in enumerate(params):
+        start = _node(p)
+        if start not in seen:
+            continue  # the outputs do not depend on it: no gradient
+        boundary, direct = _boundary(start, parents, feeds_inputs)
+        if direct or not boundary:
+            pending.direct.append(index)
+            continue
+        key = frozenset(boundary)
+        if key not in by_nodes:
+            by_nodes[key] = len(pending.groups)
+            pending.groups.append(([], sorted(boundary, key=id), {}))
+        pending.groups[by_nodes[key]][0].append(index)
+    hooks = []
+    for _, nodes, saved in pending.groups:
+        for node in nodes:
+            hooks.append(node.register_prehook(lambda grads, node=node, saved=saved: saved.__setitem__(node, grads)))
+    try:
+        found = torch.autograd.grad(roots, inputs, seeds, retain_graph=True, allow_unused=True) if inputs else []
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return list(found), pending
+
+
+def weight_gradients(pending: Pending) -> list[torch.Tensor | None]:
+    """The gradients of `pending.params` (None where a parameter gets none), from the saved
+    gradients, without running the input part of any node again."""
+    grads: list[torch.Tensor | None] = [None] * len(pending.params)
+    for indices, nodes, saved in pending.groups:
+        edges, outputs = [], []
+        for node in nodes:
+            for i, grad in enumerate(saved.get(node, ())):
+                if grad is not None:
+                    edges.append(GradientEdge(node, i))
+                    outputs.append(grad)
+        if not edges:
+            continue
+        # a node of the group that another one feeds gets its saved gradient, not a second copy
+        clamps = [node.register_prehook(lambda grads, node=node, saved=saved: saved.get(node, grads)) for node in nodes]
+        try:
+            found = torch.autograd.grad(edges, [pending.params[i] for i in indices], outputs, retain_graph=True,
+                                        allow_unused=True)
+        finally:
+            for clamp in clamps:
+                clamp.remove()
+        for i, grad in zip(indices, found):
+            grads[i] = grad
+    if pending.direct:
+        found = torch.autograd.grad(pending.roots, [pending.params[i] for i in pending.direct], pending.seeds,
+                                    retain_graph=True, allow_unused=True)
+        for i, grad in zip(pending.direct, found):
+            grads[i] = grad
+    return grads
+
+
+def _closure(starts, parents) -> set:
+    """The nodes from which some node of `starts` is reached (`starts` included)."""
+    found, stack = set(), list(starts)
+    while stack:
+        node = stack.pop()
+        if node in found:
+            continue
+        found.add(node)
+        stack.extend(parents.get(node, ()))
+    return found
+
+
+def _boundary(start, parents, feeds_inputs: set) -> tuple[set, bool]:
+    """Walking from a parameter's node toward the roots: the first nodes on the inputs' paths,
+    and whether some path reaches a root without meeting one."""
+    boundary, seen, stack, direct = set(), set(), [start], False
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in feeds_inputs:
+            boundary.add(node)
+            continue
+        above = parents.get(node, ())
+        if not above:
+            direct = True
+        stack.extend(above)
+    return boundary, direct
