@@ -28,7 +28,7 @@ epochs are timed on the slow link (wall time of `pd train`, start-up included).
 Prints the table and whether each target is met, and writes bench/results/real_links.png (time
 per minibatch against bandwidth: predicted lines, measured points) and real_links.csv.
 
-    python bench/real_links.py                        # about 35 minutes here; needs root (namespaces)
+    python bench/real_links.py                        # about 30 minutes here; needs root (namespaces)
     python bench/real_links.py --out /tmp/links       # where profiles, plans and the plot go
 """
 from __future__ import annotations
