@@ -387,7 +387,8 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
                    "(current folder)", err=True)
     talk = (lambda message: None) if quiet else (lambda message: click.echo(f"pd: {message}", err=True))  # noqa: E731
     warn = lambda message: click.echo(f"pd: warning: {message}", err=True)  # noqa: E731
-    job = prepare(plan, config, epochs=epochs, nnodes=nnodes, nproc_per_node=nproc_per_node, warn=warn)  # before any worker starts: one line within seconds
+    # before any worker starts: a mistake is one line within seconds
+    job = prepare(plan, config, epochs=epochs, nnodes=nnodes, nproc_per_node=nproc_per_node, warn=warn)
     config = job.config
     shared = (config.threads, job.local, job.cores, job.on_cpu)  # what gap_reasons needs to explain a measurement
     nodes = Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id, iface)

@@ -21,7 +21,7 @@ from ..fields import Fields, check_schema
 from .schemas import SchemaChecked
 from ..jsonio import canonical_json, read_json, round_float_fields, write_json
 from ..schedule.core import MODES, TIE_MODES
-from .profile import METHODS, SPLITS, Profile
+from .profile import METHODS, SPLITS, Profile, estimate_wgrad_ms
 
 SCHEMA = "pdtool.plan/1"
 """Modes that train tied weights (a parameter used by several stages): every stage steps at
@@ -333,9 +333,9 @@ class Plan(SchemaChecked):
                                     f.number("transfer_ms"), f.number("time_ms"), f.count("memory_bytes"),
                                     f.get("update_ms", float, optional=True, default=0.0),
                                     f.get("data_ms", float, optional=True, default=0.0),
-                                    # a plan from before weight gradients were timed: half the backward
-                                    f.get("wgrad_ms", float, optional=True, default=f.number("bwd_ms") / 2
-                                          if f.count("param_bytes") else 0.0)))
+                                    # a plan from before weight gradients were timed
+                                    f.get("wgrad_ms", float, optional=True,
+                                          default=estimate_wgrad_ms(f.number("bwd_ms"), f.count("param_bytes")))))
         groups = []
         for where, item in top.items("groups"):
             f = Fields(item, source, where, known=("level", "layers", "units", "compute_ms", "allreduce_ms",

@@ -66,6 +66,17 @@ class Layer:
     def total_ms(self) -> float:
         return self.fwd_ms + self.bwd_ms
 
+    @property
+    def weight_gradient_ms(self) -> float:
+        """`wgrad_ms` as measured; unmeasured (an older or imported profile): `estimate_wgrad_ms`."""
+        return self.wgrad_ms if self.wgrad_ms is not None else estimate_wgrad_ms(self.bwd_ms, self.param_bytes)
+
+
+def estimate_wgrad_ms(bwd_ms: float, param_bytes: int) -> float:
+    """The weight-gradient part of a backward that was not timed: half of it where there are
+    parameters (a matmul's two gradients cost alike), none where there are not."""
+    return bwd_ms / 2 if param_bytes else 0.0
+
 
 @dataclass(frozen=True)
 class Profile(SchemaChecked):

@@ -121,8 +121,8 @@ class CostModel:
     `stage_times` returns, for every pair of states (k, j) (a matrix; +inf where `unit` is,
     as where D_k is not a strict subset of D_j), the time per minibatch of the stage
     `D_j \\ D_k` with `r` replicas at a level of bandwidth `bandwidth` whose units hold `inner`
-    workers each. `cut` holds the bytes crossing each state's cut, `unit` is the stage's time on one unit, `params` its parameter bytes. `first`
-    says the stage starts its sub-problem (no stage before it), `charge_out` whether its
+    workers each. `cut` holds the bytes crossing each state's cut, `unit` is the stage's time on
+    one unit, `params` its parameter bytes. `first` says the stage starts its sub-problem (no stage before it), `charge_out` whether its
     output is paid (a later stage follows it, or the original's rule; a vector over j).
     """
 

@@ -266,12 +266,17 @@ def _describe(pipeline: Pipeline, profile: Profile, costs: ChainCosts, model: Co
                 stages.append(_leaf(stage, terms, outer, sorted(here), profile, costs, solver, memory, stages))
             else:
                 groups.append(PlanGroup(p.level, stage.layers, stage.replicas,
-                                        terms["compute"] / outer * MS_PER_S, terms["allreduce"] / outer * MS_PER_S, terms["transfer"] / outer * MS_PER_S,
-                                        terms["time"] / outer * MS_PER_S))
+                                        *_term_ms(terms, outer)))
                 walk(stage.inner, here, outer * stage.replicas)
 
     walk(pipeline, [0], 1)
     return stages, groups
+
+
+def _term_ms(terms: dict, outer: int) -> tuple[float, float, float, float]:
+    """(compute, allreduce, transfer, time) of a stage's cost-model terms, ms per minibatch over
+    the `outer` replicas of the levels above it."""
+    return tuple(terms[k] / outer * MS_PER_S for k in ("compute", "allreduce", "transfer", "time"))
 
 
 def _leaf(stage: PipelineStage, terms: dict, outer: int, ranks: list[int], profile: Profile, costs: ChainCosts,
@@ -285,19 +290,10 @@ def _leaf(stage: PipelineStage, terms: dict, outer: int, ranks: list[int], profi
     return PlanStage(stage.layers, layers[0].name, layers[-1].name, tuple(ranks), k,
                      sum(l.fwd_ms for l in layers), sum(l.bwd_ms for l in layers), params,
                      int(solver.states.cut[a]), int(solver.states.cut[b]), int(solver.stashed[a, b]),
-                     terms["compute"] / outer * MS_PER_S, terms["allreduce"] / outer * MS_PER_S,
-                     terms["transfer"] / outer * MS_PER_S, terms["time"] / outer * MS_PER_S, int(round(need)),
+                     *_term_ms(terms, outer), int(round(need)),
                      update_ms=profile.update_ms * params / profile.param_bytes if profile.param_bytes else 0.0,
                      data_ms=profile.data_ms if not earlier else 0.0,
-                     wgrad_ms=sum(_weight_gradient_ms(l) for l in layers))
-
-
-def _weight_gradient_ms(layer) -> float:
-    """The layer's measured weight-gradient time; unmeasured (an older or imported profile): half
-    its backward when it has parameters (a matmul's two gradients cost alike), else none."""
-    if layer.wgrad_ms is not None:
-        return layer.wgrad_ms
-    return layer.bwd_ms / 2 if layer.param_bytes else 0.0
+                     wgrad_ms=sum(l.weight_gradient_ms for l in layers))
 
 
 def _no_plan_reason(profile: Profile, costs: ChainCosts, states: States, counts, bandwidths, model, straight, memory,

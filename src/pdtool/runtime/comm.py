@@ -49,12 +49,14 @@ class BoundaryTensor:
 
 class Prefetch:
     """Which receives a worker posts before it runs each of its lowered ops (`schedule.lower`):
-    for each direction, its next `window + 1` recv ops (the current one included), in order. A transfer can only run while its receive is posted
-    (gloo reads a message into the buffer of its receive; the kernel's socket buffers hold only
-    the start of a large one), so posting one action ahead left a transfer longer than one
-    action's compute waiting (fc on a 100 Mbit/s link: 103 ms per minibatch, against 90 ms
-    with this window). The buffers are bounded like the sends: `window` is the most
-    minibatches any worker of the schedule holds in flight."""
+    for each direction, its next `window + 1` recv ops (the current one included), in order.
+
+    A transfer can only run while its receive is posted (gloo reads a message into the buffer
+    of its receive; the kernel's socket buffers hold only the start of a large one), so posting
+    one action ahead left a transfer longer than one action's compute waiting (fc on a
+    100 Mbit/s link: 103 ms per minibatch, against 90 ms with this window). The buffers are
+    bounded like the sends: `window` is the most minibatches any worker of the schedule holds
+    in flight."""
 
     def __init__(self, ops, window: int):
         self.ops = ops

@@ -9,8 +9,8 @@ dictionaries). It knows nothing about communication.
 optimizer steps; the schedule says which version every forward and backward uses
 (`Schedule.versions`). A forward runs the stage with `torch.func.functional_call` on the
 tensors of its version (or, when that is the live weights, calls the module itself: swapping
-parameters in costs ~0.1 ms a forward on small layers), so autograd records exactly those tensors and the backward computes
-gradients for that version, however many steps the live weights have taken since (weight
+parameters in costs ~0.1 ms a forward on small layers), so autograd records exactly those
+tensors and the backward computes gradients for that version, however many steps the live weights have taken since (weight
 stashing without swapping `.data`). Versions are copies of the live weights, made lazily: the
 live weights are copied when a forward needs the current version, and before a step when a
 later action still needs the current version. A version is freed after its last use.
@@ -121,8 +121,12 @@ class StageWorker:
                 last_use[self.version_of[(action.kind, action.minibatch)]] = index
         return {v for v, index in last_use.items() if v >= len(steps) or index < steps[v]}
 
+    def _is_live(self, v: int) -> bool:
+        """Whether version v runs on the live weights themselves."""
+        return v == self.current and v in self.live_ok
+
     def _version(self, v: int) -> dict[str, torch.Tensor]:
-        if v == self.current and v in self.live_ok:
+        if self._is_live(v):
             return dict(zip(self.names, self.live))
         if v not in self.versions:
             if v != self.current:
@@ -148,7 +152,7 @@ class StageWorker:
         leaves = {k: (t.detach().requires_grad_(True) if wants_grad and t.is_floating_point() else t)
                   for k, t in inputs.items()}
         with torch.enable_grad():
-            if v == self.current and v in self.live_ok:  # the live weights: the module as it is (no swap)
+            if self._is_live(v):  # the module as it is (no parameter swap)
                 outputs = self.stage.module(leaves)
             else:
                 outputs = functional_call(self.stage.module, params, (leaves,))
@@ -162,10 +166,14 @@ class StageWorker:
             return loss
         return {k: o.detach() for k, o in outputs.items()}
 
-    def backward(self, b: int, grads: dict[str, torch.Tensor] | None = None, weights: bool = True) -> dict[str, torch.Tensor]:
+    def backward(self, b: int, grads: dict[str, torch.Tensor] | None = None,
+                 weights: bool | None = None) -> dict[str, torch.Tensor]:
         """Backward of minibatch b on the version its forward used; returns the gradients of the
-        inputs (floating ones only). With `weights` it also adds the parameter gradients to the
-        live weights; without, `weight_backward(b)` does that later (mode `zb`'s W)."""
+        inputs (floating ones only). With `weights` (by default: unless the schedule has a W for b,
+        mode `zb`) it also adds the parameter gradients to the live weights; without,
+        `weight_backward(b)` does that later."""
+        if weights is None:
+            weights = ("W", b) not in self.version_of
         leaves, outputs, v, params = self.stash.pop(b)
         if self.version_of[("B", b)] != v:
             raise LaunchError(f"worker {self.rank}: minibatch {b} ran forward on version {v} but the schedule "
@@ -221,7 +229,8 @@ class StageWorker:
             self._set_mean_gradients(buffer)
 
     def finish_step(self) -> None:
-        """Second half of a step (between them, the `tie` ops of tied weights): the optimizer applies `.grad`; the live weights become the next version."""
+        """Second half of a step (between the halves, the `tie` ops of tied weights): the optimizer
+        applies `.grad`; the live weights become the next version."""
         self._step_optimizer()
 
     def gradient_buffer(self) -> torch.Tensor:

@@ -88,8 +88,7 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
                     activations[(s, b)] = (out, target)
                 position[rank] += 1
             elif action.kind == "B":
-                split = ("W", b) in worker.version_of  # zb: the weight gradients come in the W
-                grads = worker.backward(b, None if s == last else gradients.pop((s, b)), weights=not split)
+                grads = worker.backward(b, None if s == last else gradients.pop((s, b)))
                 if s > 0:
                     gradients[(s - 1, b)] = grads
                 position[rank] += 1

@@ -132,7 +132,8 @@ def worker_main(config: RunConfig) -> WorkerReport:
     groups = {s: dist.new_group(list(st.ranks)) for s, st in enumerate(plan.stages) if st.replicas > 1}
     links = link_groups([st.ranks for st in plan.stages], rank)
     ties = tied.make_ties(stages, [st.ranks for st in plan.stages], stage_index)
-    lowered = lower(schedule, tied.sets(stages), [r for st in plan.stages for r in st.ranks])  # stage-major, as the schedule
+    ranks = [r for st in plan.stages for r in st.ranks]  # stage-major, as the schedule numbers its workers
+    lowered = lower(schedule, tied.sets(stages), ranks)
     ops = lowered.workers[lowered.index(rank)]
     window = max(stash_depth(schedule, s) for s in range(schedule.stages))
     stage = stages[stage_index]
@@ -223,7 +224,8 @@ def _run(schedule: Schedule, ops, worker: StageWorker, specs, batch, collectives
     def clock() -> float:  # wall time after the device's queued work: events cover the work they name
         sync()
         return time.time()
-    progress = _TrainProgress(first + schedule.minibatches, batch_size) if show_progress and last and replica == 0 else None
+    progress = (_TrainProgress(first + schedule.minibatches, batch_size)
+                if show_progress and last and replica == 0 else None)
     # The input stage makes the minibatch of its next forward before it waits for a gradient: the
     # making overlaps the wait and leaves the path gradient -> backward -> forward -> next stage
     # (bench/train_speed.py model, 3 paired runs of 160 minibatches: 1.1-1.4 ms per minibatch less).
@@ -300,9 +302,10 @@ def _collectives(ops, replicas_group, ties: dict) -> dict:
     """What each collective op of this worker runs, by `collective_key`: the replicas' gradient
     mean (an all-reduce over `replicas_group`, or local with one replica) and the tied-weight sums."""
     found = {}
-    for op in ops:
+    for op in {collective_key(op): op for op in ops if op.kind in ("allreduce", "tie")}.values():
         if op.kind == "allreduce" and len(op.group) > 1:
-            found[collective_key(op)] = lambda w: w.mean_gradients(lambda buffer: dist.all_reduce(buffer, group=replicas_group))
+            found[collective_key(op)] = lambda w: w.mean_gradients(
+                lambda buffer: dist.all_reduce(buffer, group=replicas_group))
         elif op.kind == "allreduce":
             found[collective_key(op)] = lambda w: w.mean_gradients(None)
         elif op.kind == "tie":

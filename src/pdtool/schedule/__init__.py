@@ -24,8 +24,8 @@ Import the names from here.
 """
 from .check import validate
 from .core import (
-    ASYNC_MODES, FLUSH_MODES, KINDS, MODES, SPLIT_MODES, TIE_MODES, Action, Schedule, check_parameters, default_group, peak_versions, stash_depth, step_group, steps,
-    warmup_forwards,
+    ASYNC_MODES, FLUSH_MODES, KINDS, MODES, SPLIT_MODES, TIE_MODES, Action, Schedule, check_parameters,
+    default_group, peak_versions, stash_depth, step_group, steps, warmup_forwards,
 )
 from .generator import generate
 from .lower import ACTIVATION, GRADIENT, Lowered, Op, lower

@@ -38,9 +38,10 @@ def validate(schedule: Schedule) -> None:
     _check_forward_first(schedule, where)
     _check_steps(schedule)
     _check_in_flight(schedule)
-    _check_deadlock(schedule)
+    ops = lower(schedule).workers
+    _check_deadlock(schedule, ops)
     _check_versions(schedule)
-    _check_link_order(schedule)
+    _check_link_order(schedule, ops)
 
 
 def _check_placement(schedule: Schedule) -> None:
@@ -150,11 +151,9 @@ def _check_in_flight(schedule: Schedule) -> None:
                 flight.remove(action.minibatch)
 
 
-def _check_deadlock(schedule: Schedule) -> None:
+def _check_deadlock(schedule: Schedule, workers) -> None:
     """Run the lowered ops of every worker (`lower`): a send never waits, a recv waits for its
     send, the k-th op of a collective waits for every member's k-th."""
-    low = lower(schedule)
-    workers = low.workers
     pos = [0] * len(workers)
     sent: set[tuple] = set()
     met = [dict() for _ in workers]  # worker -> collective key -> how many it has done
@@ -230,10 +229,10 @@ def _check_versions(schedule: Schedule) -> None:
 _NAMES = {"F": "forward", "B": "backward", "W": "weight gradients"}
 
 
-def _check_link_order(schedule: Schedule) -> None:
+def _check_link_order(schedule: Schedule, workers) -> None:
     """Per (sender, receiver, direction), the minibatches sent and received come in one order."""
     order: dict[str, dict[tuple[int, int, int], list[int]]] = {"send": {}, "recv": {}}
-    for rank, ops in enumerate(lower(schedule).workers):
+    for rank, ops in enumerate(workers):
         for op in ops:
             if op.kind in order:
                 source, dest, direction, b = message(op, rank)

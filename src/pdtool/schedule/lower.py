@@ -73,9 +73,6 @@ class Lowered:
     workers: tuple[tuple[Op, ...], ...]
     ranks: tuple[int, ...]  # schedule rank -> the rank the ops name (a plan's worker ranks)
 
-    def label(self, index: int) -> str:
-        return self.schedule.label(index)
-
     def index(self, rank: int) -> int:
         """The position in `workers` of the worker with rank `rank`."""
         return self.ranks.index(rank)
@@ -133,7 +130,8 @@ def collective_key(op: Op) -> tuple:
 def message(op: Op, rank: int) -> tuple[int, int, int, int]:
     """(sender, receiver, direction, minibatch) of the message a `send`/`recv` op of worker
     `rank` moves: a send and the recv that takes it have the same key."""
-    return (rank, op.peer, op.direction, op.minibatch) if op.kind == "send" else (op.peer, rank, op.direction, op.minibatch)
+    sender, receiver = (rank, op.peer) if op.kind == "send" else (op.peer, rank)
+    return sender, receiver, op.direction, op.minibatch
 
 
 def sender_action(op: Op) -> str:
