@@ -127,3 +127,15 @@ def test_the_cost_model_line_gives_the_cost_models_own_rate(files, tmp_path):
     out = invoke("simulate", str(edited)).stdout
     line = re.search(r"cost model +([\d.]+) ms per minibatch \(([\d.]+) samples/s\)", out)
     assert float(line[1]) == 40.0 and float(line[2]) == pytest.approx(data["profile"]["batch_size"] / 40.0 * 1e3, abs=0.1)
+
+
+def test_zero_bubble_mode_idles_less_than_flush(files):
+    """`--mode zb` (ZB-H1) on the 4-stage chain: same work, the weight gradients fill the drain."""
+    _, plan = files
+    bubbles = {}
+    for mode in ("flush", "zb"):
+        result = invoke("simulate", str(plan), "--mode", mode)
+        assert result.exit_code == 0, result.output
+        assert f"mode {mode}, " in result.stdout
+        bubbles[mode] = float(re.search(r"bubble fraction ([\d.]+)", result.stdout)[1])
+    assert bubbles["zb"] < bubbles["flush"]

@@ -49,6 +49,18 @@ def test_flush_pipelines_of_hf_models_are_gradient_accumulation(tmp_path, ref, s
     assert_same_run(losses, weights, expected_losses, expected_weights, **TOLERANCE)
 
 
+@pytest.mark.parametrize("ref, starts, replicas", [
+    (GPT2, ["transformer.h.1.ln_1"], [1, 1]),                 # the tied head: a tie op in every step
+    (LLAMA, ["model.layers.1.self_attn.q_proj"], [2, 1]),     # a replicated stage 0
+], ids=["gpt2 tied", "llama 2x2+1"])
+def test_zero_bubble_pipelines_of_hf_models_are_gradient_accumulation(tmp_path, ref, starts, replicas):
+    plan, path = cuts(tmp_path, ref, starts, replicas=replicas, mode="zb")
+    config = config_for(path, steps=2, group=2)
+    losses, weights = merged(launch(config, len(plan.used_ranks)))
+    expected_losses, expected_weights = gradient_accumulation(plan, config, ref=ref)
+    assert_same_run(losses, weights, expected_losses, expected_weights, **TOLERANCE)
+
+
 def test_a_replicated_llama_pipeline_in_pipedream_equals_the_reference_executor(tmp_path):
     plan, path = cuts(tmp_path, LLAMA, ["model.layers.1.self_attn.q_proj"], replicas=[2, 1], mode="pipedream")
     config = config_for(path, steps=3)
