@@ -22,7 +22,8 @@ The model (all times in ms):
   share of the profiled optimizer step). On a stage with r > 1 replicas, the k-th `U` of every
   replica is one collective: all start together when the last replica arrives, and it lasts a
   ring all-reduce, 2 (r - 1) / r * param_bytes / B with B the slowest link among the replicas'
-  ranks, then the optimizer step. It is not
+  ranks, plus the worker's own passes over the gradients (flatten, add, divide: the stage's
+  `reduce_ms`), then the optimizer step. It is not
   overlapped with computation (the replicas wait for it), so a replicated stage costs
   (compute + all-reduce) / r per minibatch here, where the planner's default cost model charges
   max(compute, all-reduce) / r: the simulator is the pessimistic side of that comparison.
@@ -134,13 +135,14 @@ def link_bandwidth(plan: Plan, x: int, y: int) -> float:
 
 def allreduce_ms(plan: Plan, stage: int) -> float:
     """One ring all-reduce of `stage`'s gradients among its replicas, in ms (0 when unreplicated):
-    2 (r - 1) / r * param_bytes / B, B the slowest link between two of its ranks."""
+    2 (r - 1) / r * param_bytes / B, B the slowest link between two of its ranks, plus the
+    stage's `reduce_ms` (each worker's flattening, adding and dividing of its gradients)."""
     s = plan.stages[stage]
     r = s.replicas
     if r == 1 or s.param_bytes == 0:
         return 0.0
     slowest = min(link_bandwidth(plan, x, y) for x in s.ranks for y in s.ranks if x != y)
-    return 2 * (r - 1) / r * s.param_bytes / slowest * MS_PER_S
+    return 2 * (r - 1) / r * s.param_bytes / slowest * MS_PER_S + s.reduce_ms
 
 
 def steady_state_ms(completions: dict[int, float], minibatches: int, period: int = 1, tail: int = 0,

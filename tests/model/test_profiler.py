@@ -34,6 +34,7 @@ def test_mlp_layers_have_exact_parameter_and_activation_bytes():
     assert profile.edges == ((0, 1), (1, 2))
     assert profile.batch_size == 6 and profile.inputs[0].shape == (6, 12) and profile.method == "fx"
     assert profile.update_ms > 0 and profile.data_ms > 0  # an optimizer step and making a minibatch
+    assert profile.reduce_ms > 0  # flattening, adding and dividing the gradients of an all-reduce
     assert_times_positive(profile)
 
 
@@ -166,3 +167,18 @@ def test_an_exported_profile_of_a_traceable_model_equals_its_fx_profile():
     assert [l.param_bytes for l in exported.layers] == [l.param_bytes for l in traced.layers]
     assert [l.act_bytes for l in exported.layers] == [l.act_bytes for l in traced.layers]
     assert_times_positive(exported)
+
+
+def test_all_reduce_work_of_a_large_model_is_timed_on_a_sample_and_scaled_to_all_its_bytes(monkeypatch):
+    from torch import nn
+
+    from pdtool.profiler import timing
+
+    ticks = iter(range(10_000))
+    clock = lambda: next(ticks) * 1e-3  # every timed interval is 1 ms
+    model = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 100))  # 2 x (40,000 + 400) bytes
+    monkeypatch.setattr(timing, "REDUCE_SAMPLE_BYTES", 40_000)  # the first weight fills the sample
+    assert timing.measure_reduce(model, repeats=3, warmup=1, clock=clock) == pytest.approx(2 * 40_400 / 40_000)
+    monkeypatch.setattr(timing, "REDUCE_SAMPLE_BYTES", 10 ** 9)
+    assert timing.measure_reduce(model, repeats=3, warmup=1, clock=clock) == pytest.approx(1.0)
+    assert timing.measure_reduce(nn.ReLU(), repeats=3, warmup=1, clock=clock) == 0.0

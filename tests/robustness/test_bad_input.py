@@ -60,6 +60,7 @@ def _profile_edits():
         "step_ms": [-1, "fast", None, [], 1e13],
         "update_ms": [-1, "x"],
         "data_ms": [-1, {}],
+        "reduce_ms": [-2, "slow"],
         "method": ["magic", 3],
         "split": ["sideways", 1],
         "granularity": ["atoms"],

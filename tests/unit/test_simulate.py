@@ -1,4 +1,5 @@
 """The simulator: bubbles, steady state, replicas, transfers, memory, invariants, trace."""
+import dataclasses
 import json
 
 import pytest
@@ -95,6 +96,16 @@ def test_all_reduce_takes_a_ring_time_on_finite_bandwidth_and_blocks_the_replica
     assert result.time_per_minibatch_ms == pytest.approx((6.0 + 4.0) / 2)  # one round of 2 per step
     free = simulate(make([(2.0, 4.0, 2, 4_000_000), (1.0, 2.0, 1)]), minibatches=120)
     assert free.time_per_minibatch_ms == pytest.approx(3.0)
+
+
+def test_all_reduce_adds_the_workers_own_passes_over_the_gradients_on_replicated_stages_only():
+    plan = make([(2.0, 4.0, 2, 4_000_000), (1.0, 2.0, 1)], levels=((4, 1e9),))
+    first, second = plan.stages
+    plan = dataclasses.replace(plan, stages=(dataclasses.replace(first, reduce_ms=1.5),
+                                             dataclasses.replace(second, reduce_ms=1.5)))
+    assert allreduce_ms(plan, 0) == pytest.approx(4.0 + 1.5)  # link time + flatten, add, divide
+    assert allreduce_ms(plan, 1) == 0.0  # one replica: no all-reduce at all
+    assert simulate(plan, minibatches=120).time_per_minibatch_ms == pytest.approx((6.0 + 5.5) / 2)
 
 
 def test_link_bandwidth_is_that_of_the_level_where_ranks_part():

@@ -59,8 +59,10 @@ class PlanStage(LayerSet):
     divided by all replicas), `memory_bytes` what one of its workers needs, `in_flight` the
     minibatches each of its workers holds at once under 1F1B. `update_ms` is one optimizer step
     of its parameters on one worker and `data_ms` the making of one minibatch (stage 0 only),
-    both from the profile; the simulator charges them, the cost model does not. `wgrad_ms` is
-    the part of `bwd_ms` that computes the weight gradients (the W of mode `zb`).
+    both from the profile; the simulator charges them, the cost model does not. `reduce_ms` is
+    the worker's own work in one all-reduce of its gradients (the profile's share, charged by the
+    simulator on replicated stages beside the link's time). `wgrad_ms` is the part of `bwd_ms`
+    that computes the weight gradients (the W of mode `zb`).
     """
 
     layers: tuple[int, ...]
@@ -82,6 +84,7 @@ class PlanStage(LayerSet):
     update_ms: float = 0.0
     data_ms: float = 0.0
     wgrad_ms: float = 0.0
+    reduce_ms: float = 0.0
 
     def __post_init__(self) -> None:
         round_float_fields(self)
@@ -269,7 +272,7 @@ class Plan(SchemaChecked):
                  "replicas": s.replicas, "ranks": list(s.ranks), "in_flight": s.in_flight,
                  "fwd_ms": s.fwd_ms, "bwd_ms": s.bwd_ms, "param_bytes": s.param_bytes,
                  "in_bytes": s.in_bytes, "out_bytes": s.out_bytes, "activation_bytes": s.activation_bytes,
-                 "update_ms": s.update_ms, "data_ms": s.data_ms, "wgrad_ms": s.wgrad_ms,
+                 "update_ms": s.update_ms, "data_ms": s.data_ms, "wgrad_ms": s.wgrad_ms, "reduce_ms": s.reduce_ms,
                  "compute_ms": s.compute_ms, "allreduce_ms": s.allreduce_ms, "transfer_ms": s.transfer_ms,
                  "time_ms": s.time_ms, "memory_bytes": s.memory_bytes}
                 for i, s in enumerate(self.stages)
@@ -315,7 +318,8 @@ class Plan(SchemaChecked):
             f = Fields(item, source, where, known=("id", "layers", "first_layer", "last_layer", "replicas", "ranks",
                                                    "in_flight", "fwd_ms", "bwd_ms", "param_bytes", "in_bytes",
                                                    "out_bytes", "activation_bytes", "compute_ms", "allreduce_ms", "transfer_ms",
-                                                   "time_ms", "memory_bytes", "update_ms", "data_ms", "wgrad_ms"))
+                                                   "time_ms", "memory_bytes", "update_ms", "data_ms", "wgrad_ms",
+                                                   "reduce_ms"))
             layers = _layer_ids(f, "layers")
             ranks = f.get("ranks", list)
             if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
@@ -335,7 +339,8 @@ class Plan(SchemaChecked):
                                     f.get("data_ms", float, optional=True, default=0.0),
                                     # a plan from before weight gradients were timed
                                     f.get("wgrad_ms", float, optional=True,
-                                          default=estimate_wgrad_ms(f.number("bwd_ms"), f.count("param_bytes")))))
+                                          default=estimate_wgrad_ms(f.number("bwd_ms"), f.count("param_bytes"))),
+                                    f.get("reduce_ms", float, optional=True, default=0.0)))
         groups = []
         for where, item in top.items("groups"):
             f = Fields(item, source, where, known=("level", "layers", "units", "compute_ms", "allreduce_ms",

@@ -91,7 +91,10 @@ class Profile(SchemaChecked):
     ops folded into their neighbours) or "op" (every traced op is a layer); `depth`, when
     set, makes every submodule at that nesting depth one layer. `step_ms` is the measured
     time of a whole forward + loss + backward step, `update_ms` of one optimizer step (SGD with
-    momentum) over all parameters, `data_ms` of making one minibatch (0 when not measured).
+    momentum) over all parameters, `data_ms` of making one minibatch (0 when not measured),
+    `reduce_ms` the worker's own work in one all-reduce of all the gradients (flattening them
+    into one buffer, adding a peer's buffer, dividing by the count: on a CPU these passes over
+    memory cost as much as a fast link; 0 when not measured).
     """
 
     SCHEMA_NAME = "profile"  # schemas/profile.schema.json
@@ -112,6 +115,7 @@ class Profile(SchemaChecked):
     edges: tuple[tuple[int, int], ...]
     update_ms: float = 0.0
     data_ms: float = 0.0
+    reduce_ms: float = 0.0
     split: str = "graph"
     shared: tuple[tuple[str, tuple[int, ...]], ...] = ()
     schema: str = SCHEMA
@@ -155,6 +159,7 @@ class Profile(SchemaChecked):
             "step_ms": self.step_ms,
             "step_ms_spread": self.step_ms_spread,
             "update_ms": self.update_ms,
+            "reduce_ms": self.reduce_ms,
             "data_ms": self.data_ms,
             "layer_sum_over_step": self.layer_sum_over_step,
             "layers": [
@@ -217,6 +222,7 @@ class Profile(SchemaChecked):
             step_ms_spread=top.number("step_ms_spread"), layers=tuple(layers), edges=tuple(edges),
             update_ms=top.get("update_ms", float, optional=True, default=0.0),
             data_ms=top.get("data_ms", float, optional=True, default=0.0),
+            reduce_ms=top.get("reduce_ms", float, optional=True, default=0.0),
             source=source,
         )
 
@@ -230,7 +236,7 @@ class Profile(SchemaChecked):
 
 _TOP_FIELDS = ("schema", "model", "batch_size", "inputs", "device", "torch_version", "fingerprint",
                "method", "split", "shared", "granularity", "depth", "repeats", "step_ms", "step_ms_spread", "update_ms", "data_ms",
-               "layer_sum_over_step", "layers", "edges")
+               "reduce_ms", "layer_sum_over_step", "layers", "edges")
 _LAYER_FIELDS = ("id", "name", "kind", "fwd_ms", "bwd_ms", "fwd_ms_spread", "bwd_ms_spread", "wgrad_ms",
                  "act_bytes", "param_bytes", "ops")
 
@@ -261,7 +267,7 @@ def _validate(p: Profile, source: str) -> None:
         if layer.wgrad_ms is not None and not 0 <= layer.wgrad_ms <= layer.bwd_ms:
             top.fail(f"wgrad_ms {layer.wgrad_ms} is outside 0..bwd_ms ({layer.bwd_ms})",
                      "the weight gradients are a part of the backward; fix it or remove it", where)
-    for field_name in ("step_ms", "step_ms_spread", "update_ms", "data_ms"):
+    for field_name in ("step_ms", "step_ms_spread", "update_ms", "data_ms", "reduce_ms"):
         if getattr(p, field_name) < 0:
             top.fail(f"is negative ({getattr(p, field_name)})", "fix the value", field_name)
     count = len(p.layers)

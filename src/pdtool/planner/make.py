@@ -287,13 +287,13 @@ def _leaf(stage: PipelineStage, terms: dict, outer: int, ranks: list[int], profi
     need = memory.need(float(solver.params[a, b]), float(solver.stashed[a, b]), k)
     layers = [profile.layers[i] for i in stage.layers]
     params = sum(l.param_bytes for l in layers)
+    share = params / profile.param_bytes if profile.param_bytes else 0.0
     return PlanStage(stage.layers, layers[0].name, layers[-1].name, tuple(ranks), k,
                      sum(l.fwd_ms for l in layers), sum(l.bwd_ms for l in layers), params,
                      int(solver.states.cut[a]), int(solver.states.cut[b]), int(solver.stashed[a, b]),
                      *_term_ms(terms, outer), int(round(need)),
-                     update_ms=profile.update_ms * params / profile.param_bytes if profile.param_bytes else 0.0,
-                     data_ms=profile.data_ms if not earlier else 0.0,
-                     wgrad_ms=sum(l.weight_gradient_ms for l in layers))
+                     update_ms=profile.update_ms * share, data_ms=profile.data_ms if not earlier else 0.0,
+                     wgrad_ms=sum(l.weight_gradient_ms for l in layers), reduce_ms=profile.reduce_ms * share)
 
 
 def _no_plan_reason(profile: Profile, costs: ChainCosts, states: States, counts, bandwidths, model, straight, memory,

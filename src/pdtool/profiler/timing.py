@@ -98,6 +98,40 @@ def measure_update(module: nn.Module, inputs: tuple[torch.Tensor, ...], target: 
     return summarize(samples)[0]
 
 
+REDUCE_SAMPLE_BYTES = 64 * 2 ** 20  # measure_reduce times at most this many bytes of gradients
+
+
+def measure_reduce(module: nn.Module, *, repeats: int, warmup: int, clock: Clock) -> float:
+    """Median ms of a worker's own work in one all-reduce of all of `module`'s gradients, as the
+    runtime does it: flatten them into one buffer, add a peer's buffer, divide by the count.
+
+    Passes over memory, linear in the bytes: a large model is timed on its first parameters up
+    to `REDUCE_SAMPLE_BYTES` and the time scaled to all of them. The parameters stand in for
+    their gradients (same shapes, nothing computed)."""
+    params = [p.detach() for p in module.parameters() if p.requires_grad]
+    total = sum(p.numel() * p.element_size() for p in params)
+    if not total:
+        return 0.0
+    sample, taken = [], 0
+    for p in params:
+        if taken >= REDUCE_SAMPLE_BYTES:
+            break
+        sample.append(p.reshape(-1))
+        taken += p.numel() * p.element_size()
+    flat = torch.empty(sum(p.numel() for p in sample), dtype=sample[0].dtype, device=sample[0].device)
+    peer = torch.ones_like(flat)
+    samples = []
+    for round_ in range(warmup + repeats):
+        start = clock()
+        torch.cat(sample, out=flat)
+        flat.add_(peer)
+        flat.div_(2.0)
+        end = clock()
+        if round_ >= warmup:
+            samples.append(end - start)
+    return summarize(samples)[0] * total / taken
+
+
 def measure_data(make: Callable[[], Any], *, repeats: int, warmup: int, clock: Clock) -> float:
     """Median ms of making one minibatch with `make`."""
     samples = []
