@@ -36,8 +36,18 @@ the cost model's figure (`Plan.predicted.time_ms`) is printed above the table. "
 is what programs other than this benchmark took of the machine while a row ran: anything
 above about 0.1 cores makes that row's figures meaningless on a 2-core machine.
 
+Then the overhead rows: a 128-wide MLP (192-128x4-10, microbatch 64: ~0.2 ms of compute per
+action) on its own 2-stage plan, where what the runtime adds to the compute shows. For each of
+pdtool's modes and torch's Schedule1F1B: measured and simulated time per minibatch and the
+overhead per op, (measured - simulated) / the ops per minibatch of the busiest worker, an op
+being one of the lowered list's recv, F, send, B, W, allreduce, step (`schedule.lower`; a
+2-stage flush worker runs 4 per minibatch and a step's 2 per group). The simulator knows the
+compute (profiled) and the link's bandwidth, so the overhead is the runtime's own: Python
+between and around the actions, gloo's cost per message, waits for the peer's overhead.
+
     python bench/train_speed.py                      # MLP 1536-1024x4-10, microbatch 512, m = 4, 64 minibatches
     python bench/train_speed.py --minibatches 128    # less noise, twice as long
+    python bench/train_speed.py --only overhead      # the overhead rows alone (~1 minute)
 """
 from __future__ import annotations
 
@@ -71,10 +81,13 @@ from pdtool.runtime.executor import OptimizerConfig
 from pdtool.runtime.launch import launch
 from pdtool.runtime.stages import plan_stages
 from pdtool.runtime.worker import RunConfig
+from pdtool.schedule import ASYNC_MODES, generate, lower
 from pdtool.simulate import simulate
 
 OPTIMIZER = OptimizerConfig("sgd", 0.01, 0.9, 0.0)
 MODES_RUN = ("flush", "zb", "pipedream")  # pdtool's rows
+TINY = {"in_features": 192, "hidden": 128, "depth": 4, "classes": 10}  # the overhead rows' MLP, microbatch 64
+TINY_BATCH = 64
 SEED = 0
 
 
@@ -358,6 +371,43 @@ def _action_seconds(report, window: tuple[float, float] = (-math.inf, math.inf))
     return seconds
 
 
+def _ops_per_minibatch(plan: Plan, mode: str, group: int, minibatches: int) -> float:
+    """The most lowered ops (recv, F, send, B, W, allreduce, step) a worker runs per minibatch."""
+    schedule = generate(mode, tuple(s.replicas for s in plan.stages), minibatches,
+                        1 if mode in ASYNC_MODES else group)
+    return max(len(ops) for ops in lower(schedule).workers) / minibatches
+
+
+def overhead_rows(m: int, warmup: int, minibatches: int) -> list[tuple[str, bool, str]]:
+    """The overhead rows (module docstring) printed as a table; returns their targets."""
+    ref = ModelRef("pdtool.zoo:mlp", TINY)
+    _say("overhead rows: profiling the 128-wide MLP")
+    profile = profile_model(ref, batch_size=TINY_BATCH, repeats=20, warmup=5)
+    plan = make_plan(profile, parse_cluster("2x10GB/s"), straight=True, mode="pipedream",
+                     command="bench/train_speed.py (overhead rows)")
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "tiny.plan.json"
+        plan.save(path)
+        setup = Setup(str(path), ref, TINY_BATCH, m, warmup, minibatches)
+        for mode in MODES_RUN:
+            _say(f"overhead rows: pdtool {mode}")
+            group = None if mode in ASYNC_MODES else m
+            predicted = simulate(plan, mode, minibatches=max(minibatches, 64), group=group).time_per_minibatch_ms
+            rows.append((f"pdtool {mode}", _pdtool(setup, mode)[0], predicted, _ops_per_minibatch(plan, mode, m, 64)))
+        _say("overhead rows: torch Schedule1F1B")
+        flush = rows[0]  # torch's 1F1B with m microbatches per step is pdtool's flush: same compute, same ops
+        rows.append(("torch Schedule1F1B", _spawn(_pipelining, setup, "Schedule1F1B"), flush[2], flush[3]))
+    stages = " | ".join(f"layers {_ranges(s.layers)}: F {s.fwd_ms:.2f} B {s.bwd_ms:.2f} ms" for s in plan.stages)
+    print(f"\noverhead rows: {ref.spec} {ref.kwargs}, microbatch {TINY_BATCH}, m = {m}; {stages}")
+    print("| contender | ms / minibatch | simulated ms | ops per minibatch (busiest worker) | overhead per op (ms) |")
+    print("|---|---|---|---|---|")
+    for name, ms, predicted, ops in rows:
+        print(f"| {name} | {ms:.2f} | {predicted:.2f} | {ops:.2f} | {(ms - predicted) / ops:.3f} |")
+    return [(f"{name}: overhead per op at most 0.15 ms", (ms - predicted) / ops <= 0.15, f"{(ms - predicted) / ops:.3f} ms")
+            for name, ms, predicted, ops in rows if name.startswith("pdtool")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=512, help="samples per microbatch (the profile's batch size)")
@@ -369,11 +419,15 @@ def main() -> None:
     parser.add_argument("--minibatches", type=int, default=64, help="minibatches timed, after the warm-up")
     parser.add_argument("--warmup", type=int, default=16, help="minibatches before timing")
     parser.add_argument("--bandwidth", default="10GB/s", help="the link the plan is made for")
+    parser.add_argument("--only", choices=("main", "overhead"), help="run one part: the main table or the overhead rows")
     args = parser.parse_args()
     m = args.microbatches
     if m % 2 or args.minibatches % m or args.warmup % m or args.warmup < m:
         parser.error("--microbatches must be even, --minibatches and --warmup multiples of it (warmup >= m)")
     torch.set_num_threads(1)
+    if args.only == "overhead":
+        _verdicts(overhead_rows(m, args.warmup, args.minibatches), True)
+        return
     ref = ModelRef("pdtool.zoo:mlp", {"in_features": args.in_features, "hidden": args.hidden, "depth": args.depth,
                                       "classes": 10})
     profile = profile_model(ref, batch_size=args.batch, repeats=10, warmup=3)
@@ -468,6 +522,13 @@ def main() -> None:
          f"{zb_torch / rows['pdtool zb']:.2f}x"),
     ]
     measured = all(ms > 0 for ms in rows.values())
+    if args.only != "main":
+        checks += overhead_rows(m, args.warmup, args.minibatches)
+    _verdicts(checks, measured)
+
+
+def _verdicts(checks: list[tuple[str, bool, str]], measured: bool) -> None:
+    print()
     for label, ok, value in checks:
         print(f"- target: {label}: {value}, {'NOT MEASURED (noise)' if not measured else 'met' if ok else 'NOT MET'}")
 
