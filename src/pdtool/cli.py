@@ -174,8 +174,8 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
                                 "pd plan resnet.profile.json --cluster cluster-a:2 --memory 16GiB --straight -o straight.plan.json"))
 @click.argument("profile_path", metavar="PROFILE.json", type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--cluster", "-c", "cluster_spec", required=True, metavar="SPEC",
-              help="Levels innermost first, COUNTxBANDWIDTH,... (e.g. 4x12GB/s,4x10Gbit/s), a JSON file, "
-                   "or a preset (cluster-a[:SERVERS], cluster-b[:SERVERS]).")
+              help="Levels innermost first, COUNTxBANDWIDTH[+LATENCY],... (e.g. 4x12GB/s,4x10Gbit/s or "
+                   "2x10Gbit/s+100us), a JSON file, or a preset (cluster-a[:SERVERS], cluster-b[:SERVERS]).")
 @click.option("--memory", metavar="SIZE", help="Memory per worker, e.g. 16GiB; stages that do not fit are ruled out.")
 @click.option("--straight", is_flag=True, help="No replicated stages: every stage runs on one unit of each level.")
 @click.option("--data-parallel", is_flag=True, help="No cuts: one stage replicated on every worker (to compare a "

@@ -13,16 +13,17 @@ The model (all times in ms):
   `B` of b follows `F` of b by the schedule's order.
 - Transfers. `F` of b on stage s > 0 needs `F` of b on stage s-1 and then its activations,
   `out_bytes` of stage s-1, sent to it; `B` of b on stage s < last needs `B` of b on stage s+1
-  and then its gradient, `in_bytes` of stage s+1, sent back. A message takes bytes / bandwidth,
-  where the bandwidth is that of the cluster level at which the two ranks part (`link_bandwidth`).
+  and then its gradient, `in_bytes` of stage s+1, sent back. A message occupies its link for
+  bytes / bandwidth and arrives the level's latency after that, where bandwidth and latency are
+  those of the cluster level at which the two ranks part (`link_bandwidth`, `link_latency`).
   Sends are asynchronous (the sender computes on) but every directed link (rank x -> rank y)
   carries one message at a time: messages queue on it in the order they are sent (FIFO). Links
   are independent of one another: a rank's messages to two different ranks do not contend.
 - Steps. `U` on an unreplicated stage is the local optimizer step: the stage's `update_ms` (its
   share of the profiled optimizer step). On a stage with r > 1 replicas, the k-th `U` of every
   replica is one collective: all start together when the last replica arrives, and it lasts a
-  ring all-reduce, 2 (r - 1) / r * param_bytes / B with B the slowest link among the replicas'
-  ranks, plus the worker's own passes over the gradients (flatten, add, divide: the stage's
+  ring all-reduce, 2 (r - 1) / r * param_bytes / B + 2 (r - 1) L with B the slowest link among
+  the replicas' ranks and L the longest latency, plus the worker's own passes over the gradients (flatten, add, divide: the stage's
   `reduce_ms`), then the optimizer step. It is not
   overlapped with computation (the replicas wait for it), so a replicated stage costs
   (compute + all-reduce) / r per minibatch here, where the planner's default cost model charges
@@ -42,6 +43,7 @@ from .schedule import (
 from .schedule.lower import ACTIVATION, Op, collective_key, lower, message
 
 __all__ = ["SimEvent", "SimResult", "SimTransfer", "allreduce_ms", "default_minibatches", "link_bandwidth",
+           "link_latency",
            "simulate", "steady_state_ms"]
 
 
@@ -116,33 +118,42 @@ def default_minibatches(workers: int, group: int) -> int:
     return -(-n // group) * group
 
 
-def link_bandwidth(plan: Plan, x: int, y: int) -> float:
-    """Bytes/s between plan ranks x and y: the bandwidth of the level at which they part.
-
-    Units of level k hold prod(counts of levels below k) workers; x and y part at the outermost
-    level k where x // units_k != y // units_k (level 0 inside one server, level 1 across
-    servers, ...). Infinite for x == y.
-    """
-    if x == y:
-        return float("inf")
+def _parting_level(plan: Plan, x: int, y: int):
+    """The cluster level at which plan ranks x != y part: units of level k hold prod(counts of
+    levels below k) workers, and x and y part at the outermost level k where x // units_k !=
+    y // units_k (level 0 inside one server, level 1 across servers, ...)."""
     size, level = 1, 0
     for k, lvl in enumerate(plan.cluster.levels):
         if x // size != y // size:
             level = k
         size *= lvl.count
-    return plan.cluster.levels[level].bandwidth
+    return plan.cluster.levels[level]
+
+
+def link_bandwidth(plan: Plan, x: int, y: int) -> float:
+    """Bytes/s between plan ranks x and y: the bandwidth of the level at which they part
+    (`_parting_level`). Infinite for x == y."""
+    return float("inf") if x == y else _parting_level(plan, x, y).bandwidth
+
+
+def link_latency(plan: Plan, x: int, y: int) -> float:
+    """Seconds a message from rank x to rank y takes beyond its bytes / bandwidth: the latency
+    of the level at which they part. 0 for x == y."""
+    return 0.0 if x == y else _parting_level(plan, x, y).latency
 
 
 def allreduce_ms(plan: Plan, stage: int) -> float:
     """One ring all-reduce of `stage`'s gradients among its replicas, in ms (0 when unreplicated):
-    2 (r - 1) / r * param_bytes / B, B the slowest link between two of its ranks, plus the
-    stage's `reduce_ms` (each worker's flattening, adding and dividing of its gradients)."""
+    2 (r - 1) / r * param_bytes / B + 2 (r - 1) L, B the slowest link between two of its ranks
+    and L the longest latency (a ring's 2 (r - 1) steps each wait for one), plus the stage's
+    `reduce_ms` (each worker's flattening, adding and dividing of its gradients)."""
     s = plan.stages[stage]
     r = s.replicas
     if r == 1 or s.param_bytes == 0:
         return 0.0
     slowest = min(link_bandwidth(plan, x, y) for x in s.ranks for y in s.ranks if x != y)
-    return 2 * (r - 1) / r * s.param_bytes / slowest * MS_PER_S + s.reduce_ms
+    latency = max(link_latency(plan, x, y) for x in s.ranks for y in s.ranks if x != y)
+    return (2 * (r - 1) / r * s.param_bytes / slowest + 2 * (r - 1) * latency) * MS_PER_S + s.reduce_ms
 
 
 def steady_state_ms(completions: dict[int, float], minibatches: int, period: int = 1, tail: int = 0,
@@ -291,12 +302,13 @@ class _Run:
         dst = op.peer
         link = (worker, dst)
         start = max(self.free[worker], self.link_free.get(link, 0.0))
-        end = start + (size / link_bandwidth(self.plan, self.ranks[worker], self.ranks[dst]) * MS_PER_S if size else 0.0)
+        src, to = self.ranks[worker], self.ranks[dst]
+        end = start + (size / link_bandwidth(self.plan, src, to) * MS_PER_S if size else 0.0)
         self.link_free[link] = end
         if size:
             name = str(self.schedule.workers[worker][op.at])
-            self.transfers.append(SimTransfer(self.ranks[worker], self.ranks[dst], name, size, start, end))
-        self.arrived[message(op, worker)] = end
+            self.transfers.append(SimTransfer(src, to, name, size, start, end))
+        self.arrived[message(op, worker)] = end + link_latency(self.plan, src, to) * MS_PER_S
         self._wake(dst)
 
     def _collective(self, worker: int, op: Op) -> bool:

@@ -1,6 +1,7 @@
-"""Bandwidths and memory sizes written with explicit units, and back.
+"""Bandwidths, memory sizes and latencies written with explicit units, and back.
 
-Bandwidths are held in **bytes per second** (float), memory sizes in **bytes** (int).
+Bandwidths are held in **bytes per second** (float), memory sizes in **bytes** (int),
+latencies in **seconds** (float; text in `s`, `ms`, `us` or `ns`).
 Text always carries its unit, and a `B` is a byte while a `b` or `bit` is a bit, so the two
 are never confused: `10Gbit/s` == `10Gb/s` == 1.25e9 B/s, `12GB/s` == 12e9 B/s.
 
@@ -24,6 +25,9 @@ _PREFIX = r"(?P<prefix>[kKMGT]i?)?"
 _BANDWIDTH_RE = re.compile(rf"^{_NUMBER}\s*{_PREFIX}\s*(?:(?P<unit>B|bit|b)\s*/\s*s|(?P<bps>bps))$")
 _BYTES_RE = re.compile(rf"^{_NUMBER}\s*{_PREFIX}\s*(?P<unit>B|bytes?|bits?|b)$")
 
+_DURATION_RE = re.compile(rf"^{_NUMBER}\s*(?P<unit>s|ms|us|µs|ns)$")
+_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+DURATION_FORMS = "100us, 0.1ms, 2ms, 1e-4s"
 BANDWIDTH_FORMS = "12GB/s, 1.5GiB/s, 500MB/s, 1.25e9B/s (bytes) or 10Gbit/s, 10Gb/s, 10Gbps (bits)"
 BYTES_FORMS = "16GiB, 16GB, 512MiB, 1e9B"
 
@@ -62,6 +66,38 @@ def parse_bytes(text: str) -> int:
     if not math.isfinite(value) or round(value) < 1:
         raise PlanError(f"memory size {raw!r} must be at least one byte; e.g. {BYTES_FORMS}")
     return int(round(value))
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of a latency such as `100us`, `0.1ms` or `1e-4s` (zero allowed).
+
+    Raises `PlanError` naming the text and the accepted forms for anything else (a bare number,
+    a negative or infinite time)."""
+    raw = str(text)
+    match = _DURATION_RE.match(raw.strip())
+    if match is None:
+        raise PlanError(f"latency {raw!r} is not understood; write a number with a unit, e.g. {DURATION_FORMS}")
+    value = float(match["number"]) * _SECONDS[match["unit"]]
+    if not math.isfinite(value):
+        raise PlanError(f"latency {raw!r} must be finite; e.g. {DURATION_FORMS}")
+    return value
+
+
+def format_duration(seconds: float) -> str:
+    """A latency for people: `100 us`, `2.5 ms`, `1.2 s`."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{_mantissa(seconds / scale, 3)} {unit}"
+    return f"{_mantissa(seconds / 1e-9, 3)} ns"
+
+
+def exact_duration(seconds: float) -> str:
+    """Text that `parse_duration` turns back into exactly `seconds` (for JSON files)."""
+    for unit, scale in (("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
+        for text in (f"{seconds / scale:.15g} {unit}", f"{seconds / scale!r} {unit}"):
+            if parse_duration(text) == seconds:
+                return text
+    return f"{seconds!r} s"
 
 
 # ----- formatting ------------------------------------------------------------------------------

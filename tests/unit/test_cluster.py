@@ -5,7 +5,8 @@ import pytest
 from pdtool.artifacts.cluster import DEFAULT_SERVERS, PRESETS, SCHEMA, Cluster, Level, parse_cluster, preset
 from pdtool.errors import ArtifactError, PdtoolError, PlanError
 from pdtool.jsonio import canonical_json
-from pdtool.units import (exact_bandwidth, exact_bytes, format_bandwidth, format_bytes, parse_bandwidth,
+from pdtool.units import (exact_bandwidth, exact_bytes, exact_duration, format_bandwidth, format_bytes,
+                          format_duration, parse_bandwidth, parse_duration,
                           parse_bytes)
 
 GiB = 2**30
@@ -251,7 +252,10 @@ def test_json_missing_and_malformed_files(tmp_path):
     ({"levels": [{"count": 2, "bandwidth": "1GB"}]}, "levels[0].bandwidth: bandwidth '1GB' is not understood"),
     ({"levels": [{"count": 2, "bandwidth": -5}]}, "levels[0].bandwidth: must be positive"),
     ({"levels": [{"count": 2}]}, "levels[0].bandwidth: missing field"),
-    ({"levels": [{"count": 2, "bandwidth": "1GB/s", "latency": 1}]}, "unknown field 'latency'"),
+    ({"levels": [{"count": 2, "bandwidth": "1GB/s", "jitter": 1}]}, "unknown field 'jitter'"),
+    ({"levels": [{"count": 2, "bandwidth": "1GB/s", "latency": "soon"}]}, "levels[0].latency: latency 'soon' is not"),
+    ({"levels": [{"count": 2, "bandwidth": "1GB/s", "latency": -1}]}, "levels[0].latency: must be 0 to 10 s"),
+    ({"levels": [{"count": 2, "bandwidth": "1GB/s", "latency": "100s"}]}, "levels[0].latency: must be 0 to 10 s"),
     ({"levels": [{"count": 2, "bandwidth": "1GB/s"}], "memory": "lots"}, "memory: memory size 'lots'"),
     ({"levels": [{"count": 2, "bandwidth": "1GB/s"}], "memory": 1.5}, "memory: must be a whole number"),
     ({"levels": [{"count": 2, "bandwidth": "1GB/s"}], "schema": "pdtool.plan/1"}, "schema is 'pdtool.plan/1'"),
@@ -296,3 +300,42 @@ def test_describe():
     assert parse_cluster("8x1.25e9B/s").describe() == "8x 10 Gbit/s, no memory limit"
     assert parse_cluster("cluster-a").describe() == "cluster-a:4 = 4x 12 GB/s, 4x 10 Gbit/s, 16 GiB per worker"
     assert parse_cluster("cluster-b:2").describe() == "cluster-b:2 = 8x 25 GB/s, 2x 25 Gbit/s, 16 GiB per worker"
+
+
+@pytest.mark.parametrize("text, latencies", [
+    ("2x10GB/s+100us", (1e-4,)),
+    ("4x12GB/s + 5us, 4x10Gbit/s+0.1ms", (5e-6, 1e-4)),
+    ("4x V100 @ 12 GB/s+2us", (2e-6,)),
+    ("2x1e+9B/s", (0.0,)),  # an exponent's + is part of the bandwidth
+])
+def test_a_level_may_give_its_latency_after_a_plus_and_it_survives_json(text, latencies):
+    cluster = parse_cluster(text)
+    assert tuple(level.latency for level in cluster.levels) == pytest.approx(latencies)
+    assert Cluster.from_json(cluster.to_json(), "x") == cluster
+    assert ("latency" in cluster.to_json()["levels"][0]) == (latencies[0] > 0)  # files without latency stay as they were
+    assert ("us" in cluster.describe()) == any(latencies)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("2x10GB/s+5", "is not understood"),
+    ("2x10GB/s+11s", "latency must be 0 to 10 s"),
+])
+def test_a_bad_latency_is_one_line(text, message):
+    with pytest.raises(PlanError, match=message):
+        parse_cluster(text)
+
+
+@pytest.mark.parametrize("text, seconds, shown", [
+    ("100us", 1e-4, "100 us"), ("100 µs", 1e-4, "100 us"), ("0.1ms", 1e-4, "100 us"), ("2ms", 2e-3, "2 ms"),
+    ("1e-4s", 1e-4, "100 us"), ("0s", 0.0, "0 ns"), ("1.5s", 1.5, "1.5 s"), ("250ns", 2.5e-7, "250 ns"),
+])
+def test_latencies_parse_show_and_write_back_exactly(text, seconds, shown):
+    assert parse_duration(text) == pytest.approx(seconds)
+    assert format_duration(parse_duration(text)) == shown
+    assert parse_duration(exact_duration(parse_duration(text))) == parse_duration(text)
+
+
+@pytest.mark.parametrize("text", ["100", "-1us", "fast", "1 hour", "infs", "1e400s"])
+def test_a_latency_without_a_time_unit_or_finite_value_is_refused(text):
+    with pytest.raises(PlanError, match="latency"):
+        parse_duration(text)

@@ -10,7 +10,7 @@ from pdtool.errors import ScheduleError
 from pdtool.artifacts.plan import Plan, PlanStage, Prediction, ProfileRef
 from pdtool.planner import make_plan
 from pdtool.schedule import MODES, default_group, generate, peak_versions
-from pdtool.simulate import allreduce_ms, default_minibatches, link_bandwidth, simulate, steady_state_ms
+from pdtool.simulate import allreduce_ms, default_minibatches, link_bandwidth, link_latency, simulate, steady_state_ms
 from pdtool.views.trace import chrome_trace, write_trace
 from test_plan import chain_profile
 
@@ -132,6 +132,24 @@ def test_transfers_delay_the_next_stage_and_queue_on_their_link():
     sends = [t for t in result.transfers if t.src == 0]
     assert [t.name for t in sends] == ["0F0", "0F1", "0F2", "0F3"] and all(t.bytes == 5_000_000 for t in sends)
     assert all(a.end_ms == pytest.approx(b.start_ms) for a, b in zip(sends, sends[1:]))
+
+
+def test_latency_delays_each_message_without_holding_its_link():
+    plain = make([(1.0, 2.0, 1, 0, 5_000_000), (1.0, 2.0, 1)], levels=((2, 1e9),))  # 5 ms per message
+    slow = dataclasses.replace(plain, cluster=Cluster((Level(2, 1e9, 0.003),)))  # + 3 ms one way
+    assert link_latency(slow, 0, 1) == 0.003 and link_latency(slow, 1, 1) == 0.0
+    events, transfers = by_name(simulate(slow, "gpipe", minibatches=4, group=4)), simulate(slow, "gpipe", 4, 4).transfers
+    for b in range(4):  # the link still carries a message every 5 ms; each arrives 3 ms after it leaves the link
+        assert events[(1, f"1F{b}")].start_ms == pytest.approx(1.0 + 5.0 * (b + 1) + 3.0)
+    assert events[(0, "0B0")].start_ms == pytest.approx(events[(1, "1B0")].end_ms + 5.0 + 3.0)
+    sends = [t for t in transfers if t.src == 0]
+    assert all(a.end_ms == pytest.approx(b.start_ms) for a, b in zip(sends, sends[1:]))
+
+
+def test_a_ring_all_reduce_waits_for_the_latency_at_each_of_its_steps():
+    plan = make([(2.0, 4.0, 3, 3_000_000)], levels=((3, 1e9),))
+    plan = dataclasses.replace(plan, cluster=Cluster((Level(3, 1e9, 1e-4),)))
+    assert allreduce_ms(plan, 0) == pytest.approx(2 * 2 / 3 * 3e6 / 1e9 * 1e3 + 2 * 2 * 0.1)
 
 
 def test_a_slower_level_between_stages_costs_more():

@@ -3,12 +3,17 @@
 A cluster is a hierarchy (PipeDream, SOSP 2019, section 3.1): level 0 groups `count` workers
 (GPUs of one server) linked at `bandwidth` bytes/s; level 1 groups `count` of those groups
 (servers) at its own bandwidth; and so on. The number of workers is the product of the counts.
+A level may also give its `latency`: the one-way time of a small message between two of its
+units, as a ping-pong between two workers measures it (0 when not given); the simulator
+charges it to every message and to every step of a ring all-reduce.
 
 `parse_cluster` reads the three ways a user names one:
 
-- levels, innermost first: `4x12GB/s,4x10Gbit/s` (spaces allowed, `4x V100 @ 12 GB/s` too);
-- a JSON file: `{"levels": [{"count": 4, "bandwidth": "12GB/s"}, ...], "memory": "16GiB"}`
-  (a bandwidth may also be a number in bytes/s, a memory size a number of bytes);
+- levels, innermost first: `4x12GB/s,4x10Gbit/s` (spaces allowed, `4x V100 @ 12 GB/s` too),
+  each with an optional latency after a `+`: `2x10Gbit/s+100us`;
+- a JSON file: `{"levels": [{"count": 4, "bandwidth": "12GB/s", "latency": "5us"}, ...],
+  "memory": "16GiB"}` (a bandwidth may also be a number in bytes/s, a latency in seconds, a
+  memory size a number of bytes);
 - a preset for the PipeDream paper's clusters: `cluster-a` or `cluster-b`, with the number of
   servers after a colon (`cluster-a:2`; 4 when omitted).
 
@@ -28,8 +33,8 @@ from ..errors import PlanError
 from ..fields import Fields
 from .schemas import SchemaChecked
 from ..jsonio import read_json
-from ..units import (BANDWIDTH_FORMS, exact_bandwidth, exact_bytes, format_bandwidth, format_bytes,
-                    parse_bandwidth, parse_bytes)
+from ..units import (BANDWIDTH_FORMS, DURATION_FORMS, exact_bandwidth, exact_bytes, exact_duration,
+                     format_bandwidth, format_bytes, format_duration, parse_bandwidth, parse_bytes, parse_duration)
 
 SCHEMA = "pdtool.cluster/1"
 
@@ -38,15 +43,19 @@ MAX_WORKERS = 16384
 """Most workers a cluster may have: the planner's tables grow with the workers of a level."""
 MIN_BANDWIDTH, MAX_BANDWIDTH = 1.0, 1e18
 """Bandwidths pdtool plans for, bytes/s: 1 B/s to 1 EB/s (a typo such as 2x1e-30B/s or 2x1e30GB/s is refused)."""
+MAX_LATENCY = 10.0
+"""Longest latency pdtool plans for, seconds (a typo such as 2x10GB/s+100s is refused)."""
 
 
 @dataclass(frozen=True)
 class Level:
     """One level of the hierarchy: `count` units (workers at level 0, servers at level 1, ...)
-    and the `bandwidth` in bytes/s of the link between two units of this level."""
+    and the `bandwidth` in bytes/s of the link between two units of this level; `latency` is
+    the one-way time in seconds of a small message on that link."""
 
     count: int
     bandwidth: float
+    latency: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
@@ -61,6 +70,10 @@ class Level:
         if not MIN_BANDWIDTH <= self.bandwidth <= MAX_BANDWIDTH:
             raise PlanError(f"bandwidth {self.bandwidth:g} B/s is outside what pdtool plans for (1 B/s to 1 EB/s); "
                             f"give a real link's bandwidth, e.g. {BANDWIDTH_FORMS}")
+        if isinstance(self.latency, bool) or not isinstance(self.latency, (int, float)) \
+                or not (math.isfinite(self.latency) and 0 <= self.latency <= MAX_LATENCY):
+            raise PlanError(f"a cluster level's latency must be 0 to {MAX_LATENCY:g} s, not {self.latency!r}; "
+                            f"e.g. {DURATION_FORMS}")
 
 
 @dataclass(frozen=True)
@@ -92,7 +105,8 @@ class Cluster(SchemaChecked):
 
     def describe(self) -> str:
         """One human line, e.g. "cluster-a:4 = 4x 12 GB/s, 4x 10 Gbit/s, 16 GiB per worker"."""
-        parts = [f"{level.count}x {format_bandwidth(level.bandwidth, 'auto')}" for level in self.levels]
+        parts = [f"{level.count}x {format_bandwidth(level.bandwidth, 'auto')}"
+                 + (f" + {format_duration(level.latency)}" if level.latency else "") for level in self.levels]
         parts.append("no memory limit" if self.memory is None else f"{format_bytes(self.memory)} per worker")
         text = ", ".join(parts)
         return f"{self.name} = {text}" if self.name else text
@@ -103,7 +117,8 @@ class Cluster(SchemaChecked):
         return {
             "schema": SCHEMA,
             "name": self.name,
-            "levels": [{"count": level.count, "bandwidth": exact_bandwidth(level.bandwidth)}
+            "levels": [{"count": level.count, "bandwidth": exact_bandwidth(level.bandwidth),
+                        **({"latency": exact_duration(level.latency)} if level.latency else {})}
                        for level in self.levels],
             "memory": None if self.memory is None else exact_bytes(self.memory),
         }
@@ -124,7 +139,7 @@ class Cluster(SchemaChecked):
                      '[{"count": 4, "bandwidth": "12GB/s"}, {"count": 4, "bandwidth": "10Gbit/s"}]', "levels")
         levels = []
         for where, item in items:
-            f = Fields(item, source, where, known=("count", "bandwidth"))
+            f = Fields(item, source, where, known=("count", "bandwidth", "latency"))
             count = f.count("count", 1)
             bandwidth = f.get("bandwidth", (str, float))
             if isinstance(bandwidth, str):
@@ -135,7 +150,16 @@ class Cluster(SchemaChecked):
             elif not (math.isfinite(bandwidth) and bandwidth > 0):
                 f.fail(f"must be positive, found {bandwidth!r}",
                        f"give bytes/s as a number or text with a unit ({BANDWIDTH_FORMS})", "bandwidth")
-            levels.append(Level(count, float(bandwidth)))
+            latency = f.get("latency", (str, float), optional=True, default=0.0)
+            if isinstance(latency, str):
+                try:
+                    latency = parse_duration(latency)
+                except PlanError as exc:
+                    f.fail(str(exc), "fix the value", "latency")
+            if not (math.isfinite(latency) and 0 <= latency <= MAX_LATENCY):
+                f.fail(f"must be 0 to {MAX_LATENCY:g} s, found {latency!r}",
+                       f"give seconds as a number or text with a unit ({DURATION_FORMS})", "latency")
+            levels.append(Level(count, float(bandwidth), float(latency)))
         memory = top.get("memory", (str, int, float), optional=True)
         if isinstance(memory, str):
             try:
@@ -187,7 +211,8 @@ _FORMS = ("levels innermost first like 4x12GB/s,4x10Gbit/s, a JSON file like clu
           f"or a preset ({', '.join(f'{name}[:SERVERS]' for name in PRESETS)})")
 _PRESET_RE = re.compile(r"^(?P<name>[A-Za-z][\w.-]*)(?:\s*:\s*(?P<servers>.*))?$")
 _LEVEL_START_RE = re.compile(r"^[+-]?\d+\s*[xX*]")
-_LEVEL_RE = re.compile(r"^(?P<count>[+-]?\d+)\s*[xX*]\s*(?:(?P<label>[^@]*?)\s*@\s*)?(?P<bandwidth>.+)$")
+_LEVEL_RE = re.compile(r"^(?P<count>[+-]?\d+)\s*[xX*]\s*(?:(?P<label>[^@]*?)\s*@\s*)?(?P<bandwidth>.+?)"
+                       r"(?:\s*\+\s*(?P<latency>[0-9.]+(?:[eE][+-]?[0-9]+)?\s*(?:s|ms|us|µs|ns)))?$")
 
 
 def preset(name: str, servers: int = DEFAULT_SERVERS) -> Cluster:
@@ -252,7 +277,7 @@ def _servers(name: str, text: str | None) -> int:
 
 
 def _parse_levels(text: str) -> Cluster:
-    """`COUNTxBANDWIDTH[,COUNTxBANDWIDTH...]`, innermost first; a level may read `4x V100 @ 12GB/s`."""
+    """`COUNTxBANDWIDTH[+LATENCY][,...]`, innermost first; a level may read `4x V100 @ 12GB/s`."""
     levels = []
     parts = text.split(",")
     for index, raw in enumerate(parts, 1):
@@ -269,8 +294,9 @@ def _parse_levels(text: str) -> Cluster:
             raise PlanError(f"{where} {part!r} has count {count}; a level needs at least 1 unit, e.g. 4x12GB/s")
         try:
             bandwidth = parse_bandwidth(match["bandwidth"])
+            latency = parse_duration(match["latency"]) if match["latency"] else 0.0
         except PlanError as exc:
             raise PlanError(f"{where} {part!r}: {exc}") from None
-        levels.append(Level(count, bandwidth))
+        levels.append(Level(count, bandwidth, latency))
     return Cluster(levels=tuple(levels))
 
