@@ -98,7 +98,7 @@ class StageWorker:
         self.current = 0          # version of the live weights
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.peak_versions = 0    # most stashed versions held at once (live weights not counted)
-        self.stash: dict[int, tuple[dict, Any, int]] = {}
+        self.stash: dict[int, tuple[dict, Any, int, dict]] = {}  # minibatch -> (input leaves, outputs, version, weights)
         self.split: dict[int, tuple[Any, int]] = {}  # minibatch -> (what its W needs, version) between B and W
         self.backwards = 0        # backwards since the last step
         self.losses: dict[int, float] = {}
@@ -191,10 +191,17 @@ class StageWorker:
             self.split[b] = (pending, v)
             return {k: g for k, g in zip(wanted_inputs, found) if g is not None}
         targets = list(params.values()) + inputs
-        found = torch.autograd.grad(roots, targets, seeds, allow_unused=True) if roots and targets else [None] * len(targets)
-        self._add_gradients(found[:len(params)])
+        if not (roots and targets):
+            found = [None] * len(inputs)
+        elif self.live and targets[0] is self.live[0]:  # the live weights: autograd adds to their .grad itself
+            torch.autograd.backward(roots, seeds, inputs=targets)
+            found = [leaf.grad for leaf in inputs]
+        else:
+            found = torch.autograd.grad(roots, targets, seeds, allow_unused=True)
+            self._add_gradients(found[:len(params)])
+            found = found[len(params):]
         self.backwards += 1
-        return {k: g for k, g in zip(wanted_inputs, found[len(params):]) if g is not None}
+        return {k: g for k, g in zip(wanted_inputs, found) if g is not None}
 
     def weight_backward(self, b: int) -> None:
         """The weight gradients of minibatch b, whose `backward(b, weights=False)` ran: added to
