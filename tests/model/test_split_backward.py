@@ -3,7 +3,7 @@ equal to one whole backward (runtime.split_backward)."""
 import pytest
 import torch
 
-from pdtool.runtime.split_backward import input_gradients, weight_gradients
+from pdtool.runtime.split_backward import ParameterNodes, input_gradients, weight_gradients
 
 
 def _model():
@@ -35,3 +35,19 @@ def test_the_two_parts_equal_one_backward(inputs_need_gradients):
     for got, want in zip(weight_gradients(pending), expected[len(inputs):]):
         torch.testing.assert_close(got, want)
 
+
+
+def test_parameter_nodes_found_once_serve_every_later_graph():
+    model = _model()
+    params = list(model.parameters())
+    nodes = ParameterNodes()
+    for step in range(3):  # each minibatch builds a new graph on the same parameters
+        x = torch.randn(7, 6, requires_grad=True)
+        expected = torch.autograd.grad(model(x).square().sum(), [x] + params)
+        found, pending = input_gradients([model(x).square().sum()], [None], [x], params, nodes)
+        torch.testing.assert_close(found[0], expected[0])
+        for got, want in zip(weight_gradients(pending), expected[1:]):
+            torch.testing.assert_close(got, want)
+        assert len(nodes.held) == len(params)  # found on the first graph, reused after
+    other = torch.nn.Parameter(torch.randn(3))
+    assert nodes(other) is not nodes(params[0]) and nodes(other) is nodes(other)

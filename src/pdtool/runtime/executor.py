@@ -36,7 +36,7 @@ from torch.func import functional_call
 
 from ..errors import LaunchError
 from ..schedule import ASYNC_MODES, Action, Schedule
-from .split_backward import input_gradients, weight_gradients
+from .split_backward import ParameterNodes, input_gradients, weight_gradients
 
 
 
@@ -100,6 +100,7 @@ class StageWorker:
         self.peak_versions = 0    # most stashed versions held at once (live weights not counted)
         self.stash: dict[int, tuple[dict, Any, int, dict]] = {}  # minibatch -> (input leaves, outputs, version, weights)
         self.split: dict[int, tuple[Any, int]] = {}  # minibatch -> (what its W needs, version) between B and W
+        self.parameter_nodes = ParameterNodes()  # zb: the live weights' gradient accumulators, found once
         self.backwards = 0        # backwards since the last step
         self.losses: dict[int, float] = {}
         self._flat: torch.Tensor | None = None  # the gradient buffer of replica all-reduces (gradient_buffer)
@@ -187,7 +188,8 @@ class StageWorker:
         inputs = [leaves[k] for k in wanted_inputs]
         self._used(v)
         if not weights:
-            found, pending = input_gradients(roots, seeds, inputs, list(params.values())) if roots else ([], None)
+            found, pending = (input_gradients(roots, seeds, inputs, list(params.values()), self.parameter_nodes)
+                              if roots else ([], None))
             self.split[b] = (pending, v)
             return {k: g for k, g in zip(wanted_inputs, found) if g is not None}
         targets = list(params.values()) + inputs

@@ -36,9 +36,28 @@ def _node(tensor: torch.Tensor):
     return get_gradient_edge(tensor).node
 
 
-def input_gradients(roots: list[torch.Tensor], seeds, inputs: list[torch.Tensor], params: list[torch.Tensor]):
+class ParameterNodes:
+    """The autograd nodes that accumulate the gradients of a worker's parameters, found once.
+
+    A leaf's node (its AccumulateGrad) lives as long as something holds it, and every graph
+    built on the leaf then reaches that same node; finding it anew builds a view of the leaf each
+    time (`get_gradient_edge`). Holding it is what DDP does to hook its gradients."""
+
+    def __init__(self):
+        self.held: dict[int, tuple[torch.Tensor, object]] = {}
+
+    def __call__(self, p: torch.Tensor):
+        found = self.held.get(id(p))
+        if found is None or found[0] is not p:
+            found = self.held[id(p)] = (p, _node(p))
+        return found[1]
+
+
+def input_gradients(roots: list[torch.Tensor], seeds, inputs: list[torch.Tensor], params: list[torch.Tensor],
+                    nodes=_node):
     """(the gradients of `inputs`, a `Pending` for `weight_gradients`): back-propagate `seeds`
-    from `roots` to the inputs only, keeping the graph and what the parameters' part needs."""
+    from `roots` to the inputs only, keeping the graph and what the parameters' part needs.
+    `nodes` finds a parameter's node (a `ParameterNodes` reuses them across calls)."""
     parents: dict = {}  # node -> the nodes that pass it gradients (toward the roots)
     stack, seen = [r.grad_fn for r in roots if r.grad_fn is not None], set()
     while stack:
@@ -54,7 +73,7 @@ def input_gradients(roots: list[torch.Tensor], seeds, inputs: list[torch.Tensor]
     pending = Pending(params, roots=roots, seeds=seeds)
     by_nodes: dict[frozenset, int] = {}
     for index, p in enumerate(params):
-        start = _node(p)
+        start = nodes(p)
         if start not in seen:
             continue  # the outputs do not depend on it: no gradient
         boundary, direct = _boundary(start, parents, feeds_inputs)
