@@ -317,7 +317,8 @@ def test_a_level_may_give_its_latency_after_a_plus_and_it_survives_json(text, la
 
 
 @pytest.mark.parametrize("text, message", [
-    ("2x10GB/s+5", "is not understood"),
+    ("2x10GB/s+5", "latency '5' is not understood; write a time with a unit after the \\+"),
+    ("2x10GB/s + fast", "latency 'fast' is not understood"),
     ("2x10GB/s+11s", "latency must be 0 to 10 s"),
 ])
 def test_a_bad_latency_is_one_line(text, message):

@@ -292,6 +292,10 @@ def _parse_levels(text: str) -> Cluster:
         count = int(match["count"])
         if count < 1:
             raise PlanError(f"{where} {part!r} has count {count}; a level needs at least 1 unit, e.g. 4x12GB/s")
+        head, plus, tail = match["bandwidth"].rpartition("+")
+        if plus and not match["latency"] and _is_bandwidth(head):  # a bandwidth, then something that is no latency
+            raise PlanError(f"{where} {part!r}: latency {tail.strip()!r} is not understood; write a time with a unit "
+                            f"after the +, e.g. 2x10Gbit/s+100us ({DURATION_FORMS})")
         try:
             bandwidth = parse_bandwidth(match["bandwidth"])
             latency = parse_duration(match["latency"]) if match["latency"] else 0.0
