@@ -92,7 +92,9 @@ def test_the_measured_time_per_minibatch_agrees_with_the_wall_time(tmp_path, spl
     span_ms = (finished[-1] - began) * 1000  # first action to last completion
     assert measured is not None and measured > 0
     completions_ms = (finished[-1] - finished[0]) * 1000  # without the start-up before the first completion
-    assert measured * len(finished) <= span_ms * 1.05  # the steady state is no slower than the whole run
+    # the steady state is no slower than the whole run (within this shared machine's bursts: a
+    # slow second in the last half made a 1.05 bound fail once; a miscount of replicas is 2x)
+    assert measured * len(finished) <= span_ms * 1.3
     assert measured * (len(finished) - 1) >= completions_ms * 0.2  # and not absurdly faster than its completions
 
 

@@ -12,7 +12,7 @@ from itertools import product
 import pytest
 
 from pdtool.runtime.comm import Prefetch
-from pdtool.schedule import ACTIVATION, GRADIENT, default_group, generate, lower, stash_depth
+from pdtool.schedule import ACTIVATION, GRADIENT, MODES, default_group, generate, lower, stash_depth
 from pdtool.schedule.lower import collective_key, message
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (1, 3, 1), (1, 1, 1, 1), (2, 1, 1)]
@@ -132,3 +132,18 @@ def test_receives_are_posted_ahead_per_direction_in_action_order():
     assert ahead.before(1) == receives[1:4]  # recv 0 is op 0
     first = low.workers[0]  # stage 0: only gradients arrive, for its backwards
     assert Prefetch(first, window=1).before(0) == [op for op in first if op.kind == "recv"][:2]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("window", [0, 1, 3])
+def test_what_the_worker_posts_before_each_op_covers_the_window_and_posts_each_receive_once(mode, window):
+    replicas = (2, 1) if mode in ("pipedream", "vsync") else (1, 1, 1)
+    schedule = generate(mode, replicas, 12) if mode in ("pipedream", "vsync") else generate(mode, replicas, 12, 3)
+    for ops in lower(schedule).workers:
+        ahead = Prefetch(ops, window)
+        posted = []
+        for i in range(len(ops)):
+            posted += ahead.fresh[i]
+            assert all(any(p is op for p in posted) for op in ahead.before(i))  # the whole window is posted
+        receives = [op for op in ops if op.kind == "recv"]
+        assert len(posted) == len(receives) and all(any(p is op for p in posted) for op in receives)

@@ -236,7 +236,7 @@ def _run(schedule: Schedule, ops, worker: StageWorker, specs, batch, collectives
     prefetch = Prefetch(ops, link.window)
     step_began = 0.0
     for i, op in enumerate(ops):
-        for ahead in prefetch.before(i):
+        for ahead in prefetch.fresh[i]:
             link.post_recv((ahead.direction, ahead.minibatch), ahead.peer, incoming[ahead.direction], ahead.direction)
         b = op.minibatch
         if op.kind == "recv":
