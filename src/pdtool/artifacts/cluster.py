@@ -211,8 +211,7 @@ _FORMS = ("levels innermost first like 4x12GB/s,4x10Gbit/s, a JSON file like clu
           f"or a preset ({', '.join(f'{name}[:SERVERS]' for name in PRESETS)})")
 _PRESET_RE = re.compile(r"^(?P<name>[A-Za-z][\w.-]*)(?:\s*:\s*(?P<servers>.*))?$")
 _LEVEL_START_RE = re.compile(r"^[+-]?\d+\s*[xX*]")
-_LEVEL_RE = re.compile(r"^(?P<count>[+-]?\d+)\s*[xX*]\s*(?:(?P<label>[^@]*?)\s*@\s*)?(?P<bandwidth>.+?)"
-                       r"(?:\s*\+\s*(?P<latency>[0-9.]+(?:[eE][+-]?[0-9]+)?\s*(?:s|ms|us|µs|ns)))?$")
+_LEVEL_RE = re.compile(r"^(?P<count>[+-]?\d+)\s*[xX*]\s*(?:(?P<label>[^@]*?)\s*@\s*)?(?P<bandwidth>.+)$")
 
 
 def preset(name: str, servers: int = DEFAULT_SERVERS) -> Cluster:
@@ -292,13 +291,17 @@ def _parse_levels(text: str) -> Cluster:
         count = int(match["count"])
         if count < 1:
             raise PlanError(f"{where} {part!r} has count {count}; a level needs at least 1 unit, e.g. 4x12GB/s")
-        head, plus, tail = match["bandwidth"].rpartition("+")
-        if plus and not match["latency"] and _is_bandwidth(head):  # a bandwidth, then something that is no latency
-            raise PlanError(f"{where} {part!r}: latency {tail.strip()!r} is not understood; write a time with a unit "
-                            f"after the +, e.g. 2x10Gbit/s+100us ({DURATION_FORMS})")
+        bandwidth_text, latency = match["bandwidth"], 0.0
+        head, plus, tail = bandwidth_text.rpartition("+")
+        if plus and _is_bandwidth(head):  # BANDWIDTH+LATENCY (an exponent's + leaves no bandwidth before it)
+            bandwidth_text = head
+            try:
+                latency = parse_duration(tail)
+            except PlanError:
+                raise PlanError(f"{where} {part!r}: latency {tail.strip()!r} is not understood; write a time with a "
+                                f"unit after the +, e.g. 2x10Gbit/s+100us ({DURATION_FORMS})") from None
         try:
-            bandwidth = parse_bandwidth(match["bandwidth"])
-            latency = parse_duration(match["latency"]) if match["latency"] else 0.0
+            bandwidth = parse_bandwidth(bandwidth_text)
         except PlanError as exc:
             raise PlanError(f"{where} {part!r}: {exc}") from None
         levels.append(Level(count, bandwidth, latency))
