@@ -6,6 +6,7 @@ from click.testing import CliRunner
 
 from pdtool.cli import cli
 from pdtool.artifacts.profile import Profile
+from pdtool.units import parse_duration
 
 PIPEDREAM = Path(__file__).resolve().parents[2] / "profiles" / "pipedream"
 
@@ -248,6 +249,20 @@ def test_plan_straight_mode_and_optimizer_flags_reach_the_plan(tmp_path):
     assert all(s["replicas"] == 1 for s in plans[0]["stages"])
     # Adam keeps two optimizer buffers per parameter, SGD with momentum one: more memory per worker
     assert plans[1]["stages"][0]["memory_bytes"] > plans[0]["stages"][0]["memory_bytes"]
+
+
+def test_plan_with_a_link_latency_keeps_it_in_the_plan_and_the_simulation_pays_it(tmp_path):
+    profile = imported(tmp_path)
+    plain, slow = tmp_path / "plain.json", tmp_path / "slow.json"
+    for out, cluster in ((plain, "4x1.25e9B/s"), (slow, "4x1.25e9B/s+2ms")):
+        result = invoke("plan", str(profile), "-c", cluster, "--straight", "-o", str(out))
+        assert result.exit_code == 0, result.output
+    assert parse_duration(json.loads(slow.read_text())["cluster"]["levels"][0]["latency"]) == pytest.approx(0.002)
+    assert "latency" not in json.loads(plain.read_text())["cluster"]["levels"][0]
+    shown = invoke("simulate", str(slow))
+    assert shown.exit_code == 0 and "+ 2 ms" in shown.output
+    times = [json.loads(p.read_text())["predicted"]["simulated"]["time_per_minibatch_ms"] for p in (plain, slow)]
+    assert times[1] > times[0]
 
 
 def test_every_help_example_parses_with_its_command():
