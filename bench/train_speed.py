@@ -42,12 +42,14 @@ pdtool's modes and torch's Schedule1F1B: measured and simulated time per minibat
 overhead per op, (measured - simulated) / the ops per minibatch of the busiest worker, an op
 being one of the lowered list's recv, F, send, B, W, allreduce, step (`schedule.lower`; a
 2-stage flush worker runs 4 per minibatch and a step's 2 per group). The plan's cluster carries
-the link's latency as measured first (a ping-pong of a 32 KB tensor between two processes over
-gloo, as pdtool's messages go: `--cluster 2x10GB/s+<latency>`), so the simulator knows the
-compute (profiled), the bandwidth and each message's latency, and the overhead is the runtime's
-own: Python between and around the actions, and waits for the peer's overhead. The table also
-shows the simulation without the latency (what the overhead per op would be if messages were
-free).
+the link's latency as measured first (a ping-pong of a 32 KB tensor between two processes by the
+transport the row's workers use: `pd train`'s default between workers of one machine, a
+shared-memory ring (`runtime.shm`), or gloo's send and recv: `--cluster 2x10GB/s+<latency>`), so
+the simulator knows the compute (profiled), the bandwidth and each message's latency, and the
+overhead is the runtime's own: Python between and around the actions, and waits for the peer's
+overhead. The table also shows the simulation without the latency (what the overhead per op
+would be if messages were free), and pdtool's flush over gloo (`--transport process-group`)
+beside torch's Schedule1F1B, whose messages go over gloo too.
 
     python bench/train_speed.py                      # MLP 1536-1024x4-10, microbatch 512, m = 4, 64 minibatches
     python bench/train_speed.py --minibatches 128    # less noise, twice as long
@@ -82,10 +84,12 @@ from pdtool.planner import make_plan
 from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
 from pdtool.runtime.executor import OptimizerConfig
+from pdtool.runtime import shm
+from pdtool.runtime.comm import BoundaryTensor, layout
 from pdtool.runtime.launch import launch
 from pdtool.runtime.stages import plan_stages
 from pdtool.runtime.worker import RunConfig
-from pdtool.schedule import ASYNC_MODES, generate, lower
+from pdtool.schedule import ACTIVATION, ASYNC_MODES, GRADIENT, generate, lower
 from pdtool.simulate import simulate
 
 OPTIMIZER = OptimizerConfig("sgd", 0.01, 0.9, 0.0)
@@ -320,7 +324,7 @@ def _stages_at_once(rank: int, world: int, setup: Setup, queue) -> None:
 
 # ----- pdtool -------------------------------------------------------------------------------
 
-def _pdtool(setup: Setup, mode: str) -> tuple[float, float, list[dict[str, float]], str]:
+def _pdtool(setup: Setup, mode: str, transport: str = "auto") -> tuple[float, float, list[dict[str, float]], str]:
     """`pd train --mode mode`, as `launch` runs it: steady-state ms per minibatch, start-up s of one
     launch (its wall time less the workers' own), per rank the ms per minibatch spent inside F, B
     and U actions (zeros where the reports carry no events), and how the time was measured.
@@ -336,7 +340,7 @@ def _pdtool(setup: Setup, mode: str) -> tuple[float, float, list[dict[str, float
     def run(minibatches: int):
         config = RunConfig(plan_path=setup.plan_path, steps=minibatches // per_step, mode=mode,
                            group=None if mode == "pipedream" else setup.group, seed=SEED, optimizer=OPTIMIZER,
-                           threads=1, timeout_s=120.0, **quiet)
+                           threads=1, timeout_s=120.0, transport=transport, **quiet)
         began = time.perf_counter()
         reports = [report for _, report in sorted(launch(config, 2).items())]
         return reports, time.perf_counter() - began - max(r.wall_s for r in reports)
@@ -384,21 +388,40 @@ def _ops_per_minibatch(plan: Plan, mode: str, group: int, minibatches: int) -> f
 
 def _ping_pong(rank: int, world: int, setup: Setup, queue, rounds: int = 500) -> None:
     """One-way time of a 32 KB message between the two processes, median of `rounds` round trips
-    / 2, sent as pdtool's runtime sends (the process group's own send and recv)."""
+    / 2, by each of pd train's transports: the process group's own send and recv (gloo), and a
+    pair of shared-memory rings (`runtime.shm`, what pd train uses between the workers of one
+    machine here)."""
     group, peer = dist.group.WORLD, 1 - rank
     x = torch.zeros(TINY["hidden"] * TINY_BATCH)
+    specs = [BoundaryTensor("x", tuple(x.shape), x.dtype)]
+    packed = layout([(x.shape, x.dtype)], pack_all=True)
+    found = {"process-group": _round_trips(rank, rounds, lambda i: group.send([x], peer, i).wait(),
+                                           lambda i: group.recv([x], peer, i).wait())}
+    if shm.available(x.device):
+        mine = [shm.Direction(peer, d, (d == GRADIENT) == (rank == 0), packed.size) for d in (ACTIVATION, GRADIENT)]
+        rings, made = shm.open_rings(dist.distributed_c10d._get_default_store(), f"bench{os.environ['MASTER_PORT']}",
+                                     rank, mine, 2, lambda p: shm.Waiter(True, 60.0, rank, p, None))
+        dist.barrier()
+        shm.remove(made)
+        out, back = (ACTIVATION, GRADIENT) if rank == 0 else (GRADIENT, ACTIVATION)
+        found["shared-memory"] = _round_trips(rank, rounds, lambda i: rings[(peer, out)].put(packed, [x], i, "x"),
+                                              lambda i: rings[(peer, back)].take(packed, specs, i, "x"))
+    if rank == 0:
+        queue.put(found)
+
+
+def _round_trips(rank: int, rounds: int, send, recv) -> float:
     times = []
     for i in range(rounds + 20):
         began = time.perf_counter()
         if rank == 0:
-            group.send([x], peer, i).wait()
-            group.recv([x], peer, i).wait()
+            send(i)
+            recv(i)
         else:
-            group.recv([x], peer, i).wait()
-            group.send([x], peer, i).wait()
+            recv(i)
+            send(i)
         times.append(time.perf_counter() - began)
-    if rank == 0:
-        queue.put(statistics.median(times[20:]) / 2)
+    return statistics.median(times[20:]) / 2
 
 
 def overhead_rows(m: int, warmup: int, minibatches: int) -> list[tuple[str, bool, str]]:
@@ -406,28 +429,38 @@ def overhead_rows(m: int, warmup: int, minibatches: int) -> list[tuple[str, bool
     ref = ModelRef("pdtool.zoo:mlp", TINY)
     _say("overhead rows: profiling the 128-wide MLP, timing a message")
     profile = profile_model(ref, batch_size=TINY_BATCH, repeats=20, warmup=5)
-    latency_us = _spawn(_ping_pong, Setup("", ref, TINY_BATCH, m, warmup, minibatches)) * 1e6
-    cluster = f"2x10GB/s+{latency_us:.0f}us"
-    plan = make_plan(profile, parse_cluster(cluster), straight=True, mode="pipedream",
-                     command="bench/train_speed.py (overhead rows)")
-    free = dataclasses.replace(plan, cluster=parse_cluster("2x10GB/s"))  # messages without latency
+    latency_us = {k: v * 1e6 for k, v in _spawn(_ping_pong, Setup("", ref, TINY_BATCH, m, warmup, minibatches)).items()}
+    default = "shared-memory" if shm.use_shared_memory("auto", torch.device("cpu"), 2) else "process-group"
+    plans = {t: make_plan(profile, parse_cluster(f"2x10GB/s+{us:.0f}us"), straight=True, mode="pipedream",
+                          command="bench/train_speed.py (overhead rows)") for t, us in latency_us.items()}
+    free = dataclasses.replace(plans[default], cluster=parse_cluster("2x10GB/s"))  # messages without latency
+    contenders = [(f"pdtool {mode}", mode, default) for mode in MODES_RUN]
+    if default != "process-group":
+        contenders.append(("pdtool flush, --transport process-group", "flush", "process-group"))
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "tiny.plan.json"
-        plan.save(path)
-        setup = Setup(str(path), ref, TINY_BATCH, m, warmup, minibatches)
-        for mode in MODES_RUN:
-            _say(f"overhead rows: pdtool {mode}")
+        for t, plan in plans.items():
+            plan.save(Path(folder) / f"{t}.plan.json")
+        for name, mode, transport in contenders:
+            _say(f"overhead rows: {name}")
             group = None if mode in ASYNC_MODES else m
+            plan = plans[transport]
+            setup = Setup(str(Path(folder) / f"{transport}.plan.json"), ref, TINY_BATCH, m, warmup, minibatches)
             predicted = [simulate(p, mode, minibatches=max(minibatches, 64), group=group).time_per_minibatch_ms
                          for p in (free, plan)]
-            rows.append((f"pdtool {mode}", _pdtool(setup, mode)[0], predicted, _ops_per_minibatch(plan, mode, m, 64)))
+            rows.append((name, _pdtool(setup, mode, transport)[0], predicted, _ops_per_minibatch(plan, mode, m, 64)))
         _say("overhead rows: torch Schedule1F1B")
-        flush = rows[0]  # torch's 1F1B with m microbatches per step is pdtool's flush: same compute, same ops
-        rows.append(("torch Schedule1F1B", _spawn(_pipelining, setup, "Schedule1F1B"), flush[2], flush[3]))
+        # torch's 1F1B with m microbatches per step is pdtool's flush: same compute, same ops; its messages go over gloo
+        setup = Setup(str(Path(folder) / "process-group.plan.json"), ref, TINY_BATCH, m, warmup, minibatches)
+        predicted = [simulate(p, "flush", minibatches=max(minibatches, 64), group=m).time_per_minibatch_ms
+                     for p in (free, plans["process-group"])]
+        rows.append(("torch Schedule1F1B", _spawn(_pipelining, setup, "Schedule1F1B"), predicted, rows[0][3]))
+    plan = plans[default]
     stages = " | ".join(f"layers {_ranges(s.layers)}: F {s.fwd_ms:.2f} B {s.bwd_ms:.2f} ms" for s in plan.stages)
+    timed = ", ".join(f"{us:.0f} us over {t}" for t, us in latency_us.items())
     print(f"\noverhead rows: {ref.spec} {ref.kwargs}, microbatch {TINY_BATCH}, m = {m}; {stages}; a 32 KB message "
-          f"takes {latency_us:.0f} us one way (ping-pong), so the plan's cluster is {cluster}")
+          f"takes {timed} one way (ping-pong); pd train uses {default} here; each row's simulation charges its "
+          f"transport's latency (--cluster 2x10GB/s+<latency>)")
     print("| contender | ms / minibatch | simulated ms, messages free / with latency | ops per minibatch (busiest "
           "worker) | overhead per op (ms), beyond free / latency-charged messages |")
     print("|---|---|---|---|---|")
@@ -436,7 +469,7 @@ def overhead_rows(m: int, warmup: int, minibatches: int) -> list[tuple[str, bool
               f"{(ms - with_ms) / ops:.3f} |")
     return [(f"{name}: overhead per op at most 0.15 ms (beyond the simulation with the measured message latency)",
              (ms - with_ms) / ops <= 0.15, f"{(ms - with_ms) / ops:.3f} ms")
-            for name, ms, (_, with_ms), ops in rows if name.startswith("pdtool")]
+            for name, ms, (_, with_ms), ops in rows if name.startswith("pdtool") and "--transport" not in name]
 
 
 def main() -> None:

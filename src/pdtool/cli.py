@@ -340,6 +340,11 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where workers run: cuda gives each worker the GPU of its local rank and NCCL; cpu uses gloo; "
                    "auto takes the GPUs when torch sees one for every worker of this machine, else the CPU.")
+@click.option("--transport", type=click.Choice(["auto", "shared-memory", "process-group"]), default="auto",
+              show_default=True,
+              help="How messages between workers of this machine travel: shared-memory rings (CPU, x86) or the "
+                   "process group (gloo/NCCL); auto takes shared memory when this machine has a core per worker. "
+                   "Links to other machines always use the process group.")
 @click.option("--verbose", "-v", is_flag=True, help="Show the launcher's log and a failing worker's traceback.")
 @click.option("--evaluate", is_flag=True,
               help="After training, report top-1 accuracy on the data set's held-out split (digits' test "
@@ -347,7 +352,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, momentum, weight_decay, checkpoint_dir,
           checkpoint_every, resume, metrics_path, trace_path, timeout_s, threads, nnodes, node_rank, nproc_per_node,
-          master_addr, master_port, rdzv_endpoint, rdzv_id, iface, device, verbose, evaluate, quiet):
+          master_addr, master_port, rdzv_endpoint, rdzv_id, iface, device, transport, verbose, evaluate, quiet):
     """Train a plan on torch.distributed workers (gloo on CPU, NCCL on GPUs), one process per rank.
 
     Every worker builds its stage from the model the plan names, checks the plan against the
@@ -371,7 +376,7 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     config = RunConfig(plan_path=os.path.abspath(plan_path), steps=steps, mode=mode, group=group, seed=seed,
                        optimizer=OptimizerConfig(optimizer, lr, momentum, weight_decay), timeout_s=timeout_s,
                        threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                       progress=not quiet, return_weights=evaluate, device=device)
+                       progress=not quiet, return_weights=evaluate, device=device, transport=transport)
     if evaluate:
         from .data import held_out
 
@@ -420,8 +425,10 @@ def _report(result, plan, config, shared: tuple) -> None:
     here, everywhere = len(result.reports), len(plan.used_ranks)
     workers = f"{here} worker{'s' if here != 1 else ''}" + (f" of this machine ({everywhere} in the job)"
                                                           if here < everywhere else "")
+    rings = sum(report.rings for report in result.reports.values()) // 2  # each counted by both ends
     click.echo(f"trained steps {result.first_step + 1}-{result.first_step + result.steps} ({len(losses)} minibatches) "
-               f"on {workers} in {result.wall_s:.1f} s; loss {first:.4f} -> {last:.4f}")
+               f"on {workers} in {result.wall_s:.1f} s; loss {first:.4f} -> {last:.4f}"
+               + (f"; {rings} link direction(s) over shared memory" if rings else ""))
     measured = result.time_per_minibatch_ms()
     rate = lambda ms: f"{ms:.3f} ms" + (f" ({plan.profile.batch_size / ms * 1e3:.0f} samples/s)" if ms > 0 else "")  # noqa: E731
     from .runtime.job import expected_ms

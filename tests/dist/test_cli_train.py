@@ -1,10 +1,13 @@
 """`pd train` from the command line (click's CliRunner; workers are real processes)."""
 import csv
 
+import torch
+
 from click.testing import CliRunner
 from helpers import plan_with
 
 from pdtool.cli import cli
+from pdtool.runtime import shm
 
 
 def test_pd_train_runs_a_plan_and_reports_loss_and_time(tmp_path):
@@ -15,6 +18,8 @@ def test_pd_train_runs_a_plan_and_reports_loss_and_time(tmp_path):
     assert result.exit_code == 0, result.output
     assert "trained steps 1-5 (5 minibatches) on 2 workers" in result.stdout
     assert "time per minibatch: measured" in result.stdout and "predicted" in result.stdout
+    if shm.use_shared_memory("auto", torch.device("cpu"), 2):  # x86, /dev/shm and 2 cores: the default's rings
+        assert "; 2 link direction(s) over shared memory" in result.stdout
     rows = list(csv.DictReader(metrics.open()))
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5]
     assert all(float(r["loss"]) > 0 and float(r["samples_per_s"]) > 0 for r in rows)

@@ -1,4 +1,5 @@
 """The distributed runtime on CPU with gloo: every number equal to its oracle."""
+import glob
 import time
 
 import pytest
@@ -8,6 +9,7 @@ from helpers import assert_same_run, config_for, gradient_accumulation, merged, 
 
 from pdtool.errors import LaunchError
 from pdtool.artifacts.profile import ModelRef
+from pdtool.runtime import shm
 from pdtool.runtime.launch import launch
 from pdtool.runtime.worker import make_schedule
 from pdtool.schedule import peak_versions
@@ -46,6 +48,22 @@ def test_flush_and_gpipe_equal_single_process_gradient_accumulation(tmp_path, mo
     losses, weights = merged(launch(config, len(plan.used_ranks)))
     expected_losses, expected_weights = gradient_accumulation(plan, config)
     assert_same_run(losses, weights, expected_losses, expected_weights)
+
+
+@pytest.mark.parametrize("transport", [
+    pytest.param("shared-memory", marks=pytest.mark.skipif(not shm.available(torch.device("cpu")),
+                                                           reason="shared-memory links need x86 and /dev/shm")),
+    "process-group"])
+def test_messages_over_shared_memory_or_the_process_group_train_alike(tmp_path, transport):
+    """--transport: a 1-1-1 pipeline's four link directions per middle worker go through rings or
+    gloo, and either way flush is gradient accumulation; no ring file outlives the job."""
+    plan, path = plan_with(tmp_path, [((0, 0), 1), ((1, 2), 1), ((3, 3), 1)], mode="flush")
+    config = config_for(path, steps=2, transport=transport)
+    reports = launch(config, 3)
+    rings = [reports[rank].rings for rank in range(3)]
+    assert rings == ([2, 4, 2] if transport == "shared-memory" else [0, 0, 0])
+    assert_same_run(*merged(reports), *gradient_accumulation(plan, config))
+    assert not glob.glob("/dev/shm/pdtool-*")
 
 
 @pytest.mark.parametrize("factory, error", [

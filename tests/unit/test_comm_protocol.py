@@ -3,7 +3,8 @@
 Each worker runs its lowered ops (`schedule.lower`, what `runtime.worker._run` executes) as a
 coroutine under the runtime's rules: receives are posted ahead (`runtime.comm.Prefetch`);
 `runtime.comm.Link.send` waits for a link's oldest unconfirmed message once `window` are
-pending, and a send completes only when the peer has posted its receive (gloo); the k-th op of
+pending, and a send completes only when the peer has posted its receive (gloo; over shared
+memory, `runtime.shm`, only when the peer takes the message: `JustInTime`); the k-th op of
 a collective (the replicas' all-reduce, a tied-weight all-reduce) waits for every member's
 k-th. Then the final flush of sends and a barrier. The replay asserts that every worker finishes."""
 from collections import deque
@@ -108,6 +109,17 @@ def test_no_generated_schedule_deadlocks_with_the_runtimes_window_or_a_window_of
     if schedule.mode in ("flush", "gpipe", "zb") and schedule.stages > 1:
         ties = ((0, schedule.stages - 1),)  # an embedding tied to the output head
         assert replay(schedule, runtime_window, ties) is None
+
+
+@pytest.mark.parametrize("schedule", list(schedules()), ids=lambda s: f"{s.mode} {s.replicas} g{s.group}")
+def test_no_generated_schedule_deadlocks_over_shared_memory_rings(schedule):
+    """A ring (`runtime.shm`) frees a slot only when the receiver takes the message, at its recv
+    op: receives posted just in time, with the runtime's window as the ring's slots (or 1)."""
+    runtime_window = max(stash_depth(schedule, s) for s in range(schedule.stages))
+    for window in sorted({1, runtime_window}):
+        assert replay(schedule, window, posting=JustInTime) is None
+    if schedule.mode in ("flush", "gpipe", "zb") and schedule.stages > 1:
+        assert replay(schedule, runtime_window, ((0, schedule.stages - 1),), posting=JustInTime) is None
 
 
 def test_the_replay_finds_a_deadlock_when_sends_wait_for_their_receive():

@@ -114,7 +114,9 @@ class Layout:
     alone: tuple[int, ...]
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        buffer = torch.empty(self.size, dtype=torch.uint8, device=tensors[0].device)
+        return self.pack_into(torch.empty(self.size, dtype=torch.uint8, device=tensors[0].device), tensors)
+
+    def pack_into(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         for position, offset, nbytes in self.packed:
             t = tensors[position]
             buffer[offset:offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
@@ -130,21 +132,23 @@ class Layout:
         return [found[i] for i in range(self.count)]
 
 
-def layout(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> Layout:
-    return _layout(tuple((tuple(shape), dtype) for shape, dtype in specs))
+def layout(specs: Sequence[tuple[tuple[int, ...], torch.dtype]], pack_all: bool = False) -> Layout:
+    """How a message of these shapes and dtypes travels; `pack_all`: every tensor in the one
+    buffer (a shared-memory ring's slot, `runtime.shm`)."""
+    return _layout(tuple((tuple(shape), dtype) for shape, dtype in specs), pack_all)
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(specs: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> Layout:
+def _layout(specs: tuple[tuple[tuple[int, ...], torch.dtype], ...], pack_all: bool) -> Layout:
     packed, alone, offset = [], [], 0
     for position, (shape, dtype) in enumerate(specs):
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes <= PACK_BYTES:
+        if pack_all or nbytes <= PACK_BYTES:
             packed.append((position, offset, nbytes))
             offset += -(-nbytes // _ALIGN) * _ALIGN
         else:
             alone.append(position)
-    if len(packed) < 2:  # nothing to share: a single small tensor goes as it is
+    if len(packed) < 2 and not pack_all:  # nothing to share: a single small tensor goes as it is
         return Layout(len(specs), (), 0, tuple(range(len(specs))))
     return Layout(len(specs), tuple(packed), offset, tuple(alone))
 
@@ -154,8 +158,9 @@ class Link:
     gradients from the next stage and to the previous one."""
 
     def __init__(self, device: torch.device, window: int, groups: dict[tuple[int, int], object] | None = None,
-                 timeout_s: float | None = None, rank: int | None = None):
+                 timeout_s: float | None = None, rank: int | None = None, rings: dict | None = None):
         self.device = device
+        self.rings = rings or {}  # (peer, direction) -> shm.Ring: that direction goes through shared memory
         self.window = window  # unconfirmed messages per link and direction (module docstring)
         self.groups = groups or {}  # (peer, direction) -> process group; the default group if absent
         self.pending: dict[tuple[int, int], tuple[list, tuple, int]] = {}  # key -> (works, buffers, peer)
@@ -180,6 +185,9 @@ class Link:
         """Start receiving message `key` = (direction, minibatch) from `peer` into new buffers."""
         if key in self.pending:
             return
+        if (peer, direction) in self.rings:  # nothing to post: the sender writes into the ring
+            self.pending[key] = (None, specs, peer)
+            return
         shape = layout([(s.shape, s.dtype) for s in specs])
         group, source = self.route(peer, direction)
         alone = {i: torch.empty(specs[i].shape, dtype=specs[i].dtype, device=self.device) for i in shape.alone}
@@ -191,13 +199,22 @@ class Link:
         self.pending[key] = (works, (shape, buffer, alone, specs), peer)
 
     def wait_recv(self, key: tuple[int, int]) -> list[torch.Tensor]:
-        works, (shape, buffer, alone, specs), peer = self.pending.pop(key)
+        works, posted, peer = self.pending.pop(key)
+        if works is None:
+            return self.rings[(peer, key[0])].take(layout([(s.shape, s.dtype) for s in posted], pack_all=True), posted,
+                                                   key[1], f"the {_WHAT[key[0]]} of minibatch {key[1]} from rank {peer}")
+        shape, buffer, alone, specs = posted
         for work in works:
             self._wait(work, f"the {_WHAT[key[0]]} of minibatch {key[1]} from rank {peer}", peer)
         return shape.unpack(buffer, alone, specs)
 
     def send(self, tensors: list[torch.Tensor], peer: int, minibatch: int, direction: int) -> None:
         """Send without waiting; the tensors are kept alive until the transfer is confirmed."""
+        ring = self.rings.get((peer, direction))
+        if ring is not None:
+            ring.put(layout([(t.shape, t.dtype) for t in tensors], pack_all=True), tensors, minibatch,
+                     f"rank {peer} to take the {_WHAT[direction]} of minibatch {minibatch}")
+            return
         group, destination = self.route(peer, direction)
         shape = layout([(t.shape, t.dtype) for t in tensors])
         tensors = [tensors[i].contiguous() for i in shape.alone] + ([shape.pack(tensors)] if shape.packed else [])

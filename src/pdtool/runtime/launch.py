@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import Interrupted, LaunchError, PdtoolError
+from . import shm
 from .worker import RunConfig, WorkerReport
 
 
@@ -69,6 +70,8 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     join_timeout = int(config.timeout_s) + 60
     logs = tempfile.mkdtemp(prefix="pdtool-workers-")  # the workers' error files; removed when the job ends
     store, network_env = _meet(nodes, join_timeout, talk)
+    node = uuid.uuid4().hex[:12]  # the workers of this launcher: their links may use shared memory (runtime.shm)
+    network_env[shm.NODE_ENV] = node
     if nodes.rdzv_endpoint:
         rendezvous = dict(run_id=nodes.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=nodes.rdzv_endpoint,
                           rdzv_configs={"join_timeout": join_timeout, "last_call_timeout": 1})
@@ -108,6 +111,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
                 os.environ[name] = value
         del store  # the rendezvous store's server closes with its last reference
         shutil.rmtree(logs, ignore_errors=True)
+        shm.remove_node(node)  # rings of workers that were killed before they removed their files
     return {report.rank: report for report in results.values()}
 
 

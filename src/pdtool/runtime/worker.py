@@ -26,8 +26,8 @@ from ..artifacts.plan import Plan
 from ..artifacts.profile import ModelRef
 from ..schedule import ACTIVATION, ASYNC_MODES, GRADIENT, Schedule, default_group, generate, lower, stash_depth
 from ..schedule.lower import collective_key
-from .comm import Link, Prefetch, BoundaryTensor, link_groups
-from . import tied
+from .comm import Link, Prefetch, BoundaryTensor, layout, link_groups
+from . import shm, tied
 from .device import choose, synchronizer
 from .executor import OptimizerConfig, StageWorker
 
@@ -52,6 +52,7 @@ class RunConfig:
     checkpoint_every: int = 0        # steps of stage 0 between checkpoints (0: only at the end)
     progress: bool = True            # the last stage's first replica reports progress on stderr
     device: str = "auto"             # auto, cpu or cuda (runtime.device)
+    transport: str = "auto"          # links between workers of one launcher: runtime.shm.TRANSPORTS
 
 
 @dataclass
@@ -69,6 +70,7 @@ class WorkerReport:
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # on the CPU
     events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end) in epoch seconds
     finished: dict[int, float] = field(default_factory=dict)  # last stage: minibatch -> time its backward ended
+    rings: int = 0  # directions of its links that went through shared memory (runtime.shm)
 
 
 def make_schedule(plan: Plan, config: RunConfig) -> Schedule:
@@ -136,6 +138,7 @@ def worker_main(config: RunConfig) -> WorkerReport:
     lowered = lower(schedule, tied.sets(stages), ranks)
     ops = lowered.workers[lowered.index(rank)]
     window = max(stash_depth(schedule, s) for s in range(schedule.stages))
+    rings = _rings(config, plan, stage_index, rank, links, specs, window, device)
     stage = stages[stage_index]
     stage.module.to(device)
     last = stage_index == len(stages) - 1
@@ -155,9 +158,10 @@ def worker_main(config: RunConfig) -> WorkerReport:
                            config.checkpoint_every, minibatches_per_step(schedule))
     on_device = lambda b: tuple(_to(x, device) for x in batch(b))  # noqa: E731
     report = _run(schedule, ops, worker, specs, on_device, _collectives(ops, groups.get(stage_index), ties),
-                  Link(device, window, links, config.timeout_s, rank), saver, first, config.progress,
+                  Link(device, window, links, config.timeout_s, rank, rings), saver, first, config.progress,
                   plan.profile.batch_size)
     report.peak_versions = worker.peak_versions
+    report.rings = len(rings)
     if config.return_weights:
         report.weights = {stage.param_names[n]: p.detach().cpu().clone() for n, p in stage.module.named_parameters()}
     dist.barrier()
@@ -166,9 +170,51 @@ def worker_main(config: RunConfig) -> WorkerReport:
 
 
 def _publish_process(rank: int) -> None:
-    """Leave this worker's machine and process id in the job's store (see `stop_silent_peer`)."""
+    """Leave this worker's machine, process id and launcher (`shm.NODE_ENV`, "-" when started
+    otherwise) in the job's store (see `stop_silent_peer` and `_rings`)."""
     store = dist.distributed_c10d._get_default_store()
-    store.set(f"pdtool/process/{rank}", f"{socket.gethostname()} {os.getpid()}")
+    store.set(f"pdtool/process/{rank}", f"{socket.gethostname()} {os.getpid()} {os.environ.get(shm.NODE_ENV) or '-'}")
+
+
+def _process(store, rank: int) -> tuple[str, int, str]:
+    """(machine, process id, launcher) that worker `rank` published."""
+    host, pid, node = store.get(f"pdtool/process/{rank}").decode().split()
+    return host, int(pid), node
+
+
+def _rings(config: RunConfig, plan: Plan, s: int, rank: int, links: dict, specs, window: int,
+           device: torch.device) -> dict:
+    """Shared-memory rings (`runtime.shm`) for the directions of this worker's links whose peer
+    the same launcher started (`--transport`); the rest go through the process group."""
+    node = os.environ.get(shm.NODE_ENV)
+    if not node or not shm.use_shared_memory(config.transport, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1))):
+        return {}
+    store = dist.distributed_c10d._get_default_store()
+    stage_of = {r: i for i, st in enumerate(plan.stages) for r in st.ranks}
+    pids = {peer: _process(store, peer) for peer, _ in links}
+    spin = shm.cores_for_each(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    directions = []
+    for peer, direction in links:
+        if pids[peer][2] != node:
+            continue
+        receiving = (direction == ACTIVATION) == (stage_of[peer] < s)
+        message = incoming_specs(specs, s if receiving else stage_of[peer], direction)
+        directions.append(shm.Direction(peer, direction, receiving,
+                                        layout([(t.shape, t.dtype) for t in message], pack_all=True).size))
+    rings, made = shm.open_rings(
+        store, node, rank, directions, window,
+        lambda peer: shm.Waiter(spin, config.timeout_s, rank, peer, pids[peer][1]))
+    dist.barrier()  # every ring is mapped: its file can go
+    shm.remove(made)
+    return rings
+
+
+def incoming_specs(specs, s: int, direction: int) -> list[BoundaryTensor]:
+    """What stage s receives in one direction: the previous stage's outputs and the target
+    (activations), or the gradients of its own floating-point outputs (none on the last stage)."""
+    if direction == ACTIVATION:
+        return (specs[s - 1] if s > 0 else []) + specs[-1]
+    return [t for t in specs[s] if t.dtype.is_floating_point] if s < len(specs) - 1 else []
 
 
 def stop_silent_peer(peer: int) -> None:
@@ -177,10 +223,9 @@ def stop_silent_peer(peer: int) -> None:
     this machine, end it now, so that the whole job stops within the timeout plus seconds. Called
     once this worker's error is recorded, so that the launcher reports the silence, not the kill."""
     try:
-        store = dist.distributed_c10d._get_default_store()
-        host, pid = store.get(f"pdtool/process/{peer}").decode().split()
-        if host == socket.gethostname() and int(pid) != os.getpid():
-            os.kill(int(pid), signal.SIGKILL)
+        host, pid, _ = _process(dist.distributed_c10d._get_default_store(), peer)
+        if host == socket.gethostname() and pid != os.getpid():
+            os.kill(pid, signal.SIGKILL)
     except Exception:  # noqa: BLE001 - best effort: the launcher still stops it after its grace period
         pass
 
@@ -215,8 +260,7 @@ def _run(schedule: Schedule, ops, worker: StageWorker, specs, batch, collectives
     """Execute this worker's lowered ops (`schedule.lower`) in order."""
     s, replica = worker.index, worker.replica
     last = s == schedule.stages - 1
-    incoming = {ACTIVATION: (specs[s - 1] if s > 0 else []) + specs[-1],
-                GRADIENT: [t for t in specs[s] if t.dtype.is_floating_point] if not last else []}
+    incoming = {d: incoming_specs(specs, s, d) for d in (ACTIVATION, GRADIENT)}
     report = WorkerReport(rank=worker.rank, stage=s, replica=replica)
     start = time.perf_counter()
     sync = synchronizer(link.device)
