@@ -531,7 +531,9 @@ def main() -> None:
         free.append(_free_cores(setup))
 
     split = " | ".join(f"layers {_ranges(s.layers)}" for s in plan.stages)
-    print(f"torch {torch.__version__}, 1 thread per worker, gloo; {ref.spec} {ref.kwargs}; microbatch "
+    messages = "shared memory" if shm.use_shared_memory("auto", torch.device("cpu"), 2) else "gloo"
+    print(f"torch {torch.__version__}, 1 thread per worker; pdtool's messages over {messages} (pd train's default "
+          f"here), torch's and DDP's over gloo; {ref.spec} {ref.kwargs}; microbatch "
           f"{args.batch}; m = {m} microbatches per step; {args.minibatches} minibatches timed after {args.warmup}")
     print(f"split {split}; stage fwd+bwd alone {' / '.join(f'{t:.1f}' for t in stage_ms)} ms, both at once "
           f"{' / '.join(f'{t:.1f}' for t in pair_ms)} ms "
