@@ -245,3 +245,20 @@ def test_pd_train_resume_without_a_good_checkpoint_is_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert lines[0].startswith("pd: warning: skipping checkpoint") and "incomplete" in lines[0]
     assert lines[-1].startswith("pd: error: --resume: no good checkpoint in") and len(lines) == 2
+
+
+def test_forcing_shared_memory_where_it_cannot_work_is_said_before_any_worker_starts(tmp_path, monkeypatch):
+    from helpers import config_for
+
+    from pdtool.runtime.job import prepare
+
+    plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
+    said = []
+    monkeypatch.setattr(shm, "available", lambda device: False)  # e.g. an ARM machine, or no /dev/shm
+    prepare(plan, config_for(path, transport="shared-memory"), warn=said.append)
+    assert said == ["--transport shared-memory needs CPU workers on x86 and a writable /dev/shm, which this "
+                    "machine's workers lack: their messages go through the process group"]
+    said.clear()
+    monkeypatch.undo()
+    prepare(plan, config_for(path, transport="shared-memory"), warn=said.append)
+    assert said == [] or not shm.available(torch.device("cpu"))

@@ -13,7 +13,10 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from ..artifacts.plan import Plan
+from . import shm
 from .preflight import Checked, preflight
 from .session import steps_for_epochs
 from .worker import RunConfig, make_schedule, minibatches_per_step
@@ -53,6 +56,9 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
     if on_cpu and local * config.threads > cores:
         warn(f"{local} workers x {config.threads} thread(s) share {cores} CPU cores on this machine: the measured time "
              "per minibatch will exceed the plan's prediction, which gives every worker a core of its own")
+    if config.transport == "shared-memory" and not (on_cpu and shm.available(torch.device("cpu"))):
+        warn("--transport shared-memory needs CPU workers on x86 and a writable /dev/shm, which this machine's "
+             "workers lack: their messages go through the process group")
     return Job(config, checked, local, cores, on_cpu)
 
 
