@@ -15,14 +15,18 @@ from pdtool.runtime.worker import make_schedule
 from pdtool.schedule import peak_versions
 
 
-@pytest.mark.parametrize("mode, split", [
-    ("pipedream", [((0, 1), 2), ((2, 3), 1)]),
-    ("vsync", [((0, 0), 1), ((1, 2), 1), ((3, 3), 1)]),
-    ("2bw", [((0, 1), 1), ((2, 3), 1)]),
-], ids=["pipedream 2-1", "vsync 1-1-1", "2bw 1-1"])
-def test_asynchronous_modes_equal_the_reference_executor(tmp_path, mode, split):
+SHM = pytest.mark.skipif(not shm.available(torch.device("cpu")), reason="shared-memory links need x86 and /dev/shm")
+
+
+@pytest.mark.parametrize("mode, split, transport", [
+    ("pipedream", [((0, 1), 2), ((2, 3), 1)], "auto"),
+    pytest.param("pipedream", [((0, 1), 2), ((2, 3), 1)], "shared-memory", marks=SHM),
+    ("vsync", [((0, 0), 1), ((1, 2), 1), ((3, 3), 1)], "auto"),
+    ("2bw", [((0, 1), 1), ((2, 3), 1)], "auto"),
+], ids=["pipedream 2-1", "pipedream 2-1 rings", "vsync 1-1-1", "2bw 1-1"])
+def test_asynchronous_modes_equal_the_reference_executor(tmp_path, mode, split, transport):
     plan, path = plan_with(tmp_path, split, mode=mode)
-    config = config_for(path, steps=4)
+    config = config_for(path, steps=4, transport=transport)
     reports = launch(config, len(plan.used_ranks))
     losses, weights = merged(reports)
     bound = peak_versions(make_schedule(plan, config))  # the README's versions per worker
@@ -50,18 +54,19 @@ def test_flush_and_gpipe_equal_single_process_gradient_accumulation(tmp_path, mo
     assert_same_run(losses, weights, expected_losses, expected_weights)
 
 
-@pytest.mark.parametrize("transport", [
-    pytest.param("shared-memory", marks=pytest.mark.skipif(not shm.available(torch.device("cpu")),
-                                                           reason="shared-memory links need x86 and /dev/shm")),
-    "process-group"])
-def test_messages_over_shared_memory_or_the_process_group_train_alike(tmp_path, transport):
-    """--transport: a 1-1-1 pipeline's four link directions per middle worker go through rings or
-    gloo, and either way flush is gradient accumulation; no ring file outlives the job."""
-    plan, path = plan_with(tmp_path, [((0, 0), 1), ((1, 2), 1), ((3, 3), 1)], mode="flush")
+@pytest.mark.parametrize("transport, split, rings", [
+    pytest.param("shared-memory", [((0, 0), 1), ((1, 2), 1), ((3, 3), 1)], [2, 4, 2], marks=SHM),
+    pytest.param("shared-memory", [((0, 1), 2), ((2, 3), 1)], [2, 2, 4], marks=SHM),  # round robin: 2 peers
+    ("process-group", [((0, 0), 1), ((1, 2), 1), ((3, 3), 1)], [0, 0, 0]),
+], ids=["rings 1-1-1", "rings 2-1", "gloo 1-1-1"])
+def test_messages_over_shared_memory_or_the_process_group_train_alike(tmp_path, transport, split, rings):
+    """--transport: every direction of every link goes through a ring or gloo (the replicated
+    stage's worker has a ring to and from each replica), and either way flush is gradient
+    accumulation; no ring file outlives the job."""
+    plan, path = plan_with(tmp_path, split, mode="flush")
     config = config_for(path, steps=2, transport=transport)
     reports = launch(config, 3)
-    rings = [reports[rank].rings for rank in range(3)]
-    assert rings == ([2, 4, 2] if transport == "shared-memory" else [0, 0, 0])
+    assert [reports[rank].rings for rank in range(3)] == rings
     assert_same_run(*merged(reports), *gradient_accumulation(plan, config))
     assert not glob.glob("/dev/shm/pdtool-*")
 
