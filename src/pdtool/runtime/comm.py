@@ -26,6 +26,10 @@ next messages of a direction in that order (`Prefetch`), before it needs them.
 tests/unit/test_comm_protocol.py replays the generated schedules of every mode under these
 rules (replicated stages, their all-reduces and tied weights included): no deadlock with this
 window or with a window of 1; a window of 0 (each send waiting for its own receive) deadlocks.
+
+Between two workers of one launcher a direction of a link may instead be a shared-memory ring
+(`runtime.shm`, `Link.rings`): its messages are written into and taken out of the ring, with
+nothing to post; the same window bounds it.
 """
 from __future__ import annotations
 
