@@ -114,11 +114,13 @@ def test_the_measured_time_per_minibatch_agrees_with_the_wall_time(tmp_path, spl
     began = min(start for report in result.reports.values() for _, start, _ in report.events)
     span_ms = (finished[-1] - began) * 1000  # first action to last completion
     assert measured is not None and measured > 0
-    completions_ms = (finished[-1] - finished[0]) * 1000  # without the start-up before the first completion
     # the steady state is no slower than the whole run (within this shared machine's bursts: a
     # slow second in the last half made a 1.05 bound fail once; a miscount of replicas is 2x)
     assert measured * len(finished) <= span_ms * 1.3
-    assert measured * (len(finished) - 1) >= completions_ms * 0.2  # and not absurdly faster than its completions
+    # and it is the rate of the last half of the completions in time order (not the whole run's:
+    # the first 1-3 completions take 16-28 ms each here, the steady state 1-2 ms over shared memory)
+    half = len(finished) // 2
+    assert measured == pytest.approx((finished[-1] - finished[-1 - half]) * 1000 / half, rel=0.35)
 
 
 def test_a_model_no_tracer_captures_trains_whole_on_replicas_as_one_process(tmp_path):
