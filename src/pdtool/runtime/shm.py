@@ -3,12 +3,13 @@
 A gloo transfer between two processes of one machine costs a socket write, a wake-up of
 gloo's receiving thread and a wake-up of the waiting worker: 70-600 us one way on the 2-core
 VM this was built on, where a blocked process that wakes also finds its caches cold (a 0.2 ms
-compute right after such a wake-up took 140-200 us longer than without; /tmp experiments of
-2026-12-01). Between two workers started by one `pd train` launcher, each direction of a link
-is instead a ring in a shared file (`/dev/shm`): `slots` message slots and two counters,
-messages written (by the sender) and taken (by the receiver). The sender copies a message's
-tensors into the next free slot and counts it written; the receiver waits for it, copies it
-out and counts it taken; 17-20 us one way for 32 KB on the same machine.
+compute right after such a wake-up took 140-200 us longer than after a polling wait). Between
+two workers started by one `pd train` launcher, each direction of a link is instead a ring in
+a shared file (`/dev/shm`): `slots` message slots and two counters, messages written (by the
+sender) and taken (by the receiver). The sender copies a message's tensors into the next free
+slot and counts it written; the receiver waits for it, copies it out and counts it taken
+(bench/train_speed.py's overhead rows time a 32 KB ping-pong over both transports: 31-44 us one
+way over rings, 79-97 us over gloo, README "Training").
 
 A worker that waits polls the counter: it spins (yielding the CPU at every turn, so that its
 own helper threads run) when its machine has a core for each of its workers, and otherwise
