@@ -262,3 +262,12 @@ def test_forcing_shared_memory_where_it_cannot_work_is_said_before_any_worker_st
     monkeypatch.undo()
     prepare(plan, config_for(path, transport="shared-memory"), warn=said.append)
     assert said == [] or not shm.available(torch.device("cpu"))
+
+
+def test_pd_train_transport_option(tmp_path):
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="pipedream")
+    result = CliRunner().invoke(cli, ["train", str(path), "--steps", "3", "--transport", "process-group", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "trained steps 1-3" in result.stdout and "shared memory" not in result.stdout
+    bad = CliRunner().invoke(cli, ["train", str(path), "--transport", "pigeon"])
+    assert bad.exit_code == 2 and "'pigeon' is not one of 'auto', 'shared-memory', 'process-group'" in bad.stderr

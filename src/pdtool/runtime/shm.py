@@ -39,7 +39,6 @@ from ..errors import LaunchError
 
 NODE_ENV = "PDTOOL_NODE"
 """Set by `pd train`'s launcher to one value for all the workers it starts (one machine)."""
-TRANSPORTS = ("auto", "shared-memory", "process-group")
 CHECK_S = 0.1  # seconds between checks of the timeout and of the peer's process during a wait
 _SHM_DIR = "/dev/shm"
 _LINE = 64  # bytes: the counters sit on cache lines of their own, and so does each slot's header

@@ -52,7 +52,7 @@ class RunConfig:
     checkpoint_every: int = 0        # steps of stage 0 between checkpoints (0: only at the end)
     progress: bool = True            # the last stage's first replica reports progress on stderr
     device: str = "auto"             # auto, cpu or cuda (runtime.device)
-    transport: str = "auto"          # links between workers of one launcher: runtime.shm.TRANSPORTS
+    transport: str = "auto"          # auto, shared-memory or process-group (runtime.shm.use_shared_memory)
 
 
 @dataclass
@@ -186,13 +186,13 @@ def _rings(config: RunConfig, plan: Plan, s: int, rank: int, links: dict, specs,
            device: torch.device) -> dict:
     """Shared-memory rings (`runtime.shm`) for the directions of this worker's links whose peer
     the same launcher started (`--transport`); the rest go through the process group."""
-    node = os.environ.get(shm.NODE_ENV)
-    if not node or not shm.use_shared_memory(config.transport, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1))):
+    node, local = os.environ.get(shm.NODE_ENV), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if not node or not shm.use_shared_memory(config.transport, device, local):
         return {}
     store = dist.distributed_c10d._get_default_store()
     stage_of = {r: i for i, st in enumerate(plan.stages) for r in st.ranks}
     pids = {peer: _process(store, peer) for peer, _ in links}
-    spin = shm.cores_for_each(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    spin = shm.cores_for_each(local)
     directions = []
     for peer, direction in links:
         if pids[peer][2] != node:
