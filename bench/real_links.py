@@ -2,7 +2,9 @@
 switch whose ports are shaped to 10 Gbit/s, 1 Gbit/s and 100 Mbit/s (`bench/links.py`: network
 namespaces, veth pairs, tc tbf), one `pd train --nnodes 2` launcher per machine.
 
-Two models, profiled once with `pd profile --threads 1`:
+Two models, each profiled with `pd profile --threads 1` right before its rows at each bandwidth
+(this virtual machine's speed drifts 15-30% within minutes, so a profile taken half an hour
+before a run predicts the machine of then, not of the run):
 - `fc`: pdtool.zoo:mlp 64-2048x4-10, batch 64: 51 MB of parameters, 0.5 MB between layers
   (PipeDream's case: an all-reduce of the parameters costs far more than sending activations);
 - `conv`: pdtool.zoo:convnet 16 channels x 6 at 32x32, batch 32: 0.05 MB of parameters, 2 MB
@@ -122,10 +124,13 @@ def workers(data: dict) -> int:
     return sum(len(s["ranks"]) for s in data["stages"])
 
 
-def profiles(out: Path) -> None:
-    for name, (spec, kwargs, batch) in MODELS.items():
-        pd("profile", "-m", spec, *[x for kw in kwargs for x in ("-a", kw)], "-b", str(batch), "--threads", "1",
-           "--repeats", "10", "-q", "-o", str(out / f"{name}.profile.json"))
+def profile(out: Path, name: str, bandwidth: str) -> Path:
+    """Profile model `name` now (for the rows of `bandwidth`); the profile's path."""
+    spec, kwargs, batch = MODELS[name]
+    path = out / f"{name}-{bandwidth}.profile.json"
+    pd("profile", "-m", spec, *[x for kw in kwargs for x in ("-a", kw)], "-b", str(batch), "--threads", "1",
+       "--repeats", "20", "-q", "-o", str(path))
+    return path
 
 
 def speed_rows_at(out: Path, machines, bandwidth: str, measured: str) -> list[dict]:
@@ -133,9 +138,10 @@ def speed_rows_at(out: Path, machines, bandwidth: str, measured: str) -> list[di
     rows = []
     for name in MODELS:
         trained: dict[tuple, float] = {}
+        profiled = profile(out, name, bandwidth)
         for config, extra in CONFIGS.items():
             path = out / f"{name}-{bandwidth}-{config.replace(' ', '_')}.plan.json"
-            data, printed = plan(out / f"{name}.profile.json", measured, extra, path)
+            data, printed = plan(profiled, measured, extra, path)
             key = shape(data)
             if key not in trained:  # the same plan is trained once (RUNS times)
                 minibatches = int(min(max(6000 / max(printed, 1e-3), 16), 64))
@@ -249,7 +255,6 @@ def main() -> int:
         print(f"real_links: skipped, cannot emulate machines here: {why}")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    profiles(args.out)
     rows = []
     for bandwidth in BANDWIDTHS:  # a switch of that speed for each
         with links.machines(2, bandwidth) as machines:
