@@ -233,10 +233,10 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
 @click.option("--mode", type=click.Choice(MODES), default=None,
               help="Schedule mode to simulate [default: the plan's].")
 @click.option("--minibatches", "-n", type=click.IntRange(1, MAX_SIMULATED), default=None,
-              help="Minibatches (microbatches in 2bw/flush/gpipe) to run [default: 16 per worker, "
+              help="Minibatches (microbatches in 2bw/flush/gpipe/zb/zb2) to run [default: 16 per worker, "
                    "a multiple of --group].")
 @click.option("--group", "-g", type=click.IntRange(1, 65536), default=None,
-              help="2bw/flush/gpipe: microbatches per optimizer step [default: the number of stages, "
+              help="2bw/flush/gpipe/zb/zb2: microbatches per optimizer step [default: the number of stages, "
                    "or more for replicated stages].")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, allow_dash=True), metavar="OUT.json",
               help="Also write the simulated run as a Chrome trace (open it in Perfetto); '-' for stdout.")
@@ -292,7 +292,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
 @click.option("--steps", type=click.IntRange(1, MAX_STEPS), default=20, show_default=True,
               help="Train until stage 0 has taken this many optimizer steps (pipedream/vsync: one per round of its "
-                   "replicas' minibatches; 2bw/flush/gpipe: one per group of microbatches).")
+                   "replicas' minibatches; 2bw/flush/gpipe/zb/zb2: one per group of microbatches).")
 @click.option("--epochs", type=click.IntRange(1, 10**6), help="Instead of --steps: passes over the data set.")
 @click.option("--data", default="synthetic", show_default=True, metavar="SOURCE",
               help="synthetic (the model factory's batches), digits (the UCI handwritten digits shipped with "
@@ -300,7 +300,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
 @click.option("--mode", type=click.Choice(MODES),
               help="Schedule mode [default: the plan's].")
 @click.option("--group", "-g", type=click.IntRange(1, 65536),
-              help="2bw/flush/gpipe: microbatches per optimizer step [default: the number of stages, or more].")
+              help="2bw/flush/gpipe/zb/zb2: microbatches per optimizer step [default: the number of stages, or more].")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="Seed of the initial weights and the data order.")
 @click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True)
 @click.option("--lr", type=Finite(0, 1e6, min_open=True), default=0.01, show_default=True,
@@ -357,7 +357,7 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
 
     Every worker builds its stage from the model the plan names, checks the plan against the
     world size and the model's fingerprint, then runs its schedule: 1F1B with weight stashing
-    (pipedream), vsync, 2bw, flush or gpipe. A failing worker stops the whole job.
+    (pipedream), vsync, 2bw, flush, gpipe, zb or zb2. A failing worker stops the whole job.
     """
     from .artifacts.plan import Plan
     from .runtime import session

@@ -130,12 +130,13 @@ def test_the_cost_model_line_gives_the_cost_models_own_rate(files, tmp_path):
 
 
 def test_zero_bubble_mode_idles_less_than_flush(files):
-    """`--mode zb` (ZB-H1) on the 4-stage chain: same work, the weight gradients fill the drain."""
+    """`--mode zb` (ZB-H1) on the 4-stage chain: same work, the weight gradients fill the drain;
+    `zb2` (ZB-H2) fills the start of a batch too, given a batch long enough for its warm-up."""
     _, plan = files
     bubbles = {}
-    for mode in ("flush", "zb"):
-        result = invoke("simulate", str(plan), "--mode", mode)
+    for mode in ("flush", "zb", "zb2"):
+        result = invoke("simulate", str(plan), "--mode", mode, "--group", "8")
         assert result.exit_code == 0, result.output
         assert f"mode {mode}, " in result.stdout
         bubbles[mode] = float(re.search(r"bubble fraction ([\d.]+)", result.stdout)[1])
-    assert bubbles["zb"] < bubbles["flush"]
+    assert bubbles["zb2"] < bubbles["zb"] < bubbles["flush"]

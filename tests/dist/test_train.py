@@ -45,7 +45,8 @@ def test_asynchronous_modes_equal_the_reference_executor(tmp_path, mode, split, 
     ("gpipe", [((0, 1), 1), ((2, 3), 1)], 40),  # 80 tensors a batch: sends are confirmed a batch later
     ("zb", [((0, 1), 2), ((2, 3), 1)], None),
     ("zb", [((0, 0), 1), ((1, 2), 1), ((3, 3), 1)], 6),
-], ids=["flush 2-1", "gpipe 1-1", "gpipe 1-1, long batch", "zb 2-1", "zb 1-1-1, m 6"])
+    ("zb2", [((0, 0), 1), ((1, 2), 1), ((3, 3), 1)], 6),
+], ids=["flush 2-1", "gpipe 1-1", "gpipe 1-1, long batch", "zb 2-1", "zb 1-1-1, m 6", "zb2 1-1-1, m 6"])
 def test_flush_and_gpipe_equal_single_process_gradient_accumulation(tmp_path, mode, split, group):
     plan, path = plan_with(tmp_path, split, mode=mode)
     config = config_for(path, steps=3 if group is None else 2, group=group)

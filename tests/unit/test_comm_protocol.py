@@ -13,7 +13,7 @@ from itertools import product
 import pytest
 
 from pdtool.runtime.comm import Prefetch
-from pdtool.schedule import ACTIVATION, GRADIENT, MODES, default_group, generate, lower, stash_depth
+from pdtool.schedule import ACTIVATION, FLUSH_MODES, GRADIENT, MODES, default_group, generate, lower, stash_depth
 from pdtool.schedule.lower import collective_key, message
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (3, 1), (1, 3, 1), (1, 1, 1, 1), (2, 1, 1)]
@@ -93,7 +93,7 @@ def replay(schedule, window, ties=(), posting=Prefetch):
 
 
 def schedules():
-    for mode, reps in product(("pipedream", "vsync", "2bw", "flush", "gpipe", "zb"), LAYOUTS):
+    for mode, reps in product(MODES, LAYOUTS):
         if mode in ("pipedream", "vsync"):
             yield generate(mode, reps, 6 * reps[0])
         else:
@@ -106,7 +106,7 @@ def test_no_generated_schedule_deadlocks_with_the_runtimes_window_or_a_window_of
     runtime_window = max(stash_depth(schedule, s) for s in range(schedule.stages))
     for window in sorted({1, runtime_window}):
         assert replay(schedule, window) is None, (window, replay(schedule, window))
-    if schedule.mode in ("flush", "gpipe", "zb") and schedule.stages > 1:
+    if schedule.mode in FLUSH_MODES and schedule.stages > 1:
         ties = ((0, schedule.stages - 1),)  # an embedding tied to the output head
         assert replay(schedule, runtime_window, ties) is None
 
@@ -118,7 +118,7 @@ def test_no_generated_schedule_deadlocks_over_shared_memory_rings(schedule):
     runtime_window = max(stash_depth(schedule, s) for s in range(schedule.stages))
     for window in sorted({1, runtime_window}):
         assert replay(schedule, window, posting=JustInTime) is None
-    if schedule.mode in ("flush", "gpipe", "zb") and schedule.stages > 1:
+    if schedule.mode in FLUSH_MODES and schedule.stages > 1:
         assert replay(schedule, runtime_window, ((0, schedule.stages - 1),), posting=JustInTime) is None
 
 

@@ -5,7 +5,8 @@ import pytest
 
 from pdtool.errors import ScheduleError
 from pdtool.schedule import (
-    MODES, Action, Schedule, default_group, generate, peak_versions, stash_depth, validate, warmup_forwards,
+    FLUSH_MODES, MODES, SPLIT_MODES, Action, Schedule, default_group, generate, peak_versions, stash_depth, validate,
+    warmup_forwards,
 )
 
 PATTERNS = [(1,), (2,), (1, 1), (2, 1), (1, 2), (3, 1), (2, 2), (1, 1, 1), (1, 1, 1, 1), (2, 1, 1)]
@@ -147,7 +148,7 @@ def _grid():
     for replicas in PATTERNS:
         for mode in MODES:
             groups = [1] if mode in ("pipedream", "vsync") else {default_group(replicas), default_group(replicas) + 1}
-            if mode in ("flush", "gpipe", "zb"):
+            if mode in FLUSH_MODES:
                 groups |= {1, 2}
             for group in sorted(groups):
                 for minibatches in range(1, 13):
@@ -162,7 +163,7 @@ def test_validator_accepts_every_generated_schedule():
         validate(schedule)
         table = schedule.versions()
         assert all(table[("B", s, b)] == table[("F", s, b)] for s in range(len(replicas)) for b in range(minibatches))
-        if mode == "zb":
+        if mode in SPLIT_MODES:
             assert all(table[("W", s, b)] == table[("F", s, b)] for s in range(len(replicas)) for b in range(minibatches))
         if mode == "2bw":
             assert max(peak_versions(schedule).values()) <= 2, (replicas, minibatches, group)
@@ -312,7 +313,7 @@ def test_vsync_every_stage_sees_the_same_staleness(replicas):
     assert [forward_versions(straight, s) for s in range(3)] == [[0, 0, 0, 1, 2]] * 3
 
 
-@pytest.mark.parametrize("mode", ["flush", "gpipe", "zb"])
+@pytest.mark.parametrize("mode", FLUSH_MODES)
 def test_flush_and_gpipe_run_batch_t_on_version_t(mode):
     for replicas in [(1, 1, 1), (2, 1), (1, 2)]:
         schedule = generate(mode, replicas, 12, group=3)
@@ -377,6 +378,19 @@ def test_zb_splits_every_backward_and_keeps_the_later_stages_ws_for_the_drain():
     assert [str(a) for a in schedule.workers[0]] == "0F0 0F1 0F2 0F3 0B0 0W0 0B1 0W1 0B2 0W2 0B3 0W3 0U".split()
     assert [str(a) for a in schedule.workers[3]] == "3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3W0 3W1 3W2 3W3 3U".split()
     assert [stash_depth(schedule, s) for s in range(4)] == [4, 4, 4, 4]  # held from F to W: warm-up + 1 + lag
+
+
+def test_zb2_doubles_the_warm_up_and_the_lag_to_fill_the_start_of_a_batch_too():
+    """ZB-H2 on 2 stages, batches of 4: stage 0 runs 3 forwards before its first backward (zb: 2),
+    stage 1 keeps 2 Ws back (zb: 1); both hold 2p - 1 = 3 minibatches (zb: p = 2)."""
+    h1, h2 = generate("zb", (1, 1), 8, 4), generate("zb2", (1, 1), 8, 4)
+    validate(h2)
+    assert [str(a) for a in h1.workers[1][:13]] == "1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1F3 1B3 1W2 1W3 1U".split()
+    assert [str(a) for a in h2.workers[0][:13]] == "0F0 0F1 0F2 0B0 0W0 0F3 0B1 0W1 0B2 0W2 0B3 0W3 0U".split()
+    assert [str(a) for a in h2.workers[1][:13]] == "1F0 1B0 1F1 1B1 1F2 1B2 1W0 1F3 1B3 1W1 1W2 1W3 1U".split()
+    assert [stash_depth(h1, s) for s in range(2)] == [2, 2]
+    assert [stash_depth(h2, s) for s in range(2)] == [3, 3]
+    assert [warmup_forwards((1, 1), s, "zb2") for s in range(2)] == [2, 0]
 
 
 @pytest.mark.parametrize("schedule, message", [

@@ -100,7 +100,7 @@ class StageWorker:
         self.peak_versions = 0    # most stashed versions held at once (live weights not counted)
         self.stash: dict[int, tuple[dict, Any, int, dict]] = {}  # minibatch -> (input leaves, outputs, version, weights)
         self.split: dict[int, tuple[Any, int]] = {}  # minibatch -> (what its W needs, version) between B and W
-        self.parameter_nodes = ParameterNodes()  # zb: the live weights' gradient accumulators, found once
+        self.parameter_nodes = ParameterNodes()  # zb, zb2: the live weights' gradient accumulators, found once
         self.backwards = 0        # backwards since the last step
         self.losses: dict[int, float] = {}
         self._flat: torch.Tensor | None = None  # the gradient buffer of replica all-reduces (gradient_buffer)
@@ -171,7 +171,7 @@ class StageWorker:
                  weights: bool | None = None) -> dict[str, torch.Tensor]:
         """Backward of minibatch b on the version its forward used; returns the gradients of the
         inputs (floating ones only). With `weights` (by default: unless the schedule has a W for b,
-        mode `zb`) it also adds the parameter gradients to the live weights; without,
+        modes `zb`, `zb2`) it also adds the parameter gradients to the live weights; without,
         `weight_backward(b)` does that later."""
         if weights is None:
             weights = ("W", b) not in self.version_of
@@ -207,7 +207,7 @@ class StageWorker:
 
     def weight_backward(self, b: int) -> None:
         """The weight gradients of minibatch b, whose `backward(b, weights=False)` ran: added to
-        the live weights (mode `zb`'s W)."""
+        the live weights (the W of modes `zb`, `zb2`)."""
         pending, v = self.split.pop(b)
         if self.version_of[("W", b)] != v:
             raise LaunchError(f"worker {self.rank}: minibatch {b} ran its backward on version {v} but the schedule "

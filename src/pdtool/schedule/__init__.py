@@ -11,7 +11,8 @@ Modes (PipeDream SOSP'19 sections 3.2-3.3; PipeDream-2BW/Flush arXiv 2006.09503 
 `pipedream` (1F1B with weight stashing), `vsync` (1F1B, one staleness for all stages), `2bw`
 (1F1B, double-buffered weights, a step every m microbatches), `flush` (1F1B per batch of m, then
 a flush and a step), `gpipe` (all forwards, all backwards, a step, per batch of m), `zb` (flush
-with each backward split in two, the weight gradients filling the drain: ZB-H1, Qi et al. 2023).
+with each backward split in two, the weight gradients filling the drain: ZB-H1, Qi et al. 2023),
+`zb2` (zb with twice the warm-up forwards and weight lag, filling the start of a batch too: ZB-H2).
 
 The package's modules, all pure standard library:
 - `core`: `Action`, `Schedule` (ranks, text form, `versions`), the per-mode rules

@@ -4,7 +4,7 @@ The checks run in this order, and the first broken rule raises a one-line `Sched
 naming the worker ("w3 s1r0"), the action and the fix:
 1. every action belongs to the worker's stage, names a minibatch of the run, and runs on its
    round-robin replica b mod r_s (1F1B-RR, PipeDream SOSP'19 section 3.2);
-2. each (stage, minibatch) has exactly one forward and one backward, and in `zb` one W (its
+2. each (stage, minibatch) has exactly one forward and one backward, and in `zb`/`zb2` one W (its
    weight gradients), in no other mode any;
 3. on its worker, every forward comes before its backward, and the backward before its W;
 4. every worker of stage s runs `steps` U actions (so replicas step together), and the t-th U
@@ -74,7 +74,7 @@ def _check_once(schedule: Schedule) -> dict[Action, tuple[int, int]]:
                 continue
             if action.kind == "W" and schedule.mode not in SPLIT_MODES:
                 raise ScheduleError(f"{schedule.label(rank)}: {action} is a weight-gradient action, but mode "
-                                    f"{schedule.mode!r} runs whole backwards; remove it, or use mode 'zb'")
+                                    f"{schedule.mode!r} runs whole backwards; remove it, or use mode 'zb' or 'zb2'")
             if action in where:
                 first_rank, first_index = where[action]
                 raise ScheduleError(f"{schedule.label(rank)}: {action} appears twice (actions {first_index} and "

@@ -1,8 +1,8 @@
 """Schedule types, their text form, the per-mode rules and the weight-version analysis.
 
 A `Schedule` lists, for every worker (stage s, replica i), its actions: `F` (forward of one
-minibatch), `B` (backward of one minibatch; in `zb`, only its input gradients), `W` (`zb` only:
-the weight gradients of a minibatch whose `B` ran) and `U` (optimizer step; on a replicated stage the
+minibatch), `B` (backward of one minibatch; in `zb` and `zb2`, only its input gradients), `W`
+(`zb` and `zb2` only: the weight gradients of a minibatch whose `B` ran) and `U` (optimizer step; on a replicated stage the
 replicas all-reduce their gradients first and step together). Sends and receives are implied:
 forward of b on stage s > 0 needs forward of b on stage s-1, backward of b on stage s < last
 needs backward of b on stage s+1. Minibatch b runs on replica b mod r_s of every stage s, forward
@@ -25,10 +25,11 @@ from typing import Sequence
 
 from ..errors import ScheduleError
 
-MODES = ("pipedream", "vsync", "2bw", "flush", "gpipe", "zb")
+MODES = ("pipedream", "vsync", "2bw", "flush", "gpipe", "zb", "zb2")
 ASYNC_MODES = ("pipedream", "vsync")    # a step per round of a stage's replicas (the others: per group of m)
-FLUSH_MODES = ("flush", "gpipe", "zb")  # the pipeline drains before every step: gradient accumulation
-SPLIT_MODES = ("zb",)                   # every backward is B (input gradients), then W (weight gradients)
+FLUSH_MODES = ("flush", "gpipe", "zb", "zb2")  # the pipeline drains before every step: gradient accumulation
+SPLIT_MODES = ("zb", "zb2")             # every backward is B (input gradients), then W (weight gradients)
+WIDE_MODES = ("zb2",)                   # twice the warm-up forwards and weight lag: 2p - 1 minibatches in flight
 TIE_MODES = ("2bw",) + FLUSH_MODES      # the copies of a tied weight step after the same minibatches
 KINDS = ("F", "B", "W", "U")
 
@@ -225,14 +226,17 @@ class Schedule:
 
 
 # ----- per-mode rules --------------------------------------------------------------------------
-def warmup_forwards(replicas: Sequence[int], stage: int) -> int:
+def warmup_forwards(replicas: Sequence[int], stage: int, mode: str | None = None) -> int:
     """Forwards a replica of `stage` runs before its first backward under 1F1B.
 
     floor((W - 1 - sum(r_i for i < s)) / r_s) with W workers in all: 3, 2, 1, 0 on a straight
     4-stage pipeline, 1, 0 on replicas (3, 1). This keeps NOAM = ceil(W / r_0) minibatches in
     the pipeline (PipeDream SOSP'19 section 3.2). A replica with fewer minibatches runs them all.
+    In `zb2` (ZB-H2, Qi et al. 2023 section 2.2) twice as many: the extra forwards fill the
+    start of a batch, where a stage would wait for its first input gradient.
     """
-    return (sum(replicas) - 1 - sum(replicas[:stage])) // replicas[stage]
+    base = (sum(replicas) - 1 - sum(replicas[:stage])) // replicas[stage]
+    return 2 * base if mode in WIDE_MODES else base
 
 
 def default_group(replicas: Sequence[int]) -> int:
@@ -271,17 +275,19 @@ def stash_depth(schedule: Schedule, stage: int) -> int:
     share = -(-(schedule.minibatches if schedule.mode in ASYNC_MODES + ("2bw",) else schedule.group) // r)
     if schedule.mode == "gpipe":
         return share
-    lag = weight_lag(schedule.replicas, stage) if schedule.mode in SPLIT_MODES else 0
-    return min(warmup_forwards(schedule.replicas, stage) + 1 + lag, share)
+    lag = weight_lag(schedule.replicas, stage, schedule.mode) if schedule.mode in SPLIT_MODES else 0
+    return min(warmup_forwards(schedule.replicas, stage, schedule.mode) + 1 + lag, share)
 
 
-def weight_lag(replicas: Sequence[int], stage: int) -> int:
-    """zb: how many backwards a worker of `stage` runs before its first W (then one W after each
-    B, and the rest at the end): the stage's index, as in ZB-H1 (Qi et al. 2023, section 3.1;
-    torch.distributed.pipelining's ScheduleInterleavedZeroBubble with one stage per rank). The
-    later stages, which wait least for gradients, keep their Ws back to fill the drain, when the
-    earlier stages wait for them."""
-    return stage
+def weight_lag(replicas: Sequence[int], stage: int, mode: str = "zb") -> int:
+    """zb, zb2: how many backwards a worker of `stage` runs before its first W (then one W after
+    each B, and the rest at the end). zb: the stage's index, as in ZB-H1 (Qi et al. 2023,
+    section 2.1; torch.distributed.pipelining's ScheduleInterleavedZeroBubble with one stage per
+    rank): every stage holds as many minibatches as 1F1B's first stage. The later stages, which
+    wait least for gradients, keep their Ws back to fill the drain, when the earlier stages wait
+    for them. zb2: twice the index (ZB-H2, section 2.2): with twice the warm-up forwards, every
+    stage holds 2p - 1 minibatches on p stages."""
+    return 2 * stage if mode in WIDE_MODES else stage
 
 
 def peak_versions(schedule: Schedule) -> dict[int, int]:

@@ -12,6 +12,8 @@ PipeDream SOSP'19 section 3.2), in one of two orders:
   what the stage before waits for) and W (weight gradients, which nobody waits for): a worker
   of stage s runs W of its oldest pending minibatch after each B from its (s+1)-th on, and the
   remaining Ws at the end of the batch, where they fill the drain (`weight_lag`).
+- zb2 (ZB-H2): zb with twice the warm-up forwards and twice the lag, so that the start of a
+  batch is filled too, holding 2p - 1 minibatches on p stages where zb holds p.
 Then the optimizer steps go in: the step closing step group t (`step_group` minibatches) comes
 right after the worker's last backward of a minibatch of groups 0..t, or first of all if it has
 none. On a replicated stage every replica thus runs one U per group, including groups it had no
@@ -59,13 +61,13 @@ def _forward_backward_order(shell: Schedule, stage: int, own: list[int]) -> list
         if shell.mode == "gpipe":
             order += [Action("F", stage, b) for b in batch] + [Action("B", stage, b) for b in batch]
             continue
-        warmup = min(warmup_forwards(shell.replicas, stage), len(batch))
+        warmup = min(warmup_forwards(shell.replicas, stage, shell.mode), len(batch))
         order += [Action("F", stage, b) for b in batch[:warmup]]
         steady = [[Action("F", stage, forward), Action("B", stage, backward)]
                   for forward, backward in zip(batch[warmup:], batch)]
         drain = [[Action("B", stage, b)] for b in batch[len(batch) - warmup:]]
         if shell.mode in SPLIT_MODES:
-            _add_weight_gradients(steady + drain, stage, weight_lag(shell.replicas, stage))
+            _add_weight_gradients(steady + drain, stage, weight_lag(shell.replicas, stage, shell.mode))
         order += [action for actions in steady + drain for action in actions]
     return order
 

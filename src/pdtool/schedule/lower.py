@@ -7,7 +7,7 @@ order, with every peer resolved:
 - `F` of minibatch b on stage s: `recv` of its activations from the worker of stage s-1 that ran
   b (s > 0), the `F`, then `send` of its outputs to the worker of stage s+1 that runs b (s < last);
 - `B`: `recv` of its output gradients from stage s+1 (s < last), the `B`, `send` of its input
-  gradients to stage s-1 (s > 0); a `B` whose minibatch has a `W` (mode `zb`) computes only the
+  gradients to stage s-1 (s > 0); a `B` whose minibatch has a `W` (modes `zb`, `zb2`) computes only the
   input gradients (`Op.weights` False), and the `W` the weight gradients, with no message;
 - `U`: `allreduce` of the gradients among the replicas of the stage (its `group`: one rank when
   the stage is not replicated, then it only takes the mean of the backwards since the last
