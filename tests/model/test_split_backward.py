@@ -51,3 +51,41 @@ def test_parameter_nodes_found_once_serve_every_later_graph():
         assert len(nodes.held) == len(params)  # found on the first graph, reused after
     other = torch.nn.Parameter(torch.randn(3))
     assert nodes(other) is not nodes(params[0]) and nodes(other) is nodes(other)
+
+
+@pytest.mark.parametrize("shape, bias", [((7, 6), True), ((2, 7, 6), True), ((7, 6), False)],
+                         ids=["2-d input", "3-d input (a view, then addmm)", "no bias (mm)"])
+def test_linear_layers_get_their_weight_gradients_without_an_autograd_call(monkeypatch, shape, bias):
+    """W of a stack of Linear layers: each layer's weight and bias straight from the gradient saved
+    before its node and the input the node saved, no autograd call; equal to one backward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5, bias=bias), torch.nn.ReLU(), torch.nn.Linear(5, 4, bias=bias))
+    params = list(model.parameters())
+    x = torch.randn(*shape, requires_grad=True)
+    expected = torch.autograd.grad(model(x).square().sum(), [x] + params)
+    found, pending = input_gradients([model(x).square().sum()], [None], [x], params)
+    calls = []
+    real = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = weight_gradients(pending)
+    assert calls == []
+    torch.testing.assert_close(found[0], expected[0])
+    for g, want in zip(got, expected[1:]):
+        torch.testing.assert_close(g, want)
+
+
+def test_an_addmm_that_scales_its_terms_takes_the_autograd_call():
+    """Only a plain x @ W.t() + b is computed directly: torch.addmm with beta/alpha != 1 (or any
+    other node) gets its weight gradients from autograd, still equal to one backward."""
+    torch.manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(4))
+    x = torch.randn(7, 6, requires_grad=True)
+
+    def loss_of(x):
+        return torch.addmm(bias, x.tanh(), weight.t(), beta=0.5, alpha=2.0).square().sum()
+
+    expected = torch.autograd.grad(loss_of(x), [x, weight, bias])
+    found, pending = input_gradients([loss_of(x)], [None], [x], [weight, bias])
+    torch.testing.assert_close(found[0], expected[0])
+    for got, want in zip(weight_gradients(pending), expected[1:]):
+        torch.testing.assert_close(got, want)
