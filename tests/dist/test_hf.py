@@ -49,13 +49,14 @@ def test_flush_pipelines_of_hf_models_are_gradient_accumulation(tmp_path, ref, s
     assert_same_run(losses, weights, expected_losses, expected_weights, **TOLERANCE)
 
 
-@pytest.mark.parametrize("ref, starts, replicas", [
-    (GPT2, ["transformer.h.1.ln_1"], [1, 1]),                 # the tied head: a tie op in every step
-    (LLAMA, ["model.layers.1.self_attn.q_proj"], [2, 1]),     # a replicated stage 0
-], ids=["gpt2 tied", "llama 2x2+1"])
-def test_zero_bubble_pipelines_of_hf_models_are_gradient_accumulation(tmp_path, ref, starts, replicas):
-    plan, path = cuts(tmp_path, ref, starts, replicas=replicas, mode="zb")
-    config = config_for(path, steps=2, group=2)
+@pytest.mark.parametrize("ref, starts, replicas, mode, group", [
+    (GPT2, ["transformer.h.1.ln_1"], [1, 1], "zb", 2),                 # the tied head: a tie op in every step
+    (LLAMA, ["model.layers.1.self_attn.q_proj"], [2, 1], "zb", 2),     # a replicated stage 0
+    (LLAMA, ["model.layers.1.self_attn.q_proj"], [2, 1], "zb2", 4),    # ZB-H2: 2 more warm-up forwards a replica
+], ids=["gpt2 tied", "llama 2x2+1", "llama 2x2+1 zb2"])
+def test_zero_bubble_pipelines_of_hf_models_are_gradient_accumulation(tmp_path, ref, starts, replicas, mode, group):
+    plan, path = cuts(tmp_path, ref, starts, replicas=replicas, mode=mode)
+    config = config_for(path, steps=2, group=group)
     losses, weights = merged(launch(config, len(plan.used_ranks)))
     expected_losses, expected_weights = gradient_accumulation(plan, config, ref=ref)
     assert_same_run(losses, weights, expected_losses, expected_weights, **TOLERANCE)
