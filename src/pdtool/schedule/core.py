@@ -279,7 +279,7 @@ def stash_depth(schedule: Schedule, stage: int) -> int:
     return min(warmup_forwards(schedule.replicas, stage, schedule.mode) + 1 + lag, share)
 
 
-def weight_lag(replicas: Sequence[int], stage: int, mode: str = "zb") -> int:
+def weight_lag(replicas: Sequence[int], stage: int, mode: str | None = None) -> int:
     """zb, zb2: how many backwards a worker of `stage` runs before its first W (then one W after
     each B, and the rest at the end). zb: the stage's index, as in ZB-H1 (Qi et al. 2023,
     section 2.1; torch.distributed.pipelining's ScheduleInterleavedZeroBubble with one stage per
