@@ -19,6 +19,11 @@ The model (all times in ms):
   Sends are asynchronous (the sender computes on) but every directed link (rank x -> rank y)
   carries one message at a time: messages queue on it in the order they are sent (FIFO). Links
   are independent of one another: a rank's messages to two different ranks do not contend.
+- Host copies. A message also costs CPU at both ends: the profile's `message_ms_per_mib` per MiB
+  (writing it into a socket, reading it out). The sender pays it right after the send, before
+  its next action, and the message is not there before it is written; the receiver pays it at
+  the receive unless it spent at least that long waiting for the message (the read overlaps
+  the transfer, and steals from the receiver's compute only where it was busy).
 - Steps. `U` on an unreplicated stage is the local optimizer step: the stage's `update_ms` (its
   share of the profiled optimizer step). On a stage with r > 1 replicas, the k-th `U` of every
   replica is one collective: all start together when the last replica arrives, and it lasts a
@@ -41,6 +46,8 @@ from .schedule import (
     ASYNC_MODES, FLUSH_MODES, Schedule, default_group, generate, peak_versions, stash_depth, step_group,
 )
 from .schedule.lower import ACTIVATION, Op, collective_key, lower, message
+
+MIB = 2 ** 20
 
 __all__ = ["SimEvent", "SimResult", "SimTransfer", "allreduce_ms", "default_minibatches", "link_bandwidth",
            "link_latency",
@@ -280,7 +287,8 @@ class _Run:
             key = message(op, worker)
             if key not in self.arrived:
                 return False
-            self.free[worker] = max(self.free[worker], self.arrived.pop(key))
+            size = s.in_bytes if op.direction == ACTIVATION else s.out_bytes
+            self.free[worker] = max(self.free[worker] + self._copy_ms(size), self.arrived.pop(key))
         elif op.kind == "send":
             self._send(worker, op, s.out_bytes if op.direction == ACTIVATION else s.in_bytes)
         elif op.kind == "step":
@@ -297,13 +305,20 @@ class _Run:
         self.next[worker] += 1
         return True
 
+    def _copy_ms(self, size: int) -> float:
+        """CPU ms that a message of `size` bytes costs one of its ends (the profile's host cost)."""
+        return size / MIB * self.plan.profile.message_ms_per_mib
+
     def _send(self, worker: int, op: Op, size: int) -> None:
-        """Queue a message on its directed link, FIFO, from when its worker is free."""
+        """Queue a message on its directed link, FIFO, from when its worker is free; the worker
+        computes on after writing it (`_copy_ms`)."""
         dst = op.peer
         link = (worker, dst)
         start = max(self.free[worker], self.link_free.get(link, 0.0))
+        written = self.free[worker] + self._copy_ms(size)
+        self.free[worker] = written
         src, to = self.ranks[worker], self.ranks[dst]
-        end = start + (size / link_bandwidth(self.plan, src, to) * MS_PER_S if size else 0.0)
+        end = max(start + (size / link_bandwidth(self.plan, src, to) * MS_PER_S if size else 0.0), written)
         self.link_free[link] = end
         if size:
             name = str(self.schedule.workers[worker][op.at])

@@ -140,3 +140,19 @@ def test_zero_bubble_mode_idles_less_than_flush(files):
         assert f"mode {mode}, " in result.stdout
         bubbles[mode] = float(re.search(r"bubble fraction ([\d.]+)", result.stdout)[1])
     assert bubbles["zb2"] < bubbles["zb"] < bubbles["flush"]
+
+
+def test_simulate_says_and_charges_the_host_cost_of_messages(tmp_path):
+    import dataclasses
+
+    profile = tmp_path / "copies.profile.json"
+    chain = chain_profile(2)
+    chain = dataclasses.replace(chain, layers=tuple(dataclasses.replace(l, act_bytes=4 * 2 ** 20) for l in chain.layers),
+                                message_ms_per_mib=0.5)
+    chain.save(profile)
+    plan = tmp_path / "copies.plan.json"
+    assert invoke("plan", str(profile), "-c", "2x100GB/s", "--straight", "-o", str(plan)).exit_code == 0
+    out = invoke("simulate", str(plan)).stdout
+    assert "a message costs each end 0.5 ms of CPU per MiB (the profile's)" in out
+    predicted = float(re.search(r"predicted +([\d.]+) ms per minibatch", out)[1])
+    assert predicted == pytest.approx(10.0 + 2 * 4 * 0.5, abs=0.05)  # a stage: 10 ms, a 4 MiB send and a 4 MiB read

@@ -35,6 +35,7 @@ def test_mlp_layers_have_exact_parameter_and_activation_bytes():
     assert profile.batch_size == 6 and profile.inputs[0].shape == (6, 12) and profile.method == "fx"
     assert profile.update_ms > 0 and profile.data_ms > 0  # an optimizer step and making a minibatch
     assert profile.reduce_ms > 0  # flattening, adding and dividing the gradients of an all-reduce
+    assert 0 < profile.message_ms_per_mib < 50  # a MiB written into a socket and read out, each end
     assert_times_positive(profile)
 
 
@@ -167,6 +168,16 @@ def test_an_exported_profile_of_a_traceable_model_equals_its_fx_profile():
     assert [l.param_bytes for l in exported.layers] == [l.param_bytes for l in traced.layers]
     assert [l.act_bytes for l in exported.layers] == [l.act_bytes for l in traced.layers]
     assert_times_positive(exported)
+
+
+def test_a_message_is_timed_in_cpu_time_per_mib_for_each_of_its_two_ends():
+    from pdtool.profiler import timing
+
+    ticks = iter(range(100))
+    cpu = lambda: next(ticks) * 8e-3  # every timed interval takes 8 ms of CPU, both threads together
+    assert timing.measure_message(repeats=3, warmup=1, cpu_clock=cpu, total=4 * 2 ** 20) == pytest.approx(1.0)
+    real = timing.measure_message(repeats=3, warmup=1, total=4 * 2 ** 20)
+    assert 0 < real < 50
 
 
 def test_all_reduce_work_of_a_large_model_is_timed_on_a_sample_and_scaled_to_all_its_bytes(monkeypatch):

@@ -61,6 +61,7 @@ def _profile_edits():
         "update_ms": [-1, "x"],
         "data_ms": [-1, {}],
         "reduce_ms": [-2, "slow"],
+        "message_ms_per_mib": [-0.5, "cheap"],
         "method": ["magic", 3],
         "split": ["sideways", 1],
         "granularity": ["atoms"],

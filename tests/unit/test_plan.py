@@ -54,6 +54,22 @@ def test_plans_round_trip_and_are_byte_identical_for_identical_inputs():
     assert canonical_json(again.to_json()) == text
 
 
+def test_the_plan_keeps_the_profiles_host_cost_of_a_message_and_old_files_read_as_none():
+    import dataclasses
+
+    profile = chain_profile([3.0, 3.0], [0, 0], [2 ** 20, 10])
+    plan = make_plan(dataclasses.replace(profile, message_ms_per_mib=0.3), parse_cluster("2x100GB/s"), straight=True)
+    text = plan.to_json()
+    assert text["profile"]["message_ms_per_mib"] == 0.3
+    assert Plan.from_json(json.loads(canonical_json(text)), "p.json").profile.message_ms_per_mib == 0.3
+    assert Profile.from_json(json.loads(canonical_json(dataclasses.replace(profile, message_ms_per_mib=0.3).to_json())),
+                             "x.profile.json").message_ms_per_mib == 0.3
+    old = make_plan(profile, parse_cluster("2x100GB/s"), straight=True)  # a profile that did not measure it
+    assert "message_ms_per_mib" not in old.to_json()["profile"] and "message_ms_per_mib" not in profile.to_json()
+    assert old.profile.message_ms_per_mib == 0.0
+    assert plan.predicted.simulated_ms > old.predicted.simulated_ms  # the simulator charges it
+
+
 @pytest.mark.parametrize("cost_model, spec", [("pdtool", "4x12GB/s,4x10Gbit/s"), ("pipedream", "4x1e10B/s,2x1.25e9B/s")])
 def test_a_plan_covers_every_layer_once_and_uses_distinct_ranks(cost_model, spec):
     profile = imported("resnet18")

@@ -1,4 +1,5 @@
 """The published JSON Schemas (src/pdtool/artifacts/schemas/) agree with what pdtool writes and reads."""
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,8 +17,10 @@ from pdtool.schedule import MODES
 PROFILES = sorted((Path(__file__).parents[2] / "profiles").glob("*.profile.json"))
 
 
-def written(profile_path):
+def written(profile_path, message_ms_per_mib=None):
     profile = Profile.load(profile_path)
+    if message_ms_per_mib is not None:
+        profile = dataclasses.replace(profile, message_ms_per_mib=message_ms_per_mib)
     plan = make_plan(profile, parse_cluster("cluster-a:2", memory="16GiB"), simulate=True)
     return profile.to_json(), plan.to_json()
 
@@ -48,7 +51,7 @@ def test_cluster_files_satisfy_the_cluster_schema():
 
 
 def test_the_schemas_list_exactly_the_fields_pdtool_writes():
-    profile, plan = written(PROFILES[0])
+    profile, plan = written(PROFILES[0], message_ms_per_mib=0.25)  # written when measured (not 0)
     # a level's latency is written when it is not 0
     cluster = make_plan(Profile.load(PROFILES[0]), parse_cluster("4x12GB/s+5us,2x10Gbit/s+50us")).to_json()["cluster"]
     for document, name, nested in ((profile, "profile", {"layers": 0}), (plan, "plan", {"stages": 0}),

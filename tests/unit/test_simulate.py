@@ -161,6 +161,35 @@ def test_a_slower_level_between_stages_costs_more():
     assert first[(2, "1F0")].start_ms == pytest.approx(1.0 + 1e6 / 1e8 * 1e3)
 
 
+def with_host_copies(plan, ms_per_mib):
+    return dataclasses.replace(plan, profile=dataclasses.replace(plan.profile, message_ms_per_mib=ms_per_mib))
+
+
+def test_a_message_costs_its_sender_and_a_busy_receiver_the_host_copy_time():
+    mib = 2 ** 20
+    plan = make([(1.0, 2.0, 1, 0, mib), (2.0, 2.0, 1)])  # 1 MiB of activations and gradients, a free link
+    free = by_name(simulate(plan, "gpipe", minibatches=2, group=2))
+    assert (free[(0, "0F1")].start_ms, free[(1, "1F0")].start_ms, free[(1, "1F1")].start_ms) == pytest.approx(
+        (1.0, 1.0, 3.0))
+    copies = by_name(simulate(with_host_copies(plan, 0.25), "gpipe", minibatches=2, group=2))
+    assert copies[(0, "0F1")].start_ms == pytest.approx(1.25)  # stage 0 wrote 0F0's 1 MiB before its next forward
+    assert copies[(1, "1F0")].start_ms == pytest.approx(1.25)  # there once written; read while stage 1 waited
+    assert copies[(1, "1F1")].start_ms == pytest.approx(3.5)   # arrived at 2.5 while 1F0 ran: its read costs 1F1
+    assert copies[(1, "1B0")].start_ms == pytest.approx(5.5)   # the last stage's backward: nothing to read
+    assert copies[(1, "1B1")].start_ms == pytest.approx(7.5 + 0.25)  # wrote 1B0's input gradient first
+    assert copies[(0, "0B0")].start_ms == pytest.approx(7.75)  # stage 0 waited for it: the read is free
+    assert copies[(0, "0B1")].start_ms == pytest.approx(10.0)  # written at 10.0; read while 0B0 ran (to 9.75)
+
+
+def test_host_copies_are_charged_only_as_the_profile_measured_them():
+    plan = make([(1.0, 2.0, 1, 0, 2 ** 20), (1.0, 2.0, 1)])
+    assert plan.profile.message_ms_per_mib == 0.0  # e.g. PipeDream's graph.txt profiles, GPU profiles
+    slower = simulate(with_host_copies(plan, 0.5), minibatches=60).time_per_minibatch_ms
+    assert slower == pytest.approx(simulate(plan, minibatches=60).time_per_minibatch_ms + 2 * 0.5)  # a send, a read
+    assert simulate(with_host_copies(make([(1.0, 2.0, 1)]), 0.5), minibatches=20).time_per_minibatch_ms == (
+        pytest.approx(3.0))  # one stage: no messages
+
+
 # ----- memory ------------------------------------------------------------------------------------
 def test_peak_in_flight_is_the_plans_in_flight_under_pipedream():
     plan = make_plan(chain_profile([10.0] * 8, [4e8] * 8, [1e3] * 8), parse_cluster("4x1GB/s"))

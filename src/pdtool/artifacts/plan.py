@@ -175,7 +175,8 @@ class Prediction:
 
 @dataclass(frozen=True)
 class ProfileRef:
-    """What the plan needs of its profile: identity, and how to rebuild the model's layers."""
+    """What the plan needs of its profile: identity, how to rebuild the model's layers, and the
+    host's cost of a message (`message_ms_per_mib`, the profile's: charged by the simulator)."""
 
     sha256: str
     fingerprint: str
@@ -188,6 +189,7 @@ class ProfileRef:
     split: str = "graph"
     device: str = ""
     layer_sum_over_step: float | None = None
+    message_ms_per_mib: float = 0.0
 
     def __post_init__(self) -> None:
         round_float_fields(self)
@@ -260,7 +262,8 @@ class Plan(SchemaChecked):
             "profile": {"sha256": p.sha256, "fingerprint": p.fingerprint, "model": p.model,
                         "batch_size": p.batch_size, "layers": p.layers, "method": p.method, "split": p.split,
                         "granularity": p.granularity, "depth": p.depth, "device": p.device,
-                        "layer_sum_over_step": p.layer_sum_over_step},
+                        "layer_sum_over_step": p.layer_sum_over_step,
+                        **({"message_ms_per_mib": p.message_ms_per_mib} if p.message_ms_per_mib else {})},
             "cluster": self.cluster.to_json(),
             "cost_model": self.cost_model,
             "straight": self.straight,
@@ -304,14 +307,16 @@ class Plan(SchemaChecked):
         top = Fields(data, source, known=("schema", "profile", "cluster", "cost_model", "straight", "mode",
                                           "state_space", "shared", "stages", "groups", "predicted", "provenance"))
         pf = top.child("profile", known=("sha256", "fingerprint", "model", "batch_size", "layers", "method", "split",
-                                          "granularity", "depth", "device", "layer_sum_over_step"))
+                                          "granularity", "depth", "device", "layer_sum_over_step",
+                                          "message_ms_per_mib"))
         method = pf.get("method", str)
         profile = ProfileRef(pf.get("sha256", str), pf.get("fingerprint", str), pf.get("model", dict, optional=True),
                              pf.count("batch_size", 1), pf.count("layers", 1), method,
                              pf.get("granularity", str), pf.get("depth", int, optional=True),
                              pf.get("split", str, optional=True, default="children" if method == "modules" else "graph"),
                              pf.get("device", str, optional=True, default=""),
-                             pf.get("layer_sum_over_step", float, optional=True))
+                             pf.get("layer_sum_over_step", float, optional=True),
+                             pf.get("message_ms_per_mib", float, optional=True, default=0.0))
         shared = top.shared("shared", "stages")
         stages = []
         for where, item in top.items("stages"):

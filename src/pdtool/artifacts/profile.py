@@ -94,7 +94,9 @@ class Profile(SchemaChecked):
     momentum) over all parameters, `data_ms` of making one minibatch (0 when not measured),
     `reduce_ms` the worker's own work in one all-reduce of all the gradients (flattening them
     into one buffer, adding a peer's buffer, dividing by the count: on a CPU these passes over
-    memory cost as much as a fast link; 0 when not measured).
+    memory cost as much as a fast link; 0 when not measured), `message_ms_per_mib` the CPU time
+    that one MiB of a message between two workers costs each end, the sender's write into a
+    TCP socket and the receiver's read (measured over loopback; 0 when not measured, and on GPUs).
     """
 
     SCHEMA_NAME = "profile"  # schemas/profile.schema.json
@@ -116,6 +118,7 @@ class Profile(SchemaChecked):
     update_ms: float = 0.0
     data_ms: float = 0.0
     reduce_ms: float = 0.0
+    message_ms_per_mib: float = 0.0
     split: str = "graph"
     shared: tuple[tuple[str, tuple[int, ...]], ...] = ()
     schema: str = SCHEMA
@@ -160,6 +163,7 @@ class Profile(SchemaChecked):
             "step_ms_spread": self.step_ms_spread,
             "update_ms": self.update_ms,
             "reduce_ms": self.reduce_ms,
+            **({"message_ms_per_mib": self.message_ms_per_mib} if self.message_ms_per_mib else {}),
             "data_ms": self.data_ms,
             "layer_sum_over_step": self.layer_sum_over_step,
             "layers": [
@@ -223,6 +227,7 @@ class Profile(SchemaChecked):
             update_ms=top.get("update_ms", float, optional=True, default=0.0),
             data_ms=top.get("data_ms", float, optional=True, default=0.0),
             reduce_ms=top.get("reduce_ms", float, optional=True, default=0.0),
+            message_ms_per_mib=top.get("message_ms_per_mib", float, optional=True, default=0.0),
             source=source,
         )
 
@@ -236,7 +241,7 @@ class Profile(SchemaChecked):
 
 _TOP_FIELDS = ("schema", "model", "batch_size", "inputs", "device", "torch_version", "fingerprint",
                "method", "split", "shared", "granularity", "depth", "repeats", "step_ms", "step_ms_spread", "update_ms", "data_ms",
-               "reduce_ms", "layer_sum_over_step", "layers", "edges")
+               "reduce_ms", "message_ms_per_mib", "layer_sum_over_step", "layers", "edges")
 _LAYER_FIELDS = ("id", "name", "kind", "fwd_ms", "bwd_ms", "fwd_ms_spread", "bwd_ms_spread", "wgrad_ms",
                  "act_bytes", "param_bytes", "ops")
 
@@ -267,7 +272,7 @@ def _validate(p: Profile, source: str) -> None:
         if layer.wgrad_ms is not None and not 0 <= layer.wgrad_ms <= layer.bwd_ms:
             top.fail(f"wgrad_ms {layer.wgrad_ms} is outside 0..bwd_ms ({layer.bwd_ms})",
                      "the weight gradients are a part of the backward; fix it or remove it", where)
-    for field_name in ("step_ms", "step_ms_spread", "update_ms", "data_ms", "reduce_ms"):
+    for field_name in ("step_ms", "step_ms_spread", "update_ms", "data_ms", "reduce_ms", "message_ms_per_mib"):
         if getattr(p, field_name) < 0:
             top.fail(f"is negative ({getattr(p, field_name)})", "fix the value", field_name)
     count = len(p.layers)

@@ -175,7 +175,7 @@ def _as_plan(pipeline: Pipeline, solver: Solver, profile: Profile, cluster: Clus
     ref = ProfileRef(profile_sha256(profile), profile.fingerprint,
                      None if profile.model is None else {"spec": profile.model.spec, "kwargs": dict(profile.model.kwargs)},
                      profile.batch_size, len(profile.layers), profile.method, profile.granularity, profile.depth,
-                     profile.split, profile.device, profile.layer_sum_over_step)
+                     profile.split, profile.device, profile.layer_sum_over_step, profile.message_ms_per_mib)
     plan = Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=mode or "pipedream",
                 stages=tuple(stages), groups=tuple(groups), predicted=prediction, command=command,
                 pdtool_version=__version__, state_space=solver.states.space, shared=shared_parameters(profile, stages))

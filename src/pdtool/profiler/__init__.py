@@ -24,7 +24,7 @@ from ..artifacts.profile import Layer, ModelRef, Profile
 from .fx_measure import LayerCost, measure_split
 from ..layergraph import TRACERS, LayerGraph, Untraceable, capture
 from .modules import measure_modules
-from .timing import Clock, measure_data, measure_reduce, measure_step, measure_update
+from .timing import Clock, measure_data, measure_message, measure_reduce, measure_step, measure_update
 
 METHODS = ("auto",) + TRACERS + ("modules",)
 
@@ -90,11 +90,13 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
         shared = tuple(sorted((names[id(p)], layers_) for p, layers_ in found.shared if id(p) in names))
         planned = {names[id(p)] for owned in found.params for p in owned if id(p) in names}
     _warn_unused(module, planned, warn)
-    progress("timing whole training steps, optimizer steps, all-reduce work and data")
+    progress("timing whole training steps, optimizer steps, all-reduce work, messages and data")
     step_ms, step_spread = measure_step(module, inputs, target, bundle.loss_fn, repeats=repeats,
                                         warmup=warmup, clock=clock)
     update_ms = measure_update(module, inputs, target, bundle.loss_fn, repeats=repeats, warmup=warmup, clock=clock)
     reduce_ms = measure_reduce(module, repeats=repeats, warmup=warmup, clock=clock)
+    # GPU workers' messages go through NCCL, device to device: no host copies to charge
+    message_ms = 0.0 if dev.type == "cuda" else measure_message(repeats=repeats, warmup=warmup)
     data_ms = measure_data(lambda: bundle.batch(size, ref.spec), repeats=repeats, warmup=warmup, clock=clock)
     return Profile(
         model=ref, batch_size=size, inputs=tensor_specs(inputs), device=_device_name(dev),
@@ -102,7 +104,7 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
         split="graph" if used in TRACERS else "children" if isinstance(module, nn.Sequential) else "none",
         granularity=granularity, depth=depth, repeats=repeats, step_ms=step_ms, step_ms_spread=step_spread,
         layers=tuple(layers), edges=tuple(edges), update_ms=update_ms, data_ms=data_ms,
-        reduce_ms=reduce_ms,
+        reduce_ms=reduce_ms, message_ms_per_mib=message_ms,
     )
 
 

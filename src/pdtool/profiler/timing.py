@@ -6,7 +6,9 @@ interquartile range (the spread), both in milliseconds.
 """
 from __future__ import annotations
 
+import socket
 import statistics
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -130,6 +132,50 @@ def measure_reduce(module: nn.Module, *, repeats: int, warmup: int, clock: Clock
         if round_ >= warmup:
             samples.append(end - start)
     return summarize(samples)[0] * total / taken
+
+
+MESSAGE_SAMPLE_BYTES = 16 * 2 ** 20  # measure_message sends this many bytes per repeat
+_MESSAGE_CHUNK = 2 ** 20
+
+
+def measure_message(*, repeats: int, warmup: int, cpu_clock: Callable[[], float] = time.process_time,
+                    total: int = MESSAGE_SAMPLE_BYTES) -> float:
+    """Median CPU ms that one MiB of a message costs each of its two ends on this host: the
+    sender's write into a TCP socket and the receiver's read out of it, as gloo moves a pipeline's
+    activations and gradients between two processes (measured over loopback, between two threads
+    of this process; the process's CPU time covers both threads and the kernel's work for them,
+    halved for one end). The workers pay it beside their compute wherever they have no core to
+    spare; the simulator charges it to the sender and to the receiver of every message."""
+    server = socket.create_server(("127.0.0.1", 0))
+    try:
+        sender = socket.create_connection(server.getsockname()[:2])
+        receiver, _ = server.accept()
+    finally:
+        server.close()
+    chunk = bytes(_MESSAGE_CHUNK)
+    into = memoryview(bytearray(_MESSAGE_CHUNK))
+
+    def drain() -> None:
+        got = 0
+        while got < total:
+            n = receiver.recv_into(into)
+            if not n:
+                return
+            got += n
+
+    samples = []
+    with sender, receiver:
+        for round_ in range(warmup + repeats):
+            reader = threading.Thread(target=drain)
+            start = cpu_clock()
+            reader.start()
+            for _ in range(total // _MESSAGE_CHUNK):
+                sender.sendall(chunk)
+            reader.join()
+            end = cpu_clock()
+            if round_ >= warmup:
+                samples.append((end - start) / 2 / (total / 2 ** 20))
+    return summarize(samples)[0]
 
 
 def measure_data(make: Callable[[], Any], *, repeats: int, warmup: int, clock: Clock) -> float:

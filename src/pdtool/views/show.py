@@ -133,9 +133,11 @@ def simulation_table(result: SimResult, plan: Plan) -> str:
     model = plan.predicted.time_ms
     ratio = f", simulated / cost model = {result.time_per_minibatch_ms / model:.3f}" if model else ""
     group = f", {result.group} microbatches per step" if result.mode not in ASYNC_MODES else ""
+    copies = plan.profile.message_ms_per_mib
     lines = [
         f"simulated    mode {result.mode}, {result.minibatches} minibatches{group}, {len(rows)} workers in "
-        f"{len(plan.stages)} stage{'' if len(plan.stages) == 1 else 's'} ({plan.cluster.describe()})",
+        f"{len(plan.stages)} stage{'' if len(plan.stages) == 1 else 's'} ({plan.cluster.describe()})"
+        + (f"; a message costs each end {copies:.3g} ms of CPU per MiB (the profile's)" if copies else ""),
         f"predicted    {result.time_per_minibatch_ms:.3f} ms per minibatch ({result.samples_per_s:.1f} samples/s) "
         "in steady state",
         f"cost model   {model:.3f} ms per minibatch ({plan.profile.batch_size / model * 1e3 if model else 0.0:.1f} "
