@@ -195,6 +195,46 @@ def throughput(sender: Machine, receiver: Machine, seconds: float = 0.6, bandwid
     return min(rates)
 
 
+def _collective_probe(rank: int, master: str, port: int, compute_ms: float, rounds: int) -> None:
+    """One end of `collective_latency` (run on a machine): gloo over eth0, `rounds` times a
+    spell of `compute_ms` of busy CPU, then an all-reduce of 4 KB; rank 0 prints the median."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    x, took = torch.zeros(1024), []
+    for _ in range(rounds):
+        until = time.perf_counter() + compute_ms / 1e3
+        while time.perf_counter() < until:
+            pass
+        began = time.perf_counter()
+        dist.all_reduce(x)
+        took.append(time.perf_counter() - began)
+    dist.destroy_process_group()
+    if rank == 0:
+        print(statistics.median(took))
+
+
+def collective_latency(a: Machine, b: Machine, compute_ms: float = 20.0, rounds: int = 40, port: int = 29701) -> float:
+    """Seconds a small message takes between two busy machines: half the median time of a 4 KB
+    gloo all-reduce (a ring of 2 ranks: two message steps) right after `compute_ms` of CPU work
+    on both, as a replicated stage's step follows its backward. On a machine whose cores the
+    workers keep busy this is mostly waking gloo's threads (milliseconds on a 2-core virtual
+    machine), not the wire; a cluster description carries it as the level's latency."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import links; links._collective_probe(%d, {a.address!r}, {port}, {compute_ms}, {rounds})"
+    procs = [m.popen([sys.executable, "-c", code % rank], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for rank, m in enumerate((a, b))]
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    if any(proc.returncode != 0 for proc in procs):
+        raise RuntimeError("links: the all-reduce probe failed")
+    return float(outputs[0]) / 2
+
+
 def _check(bandwidth: str = "100Mbit") -> int:
     why = available()
     if why:
@@ -205,6 +245,7 @@ def _check(bandwidth: str = "100Mbit") -> int:
         print(f"one TCP stream: {rate / 1e6:.1f} Mbit/s on a {bandwidth} link (start-up included)")
         rate = throughput(b, a, bandwidth=bandwidth, both_ways=True)
         print(f"a stream each way at once: {rate / 1e6:.1f} Mbit/s each")
+        print(f"a small message between busy machines: {collective_latency(a, b) * 1e3:.2f} ms")
     print(f"namespaces left: {_namespaces() or 'none'}")
     return 0
 

@@ -14,12 +14,16 @@ For every bandwidth, three plans: `pd plan --cluster 2x<bandwidth>` (pd plan's p
 that cost model uses every worker); each is trained (the
 same plan is trained once) and its measured time per minibatch (what `pd train` prints) is set
 beside the prediction `pd plan` prints first (the simulator's) and the cost model's, and pd
-plan's pick beside the measured fastest. Each plan is trained twice and the faster run counts
-(on a shared virtual machine a run can lose 10-30% to neighbours; the row shows the slower run
-and the CPU time the hypervisor gave to other guests meanwhile). Each link's real rate is measured first (a TCP stream
-each way at once for 3 s, what a pipeline's activations and gradients or an all-reduce put on
-it) and the plans are made for that rate, as a user writes the measured rate of a cluster's
-links into its description: the emulation does not reach 10 Gbit/s on every machine.
+plan's pick beside the measured fastest. Each plan is trained three times and the fastest run
+counts (on a shared virtual machine a run can lose 10-30% to neighbours; the row shows the
+slowest run and the CPU time the hypervisor gave to other guests meanwhile). Each link is
+measured first, as a user writes the measured rate and latency of a cluster's links into its
+description: its rate by a TCP stream each way at once for 3 s (what a pipeline's activations
+and gradients or an all-reduce put on it; the emulation does not reach 10 Gbit/s on every
+machine), its latency by a small gloo all-reduce between the two machines right after 20 ms of
+CPU work on both (`links.collective_latency`: where the workers keep every core busy, a message
+waits for gloo's threads to be scheduled, about 2 ms here, more than the wire); the plans are
+made for `2x<rate>+<latency>`.
 
 Then time to a target held-out accuracy on the UCI digits for the `fc` model on the slowest
 link, data parallelism against the 2-stage pipeline and pd plan's pick (pipedream mode, 1F1B
@@ -58,7 +62,7 @@ CONFIGS = {"pd plan": [], "data parallel": ["--data-parallel"],
            "straight": ["--straight", "--cost-model", "pipedream"]}  # that cost model uses every worker: 2 stages
 TARGET_ACCURACY = 0.90
 TRAIN = ["--lr", "0.05", "--momentum", "0.9", "--threads", "1", "--seed", "0"]
-RUNS = 2  # each plan is trained this often; the faster run counts (the machine is shared: see `stolen`)
+RUNS = 3  # each plan is trained this often; the fastest run counts (the machine is shared: see `stolen`)
 
 
 def stolen() -> float:
@@ -78,9 +82,10 @@ def pd(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return done
 
 
-def plan(profile: Path, bandwidth: str, extra: list[str], out: Path) -> tuple[dict, float]:
-    """(the plan's JSON, the ms per minibatch pd plan prints) on 2 machines whose link carries `bandwidth`."""
-    done = pd("plan", str(profile), "--cluster", f"2x{bandwidth}/s", *extra, "-o", str(out))
+def plan(profile: Path, link: str, extra: list[str], out: Path) -> tuple[dict, float]:
+    """(the plan's JSON, the ms per minibatch pd plan prints) on 2 machines joined by `link`
+    (a cluster level's text: a bandwidth, + a latency)."""
+    done = pd("plan", str(profile), "--cluster", f"2x{link}", *extra, "-o", str(out))
     printed = float(re.search(r"([0-9.]+) ms per minibatch", done.stderr).group(1))
     return json.loads(out.read_text()), printed
 
@@ -134,7 +139,7 @@ def profile(out: Path, name: str, bandwidth: str) -> Path:
 
 
 def speed_rows_at(out: Path, machines, bandwidth: str, measured: str) -> list[dict]:
-    """Rows of the link set to `bandwidth`, planned for the `measured` rate it carries."""
+    """Rows of the link set to `bandwidth`, planned for the `measured` link (rate + latency)."""
     rows = []
     for name in MODELS:
         trained: dict[tuple, float] = {}
@@ -156,7 +161,7 @@ def speed_rows_at(out: Path, machines, bandwidth: str, measured: str) -> list[di
                    "measured_ms": fastest, "slowest_ms": slowest, "stolen_s": steal}
             rows.append(row)
             print(f"{name:5} {bandwidth:>7} {config:14} {row['plan']:14} predicted {printed:9.2f} ms  (cost model "
-                  f"{row['cost_model_ms']:8.2f})  measured {fastest:9.2f} ms  ({fastest / printed:5.2f}x; slower run "
+                  f"{row['cost_model_ms']:8.2f})  measured {fastest:9.2f} ms  ({fastest / printed:5.2f}x; slowest run "
                   f"{slowest:.2f}, {steal:.1f} s stolen)", flush=True)
     return rows
 
@@ -259,9 +264,12 @@ def main() -> int:
     for bandwidth in BANDWIDTHS:  # a switch of that speed for each
         with links.machines(2, bandwidth) as machines:
             rate = links.throughput(machines[0], machines[1], seconds=3, bandwidth=bandwidth, both_ways=True)
-            print(f"--- {bandwidth} link: a TCP stream each way at once measures {rate / 1e6:.0f} Mbit/s each; "
-                  f"planned as --cluster 2x{rate / 1e6:.0f}Mbit/s", flush=True)
-            rows += speed_rows_at(args.out, machines, bandwidth, f"{rate / 1e6:.0f}Mbit")
+            latency = links.collective_latency(machines[0], machines[1])
+            link = f"{rate / 1e6:.0f}Mbit/s+{latency * 1e6:.0f}us"
+            print(f"--- {bandwidth} link: a TCP stream each way at once measures {rate / 1e6:.0f} Mbit/s each, a "
+                  f"small message between the busy machines {latency * 1e3:.2f} ms; planned as --cluster 2x{link}",
+                  flush=True)
+            rows += speed_rows_at(args.out, machines, bandwidth, link)
     with links.machines(2, BANDWIDTHS[-1]) as machines:
         accuracy = accuracy_rows(args.out, machines)
     with open(args.out / "real_links.csv", "w", newline="") as handle:

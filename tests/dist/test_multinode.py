@@ -57,3 +57,11 @@ def test_a_machine_on_the_wrong_interface_fails_within_seconds_with_one_line(tmp
         errors = [line for line in lines if line.startswith("pd: error:")]
         assert code == 1 and len(errors) == 1 and "cannot reach machine" in errors[0], lines
         assert "Traceback" not in "\n".join(lines)
+
+
+def test_the_latency_probe_times_a_small_all_reduce_between_busy_machines():
+    with links.machines(2, "1Gbit") as (a, b):
+        idle = links.collective_latency(a, b, compute_ms=0.0, rounds=10)
+        busy = links.collective_latency(a, b, compute_ms=5.0, rounds=10)
+    assert 0 < idle < 0.05 and 0 < busy < 0.05  # seconds: well under the 5 ms of work between the rounds
+    assert not links._namespaces()
