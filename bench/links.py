@@ -10,10 +10,14 @@ every way out (return, exception, SIGTERM, SIGINT, interpreter exit), and what s
 them is killed first; leftovers of a run that
 was SIGKILLed are swept by the next one (they are named after the process that made them).
 
+`throughput` measures a link's rate (TCP streams), `collective_latency` what a small message
+takes between two busy machines (a gloo all-reduce after some CPU work on both): the two
+figures a cluster description carries (`2x<rate>+<latency>`).
+
 Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN), `ip` and `tc`. `available()` says whether
 namespaces can be made here, and why not.
 
-    python bench/links.py [1Gbit]         # check: two machines at that bandwidth (100Mbit), a timed transfer
+    python bench/links.py [1Gbit]         # check: two machines at that bandwidth (100Mbit), timed transfers
 """
 from __future__ import annotations
 
