@@ -50,7 +50,7 @@ from .schedule.lower import ACTIVATION, Op, collective_key, lower, message
 MIB = 2 ** 20
 
 __all__ = ["SimEvent", "SimResult", "SimTransfer", "allreduce_ms", "default_minibatches", "link_bandwidth",
-           "link_latency",
+           "link_latency", "memory_needs",
            "simulate", "steady_state_ms"]
 
 
@@ -161,6 +161,20 @@ def allreduce_ms(plan: Plan, stage: int) -> float:
     slowest = min(link_bandwidth(plan, x, y) for x in s.ranks for y in s.ranks if x != y)
     latency = max(link_latency(plan, x, y) for x in s.ranks for y in s.ranks if x != y)
     return (2 * (r - 1) / r * s.param_bytes / slowest + 2 * (r - 1) * latency) * MS_PER_S + s.reduce_ms
+
+
+def memory_needs(plan: Plan, result: SimResult, optimizer_slots: int = 1) -> dict[int, int]:
+    """Bytes each worker (plan rank) needs for the schedule `result` ran: its stage's parameters
+    once per weight version it holds at its peak, once more for the gradient and
+    `optimizer_slots` times for the optimizer's state, plus the activations it stashes at its
+    peak. The planner's model (`planner.costmodel.Memory`) with 1F1B's counts; this, with the
+    counts of the mode and group that run."""
+    needs = {}
+    for stage in plan.stages:
+        for rank in stage.ranks:
+            needs[rank] = (stage.param_bytes * (result.peak_versions[rank] + 1 + optimizer_slots)
+                           + result.peak_activation_bytes[rank])
+    return needs
 
 
 def steady_state_ms(completions: dict[int, float], minibatches: int, period: int = 1, tail: int = 0,

@@ -1,6 +1,7 @@
 """`pd train` from the command line (click's CliRunner; workers are real processes)."""
 import csv
 
+import pytest
 import torch
 
 from click.testing import CliRunner
@@ -271,3 +272,27 @@ def test_pd_train_transport_option(tmp_path):
     assert "trained steps 1-3" in result.stdout and "shared memory" not in result.stdout
     bad = CliRunner().invoke(cli, ["train", str(path), "--transport", "pigeon"])
     assert bad.exit_code == 2 and "'pigeon' is not one of 'auto', 'shared-memory', 'process-group'" in bad.stderr
+
+
+def test_a_mode_that_holds_more_than_the_plans_memory_is_refused_before_any_worker_starts(tmp_path):
+    import dataclasses
+
+    from helpers import config_for
+
+    from pdtool.artifacts.plan import Plan
+    from pdtool.errors import LaunchError
+    from pdtool.runtime.job import prepare
+    from pdtool.simulate import memory_needs, simulate
+
+    plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
+    fits = max(memory_needs(plan, simulate(plan, "pipedream")).values())  # 1F1B: what pd plan counts
+    plan = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, memory=fits))
+    plan.save(path)
+    prepare(Plan.load(path), config_for(path))  # the plan's own mode fits exactly
+    with pytest.raises(LaunchError, match=r"mode gpipe with 8 microbatches per step needs .* on each worker of "
+                                          r"stage 0 \(1 weight version\(s\), 8 minibatch\(es\) in flight\), .* more "
+                                          r"than the .* per worker of the plan's cluster; train with a mode"):
+        prepare(Plan.load(path), config_for(path, mode="gpipe", group=8))
+    result = CliRunner().invoke(cli, ["train", str(path), "--mode", "gpipe", "--group", "8"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.stderr.count("pd: error:") == 1 and "mode gpipe with 8 microbatches" in result.stderr

@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 
 from ..artifacts.plan import Plan
+from ..errors import LaunchError
+from ..schedule import ASYNC_MODES
 from . import shm
 from .preflight import Checked, preflight
 from .session import steps_for_epochs
@@ -39,6 +41,7 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
     """Check everything the files and options show, before any worker starts (one line each),
     and fill in the steps (from `epochs`) and the threads per CPU worker."""
     checked = preflight(plan, config.plan_path, config.mode, config.data, config.seed)
+    check_memory(plan, config)
     if epochs:
         per_step = minibatches_per_step(make_schedule(plan, dataclasses.replace(config, steps=1)))
         config = dataclasses.replace(config, steps=steps_for_epochs(epochs, checked.batches_per_epoch, per_step))
@@ -60,6 +63,33 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
         warn("--transport shared-memory needs CPU workers on x86 and a writable /dev/shm, which this machine's "
              "workers lack: their messages go through the process group")
     return Job(config, checked, local, cores, on_cpu)
+
+
+def check_memory(plan: Plan, config: RunConfig) -> None:
+    """Refuse, in one line, a run whose mode and group hold more than the plan's cluster gives a
+    worker (`cluster.memory`): the planner counts 1F1B's weight versions and minibatches in
+    flight, and `--mode gpipe` or `zb2`, or a larger `--group`, hold more."""
+    limit = plan.cluster.memory
+    if not limit:
+        return
+    from ..simulate import memory_needs, simulate
+    from ..units import format_bytes
+
+    mode = config.mode or plan.mode
+    result = simulate(plan, mode=mode, group=config.group)
+    slots = 2 if config.optimizer.name == "adam" else 1
+    needs = memory_needs(plan, result, slots)
+    rank = max(needs, key=needs.get)
+    if needs[rank] <= limit:
+        return
+    stage = next(s for s, st in enumerate(plan.stages) if rank in st.ranks)
+    group = f" with {result.group} microbatches per step" if mode not in ASYNC_MODES else ""
+    raise LaunchError(
+        f"{config.plan_path}: mode {mode}{group} needs {format_bytes(needs[rank])} on each worker of stage {stage} "
+        f"({result.peak_versions[rank]} weight version(s), {result.peak_in_flight[rank]} minibatch(es) in flight), "
+        f"{format_bytes(needs[rank] - limit)} more than the {format_bytes(limit)} per worker of the plan's cluster; "
+        "train with a mode or --group that holds less (pd simulate PLAN --mode M prints each worker's peaks), or "
+        "plan over more workers (pd plan counts 1F1B's versions and minibatches in flight)")
 
 
 def expected_ms(plan: Plan, config: RunConfig) -> tuple[float | None, float]:
