@@ -1,6 +1,7 @@
 """Multi-machine training over a real network stack: two emulated machines (network namespaces
 joined by a switch, links shaped by tc; `bench/links.py`), one `pd train --nnodes 2` launcher
 in each. Skipped where namespaces cannot be made (not root)."""
+import os
 import subprocess
 import sys
 import time
@@ -19,6 +20,11 @@ PD = str(Path(sys.executable).parent / "pd")
 DIGITS = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": 16, "depth": 2, "classes": 10})
 
 pytestmark = pytest.mark.skipif(links.available() is not None, reason=f"no emulated links: {links.available()}")
+
+
+def ours():
+    """The namespaces this test process made and left (another process's run, a bench, may have its own)."""
+    return [name for name in links._namespaces() if name.startswith(f"{links.PREFIX}-{os.getpid()}-")]
 
 
 def run_on(machines, plan, extra=(), on_second=()):
@@ -44,7 +50,7 @@ def test_two_machines_train_over_a_shaped_link(tmp_path):
     for rank, (_, lines, _) in enumerate(results):  # each picked its namespace's interface, not loopback
         assert f"talks on eth0 ({links.SUBNET}.{rank + 1})" in "\n".join(lines), lines
     assert "trained steps 1-10" in results[1][2]  # the machine of the last stage reports the run
-    assert not links._namespaces()
+    assert not ours()
 
 
 def test_a_machine_on_the_wrong_interface_fails_within_seconds_with_one_line(tmp_path):
@@ -64,4 +70,4 @@ def test_the_latency_probe_times_a_small_all_reduce_between_busy_machines():
         idle = links.collective_latency(a, b, compute_ms=0.0, rounds=10)
         busy = links.collective_latency(a, b, compute_ms=5.0, rounds=10)
     assert 0 < idle < 0.05 and 0 < busy < 0.05  # seconds: well under the 5 ms of work between the rounds
-    assert not links._namespaces()
+    assert not ours()
