@@ -199,6 +199,7 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
 
     from .artifacts.cluster import parse_cluster
     from .planner import make_plan
+    from .planner.costmodel import OPTIMIZER_SLOTS
     from .artifacts.profile import Profile
 
     check_writable(output, (profile_path,) + ((cluster_spec,) if os.path.isfile(cluster_spec) else ()))
@@ -209,7 +210,7 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
                        + (["--data-parallel"] if data_parallel else [])
                        + ["--cost-model", cost_model] + (["--mode", mode] if mode else []) + ["--optimizer", optimizer])
     result = make_plan(profile, cluster, cost_model=cost_model, straight=straight, data_parallel=data_parallel, mode=mode,
-                       optimizer_slots=2 if optimizer == "adam" else 1, command=command,
+                       optimizer_slots=OPTIMIZER_SLOTS[optimizer], command=command,
                        say=lambda message: click.echo(f"pd: note: {message}", err=True))
     result.save(output)
     if output != "-":

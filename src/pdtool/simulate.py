@@ -50,7 +50,7 @@ from .schedule.lower import ACTIVATION, Op, collective_key, lower, message
 MIB = 2 ** 20
 
 __all__ = ["SimEvent", "SimResult", "SimTransfer", "allreduce_ms", "default_minibatches", "link_bandwidth",
-           "link_latency", "memory_needs",
+           "link_latency",
            "simulate", "steady_state_ms"]
 
 
@@ -163,20 +163,6 @@ def allreduce_ms(plan: Plan, stage: int) -> float:
     return (2 * (r - 1) / r * s.param_bytes / slowest + 2 * (r - 1) * latency) * MS_PER_S + s.reduce_ms
 
 
-def memory_needs(plan: Plan, result: SimResult, optimizer_slots: int = 1) -> dict[int, int]:
-    """Bytes each worker (plan rank) needs for the schedule `result` ran: its stage's parameters
-    once per weight version it holds at its peak, once more for the gradient and
-    `optimizer_slots` times for the optimizer's state, plus the activations it stashes at its
-    peak. The planner's model (`planner.costmodel.Memory`) with 1F1B's counts; this, with the
-    counts of the mode and group that run."""
-    needs = {}
-    for stage in plan.stages:
-        for rank in stage.ranks:
-            needs[rank] = (stage.param_bytes * (result.peak_versions[rank] + 1 + optimizer_slots)
-                           + result.peak_activation_bytes[rank])
-    return needs
-
-
 def steady_state_ms(completions: dict[int, float], minibatches: int, period: int = 1, tail: int = 0,
                     start_ms: float = 0.0) -> float:
     """Time per minibatch in steady state, from stage 0's backward completion times (ms by minibatch).
@@ -244,6 +230,13 @@ def _compute_ms(op: Op, s) -> float:
     return s.bwd_ms - (0.0 if op.weights else s.wgrad_ms)
 
 
+def _message_bytes(op: Op, s) -> int:
+    """The bytes of the message a send or recv op of stage `s` moves: activations leave a stage
+    at its output and enter at its input; gradients go the other way."""
+    leaving = op.kind == "send"
+    return s.out_bytes if (op.direction == ACTIVATION) == leaving else s.in_bytes
+
+
 class _Run:
     """The state of one simulation; `go` advances every worker through its lowered ops
     (`schedule.lower`) as far as its inputs allow."""
@@ -301,10 +294,9 @@ class _Run:
             key = message(op, worker)
             if key not in self.arrived:
                 return False
-            size = s.in_bytes if op.direction == ACTIVATION else s.out_bytes
-            self.free[worker] = max(self.free[worker] + self._copy_ms(size), self.arrived.pop(key))
+            self.free[worker] = max(self.free[worker] + self._copy_ms(_message_bytes(op, s)), self.arrived.pop(key))
         elif op.kind == "send":
-            self._send(worker, op, s.out_bytes if op.direction == ACTIVATION else s.in_bytes)
+            self._send(worker, op, _message_bytes(op, s))
         elif op.kind == "step":
             start, end = self.began[worker], self.free[worker] + s.update_ms
             self._record(worker, op, start, end)

@@ -282,10 +282,11 @@ def test_a_mode_that_holds_more_than_the_plans_memory_is_refused_before_any_work
     from pdtool.artifacts.plan import Plan
     from pdtool.errors import LaunchError
     from pdtool.runtime.job import prepare
-    from pdtool.simulate import memory_needs, simulate
+    from pdtool.planner.costmodel import Memory
+    from pdtool.simulate import simulate
 
     plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
-    fits = max(memory_needs(plan, simulate(plan, "pipedream")).values())  # 1F1B: what pd plan counts
+    fits = max(Memory(float("inf")).per_worker(plan, simulate(plan, "pipedream")).values())  # 1F1B: what pd plan counts
     plan = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, memory=fits))
     plan.save(path)
     prepare(Plan.load(path), config_for(path))  # the plan's own mode fits exactly

@@ -193,13 +193,12 @@ def test_host_copies_are_charged_only_as_the_profile_measured_them():
 # ----- memory ------------------------------------------------------------------------------------
 def test_memory_needs_count_the_versions_and_minibatches_the_schedule_holds():
     from pdtool.planner.costmodel import Memory as PlannerMemory
-    from pdtool.simulate import memory_needs
 
     plan = make([(1.0, 2.0, 1, 1000), (1.0, 2.0, 1, 1000)])  # activation_bytes 1000 and 2000
-    pipedream = memory_needs(plan, simulate(plan, minibatches=20))
     model = PlannerMemory(float("inf"))
+    pipedream = model.per_worker(plan, simulate(plan, minibatches=20))
     assert pipedream == {0: model.need(1000, 1000, 2), 1: model.need(1000, 2000, 1)} == {0: 6000, 1: 5000}
-    gpipe = memory_needs(plan, simulate(plan, "gpipe", minibatches=8, group=4), optimizer_slots=2)
+    gpipe = PlannerMemory(float("inf"), 2).per_worker(plan, simulate(plan, "gpipe", minibatches=8, group=4))
     assert gpipe == {0: 1000 * (1 + 1 + 2) + 4 * 1000, 1: 1000 * (1 + 1 + 2) + 4 * 2000}
 
 

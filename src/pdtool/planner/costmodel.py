@@ -46,10 +46,15 @@ earlier stages, in a pipeline of `W` workers, has `k = floor((W - 1 - before) / 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..artifacts.profile import Profile
+
+if TYPE_CHECKING:
+    from ..artifacts.plan import Plan
+    from ..simulate import SimResult
 
 
 SECONDS_PER_MS = 1e-3  # profiles are in ms, the planner works in seconds
@@ -98,6 +103,9 @@ class ChainCosts:
 
 
 
+OPTIMIZER_SLOTS = {"sgd": 1, "adam": 2}  # buffers per parameter: SGD's momentum; Adam's two moments
+
+
 @dataclass(frozen=True)
 class Memory:
     """The per-worker memory model: limit in bytes and optimizer buffers per parameter."""
@@ -110,9 +118,18 @@ class Memory:
         """Minibatches a replica holds at once under 1F1B-RR (the README's "Schedules" table)."""
         return (workers - 1 - before) // replicas + 1
 
-    def need(self, params: np.ndarray | float, stashed: np.ndarray | float, in_flight: int):
-        """Bytes one worker needs: versions, gradient and optimizer state, plus stashed activations."""
-        return params * (in_flight + 1 + self.optimizer_slots) + in_flight * stashed
+    def need(self, params: np.ndarray | float, stashed: np.ndarray | float, in_flight: int, versions: int | None = None):
+        """Bytes one worker needs: weight versions (under 1F1B as many as minibatches in flight),
+        gradient and optimizer state, plus stashed activations."""
+        return params * ((in_flight if versions is None else versions) + 1 + self.optimizer_slots) + in_flight * stashed
+
+    def per_worker(self, plan: "Plan", result: "SimResult") -> dict[int, int]:
+        """Bytes each worker (plan rank) needs for the schedule a simulation ran: its peak weight
+        versions and minibatches in flight, as that mode and group hold them (the planner's own
+        counts are 1F1B's)."""
+        return {rank: int(self.need(stage.param_bytes, stage.activation_bytes, result.peak_in_flight[rank],
+                                    result.peak_versions[rank]))
+                for stage in plan.stages for rank in stage.ranks}
 
 
 class CostModel:

@@ -72,13 +72,13 @@ def check_memory(plan: Plan, config: RunConfig) -> None:
     limit = plan.cluster.memory
     if not limit:
         return
-    from ..simulate import memory_needs, simulate
+    from ..planner.costmodel import OPTIMIZER_SLOTS, Memory
+    from ..simulate import simulate
     from ..units import format_bytes
 
     mode = config.mode or plan.mode
     result = simulate(plan, mode=mode, group=config.group)
-    slots = 2 if config.optimizer.name == "adam" else 1
-    needs = memory_needs(plan, result, slots)
+    needs = Memory(limit, OPTIMIZER_SLOTS[config.optimizer.name]).per_worker(plan, result)
     rank = max(needs, key=needs.get)
     if needs[rank] <= limit:
         return
