@@ -1,6 +1,11 @@
-"""Small models for the tests, loaded through model specs such as `toymodels:dynamic`."""
+"""Small models for the tests, loaded through model specs such as `toymodels:dynamic`.
+
+Every factory carries `@pdtool.factory`, so that plan files may name it (`pdtool.consent`);
+`Dynamic`, `CALLABLE` and `run_command` are not factories and stay unmarked."""
 import torch
 from torch import nn
+
+import pdtool
 from torch.nn import functional as F
 
 
@@ -27,28 +32,34 @@ def _batch(n):
     return torch.randn(n, 8), torch.randint(0, 4, (n,))
 
 
+@pdtool.factory
 def dynamic():
     return Dynamic(), _batch, F.cross_entropy
 
 
+@pdtool.factory
 def fixed_sample():
     """A factory that returns one fixed minibatch of 3 instead of a batch maker."""
     return nn.Linear(8, 4), (torch.randn(3, 8), torch.randint(0, 4, (3,))), F.cross_entropy
 
 
+@pdtool.factory
 def wrong_shape():
     """A model whose sample input has the wrong width: the model rejects it."""
     return nn.Linear(8, 4), (lambda n: (torch.randn(n, 5), torch.randint(0, 4, (n,)))), F.cross_entropy
 
 
+@pdtool.factory
 def raises(reason="no such size"):
     raise ValueError(reason)
 
 
+@pdtool.factory
 def not_a_model():
     return 42
 
 
+@pdtool.factory
 def vector_loss():
     return nn.Linear(8, 4), _batch, lambda out, target: out  # not a scalar
 
@@ -56,6 +67,7 @@ def vector_loss():
 NOT_CALLABLE = 3
 
 
+@pdtool.factory
 def inplace():
     """torchvision style: ReLU(inplace=True) and an in-place residual addition."""
 
@@ -110,11 +122,13 @@ def _failing_chain(after, how):
     return model, (lambda n: (torch.randn(n, 8), torch.randint(0, 8, (n,)))), F.cross_entropy
 
 
+@pdtool.factory
 def exploding(after=6):
     """A 3-layer chain whose last layer raises after `after` forwards (in the worker that runs it)."""
     return _failing_chain(after, "raise")
 
 
+@pdtool.factory
 def dying(after=6):
     """A 3-layer chain whose last layer's worker is killed by a signal after `after` forwards."""
     return _failing_chain(after, "kill")
@@ -129,6 +143,7 @@ class _Gate(nn.Module):
         return x
 
 
+@pdtool.factory
 def gated_sequential():
     """An nn.Sequential torch.fx cannot trace: pdtool profiles its leaf modules and splits it by children."""
     model = nn.Sequential(nn.Linear(8, 16), _Gate(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -151,6 +166,7 @@ class _TiedLM(nn.Module):
         return self.head(self.mid2(self.act(self.mid(self.emb(idx)))))
 
 
+@pdtool.factory
 def tied_lm(vocab=11):
     """Tokens in, per-token logits out; the loss is next-token-style cross entropy."""
     def batch(n):
@@ -174,10 +190,12 @@ class _ShapeBranch(nn.Module):
         return self.rare(h) if x.shape[0] > 1000 else self.common(h)
 
 
+@pdtool.factory
 def shape_branch():
     return _ShapeBranch(), _batch, F.cross_entropy
 
 
+@pdtool.factory
 def tied_dynamic(vocab=11):
     """A tied language model with data-dependent control flow: neither tracer captures it."""
     class Gated(_TiedLM):

@@ -19,6 +19,7 @@ import inspect
 
 import torch
 
+import pdtool
 from pdtool.modelspec import ModelBundle
 from pdtool.zoo.hf import gpt2
 
@@ -46,6 +47,7 @@ class Windows(torch.utils.data.Dataset):
         return window[:-1], window[1:]
 
 
+@pdtool.factory
 def text(train: bool = True) -> Windows:
     """The first 90% of the corpus for training, the rest held out."""
     tokens = _corpus()
@@ -53,6 +55,7 @@ def text(train: bool = True) -> Windows:
     return Windows(tokens[:cut] if train else tokens[cut:])
 
 
+@pdtool.factory
 def model(n_embd: int = 128, n_head: int = 4, n_layer: int = 4) -> ModelBundle:
     """GPT-2 over bytes, its output head tied to the token embedding as in GPT-2; the sample
     minibatches are windows of the training text, so profiling sees real shapes."""

@@ -2,8 +2,15 @@
 
 Three phases, each a `pd` sub-command: `profile` (layer graph with costs), `plan`
 (PipeDream's partitioning optimizer) and `train` (torch.distributed workers).
+
+`@pdtool.factory` marks a model (or dataset) factory that plan and profile files may name
+(`pdtool.consent`).
 """
 from importlib import metadata as _metadata
+
+from .consent import factory
+
+__all__ = ["factory"]
 
 try:
     __version__ = _metadata.version("pdtool")

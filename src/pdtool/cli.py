@@ -295,6 +295,9 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
               help="Train until stage 0 has taken this many optimizer steps (pipedream/vsync: one per round of its "
                    "replicas' minibatches; 2bw/flush/gpipe/zb/zb2: one per group of microbatches).")
 @click.option("--epochs", type=click.IntRange(1, 10**6), help="Instead of --steps: passes over the data set.")
+@click.option("--model", "-m", "model_spec", metavar="PKG.MODULE:FACTORY",
+              help="Build the model with this factory instead of the one the plan names (called with the plan's "
+                   "kwargs; it must build the same model). Naming it here trusts it: see the README's Security.")
 @click.option("--data", default="synthetic", show_default=True, metavar="SOURCE",
               help="synthetic (the model factory's batches), digits (the UCI handwritten digits shipped with "
                    "pdtool), or PKG.MODULE:FACTORY returning a torch Dataset of (input, target) items.")
@@ -351,7 +354,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
               help="After training, report top-1 accuracy on the data set's held-out split (digits' test "
                    "split, or a factory's dataset for train=False).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
-def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, momentum, weight_decay, checkpoint_dir,
+def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimizer, lr, momentum, weight_decay, checkpoint_dir,
           checkpoint_every, resume, metrics_path, trace_path, timeout_s, threads, nnodes, node_rank, nproc_per_node,
           master_addr, master_port, rdzv_endpoint, rdzv_id, iface, device, transport, verbose, evaluate, quiet):
     """Train a plan on torch.distributed workers (gloo on CPU, NCCL on GPUs), one process per rank.
@@ -377,7 +380,8 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     config = RunConfig(plan_path=os.path.abspath(plan_path), steps=steps, mode=mode, group=group, seed=seed,
                        optimizer=OptimizerConfig(optimizer, lr, momentum, weight_decay), timeout_s=timeout_s,
                        threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                       progress=not quiet, return_weights=evaluate, device=device, transport=transport)
+                       progress=not quiet, return_weights=evaluate, device=device, transport=transport,
+                       model=model_spec)
     if evaluate:
         from .data import held_out
 
@@ -387,10 +391,10 @@ def train(plan_path, steps, epochs, data, mode, group, seed, optimizer, lr, mome
     from .modelspec import local_origin
     from .runtime.job import prepare
 
-    origin = local_origin(plan.profile.model["spec"]) if plan.profile.model else None
-    if origin:  # the plan names code of the current folder: say which file runs before it does
+    origin = local_origin(plan.profile.model["spec"]) if plan.profile.model and not model_spec else None
+    if origin:  # the plan names code of the experiment folder: say which file runs before it does
         click.echo(f"pd: importing the plan's model factory {plan.profile.model['spec']} from {origin} "
-                   "(current folder)", err=True)
+                   "(experiment folder)", err=True)
     talk = (lambda message: None) if quiet else (lambda message: click.echo(f"pd: {message}", err=True))  # noqa: E731
     warn = lambda message: click.echo(f"pd: warning: {message}", err=True)  # noqa: E731
     # before any worker starts: a mistake is one line within seconds

@@ -264,7 +264,7 @@ def resolve_data_factory(spec: str) -> Callable[..., Any]:
     """Import the dataset factory `pkg.module:factory` (the current folder is importable)."""
     if ":" not in spec:
         raise DataError(f"data {spec!r} is not synthetic, digits or pkg.module:factory; write e.g. --data digits")
-    return resolve_factory(spec, DataError, "data", "--data digits", strict=False)  # typed by the user, not read from a file
+    return resolve_factory(spec, DataError, "data", "--data digits", given=True, flag="--data")  # typed by the user
 
 
 def digits(train: bool = True, image: bool = False) -> torch.utils.data.TensorDataset:

@@ -9,24 +9,23 @@ either a `ModelBundle` or a tuple `(module, sample, loss_fn)` where
   passed as positional arguments);
 - `loss_fn(output, target)` returns a scalar tensor.
 
-Every failure (unimportable module, missing factory, factory that raises, bad return value)
-becomes one `ModelError` line that says what to fix.
+A spec is imported and called only with the user's consent (`pdtool.consent`): named on the
+command line, a file of the experiment folder, or a function its author marked with
+`@pdtool.factory`. Every failure (no consent, unimportable module, missing factory, factory
+that raises, bad return value) becomes one `ModelError` line that says what to fix.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib
-import importlib.util
-import inspect
 import json
-import os
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from .consent import consent, import_path
 from .errors import ModelError, PdtoolError
 from .artifacts.profile import ModelRef, TensorSpec
 
@@ -79,69 +78,27 @@ def parse_model_args(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
     return kwargs
 
 
-# Packages whose functions are tools, not model factories: a spec naming one of them (or the
-# standard library) is refused before anything is imported, so a plan file cannot make `pd`
-# call, e.g., `os:system`, `subprocess:run` or `torch.hub:load` (which runs a hubconf.py).
-NOT_FACTORIES = frozenset({
-    "torch", "torchvision", "torchaudio", "transformers", "huggingface_hub", "numpy", "pandas", "scipy",
-    "networkx", "click", "graphviz", "jsonschema", "pip", "setuptools", "pkg_resources", "_distutils_hack",
-    "pytest", "_pytest", "IPython", "jupyter_core", "matplotlib",
-})
-
-
-def _refused_package(module_name: str) -> str | None:
-    """Why a factory may not come from `module_name` (a module or a function's `__module__`), or None."""
-    top = module_name.split(".")[0]
-    if top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "builtins":
-        return f"{top} is Python's standard library"
-    if top in NOT_FACTORIES:
-        return f"{top} is a tool package, not a model factory's"
-    return None
-
-
-def _import_path() -> None:
-    """Make the current folder importable, after every installed package (as `python -m` does,
-    but never shadowing an installed package with a same-named file of the current folder)."""
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-
-
 def local_origin(spec: str) -> str | None:
-    """The file of the current folder that importing `spec`'s module would run first (its
-    top-level module or package), or None when it comes from an installed package (or nowhere).
-    Looked up without importing anything."""
-    top = spec.partition(":")[0].split(".")[0]
-    if not top.isidentifier() or top in sys.modules:
-        return None
-    _import_path()
+    """The file of the experiment folder (the current folder) that `spec` would import first, or
+    None when it comes from an installed package (or nowhere). Looked up without importing."""
     try:
-        found = importlib.util.find_spec(top)
-    except (ImportError, ValueError):
+        return consent(spec, given=False).origin
+    except PdtoolError:
         return None
-    origin = getattr(found, "origin", None) or ""
-    folder = os.path.realpath(os.getcwd())
-    if origin and os.path.realpath(origin).startswith(folder + os.sep):
-        return os.path.relpath(origin)
-    return None
 
 
 def resolve_factory(spec: str, error: type[PdtoolError] = ModelError, what: str = "model",
-                    example: str = "pdtool.zoo:resnet50", strict: bool = True) -> Callable[..., Any]:
-    """Import `pkg.module:factory` (the current folder is importable after installed packages).
-
-    With `strict` (model specs, which plan and profile files carry), the factory must be a
-    Python function outside the standard library and the tool packages (`NOT_FACTORIES`): the
-    package is checked before it is imported, the function after. Every failure is one
-    `error` line about the `what` (model, data, ...) named by `spec`.
-    """
+                    example: str = "pdtool.zoo:resnet50", given: bool = False, flag: str = "-m") -> Callable[..., Any]:
+    """Import `pkg.module:factory` (the current folder is importable after installed packages),
+    once the user consented to it (`pdtool.consent`: `given` on the command line, a file of the
+    experiment folder, or marked by its author); nothing is imported otherwise. Every failure is
+    one `error` line about the `what` (model, data, ...) named by `spec`; `flag` is the option
+    that names one on the command line."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise error(f"{what} {spec!r} is not of the form pkg.module:factory; write e.g. {example}")
-    refused = _refused_package(module_name) if strict else None
-    if refused:
-        raise error(f"{what} {spec!r} does not name a {what} factory ({refused}), so pd will not import or call it; "
-                    f"name a function of your own that builds the {what}, e.g. {example}")
-    _import_path()
+    allowed = consent(spec, given=given, what=what, error=error, flag=flag)
+    import_path()
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -159,18 +116,15 @@ def resolve_factory(spec: str, error: type[PdtoolError] = ModelError, what: str 
             raise error(f"{what} {spec!r}: {module_name} has no attribute {attr!r}; check the factory name")
     if not callable(factory):
         raise error(f"{what} {spec!r}: {attr} is not callable; name a function that builds the {what}")
-    if strict:
-        where = _refused_package(getattr(factory, "__module__", None) or "builtins")
-        if not inspect.isfunction(factory) or where:
-            kind = where or f"a {type(factory).__name__}, not a Python function"
-            raise error(f"{what} {spec!r} does not name a {what} factory ({kind}), so pd will not call it; name a "
-                        f"function of your own that builds the {what}, e.g. {example}")
+    allowed.checked_after_import(spec, factory, error, what)
     return factory
 
 
-def load_model(ref: ModelRef) -> ModelBundle:
-    """Build the model that `ref` describes and check the factory's result."""
-    factory = resolve_factory(ref.spec)
+def load_model(ref: ModelRef, given: bool = False) -> ModelBundle:
+    """Build the model that `ref` describes and check the factory's result. `given`: the user
+    named `ref.spec` on the command line (see `pdtool.consent`; a spec read from a file needs
+    the experiment folder or its author's mark)."""
+    factory = resolve_factory(ref.spec, given=given)
     try:
         result = factory(**ref.kwargs)
     except Exception as exc:
@@ -197,6 +151,13 @@ def load_model(ref: ModelRef) -> ModelBundle:
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         raise ModelError(f"model {ref.spec!r}: the sample inputs must be tensors with a batch dimension")
     return ModelBundle(module, lambda _size: sample, loss_fn, fixed_batch_size=first.shape[0])
+
+
+def file_model(model: dict[str, Any], override: str | None = None) -> ModelBundle:
+    """Build the model a plan or checkpoint file names (`model`: its {"spec", "kwargs"}), or the
+    spec `override` the user named on the command line instead (`pd train -m`: trusted, called
+    with the file's kwargs). The file's own spec needs consent (`pdtool.consent`)."""
+    return load_model(ModelRef(override or model["spec"], model.get("kwargs", {})), given=override is not None)
 
 
 def fingerprint(module: nn.Module) -> str:

@@ -199,8 +199,33 @@ def test_a_plan_naming_a_non_factory_runs_nothing(tmp_path, monkeypatch):
     data["profile"]["model"] = {"spec": "os:system", "kwargs": {"command": "touch PWNED"}}
     path.write_text(json.dumps(data))
     monkeypatch.chdir(tmp_path)
-    _refused_before_any_worker([str(path)], "model 'os:system' does not name a model factory")
+    _refused_before_any_worker([str(path)], "model 'os:system' is not a pdtool model factory")
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_a_plan_naming_an_unmarked_factory_trains_once_the_user_names_it_with_m(tmp_path, monkeypatch):
+    """Consent by the command line: `pd train -m SPEC` builds the model with the user's spec
+    (and the plan's kwargs); a file of the experiment folder needs no mark and is named first."""
+    import json
+
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
+    data = json.loads(path.read_text())
+    experiment = tmp_path / "experiment"
+    experiment.mkdir()
+    (experiment / "mine.py").write_text("from pdtool.zoo import mlp\n\ndef build(**kwargs):\n    return mlp(**kwargs)\n")
+    data["profile"]["model"]["spec"] = "mine:build"
+    path.write_text(json.dumps(data))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.syspath_prepend(str(experiment))  # importable, as an installed package is, but not marked
+    _refused_before_any_worker([str(path)], "model 'mine:build' is not a pdtool model factory")
+    result = CliRunner().invoke(cli, ["train", str(path), "-m", "pdtool.zoo:mlp", "--steps", "2", "--quiet"])
+    assert result.exit_code == 0, result.output
+    monkeypatch.chdir(experiment)
+    result = CliRunner().invoke(cli, ["train", str(path), "--steps", "2", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "importing the plan's model factory mine:build from mine.py (experiment folder)" in result.stderr
 
 
 def test_pd_train_says_which_file_of_the_current_folder_the_plan_imports(tmp_path, monkeypatch):

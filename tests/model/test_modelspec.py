@@ -17,7 +17,7 @@ from pdtool.artifacts.profile import ModelRef
 ])
 def test_bad_model_specs_give_one_clear_line(spec, kwargs, message):
     with pytest.raises(ModelError, match=message) as info:
-        load_model(ModelRef(spec, kwargs))
+        load_model(ModelRef(spec, kwargs), given=True)  # typed by the user: no consent needed
     assert "\n" not in str(info.value)
 
 
@@ -71,12 +71,14 @@ def test_full_size_zoo_models_have_their_published_parameter_counts():
 
 
 @pytest.mark.parametrize("spec", ["os:system", "subprocess:run", "builtins:eval", "runpy:run_path", "torch.hub:load",
-                                  "torch:load", "toymodels:run_command", "toymodels:Dynamic", "toymodels:CALLABLE"])
-def test_a_model_spec_resolves_only_to_a_factory_function_of_a_model_package(spec, tmp_path, monkeypatch):
-    """Plan and profile files carry the model spec: it must not reach the standard library, a tool
-    package's function (also re-exported from a model module), a class or any other callable."""
+                                  "torch:load", "sympy:sympify", "jinja2:Template", "pdtool.jsonio:write_json",
+                                  "pdtool.cli:main", "toymodels:run_command", "toymodels:Dynamic", "toymodels:CALLABLE"])
+def test_a_model_spec_from_a_file_resolves_only_to_a_marked_factory(spec, tmp_path, monkeypatch):
+    """Plan and profile files carry the model spec: without the user's consent it must not reach
+    any installed function (the standard library, torch's own dependencies, pdtool's tools, a
+    tool's function re-exported from a model module), a class or any other callable."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ModelError, match="does not name a model factory") as info:
+    with pytest.raises(ModelError, match="is not a pdtool model factory") as info:
         load_model(ModelRef(spec, {"command": "touch PWNED", "path": "PWNED"}))
     assert "\n" not in str(info.value) and not (tmp_path / "PWNED").exists()
 

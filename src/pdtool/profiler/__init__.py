@@ -42,7 +42,7 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
     keep_freed_memory()  # as the workers do, so that the profile measures what they run
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup}); fix the flags")
-    bundle = load_model(ref)
+    bundle = load_model(ref, given=True)  # the caller names the model (pd profile -m): consented
     size, inputs, target = bundle.batch(batch_size, ref.spec)
     dev = _device(device)
     module = bundle.module.to(dev).train()

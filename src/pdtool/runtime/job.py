@@ -40,7 +40,7 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
             nproc_per_node: int | None = None, warn: Callable[[str], None] = lambda message: None) -> Job:
     """Check everything the files and options show, before any worker starts (one line each),
     and fill in the steps (from `epochs`) and the threads per CPU worker."""
-    checked = preflight(plan, config.plan_path, config.mode, config.data, config.seed)
+    checked = preflight(plan, config.plan_path, config.mode, config.data, config.seed, config.model)
     check_memory(plan, config)
     if epochs:
         per_step = minibatches_per_step(make_schedule(plan, dataclasses.replace(config, steps=1)))

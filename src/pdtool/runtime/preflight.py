@@ -15,9 +15,8 @@ import torch
 
 from ..data import load_source
 from ..errors import LaunchError, PdtoolError
-from ..modelspec import load_model
+from ..modelspec import file_model
 from ..artifacts.plan import Plan
-from ..artifacts.profile import ModelRef
 from . import tied
 from .stages import plan_stages, sample_inputs
 
@@ -32,8 +31,9 @@ class Checked:
     parameters: frozenset[str] = frozenset()
 
 
-def preflight(plan: Plan, plan_path: str, mode: str | None, data: str, seed: int) -> Checked:
-    """Check that the workers can run `plan` in `mode` on `data`; raise one line when not."""
+def preflight(plan: Plan, plan_path: str, mode: str | None, data: str, seed: int, model: str | None = None) -> Checked:
+    """Check that the workers can run `plan` in `mode` on `data`; raise one line when not.
+    `model`: the spec the user named instead of the plan's (`pd train -m`)."""
     problem = plan.untrainable(mode)
     if problem is not None:
         raise LaunchError(f"{plan_path}: {problem}")
@@ -41,7 +41,7 @@ def preflight(plan: Plan, plan_path: str, mode: str | None, data: str, seed: int
         raise LaunchError(f"{plan_path} was planned from an imported profile with no model; "
                           "profile the model with pd profile --model and plan that profile")
     torch.manual_seed(seed)
-    bundle = load_model(ModelRef(plan.profile.model["spec"], plan.profile.model.get("kwargs", {})))
+    bundle = file_model(plan.profile.model, model)
     stages = plan_stages(plan, bundle.module, sample_inputs(bundle, plan))
     tied.check_mode(stages, mode or plan.mode)
     source = load_source(data, bundle, plan.profile.batch_size, seed)

@@ -238,8 +238,7 @@ def held_out_accuracy(result: TrainResult, config: RunConfig) -> tuple[float, in
     import torch
 
     from ..data import evaluate, held_out
-    from ..modelspec import load_model
-    from ..artifacts.profile import ModelRef
+    from ..modelspec import file_model
 
     dataset = held_out(config.data)
     model_ref = result.plan.profile.model
@@ -250,7 +249,7 @@ def held_out_accuracy(result: TrainResult, config: RunConfig) -> tuple[float, in
         if report.replica == 0:
             weights.update(report.weights)
     torch.manual_seed(config.seed)
-    module = load_model(ModelRef(model_ref["spec"], model_ref.get("kwargs", {}))).module
+    module = file_model(model_ref, config.model).module
     missing = {name for name, _ in module.named_parameters()} - set(weights)
     if missing:
         return None  # other stages ran on other machines

@@ -21,9 +21,8 @@ import torch.distributed as dist
 
 from ..allocator import keep_freed_memory
 from ..errors import LaunchError
-from ..modelspec import load_model
+from ..modelspec import file_model
 from ..artifacts.plan import Plan
-from ..artifacts.profile import ModelRef
 from ..schedule import ACTIVATION, ASYNC_MODES, GRADIENT, Schedule, default_group, generate, lower, stash_depth
 from ..schedule.lower import collective_key
 from .comm import Link, Prefetch, BoundaryTensor, layout, link_groups
@@ -53,6 +52,7 @@ class RunConfig:
     progress: bool = True            # the last stage's first replica reports progress on stderr
     device: str = "auto"             # auto, cpu or cuda (runtime.device)
     transport: str = "auto"          # auto, shared-memory or process-group (runtime.shm.use_shared_memory)
+    model: str | None = None         # pd train -m: the user's own spec instead of the plan's (pdtool.consent)
 
 
 @dataclass
@@ -110,7 +110,7 @@ def worker_main(config: RunConfig) -> WorkerReport:
                           "profile the model with pd profile --model and plan that profile")
     stage_index, replica = place(plan, rank)
     torch.manual_seed(config.seed)  # every worker builds the same initial weights
-    bundle = load_model(ModelRef(plan.profile.model["spec"], plan.profile.model.get("kwargs", {})))
+    bundle = file_model(plan.profile.model, config.model)
     from .stages import plan_stages, sample_inputs
 
     stages = plan_stages(plan, bundle.module, sample_inputs(bundle, plan))

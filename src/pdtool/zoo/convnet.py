@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..consent import factory
 from ..modelspec import ModelBundle
 from ._data import classifier_bundle
 
 
+@factory
 def convnet(channels: int = 16, depth: int = 6, image_size: int = 32, classes: int = 10) -> ModelBundle:
     """`depth` Conv2d(channels, channels, 3) + ReLU layers on `image_size`^2 RGB images, no pooling
     until the classifier: every cut carries batch x channels x image_size^2 activations."""

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..consent import factory
 from ..modelspec import ModelBundle
 
 
@@ -61,6 +62,7 @@ def _next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
+@factory
 def gpt(vocab: int = 50257, seq_len: int = 1024, d_model: int = 768, heads: int = 12,
         layers: int = 12) -> ModelBundle:
     """GPT on token sequences of exactly `seq_len`; the defaults are GPT-2 small (124M)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from ..consent import factory
 from ..modelspec import ModelBundle
 
 
@@ -44,6 +45,7 @@ def _tokens(vocab: int, seq_len: int):
     return make_batch
 
 
+@factory
 def gpt2(vocab: int = 2048, seq_len: int = 64, n_embd: int = 256, n_head: int = 4, n_layer: int = 4,
          dropout: float = 0.0, tie: bool = True) -> ModelBundle:
     """GPT-2 (`GPT2LMHeadModel`) on token sequences of `seq_len`; `tie` ties the output head to
@@ -55,6 +57,7 @@ def gpt2(vocab: int = 2048, seq_len: int = 64, n_embd: int = 256, n_head: int = 
     return ModelBundle(hf.GPT2LMHeadModel(config), _tokens(vocab, seq_len), _next_token_loss)
 
 
+@factory
 def bert(vocab: int = 2048, seq_len: int = 64, hidden: int = 256, heads: int = 4, layers: int = 4,
          intermediate: int | None = None, classes: int = 2, dropout: float = 0.0) -> ModelBundle:
     """BERT (`BertForSequenceClassification`) on token sequences of `seq_len`, `classes` labels."""
@@ -69,6 +72,7 @@ def bert(vocab: int = 2048, seq_len: int = 64, hidden: int = 256, heads: int = 4
     return ModelBundle(hf.BertForSequenceClassification(config), make_batch, _classification_loss)
 
 
+@factory
 def llama(vocab: int = 2048, seq_len: int = 64, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
           layers: int = 4, intermediate: int | None = None) -> ModelBundle:
     """Llama (`LlamaForCausalLM`: RoPE, RMSNorm, SwiGLU, grouped-query attention with

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..consent import factory
 from ..modelspec import ModelBundle
 from ._data import classifier_bundle
 
 
+@factory
 def mlp(in_features: int = 784, hidden: int = 256, depth: int = 3, classes: int = 10) -> ModelBundle:
     """An MLP on flat inputs of `in_features` values, e.g. 28x28 images."""
     layers: list[nn.Module] = []

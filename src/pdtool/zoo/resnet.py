@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..consent import factory
 from ..modelspec import ModelBundle
 from ._data import classifier_bundle
 
@@ -60,6 +61,7 @@ class ResNet(nn.Module):
         return self.fc(self.avgpool(x).flatten(1))
 
 
+@factory
 def resnet50(width: int = 64, image_size: int = 224, classes: int = 1000,
              blocks: tuple[int, ...] | list[int] = (3, 4, 6, 3)) -> ModelBundle:
     """ResNet-50 on RGB images; `width` 64 and blocks (3, 4, 6, 3) are the published size."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..consent import factory
 from ..modelspec import ModelBundle
 from ._data import classifier_bundle
 
@@ -36,6 +37,7 @@ class VGG(nn.Module):
         return self.classifier(self.flatten(self.avgpool(self.features(x))))
 
 
+@factory
 def vgg16(width: int = 64, image_size: int = 224, hidden: int = 4096, classes: int = 1000,
           dropout: float = 0.5) -> ModelBundle:
     """VGG-16 on `image_size`x`image_size` RGB images; `width` 64 is the published size."""
