@@ -403,7 +403,7 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     shared = (config.threads, job.local, job.cores, job.on_cpu)  # what gap_reasons needs to explain a measurement
     nodes = Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id, iface)
     result = session.run(config, nodes,
-                         verbose=verbose, resume=resume, warn=warn, needs=set(job.checked.parameters),
+                         verbose=verbose, resume=resume, warn=warn, needs=job.checked.parameters,
                          say=lambda message: click.echo(f"pd: {message}", err=True), talk=talk)
     if metrics_path:
         session.write_metrics(metrics_path, result)

@@ -25,7 +25,7 @@ def test_flush_resumed_under_another_plan_ends_where_an_uninterrupted_run_ends(t
     whole = run(config_for(two, steps=4, group=2))
     root = tmp_path / "ckpt"
     first = run(config_for(two, steps=2, group=2, checkpoint_dir=str(root), checkpoint_every=1))
-    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002"]
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000001", "step-00000002"]
     assert read_manifest(latest_complete(root))["step"] == 2
     resumed = run(config_for(three, steps=4, group=2, checkpoint_dir=str(root)), resume=True)
     assert resumed.first_step == 2 and sorted(resumed.losses) == [4, 5, 6, 7]
@@ -77,20 +77,23 @@ def test_asynchronous_modes_resume_on_their_schedule(tmp_path, mode):
 
 
 def test_resume_never_writes_into_a_folder_it_did_not_create(tmp_path):
-    """The newest checkpoint lost its manifest: resume from the one before, set the broken one
-    aside (with its shards, minus the leftovers of interrupted writes) and write new folders."""
+    """The newest checkpoint lost its manifest and a shard: resume from the one before, set the
+    broken one aside (with its shards, minus the leftovers of interrupted writes) and write new
+    folders."""
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="flush")
     root = tmp_path / "ckpt"
     run(config_for(path, steps=2, group=2, checkpoint_dir=str(root), checkpoint_every=1))
     broken = root / "step-00000002"
     (broken / "manifest.json").unlink()
+    next(broken.glob("stage-1.*.pt")).unlink()  # killed before stage 1's shard: it cannot be completed
     (broken / ".stage-0.pt.x1y2.tmp").write_bytes(b"half a shard")
-    old_shard = (broken / "stage-0.pt").read_bytes()
+    [shard] = broken.glob("stage-0.*.pt")  # stage-0.RUN.pt
+    old_shard = shard.read_bytes()
     warnings = []
     resumed = run(config_for(path, steps=3, group=2, checkpoint_dir=str(root)), resume=True, warn=warnings.append)
     assert resumed.first_step == 1
     aside = root / "step-00000002.set-aside"
-    assert (aside / "stage-0.pt").read_bytes() == old_shard and not (aside / "manifest.json").exists()
+    assert (aside / shard.name).read_bytes() == old_shard and not (aside / "manifest.json").exists()
     assert not list(aside.glob("*.tmp")) and not list(aside.glob(".*.tmp"))
     assert any("skipping checkpoint" in w for w in warnings) and any("set-aside" in w for w in warnings)
     assert read_manifest(root / "step-00000003")["step"] == 3 and not (root / "step-00000002").exists()

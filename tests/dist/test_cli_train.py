@@ -106,7 +106,7 @@ def test_pd_train_on_digits_with_epochs_trace_checkpoints_and_resume(tmp_path):
     assert again.exit_code == 0, again.output
     assert "trained steps 6-10 (5 minibatches)" in again.stdout
     assert f"pd: resuming from {ckpt / 'step-00000005'} (step 5)" in again.stderr
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000005", "step-00000010"]
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000005", "step-00000010"]
 
 
 def test_pd_train_evaluate_needs_a_held_out_split(tmp_path):
@@ -136,7 +136,7 @@ def test_pd_train_optimizer_mode_and_checkpoint_flags(tmp_path):
 
     flush_ms = simulate(Plan.load(path), mode="flush", group=2).time_per_minibatch_ms
     assert f"predicted {flush_ms:.3f} ms" in result.stdout and "(simulated, flush)" in result.stdout  # the schedule that ran
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000001", "step-00000002", "step-00000003"]
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000001", "step-00000002", "step-00000003"]
     from pdtool.artifacts.checkpoint import load_checkpoint
 
     _, _, extra = load_checkpoint(ckpt / "step-00000003")
@@ -242,7 +242,7 @@ def test_pd_train_says_which_file_of_the_current_folder_the_plan_imports(tmp_pat
     result = CliRunner().invoke(cli, ["train", str(path)])
     assert result.exit_code == 1
     assert result.stderr.splitlines()[0] == ("pd: importing the plan's model factory mylocalmodels:missing_factory "
-                                             "from mylocalmodels.py (current folder)")
+                                             "from mylocalmodels.py (experiment folder)")
 
 
 def test_a_diverging_run_stops_in_one_line_and_keeps_a_finite_checkpoint(tmp_path):
@@ -263,14 +263,17 @@ def test_a_diverging_run_stops_in_one_line_and_keeps_a_finite_checkpoint(tmp_pat
     assert all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
 
 
-def test_pd_train_resume_without_a_good_checkpoint_is_one_line(tmp_path):
+def test_pd_train_resume_with_only_an_interrupted_runs_leftovers_starts_over_and_says_so(tmp_path):
+    """One way out, always: --resume sets aside what cannot be completed and starts from step 0."""
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
-    (tmp_path / "ckpt" / "step-00000002").mkdir(parents=True)  # incomplete: no manifest
-    result = CliRunner().invoke(cli, ["train", str(path), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"])
-    assert result.exit_code == 1
-    lines = result.stderr.strip().splitlines()
-    assert lines[0].startswith("pd: warning: skipping checkpoint") and "incomplete" in lines[0]
-    assert lines[-1].startswith("pd: error: --resume: no good checkpoint in") and len(lines) == 2
+    (tmp_path / "ckpt" / "step-00000002").mkdir(parents=True)  # incomplete: no manifest, no shards
+    result = CliRunner().invoke(cli, ["train", str(path), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume",
+                                      "--steps", "3", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "set " in result.stderr and "aside as step-00000002.set-aside" in result.stderr
+    assert "no complete checkpoint in" in result.stderr and "starts from step 0" in result.stderr
+    assert "trained steps 1-3" in result.stdout
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-00000002.set-aside", "step-00000003"]
 
 
 def test_forcing_shared_memory_where_it_cannot_work_is_said_before_any_worker_starts(tmp_path, monkeypatch):

@@ -219,3 +219,55 @@ def test_one_rule_for_every_bad_checkpoint_skip_it_with_the_reason(tmp_path):
     assert "step-00000005" in warnings[1] and "symbolic link" in warnings[1]
     assert "step-00000004" in warnings[2] and "cannot load the shard" in warnings[2]
     assert "step-00000003" in warnings[3] and "has no b.w" in warnings[3]
+
+
+# ----- one run per checkpoint: run ids in shards and manifests ---------------------------------------------
+
+def test_a_manifest_completes_only_the_shards_of_its_own_run(tmp_path):
+    from pdtool.artifacts.checkpoint import complete_checkpoint, complete_run, has_shards, shard_name
+
+    folder = checkpoint_folder(tmp_path, 4)
+    save_shard(folder, 0, {"a": torch.zeros(2)}, run="aaaa")
+    save_shard(folder, 1, {"b": torch.zeros(2)}, run="bbbb")  # another run's shard of stage 1
+    assert sorted(p.name for p in folder.iterdir()) == [shard_name(0, "aaaa"), shard_name(1, "bbbb")]
+    assert not has_shards(folder, 2, "aaaa") and not has_shards(folder, 2, "bbbb")
+    with pytest.raises(ArtifactError, match="no shard stage-1.aaaa.pt"):
+        complete_checkpoint(folder, 2, PLAN, {}, "aaaa")
+    assert complete_run(tmp_path, "aaaa", 2, PLAN, {}) == [] and not (folder / "manifest.json").exists()
+    save_shard(folder, 1, {"b": torch.ones(2)}, run="aaaa")
+    assert complete_run(tmp_path, "aaaa", 2, PLAN, {"mode": "flush"}) == [folder]
+    manifest, tensors, _ = load_checkpoint(folder)
+    assert manifest["run"] == "aaaa" and manifest["meta"] == {"mode": "flush"} and torch.equal(tensors["b"], torch.ones(2))
+
+
+def test_a_shard_of_another_run_under_a_manifest_is_refused_on_load(tmp_path):
+    folder = checkpoint_folder(tmp_path, 2)
+    digest = save_shard(folder, 0, {"a": torch.zeros(2)}, run="aaaa")
+    write_manifest(folder, 2, PLAN, {0: digest}, {}, run="aaaa")
+    other = checkpoint_folder(tmp_path / "other", 2)
+    save_shard(other, 0, {"a": torch.ones(2)}, run="bbbb")
+    data = (other / "stage-0.bbbb.pt").read_bytes()
+    (folder / "stage-0.aaaa.pt").write_bytes(data)  # swapped in, hash fixed up in the manifest
+    manifest = json.loads((folder / "manifest.json").read_text())
+    import hashlib
+
+    manifest["shards"]["0"]["sha256"] = hashlib.sha256(data).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="written by run bbbb, but the manifest completes run aaaa"):
+        load_checkpoint(folder)
+
+
+@pytest.mark.parametrize("run", ["a/b", "../x", "a" * 65, "\u00e4", "a b"])
+def test_a_bad_run_id_is_refused(tmp_path, run):
+    with pytest.raises(ArtifactError, match="run id"):
+        save_shard(tmp_path / "step-00000001", 0, {"a": torch.zeros(1)}, run=run)
+    with pytest.raises(ArtifactError, match="run id"):
+        write_manifest(tmp_path, 1, PLAN, {0: "x"}, {}, run=run)
+
+
+def test_latest_complete_skips_another_models_checkpoint_by_shape(tmp_path):
+    _save(tmp_path, 3, [{"fc.weight": torch.zeros(3, 2)}])
+    lines = []
+    assert latest_complete(tmp_path, lines.append, {"fc.weight": (3, 2)}) == tmp_path / "step-00000003"
+    assert latest_complete(tmp_path, lines.append, {"fc.weight": (4, 2)}) is None
+    assert "fc.weight has shape (3, 2), the model (4, 2) (another model's checkpoint)" in lines[0]

@@ -2,9 +2,14 @@
 
 Layout under a checkpoint root:
 
-    root/step-00000120/stage-0.pt     torch.save of {"tensors": {name: tensor}, "extra": {...}}
-    root/step-00000120/stage-1.pt
-    root/step-00000120/manifest.json  schema, step, plan sha256, per-shard file and sha256, meta
+    root/step-00000120/stage-0.RUN.pt  torch.save of {"tensors": {name: tensor}, "extra": {...}, "run": RUN}
+    root/step-00000120/stage-1.RUN.pt
+    root/step-00000120/manifest.json   schema, step, run, plan sha256, per-shard file and sha256, meta
+    root/.pdtool.lock                  the run that holds the folder (`runtime.folder_lock`)
+
+RUN is the id of the run that wrote the shard (12 hex digits; checkpoints of older pdtool
+versions have `stage-N.pt` and no run). A manifest completes only shards of its own run, and a
+shard whose run is not its manifest's is refused on load.
 
 Tensors are keyed by their qualified names in the full model (`layer3.0.conv1.weight`), so a
 checkpoint made under one plan can be resumed under another: merge the shards by name and
@@ -24,7 +29,7 @@ import io
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -47,17 +52,24 @@ def _check_step(step: int) -> int:
     return step
 
 
-def shard_name(stage: int) -> str:
-    """The file name of stage `stage`'s shard."""
-    return f"stage-{stage}.pt"
+def shard_name(stage: int, run: str | None = None) -> str:
+    """The file name of stage `stage`'s shard written by run `run` (`stage-N.RUN.pt`)."""
+    return f"stage-{stage}.{run}.pt" if run else f"stage-{stage}.pt"
+
+
+def _check_run(run: str | None) -> str | None:
+    if run is not None and not (isinstance(run, str) and run.isalnum() and run.isascii() and 0 < len(run) <= 64):
+        raise ArtifactError(f"run id {run!r} is not 1-64 ASCII letters and digits")
+    return run
 
 
 def save_shard(folder: str | os.PathLike, stage: int, tensors: dict[str, torch.Tensor],
-               extra: dict[str, Any] | None = None) -> str:
+               extra: dict[str, Any] | None = None, run: str | None = None) -> str:
     """Write stage `stage`'s shard into `folder` atomically; returns the file's sha256 (hex).
 
     `tensors` maps qualified names to tensors (saved detached, on the CPU); `extra` is any
-    weights_only-loadable tree (dicts, lists, tensors, numbers, strings). The folder is made
+    weights_only-loadable tree (dicts, lists, tensors, numbers, strings); `run` the id of the
+    run writing it (in the file name and the payload). The folder is made
     if needed; a folder that already holds a complete checkpoint is refused, so that a
     complete checkpoint is never damaged.
     """
@@ -71,11 +83,13 @@ def save_shard(folder: str | os.PathLike, stage: int, tensors: dict[str, torch.T
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise ArtifactError(f"shard of stage {stage}: {name!r} must be a qualified name mapped to a tensor")
     payload = {"tensors": {name: _portable(t) for name, t in tensors.items()}, "extra": dict(extra or {})}
+    if _check_run(run):
+        payload["run"] = run
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getvalue()
     folder.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(folder / shard_name(stage), data)
+    write_bytes_atomic(folder / shard_name(stage, run), data)
     return hashlib.sha256(data).hexdigest()
 
 
@@ -88,12 +102,13 @@ def _portable(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def write_manifest(folder: str | os.PathLike, step: int, plan_sha256: str, shards: dict[int, str],
-                   meta: dict[str, Any] | None = None) -> None:
+                   meta: dict[str, Any] | None = None, run: str | None = None) -> None:
     """Complete the checkpoint in `folder`: write its manifest (canonical JSON, atomically).
 
     Call it last, once every stage's shard is written; `shards` maps stage to the sha256
     that `save_shard` returned. `meta` is free JSON data (e.g. the plan's schedule mode, the
-    number of samples seen). Shards are checked to exist; their hashes are checked on load.
+    number of samples seen). `run`: the run whose shards (`shard_name(s, run)`) it completes.
+    Shards are checked to exist; their hashes are checked on load.
     """
     folder = Path(folder)
     _check_step(step)
@@ -104,16 +119,58 @@ def write_manifest(folder: str | os.PathLike, step: int, plan_sha256: str, shard
         raise ArtifactError(f"plan sha256 {plan_sha256!r} is not a string; pass the plan file's hex digest")
     if not shards:
         raise ArtifactError(f"{folder}: a checkpoint needs at least one shard")
-    missing = [s for s in sorted(shards) if not (folder / shard_name(s)).is_file()]
+    _check_run(run)
+    missing = [s for s in sorted(shards) if not (folder / shard_name(s, run)).is_file()]
     if missing:
         raise ArtifactError(f"{folder}: no shard for stage(s) {missing}; save every stage's shard before the manifest")
-    write_json(folder / MANIFEST, {
+    manifest = {
         "schema": SCHEMA,
         "step": step,
         "plan_sha256": plan_sha256,
-        "shards": {str(s): {"file": shard_name(s), "sha256": shards[s]} for s in sorted(shards)},
+        "shards": {str(s): {"file": shard_name(s, run), "sha256": shards[s]} for s in sorted(shards)},
         "meta": meta or {},
-    })
+    }
+    if run:
+        manifest["run"] = run
+    write_json(folder / MANIFEST, manifest)
+
+
+def complete_checkpoint(folder: str | os.PathLike, stages: int, plan_sha256: str, meta: dict[str, Any],
+                        run: str | None) -> None:
+    """Write the manifest of `folder` once run `run` wrote the shards of all `stages` stages:
+    their sha256 from the files, the step from the folder's name; then drop the temporary files
+    of interrupted writes. `ArtifactError` when a shard is missing or the folder is complete."""
+    folder = Path(folder)
+    match = _FOLDER.fullmatch(folder.name)
+    if match is None:
+        raise ArtifactError(f"{folder}: not a checkpoint folder (step-<8 digits>)")
+    try:
+        hashes = {s: hashlib.sha256((folder / shard_name(s, run)).read_bytes()).hexdigest() for s in range(stages)}
+    except FileNotFoundError as exc:
+        raise ArtifactError(f"{folder}: no shard {Path(exc.filename).name}; save every stage's shard first") from None
+    write_manifest(folder, int(match.group(1)), plan_sha256, hashes, meta, run)
+    remove_temporaries(folder)
+
+
+def has_shards(folder: str | os.PathLike, stages: int, run: str | None) -> bool:
+    """Whether run `run` wrote the shard of every one of `stages` stages into `folder`."""
+    return all((Path(folder) / shard_name(s, run)).is_file() for s in range(stages))
+
+
+def complete_run(root: str | os.PathLike, run: str, stages: int, plan_sha256: str,
+                 meta: dict[str, Any]) -> list[Path]:
+    """Complete the checkpoints that run `run` (of `stages` stages) left with every shard written
+    but no manifest (it was killed between its last shard and the manifest); returns them."""
+    done = []
+    for _, folder in sorted(_step_folders(Path(root))):
+        if folder.is_symlink() or (folder / MANIFEST).exists() or not has_shards(folder, stages, run):
+            continue
+        try:
+            complete_checkpoint(folder, stages, plan_sha256, meta, run)
+        except (ArtifactError, OSError):
+            continue  # left as it is: --resume skips it with its reason
+        done.append(folder)
+    return done
 
 
 def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
@@ -132,6 +189,8 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
     for key, kind in (("step", int), ("plan_sha256", str), ("shards", dict), ("meta", dict)):
         if not isinstance(manifest.get(key), kind):
             raise ArtifactError(f"{path}: field {key!r} is missing or not a {kind.__name__}; the manifest is damaged")
+    if "run" in manifest and not (isinstance(manifest["run"], str) and manifest["run"].isalnum()):
+        raise ArtifactError(f"{path}: field 'run' is not a run id; the manifest is damaged")
     for stage, entry in manifest["shards"].items():
         if not (stage.isdigit() and isinstance(entry, dict) and isinstance(entry.get("file"), str)
                 and isinstance(entry.get("sha256"), str) and "/" not in entry["file"] and entry["file"] != ".."):
@@ -184,6 +243,9 @@ def load_checkpoint(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str
         if not (isinstance(payload, dict) and isinstance(payload.get("tensors"), dict)
                 and isinstance(payload.get("extra"), dict)):
             raise ArtifactError(f"{path}: not a pdtool shard (no 'tensors' and 'extra'); it was not written by save_shard")
+        if payload.get("run") != manifest.get("run"):
+            raise ArtifactError(f"{path}: written by run {payload.get('run')}, but the manifest completes run "
+                                f"{manifest.get('run')}; the checkpoint mixes two runs, use another one")
         for kind, merged in (("tensors", tensors), ("extra", extras)):
             for name, value in payload[kind].items():
                 if (kind, name) in owner:
@@ -245,13 +307,14 @@ def existing_steps(root: str | os.PathLike) -> list[int]:
 
 
 def latest_complete(root: str | os.PathLike, warn: Callable[[str], None] | None = None,
-                    needs: set[str] | None = None) -> Path | None:
+                    needs: Mapping[str, tuple[int, ...]] | set[str] | None = None) -> Path | None:
     """The newest good checkpoint folder under `root`, or None if there is none.
 
     One rule for every flaw: a folder that is incomplete, corrupt (a hash), unloadable (a shard
-    `weights_only` refuses), a symbolic link, or that lacks a parameter in `needs` (e.g. a
-    manifest missing a stage) is skipped, and `warn` gets one line for it saying why. With
-    `needs`, shards are loaded to check them; without, hashes are checked.
+    `weights_only` refuses), a symbolic link, that lacks a parameter in `needs` (e.g. a manifest
+    missing a stage) or holds it in another shape (when `needs` maps names to shapes: another
+    model's checkpoint) is skipped, and `warn` gets one line for it saying why. With `needs`,
+    shards are loaded to check them; without, hashes are checked.
     """
     for step, folder in _step_folders(Path(root)):
         try:
@@ -259,11 +322,7 @@ def latest_complete(root: str | os.PathLike, warn: Callable[[str], None] | None 
                 manifest = verify_checkpoint(folder)
             else:
                 manifest, tensors, _ = load_checkpoint(folder)
-                missing = sorted(needs - set(tensors))
-                if missing:
-                    raise ArtifactError(f"{folder}: has no {missing[0]}" + (f" (and {len(missing) - 1} more)"
-                                        if len(missing) > 1 else "") + ", which the model needs (a shard missing "
-                                        "from its manifest, or another model's checkpoint)")
+                _check_needs(folder, tensors, needs)
             if manifest["step"] != step:
                 raise ArtifactError(f"{folder / MANIFEST}: says step {manifest['step']}, the folder step {step}")
         except ArtifactError as exc:
@@ -272,3 +331,16 @@ def latest_complete(root: str | os.PathLike, warn: Callable[[str], None] | None 
             continue
         return folder
     return None
+
+
+def _check_needs(folder: Path, tensors: dict[str, torch.Tensor], needs: Mapping[str, tuple[int, ...]] | set[str]) -> None:
+    missing = sorted(set(needs) - set(tensors))
+    if missing:
+        raise ArtifactError(f"{folder}: has no {missing[0]}" + (f" (and {len(missing) - 1} more)"
+                            if len(missing) > 1 else "") + ", which the model needs (a shard missing "
+                            "from its manifest, or another model's checkpoint)")
+    if isinstance(needs, Mapping):
+        for name, shape in needs.items():
+            if tuple(tensors[name].shape) != tuple(shape):
+                raise ArtifactError(f"{folder}: {name} has shape {tuple(tensors[name].shape)}, the model "
+                                    f"{tuple(shape)} (another model's checkpoint)")

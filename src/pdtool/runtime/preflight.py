@@ -9,7 +9,7 @@ of the data through every stage and the loss, without gradients.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,11 +24,11 @@ from .stages import plan_stages, sample_inputs
 @dataclass(frozen=True)
 class Checked:
     """What the checks learnt that the launcher needs: minibatches in one epoch of the data
-    (None for endless synthetic data), and the whole-model names of the parameters the stages
-    hold (what a checkpoint to resume from must contain)."""
+    (None for endless synthetic data), and the whole-model names and shapes of the parameters
+    the stages hold (what a checkpoint to resume from must contain)."""
 
     batches_per_epoch: int | None
-    parameters: frozenset[str] = frozenset()
+    parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def preflight(plan: Plan, plan_path: str, mode: str | None, data: str, seed: int, model: str | None = None) -> Checked:
@@ -47,7 +47,8 @@ def preflight(plan: Plan, plan_path: str, mode: str | None, data: str, seed: int
     source = load_source(data, bundle, plan.profile.batch_size, seed)
     inputs, target = source.batch(0)
     _run_once(stages, bundle.loss_fn, inputs, target, data)
-    return Checked(source.batches_per_epoch, frozenset(n for stage in stages for n in stage.param_names.values()))
+    return Checked(source.batches_per_epoch, {stage.param_names[n]: tuple(p.shape) for stage in stages
+                                              for n, p in stage.module.named_parameters()})
 
 
 def _run_once(stages, loss_fn, inputs, target, data: str) -> None:

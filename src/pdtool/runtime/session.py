@@ -1,6 +1,7 @@
 """A training job as `pd train` runs it on the launching machine.
 
-Around `launch` it resolves `--resume` to the newest complete checkpoint, completes
+Around `launch` it holds the checkpoint folder's lock (one writer per folder), resolves
+`--resume` to the newest complete checkpoint, completes
 checkpoints while the workers write their shards (a manifest is written once every stage's
 shard of a step is there: the checkpoint becomes complete atomically, and a crash leaves it
 incomplete, never corrupt), and afterwards writes the metrics CSV and the measured trace.
@@ -14,15 +15,17 @@ import re
 import shutil
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..artifacts.checkpoint import (MANIFEST, existing_steps, latest_complete, read_manifest, remove_temporaries,
-                          set_aside_after, shard_name, write_manifest)
+from ..artifacts.checkpoint import (MANIFEST, complete_checkpoint, complete_run, existing_steps, has_shards,
+                                   latest_complete, read_manifest, set_aside_after)
 from ..errors import Interrupted, LaunchError, PdtoolError
 from ..jsonio import write_text_atomic
 from ..artifacts.plan import Plan
 from ..views.trace import measured_trace, write_trace
+from .folder_lock import FolderLock
 from .launch import Nodes, launch
 from .worker import RunConfig, WorkerReport
 
@@ -70,39 +73,85 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
         talk=lambda message: None) -> TrainResult:
     """Run `config` (config.steps = the step the run should reach) and complete its checkpoints.
 
-    With `resume`, the run continues from the newest good checkpoint (`checkpoint.latest_complete`:
-    bad ones are skipped with a `warn` line saying why; `needs` are the parameter names it must
-    hold), and `say` is told which; no good checkpoint is a `LaunchError`. `talk` hears what
-    the run is doing while the workers start."""
+    With a checkpoint folder, the run holds its lock (`folder_lock`: one writer per folder) and
+    gets a run id that its shards and manifests carry. With `resume`, the run continues from the
+    newest good checkpoint (`checkpoint.latest_complete`: bad ones are skipped with a `warn` line
+    saying why; `needs` are the parameter names it must hold), after completing what an
+    interrupted run left with every shard written; with none, it sets aside what is there and
+    starts from step 0. `say` is told which; `talk` hears what the run is doing while the
+    workers start."""
     plan = Plan.load(config.plan_path)
-    if resume:
-        if not config.checkpoint_dir:
-            raise LaunchError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
-        folder = latest_complete(config.checkpoint_dir, warn, needs)
-        if folder is None:
-            raise LaunchError(f"--resume: no good checkpoint in {config.checkpoint_dir} (every one was skipped, or "
-                              "there is none); drop --resume to start from step 0")
-        done = read_manifest(folder)["step"]
-        if done >= config.steps:
-            raise LaunchError(f"the newest checkpoint ({folder}) is already at step {done} >= --steps "
-                              f"{config.steps}; ask for more steps")
-        for old, new in set_aside_after(config.checkpoint_dir, done):
-            warn(f"set {old} aside as {new.name}: it is newer than the checkpoint resumed from, and this run "
-                 "writes only into checkpoint folders it creates")
-        say(f"resuming from {folder} (step {done})")
-        config = dataclasses.replace(config, resume=str(folder), first_step=done, steps=config.steps - done)
-    elif config.checkpoint_dir and existing_steps(config.checkpoint_dir):
-        raise LaunchError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints (newest: step "
-                          f"{existing_steps(config.checkpoint_dir)[0]}), which this run would overwrite; add --resume "
-                          "to continue from them, or give an empty or new folder")
+    config = dataclasses.replace(config, run_id=config.run_id or _run_id(config, nodes))
+    meta = {"mode": config.mode or plan.mode, "data": config.data, "seed": config.seed}
+    lock = FolderLock.acquire(config.checkpoint_dir) if config.checkpoint_dir and nodes.node_rank == 0 else None
+    try:
+        config = _starting_point(config, plan, resume, lock, warn, needs, say)
+        if lock is not None:
+            lock.claim({"run": config.run_id, "stages": len(plan.stages), "plan_sha256": plan_sha256(config.plan_path),
+                        "meta": meta})
+        return _run_from(config, plan, nodes, verbose, meta, talk)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_id(config: RunConfig, nodes: Nodes) -> str:
+    """A new run's id: random on one machine; across machines the same on every one (each
+    launcher derives it from the job's command line: rendezvous, plan, steps, seed)."""
+    if nodes.nnodes == 1:
+        return uuid.uuid4().hex[:12]
+    job = f"{nodes.rdzv_id}|{nodes.rdzv_endpoint or nodes.master_addr}|{nodes.master_port}|{config.steps}|{config.seed}"
+    return hashlib.sha256(f"{job}|{plan_sha256(config.plan_path)}".encode()).hexdigest()[:12]
+
+
+def _starting_point(config: RunConfig, plan: Plan, resume: bool, lock: FolderLock | None, warn, needs, say) -> RunConfig:
+    """`config` from where the run starts: step 0, or with `resume` the newest good checkpoint."""
+    root = config.checkpoint_dir
+    if not resume:
+        if root and existing_steps(root):
+            raise LaunchError(f"--checkpoint-dir {root} already holds checkpoints (newest: step "
+                              f"{existing_steps(root)[0]}), which this run would overwrite; add --resume "
+                              "to continue from them, or give an empty or new folder")
+        return config
+    if not root:
+        raise LaunchError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
+    previous = lock.previous if lock is not None else None
+    if previous and previous.get("run") and isinstance(previous.get("stages"), int):
+        for folder in complete_run(root, str(previous["run"]), previous["stages"], str(previous.get("plan_sha256")),
+                                   previous.get("meta") if isinstance(previous.get("meta"), dict) else {}):
+            say(f"completed {folder}: the interrupted run {previous['run']} had written every shard of it but not "
+                "its manifest")
+    skipped: list[str] = []
+    folder = latest_complete(root, skipped.append, needs)
+    if folder is None and any((Path(root) / f"step-{step:08d}" / MANIFEST).is_file() for step in existing_steps(root)):
+        reason = next((line for line in skipped if "is incomplete" not in line), skipped[0])  # a complete one's
+        raise LaunchError(f"--resume: no checkpoint in {root} fits this run ({reason.removeprefix('skipping checkpoint ')}"
+                          "); give the --checkpoint-dir of this model's run, or drop --resume and give a new folder")
+    for line in skipped:
+        warn(line)
+    done = read_manifest(folder)["step"] if folder is not None else 0
+    if done >= config.steps:
+        raise LaunchError(f"the newest checkpoint ({folder}) is already at step {done} >= --steps "
+                          f"{config.steps}; ask for more steps")
+    for old, new in set_aside_after(root, done if folder is not None else -1):
+        warn(f"set {old} aside as {new.name}: it is " + ("newer than the checkpoint resumed from" if folder else
+             "not a complete checkpoint") + ", and this run writes only into checkpoint folders it creates")
+    if folder is None:
+        say(f"--resume: no complete checkpoint in {root}, so the run starts from step 0")
+        return config
+    say(f"resuming from {folder} (step {done})")
+    return dataclasses.replace(config, resume=str(folder), first_step=done, steps=config.steps - done)
+
+
+def _run_from(config: RunConfig, plan: Plan, nodes: Nodes, verbose: bool, meta: dict, talk) -> TrainResult:
+    """Launch the workers of a run whose starting point is settled, completing its checkpoints."""
     from .worker import make_schedule, minibatches_per_step
 
     per_step = minibatches_per_step(make_schedule(plan, dataclasses.replace(config, steps=1)))
     writer = None
     if config.checkpoint_dir and nodes.node_rank == 0:
-        Path(config.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        writer = _ManifestWriter(Path(config.checkpoint_dir), len(plan.stages), plan_sha256(config.plan_path),
-                                 {"mode": config.mode or plan.mode, "data": config.data, "seed": config.seed})
+        writer = _ManifestWriter(Path(config.checkpoint_dir), len(plan.stages), plan_sha256(config.plan_path), meta,
+                                 config.run_id)
         writer.start()
     began = time.perf_counter()
     try:
@@ -135,9 +184,9 @@ class _ManifestWriter(threading.Thread):
     """Writes the manifest of every checkpoint folder whose shards are all written. The first
     error (a full disk) stops it and is kept in `error`; the workers meet the same disk."""
 
-    def __init__(self, root: Path, stages: int, plan_hash: str, meta: dict):
+    def __init__(self, root: Path, stages: int, plan_hash: str, meta: dict, run: str | None):
         super().__init__(daemon=True)
-        self.root, self.stages, self.plan_hash, self.meta = root, stages, plan_hash, meta
+        self.root, self.stages, self.plan_hash, self.meta, self.run_id = root, stages, plan_hash, meta, run
         self.done = threading.Event()
         self.error: PdtoolError | None = None
         self.before = {path.name for path in root.glob("step-*")}  # never completes a folder it did not see made
@@ -177,7 +226,7 @@ class _ManifestWriter(threading.Thread):
                 yield folder
 
     def _has_shards(self, folder: Path) -> bool:
-        return all((folder / shard_name(s)).is_file() for s in range(self.stages))
+        return has_shards(folder, self.stages, self.run_id)
 
     def _completed(self) -> bool:
         """complete(), keeping its first error; whether it succeeded."""
@@ -195,10 +244,7 @@ class _ManifestWriter(threading.Thread):
                 self._complete_one(folder)
 
     def _complete_one(self, folder: Path) -> None:
-        shards = [folder / shard_name(s) for s in range(self.stages)]
-        hashes = {s: hashlib.sha256(p.read_bytes()).hexdigest() for s, p in enumerate(shards)}
-        write_manifest(folder, int(folder.name.split("-")[1]), self.plan_hash, hashes, self.meta)
-        remove_temporaries(folder)
+        complete_checkpoint(folder, self.stages, self.plan_hash, self.meta, self.run_id)
 
 
 def write_metrics(path: str, result: TrainResult) -> None:

@@ -52,12 +52,14 @@ class ShardSaver:
 
     `first_step` is the step the run starts from (after a resume), `steps` how many it runs,
     `every` the steps between checkpoints (0: only at the end), `per_step` the minibatches
-    per step of stage 0.
+    per step of stage 0, `run` the run's id (in the shard's name and payload).
     """
 
-    def __init__(self, worker: StageWorker, root: str, first_step: int, steps: int, every: int, per_step: int):
+    def __init__(self, worker: StageWorker, root: str, first_step: int, steps: int, every: int, per_step: int,
+                 run: str | None = None):
         self.worker = worker
         self.root = Path(root)
+        self.run = run
         own = step_group(worker.schedule, worker.index)
         marks = set(range(every, steps + 1, every)) if every else set()
         marks.add(steps)
@@ -77,7 +79,7 @@ class ShardSaver:
             if bad is not None:  # no shard: this checkpoint stays incomplete, --resume takes the one before
                 raise LaunchError(f"weight {bad} of stage {self.worker.index} is not finite at step {step}: training "
                                   "diverged; lower --lr, then --resume from the last complete checkpoint")
-            save_shard(folder, self.worker.index, tensors, extra)
+            save_shard(folder, self.worker.index, tensors, extra, self.run)
         return step is not None
 
 

@@ -53,6 +53,7 @@ class RunConfig:
     device: str = "auto"             # auto, cpu or cuda (runtime.device)
     transport: str = "auto"          # auto, shared-memory or process-group (runtime.shm.use_shared_memory)
     model: str | None = None         # pd train -m: the user's own spec instead of the plan's (pdtool.consent)
+    run_id: str | None = None        # the run's id in its checkpoint shards and manifests (session.run sets it)
 
 
 @dataclass
@@ -155,7 +156,7 @@ def worker_main(config: RunConfig) -> WorkerReport:
         from .shards import ShardSaver
 
         saver = ShardSaver(worker, config.checkpoint_dir, config.first_step, config.steps,
-                           config.checkpoint_every, minibatches_per_step(schedule))
+                           config.checkpoint_every, minibatches_per_step(schedule), config.run_id)
     on_device = lambda b: tuple(_to(x, device) for x in batch(b))  # noqa: E731
     report = _run(schedule, ops, worker, specs, on_device, _collectives(ops, groups.get(stage_index), ties),
                   Link(device, window, links, config.timeout_s, rank, rings), saver, first, config.progress,
