@@ -129,6 +129,20 @@ def exploding(after=6):
 
 
 @pdtool.factory
+def slow_start(delay=0.0, rank=None, **kwargs):
+    """pdtool.zoo's mlp, built after `delay` seconds (a model whose building takes a while), in
+    every process or only in the worker of rank `rank`."""
+    import os
+    import time
+
+    from pdtool.zoo import mlp
+
+    if rank is None or os.environ.get("RANK") == str(rank):
+        time.sleep(delay)
+    return mlp(**kwargs)
+
+
+@pdtool.factory
 def dying(after=6):
     """A 3-layer chain whose last layer's worker is killed by a signal after `after` forwards."""
     return _failing_chain(after, "kill")

@@ -17,6 +17,7 @@ from .errors import PdtoolError
 from .fields import check_schema
 from .jsonio import check_writable, read_json
 from .schedule.core import MODES
+from .signals import Stopped, install as install_signal_handlers
 
 
 class _Pd(click.Group):
@@ -28,6 +29,11 @@ class _Pd(click.Group):
         except PdtoolError as exc:
             click.echo(f"pd: error: {exc}", err=True)
             ctx.exit(exc.exit_code)
+        except Stopped as stop:  # SIGINT/SIGTERM outside the workers' run (pdtool.signals)
+            command = ctx.invoked_subcommand or "pd"
+            click.echo(f"pd: {stop} during pd {command}; files pd writes are replaced whole, so none is half-written",
+                       err=True)
+            ctx.exit(stop.exit_code)
 
 
 class Finite(click.FloatRange):
@@ -321,7 +327,11 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
               help="Chrome trace of the measured run, one track per worker (compare with pd simulate --trace).")
 @click.option("--timeout", "timeout_s", type=Finite(1, 86400), default=60.0, show_default=True,
-              help="Seconds a worker waits on a peer before the job is declared failed.")
+              help="Seconds a worker waits on a silent peer (a message, or a sign of life during start-up) before "
+                   "the job is declared failed.")
+@click.option("--startup-timeout", "startup_timeout_s", type=Finite(1, 86400), default=600.0, show_default=True,
+              help="Seconds start-up may take in all: every worker imports and builds the model, cuts its stage "
+                   "and joins the process groups.")
 @click.option("--threads", type=click.IntRange(1, MAX_THREADS),
               help="Torch threads per CPU worker [default: this machine's cores / its workers, at least 1]; "
                    "profile with the same pd profile --threads.")
@@ -355,7 +365,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
                    "split, or a factory's dataset for train=False).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimizer, lr, momentum, weight_decay, checkpoint_dir,
-          checkpoint_every, resume, metrics_path, trace_path, timeout_s, threads, nnodes, node_rank, nproc_per_node,
+          checkpoint_every, resume, metrics_path, trace_path, timeout_s, startup_timeout_s, threads, nnodes, node_rank, nproc_per_node,
           master_addr, master_port, rdzv_endpoint, rdzv_id, iface, device, transport, verbose, evaluate, quiet):
     """Train a plan on torch.distributed workers (gloo on CPU, NCCL on GPUs), one process per rank.
 
@@ -379,6 +389,7 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
             check_writable(path, (plan_path,) + tuple(p for p in (metrics_path, trace_path) if p and p != path))
     config = RunConfig(plan_path=os.path.abspath(plan_path), steps=steps, mode=mode, group=group, seed=seed,
                        optimizer=OptimizerConfig(optimizer, lr, momentum, weight_decay), timeout_s=timeout_s,
+                       startup_timeout_s=startup_timeout_s,
                        threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                        progress=not quiet, return_weights=evaluate, device=device, transport=transport,
                        model=model_spec)
@@ -514,4 +525,5 @@ def main() -> None:
     # torch's C++ warnings (e.g. a peer whose host name has no reverse DNS entry) are not one line
     # of what to do; pd says what matters itself. TORCH_CPP_LOG_LEVEL=WARNING shows them again.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    install_signal_handlers()
     cli(prog_name="pd")

@@ -106,3 +106,20 @@ def test_a_sigkilled_launcher_takes_its_workers_along_and_resume_continues(tmp_p
         assert resumed.exit_code == 0 and "trained steps" in resumed.stdout, resumed.output
     else:  # killed late: the checkpoint is already past --steps
         assert "ask for more steps" in resumed.stderr
+
+
+def test_resuming_from_another_models_checkpoint_is_one_line_before_any_worker(tmp_path):
+    from pdtool.artifacts.profile import ModelRef
+
+    _, mine = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], name="mine.plan.json")
+    wider = ModelRef("pdtool.zoo:mlp", {"in_features": 12, "hidden": 9, "depth": 3, "classes": 3})
+    _, other = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], ref=wider, name="other.plan.json")
+    ckpt = tmp_path / "ckpt"
+    assert CliRunner().invoke(cli, ["train", str(other), "--steps", "2", "--checkpoint-dir", str(ckpt),
+                                    "--quiet"]).exit_code == 0
+    began = time.monotonic()
+    result = CliRunner().invoke(cli, ["train", str(mine), "--steps", "4", "--checkpoint-dir", str(ckpt), "--resume"])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 1 and len(lines) == 1 and time.monotonic() - began < 20, result.stderr
+    assert "no checkpoint in" in lines[0] and "another model's checkpoint" in lines[0] and "worker rank" not in lines[0]
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000002"]  # nothing set aside or changed

@@ -44,8 +44,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import LaunchError
 from ..schedule import ACTIVATION, GRADIENT
+from .peers import PeerTimeout  # noqa: F401 - raised here, and importable from here
 
 _MAX_TENSORS = 256
 
@@ -254,21 +254,14 @@ class Link:
             finished = False
         if finished is False:
             who = f"rank {self.rank}" if self.rank is not None else "this worker"
-            raise PeerTimeout(f"{who} waited {self.timeout_s:g} s for {what}, which stopped answering; the job was "
-                              "stopped (--timeout sets how long a worker waits)", peer)
+            raise PeerTimeout(f"{who} waited {self.timeout_s:g} s for {what}, which stopped answering (hung, "
+                              "stopped, or busy longer than that, e.g. making a slow minibatch); the job was stopped "
+                              "(--timeout sets how long a worker waits)", peer)
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
     """The tensor as process groups carry it (a complex one as its real pairs, as dist.isend does)."""
     return torch.view_as_real(t) if t.is_complex() else t
-
-
-class PeerTimeout(LaunchError):
-    """A peer (rank `peer`) did not complete a transfer within the timeout."""
-
-    def __init__(self, message: str, peer: int):
-        super().__init__(message)
-        self.peer = peer
 
 
 _WHAT = {ACTIVATION: "activations", GRADIENT: "gradients"}

@@ -21,12 +21,14 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import Interrupted, LaunchError, PdtoolError
+from ..signals import SIGNALS
 from . import shm
 from .worker import RunConfig, WorkerReport
 
@@ -93,6 +95,9 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     saved_env = {name: os.environ.get(name) for name in network_env}
     os.environ.update(network_env)
     talk(f"starting {per_node} worker process(es) on this machine: each builds its stage, then training begins")
+    handlers = {signum: signal.getsignal(signum) for signum in SIGNALS}  # torch's launcher replaces them
+    reaper = _Reaper(logs)
+    reaper.start()
     try:
         results = elastic_launch(settings, _entry)(config)
     except ChildFailedError as failure:
@@ -102,6 +107,10 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
         name = signal.Signals(stop.sigval).name
         raise Interrupted(f"interrupted by {name}: every worker was stopped", int(stop.sigval)) from None
     finally:
+        reaper.stop()
+        for signum, handler in handlers.items():
+            if handler is not None:
+                signal.signal(signum, handler)
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
         for name, value in saved_env.items():
@@ -113,6 +122,59 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
         shutil.rmtree(logs, ignore_errors=True)
         shm.remove_node(node)  # rings of workers that were killed before they removed their files
     return {report.rank: report for report in results.values()}
+
+
+class _Reaper(threading.Thread):
+    """Once a worker of this launcher has failed (it recorded its error under `logs`, or it is gone
+    while another is stopped), SIGKILL the ones still alive `SHUTDOWN_S` + 1 seconds later. torch's
+    launcher gives them 30 s after its SIGTERM, which a stopped or hung worker never answers (e.g.
+    one stopped during start-up, before its peers know its pid)."""
+
+    def __init__(self, logs: str):
+        super().__init__(daemon=True)
+        self.logs = Path(logs)
+        self.done = threading.Event()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(timeout=1)
+
+    def run(self) -> None:
+        failed_at, seen = None, set()
+        while not self.done.wait(0.2):
+            workers = _worker_states()
+            gone = seen - set(workers)
+            seen |= set(workers)
+            if failed_at is None and (any(self.logs.glob("**/error.json")) or
+                                      (gone and any(state == "T" for state in workers.values()))):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > SHUTDOWN_S + 1:
+                for pid in workers:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+
+def _worker_states() -> dict[int, str]:
+    """This process's live worker processes (spawned children): pid -> state letter (R, S, T, ...),
+    from /proc; empty where /proc has no such files."""
+    found = {}
+    for children in Path("/proc/self/task").glob("*/children"):
+        try:
+            pids = children.read_text().split()
+        except OSError:
+            continue
+        for pid in map(int, pids):
+            try:
+                if b"spawn_main" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    continue
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state not in ("Z", "X"):
+                found[pid] = state
+    return found
 
 
 _IFNAME_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -190,14 +252,14 @@ _NOISY = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distribut
 def _entry(config: RunConfig) -> WorkerReport:
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from .comm import PeerTimeout
-    from .worker import stop_silent_peer, worker_main
+    from .peers import PeerTimeout, stop_silent
+    from .worker import worker_main
 
     try:
         return record(worker_main)(config)  # record: the error file the launcher reads, written first
     except BaseException as exc:
         if isinstance(exc, PeerTimeout):
-            stop_silent_peer(exc.peer)
+            stop_silent(exc.peer, exc.store)
         _release_nccl()
         # The error is recorded. Leave without the process group's teardown, which waits for pending
         # transfers that a peer that stopped answering never completes. The launcher reports the
@@ -226,18 +288,24 @@ def _release_nccl() -> None:
 def _explain(failure) -> tuple[str, bool]:
     """One line: which rank failed first and its error message; and whether it raised (so
     that a traceback exists) rather than died. A worker's own error wins over a peer's
-    "connection closed" (failure times have a resolution of a second); among those, the first,
-    and within a second one that recorded an error (e.g. "waited for rank 1, which stopped
-    answering") over one that died without (rank 1, which that worker then killed)."""
+    "connection closed", then one that recorded an error (e.g. "waited for rank 1, which stopped
+    answering") over one that died without (rank 1, which that worker then killed: failure times
+    have a resolution of a second, so the kill may seem to come first); among those, the first.
+    When every worker only echoes a lost connection, the line says so in pdtool's words."""
     messages = {rank: _message(info) for rank, info in failure.failures.items()}
-    rank = min(failure.failures, key=lambda r: (_echoes_a_peer(messages[r]), failure.failures[r].timestamp,
-                                                  not messages[r], r))
+    rank = min(failure.failures, key=lambda r: (_echoes_a_peer(messages[r]), not messages[r],
+                                                  failure.failures[r].timestamp, r))
     info, message = failure.failures[rank], messages[rank]
     raised = bool(message)
     if not message:
         message = f"exit code {info.exitcode}" + (f" ({info.signal_name()})" if info.exitcode < 0 else "")
     first = message.strip().splitlines()[-1] if message.strip() else message
+    own = _own_error().match(first)
     first = _own_error().sub("", first, count=1)  # pdtool's errors are one-line messages already
+    if not own and _echoes_a_peer(first):  # the transport's own words (gloo's end in "GLHF!"): what they mean
+        first = ("it lost its connection to another worker of the job, which went away (its process ended or its "
+                 "machine is gone; on several machines, that machine's pd train says why)")
+        raised = False
     return f"worker rank {rank} failed: {first}; the other workers were stopped", raised
 
 
@@ -255,7 +323,8 @@ def _own_error() -> re.Pattern:
 
 
 _PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
-                "communicator was aborted", "Broken pipe", "remote process exited")
+                "communicator was aborted", "Broken pipe", "remote process exited", "Socket unexpectedly closed",
+                "GLHF")
 
 
 def _echoes_a_peer(message: str) -> bool:

@@ -72,14 +72,18 @@ class ShardSaver:
         step = self.due.get(self.count)
         if step is not None:
             folder = checkpoint_folder(self.root, step)
-            folder.mkdir(parents=True, exist_ok=True)
             tensors, extra = stage_state(self.worker)
             bad = next((name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()),
                        None)
             if bad is not None:  # no shard: this checkpoint stays incomplete, --resume takes the one before
                 raise LaunchError(f"weight {bad} of stage {self.worker.index} is not finite at step {step}: training "
                                   "diverged; lower --lr, then --resume from the last complete checkpoint")
-            save_shard(folder, self.worker.index, tensors, extra, self.run)
+            try:
+                save_shard(folder, self.worker.index, tensors, extra, self.run)
+            except OSError as exc:  # a read-only or full file system
+                raise LaunchError(f"stage {self.worker.index} cannot write its checkpoint shard into {folder} "
+                                  f"({exc.strerror or exc}); give a --checkpoint-dir with room that you can write to, "
+                                  "then --resume") from None
         return step is not None
 
 

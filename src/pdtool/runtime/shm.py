@@ -97,13 +97,14 @@ class Waiter:
                 self._check(now - began, what)
 
     def _check(self, waited_s: float, what: str) -> None:
-        from .comm import PeerTimeout
+        from .peers import PeerTimeout
 
         if self.peer_pid is not None and not _exists(self.peer_pid):
             raise LaunchError(f"rank {self.rank} waited for {what}: rank {self.peer}'s remote process exited")
         if self.timeout_s is not None and waited_s > self.timeout_s:
-            raise PeerTimeout(f"rank {self.rank} waited {self.timeout_s:g} s for {what}, which stopped answering; "
-                              "the job was stopped (--timeout sets how long a worker waits)", self.peer)
+            raise PeerTimeout(f"rank {self.rank} waited {self.timeout_s:g} s for {what}, which stopped answering (hung, "
+                              "stopped, or busy longer than that, e.g. making a slow minibatch); the job was stopped "
+                              "(--timeout sets how long a worker waits)", self.peer)
 
 
 def _exists(pid: int) -> bool:

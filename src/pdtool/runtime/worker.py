@@ -3,14 +3,13 @@
 Rank and world size come from the environment that torch.distributed's launcher sets
 (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`). Before any process group
 is made the worker checks the plan against the world size and the model's fingerprint, so a
-mismatch is one clear error instead of a hang.
+mismatch is one clear error instead of a hang; start-up (joining the job's store, building the
+stage, waiting for the others) is bounded as `runtime.peers` says.
 """
 from __future__ import annotations
 
 import math
 import os
-import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from ..artifacts.plan import Plan
 from ..schedule import ACTIVATION, ASYNC_MODES, GRADIENT, Schedule, default_group, generate, lower, stash_depth
 from ..schedule.lower import collective_key
 from .comm import Link, Prefetch, BoundaryTensor, layout, link_groups
-from . import shm, tied
+from . import peers, shm, tied
 from .device import choose, synchronizer
 from .executor import OptimizerConfig, StageWorker
 
@@ -41,7 +40,8 @@ class RunConfig:
     group: int | None = None
     seed: int = 0
     optimizer: OptimizerConfig = OptimizerConfig()
-    timeout_s: float = 60.0
+    timeout_s: float = 60.0          # seconds a worker waits for a silent peer (a message, or a beat at start-up)
+    startup_timeout_s: float = 600.0  # seconds start-up (import, model, stage, process groups) may take in all
     threads: int | None = None
     return_weights: bool = False
     data: str = "synthetic"          # "synthetic", "digits" or a pkg.module:factory of a Dataset
@@ -109,27 +109,29 @@ def worker_main(config: RunConfig) -> WorkerReport:
     if plan.profile.model is None:
         raise LaunchError(f"{config.plan_path} was planned from an imported profile with no model; "
                           "profile the model with pd profile --model and plan that profile")
-    stage_index, replica = place(plan, rank)
-    torch.manual_seed(config.seed)  # every worker builds the same initial weights
-    bundle = file_model(plan.profile.model, config.model)
-    from .stages import plan_stages, sample_inputs
+    store = peers.join(rank, world, config.startup_timeout_s)  # start-up: see runtime.peers
+    with peers.Beacon(store, rank):
+        stage_index, replica = place(plan, rank)
+        torch.manual_seed(config.seed)  # every worker builds the same initial weights
+        bundle = file_model(plan.profile.model, config.model)
+        from .stages import plan_stages, sample_inputs
 
-    stages = plan_stages(plan, bundle.module, sample_inputs(bundle, plan))
-    schedule = make_schedule(plan, config)
-    tied.check_mode(stages, schedule.mode)
-    from ..data import load_source
+        stages = plan_stages(plan, bundle.module, sample_inputs(bundle, plan))
+        schedule = make_schedule(plan, config)
+        tied.check_mode(stages, schedule.mode)
+        from ..data import load_source
 
-    source = load_source(config.data, bundle, plan.profile.batch_size, config.seed)
-    first = config.first_step * minibatches_per_step(schedule)
-    batch = lambda b: source.batch(first + b)  # noqa: E731
-    specs = boundary_specs(stages, batch(0))
-    device = placement.device
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(placement.backend, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=config.timeout_s),
-                            device_id=device if device.type == "cuda" else None)
-    _publish_process(rank)
+        source = load_source(config.data, bundle, plan.profile.batch_size, config.seed)
+        first = config.first_step * minibatches_per_step(schedule)
+        batch = lambda b: source.batch(first + b)  # noqa: E731
+        specs = boundary_specs(stages, batch(0))
+        device = placement.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        peers.wait_for_peers(store, rank, world, config.timeout_s, config.startup_timeout_s)
+        dist.init_process_group(placement.backend, store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=config.timeout_s),
+                                device_id=device if device.type == "cuda" else None)
     # On an error, no orderly teardown: the launcher records this worker's error before its
     # connections close, so the job reports it rather than a peer's "connection closed".
     groups = {s: dist.new_group(list(st.ranks)) for s, st in enumerate(plan.stages) if st.replicas > 1}
@@ -139,7 +141,7 @@ def worker_main(config: RunConfig) -> WorkerReport:
     lowered = lower(schedule, tied.sets(stages), ranks)
     ops = lowered.workers[lowered.index(rank)]
     window = max(stash_depth(schedule, s) for s in range(schedule.stages))
-    rings = _rings(config, plan, stage_index, rank, links, specs, window, device)
+    rings = _rings(config, plan, stage_index, rank, links, specs, window, device, store)
     stage = stages[stage_index]
     stage.module.to(device)
     last = stage_index == len(stages) - 1
@@ -158,9 +160,13 @@ def worker_main(config: RunConfig) -> WorkerReport:
         saver = ShardSaver(worker, config.checkpoint_dir, config.first_step, config.steps,
                            config.checkpoint_every, minibatches_per_step(schedule), config.run_id)
     on_device = lambda b: tuple(_to(x, device) for x in batch(b))  # noqa: E731
-    report = _run(schedule, ops, worker, specs, on_device, _collectives(ops, groups.get(stage_index), ties),
-                  Link(device, window, links, config.timeout_s, rank, rings), saver, first, config.progress,
-                  plan.profile.batch_size)
+    try:
+        report = _run(schedule, ops, worker, specs, on_device, _collectives(ops, groups.get(stage_index), ties),
+                      Link(device, window, links, config.timeout_s, rank, rings), saver, first, config.progress,
+                      plan.profile.batch_size)
+    except peers.PeerTimeout as silent:
+        silent.store = silent.store or store  # where the silent peer's process is published (peers.stop_silent)
+        raise
     report.peak_versions = worker.peak_versions
     report.rings = len(rings)
     if config.return_weights:
@@ -170,29 +176,15 @@ def worker_main(config: RunConfig) -> WorkerReport:
     return report
 
 
-def _publish_process(rank: int) -> None:
-    """Leave this worker's machine, process id and launcher (`shm.NODE_ENV`, "-" when started
-    otherwise) in the job's store (see `stop_silent_peer` and `_rings`)."""
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"pdtool/process/{rank}", f"{socket.gethostname()} {os.getpid()} {os.environ.get(shm.NODE_ENV) or '-'}")
-
-
-def _process(store, rank: int) -> tuple[str, int, str]:
-    """(machine, process id, launcher) that worker `rank` published."""
-    host, pid, node = store.get(f"pdtool/process/{rank}").decode().split()
-    return host, int(pid), node
-
-
 def _rings(config: RunConfig, plan: Plan, s: int, rank: int, links: dict, specs, window: int,
-           device: torch.device) -> dict:
+           device: torch.device, store) -> dict:
     """Shared-memory rings (`runtime.shm`) for the directions of this worker's links whose peer
     the same launcher started (`--transport`); the rest go through the process group."""
     node, local = os.environ.get(shm.NODE_ENV), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if not node or not shm.use_shared_memory(config.transport, device, local):
         return {}
-    store = dist.distributed_c10d._get_default_store()
     stage_of = {r: i for i, st in enumerate(plan.stages) for r in st.ranks}
-    pids = {peer: _process(store, peer) for peer, _ in links}
+    pids = {peer: peers.process_of(store, peer) for peer, _ in links}
     spin = shm.cores_for_each(local)
     directions = []
     for peer, direction in links:
@@ -216,19 +208,6 @@ def incoming_specs(specs, s: int, direction: int) -> list[BoundaryTensor]:
     if direction == ACTIVATION:
         return (specs[s - 1] if s > 0 else []) + specs[-1]
     return [t for t in specs[s] if t.dtype.is_floating_point] if s < len(specs) - 1 else []
-
-
-def stop_silent_peer(peer: int) -> None:
-    """A peer stopped answering (hung or stopped, e.g. by SIGSTOP): it can no longer handle the
-    launcher's SIGTERM, which would then wait its grace period before a SIGKILL. When it runs on
-    this machine, end it now, so that the whole job stops within the timeout plus seconds. Called
-    once this worker's error is recorded, so that the launcher reports the silence, not the kill."""
-    try:
-        host, pid, _ = _process(dist.distributed_c10d._get_default_store(), peer)
-        if host == socket.gethostname() and pid != os.getpid():
-            os.kill(pid, signal.SIGKILL)
-    except Exception:  # noqa: BLE001 - best effort: the launcher still stops it after its grace period
-        pass
 
 
 def minibatches_per_step(schedule: Schedule) -> int:

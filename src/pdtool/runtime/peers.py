@@ -1,0 +1,147 @@
+"""A worker's view of the other workers of its job, from start-up on.
+
+Start-up (`pd train`'s workers import the model, build it, cut their stage, then make their
+process groups) is where a stopped or slow worker used to surface as torch's raw
+`DistStoreError` after an unrelated wait. Here every worker:
+
+1. joins the job's store first (`join`: the rendezvous store torch's launcher, torchrun or
+   SLURM set up, `MASTER_ADDR`/`MASTER_PORT`), and publishes its machine, process id and
+   launcher (`process_of` reads them: the runtime's shared-memory links and `stop_silent` use it);
+2. beats while it starts (`Beacon`: a counter in the store, every `BEAT_S` seconds, from a thread,
+   so that a worker busy importing or tracing still shows it is alive);
+3. says when its stage is built and waits for the others (`wait_for_peers`): a peer whose beat
+   stops for `--timeout` seconds (stopped, hung in C code, on a dead machine) or that has not
+   finished start-up after `--startup-timeout` seconds ends the job with one line naming it;
+   a silent peer on the same machine is killed (it can no longer answer a request to stop);
+4. then makes the process group (`init_process_group` on the same store), which no longer waits.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from datetime import timedelta
+
+from ..errors import LaunchError
+from . import shm
+
+BEAT_S = 0.5
+"""Seconds between a starting worker's beats."""
+
+
+class PeerTimeout(LaunchError):
+    """A peer (rank `peer`) stopped answering; `store` is the job's store from `join`, where its
+    process is published (the worker fills it in when the raiser had none at hand)."""
+
+    def __init__(self, message: str, peer: int, store=None):
+        super().__init__(message)
+        self.peer = peer
+        self.store = store
+
+
+def join(rank: int, world: int, timeout_s: float):
+    """The job's store (the default process group's, under its prefix) once this worker joined it
+    and published its process; one `LaunchError` line when the rendezvous cannot be reached."""
+    import torch.distributed as dist
+
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=timeout_s)))
+    except Exception as exc:  # noqa: BLE001 - torch raises several kinds, with long texts
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise LaunchError(f"rank {rank} cannot join the job's rendezvous at {where} within {timeout_s:g} s "
+                          f"({_first_line(exc)}); check the launcher's address and port") from None
+    store.set_timeout(timedelta(seconds=timeout_s))
+    store = dist.PrefixStore("default_pg", store)
+    store.set(f"pdtool/process/{rank}", f"{socket.gethostname()} {os.getpid()} {os.environ.get(shm.NODE_ENV) or '-'}")
+    return store
+
+
+def process_of(store, rank: int) -> tuple[str, int, str]:
+    """(machine, process id, launcher id or "-") that worker `rank` published."""
+    host, pid, node = store.get(f"pdtool/process/{rank}").decode().split()
+    return host, int(pid), node
+
+
+class Beacon:
+    """Beats for this worker while it starts: `with Beacon(store, rank): ...`."""
+
+    def __init__(self, store, rank: int):
+        self.store, self.key = store, f"pdtool/alive/{rank}"
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+
+    def __enter__(self) -> "Beacon":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join(timeout=2 * BEAT_S)
+
+    def _beat(self) -> None:
+        while True:
+            try:
+                self.store.add(self.key, 1)
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending, peers see the silence
+                return
+            if self.done.wait(BEAT_S):
+                return
+
+
+def wait_for_peers(store, rank: int, world: int, silence_s: float, startup_s: float) -> None:
+    """Say this worker's stage is built; return once every worker's is. A peer that gives no beat
+    for `silence_s` seconds is `PeerTimeout`; one not done after `startup_s` is `LaunchError`."""
+    store.set(f"pdtool/ready/{rank}", "1")
+    began = time.monotonic()
+    seen: dict[int, tuple[int, float]] = {r: (-1, began) for r in range(world) if r != rank}  # beats, when
+    while True:
+        keys = {r: f"pdtool/ready/{r}" for r in seen}
+        if not keys or store.check(list(keys.values())):
+            return
+        now = time.monotonic()
+        waiting = [r for r, key in keys.items() if not store.check([key])]
+        for r in waiting:
+            beats = store.add(f"pdtool/alive/{r}", 0)
+            if beats != seen[r][0]:
+                seen[r] = (beats, now)
+        silent = [r for r in waiting if now - seen[r][1] > silence_s]
+        if silent:
+            raise PeerTimeout(f"rank {rank} waited for rank {silent[0]} to start, which stopped answering "
+                              f"({_whereabouts(store, silent[0])}, no sign of life for {silence_s:g} s while it "
+                              "imported, built or cut the model); the job was stopped (--timeout sets how long a "
+                              "silent worker is waited for)", silent[0], store)
+        if now - began > startup_s:
+            raise LaunchError(f"rank {rank} waited {startup_s:g} s for rank(s) {', '.join(map(str, waiting))} to "
+                              "build their stages (import, model, stage); the job was stopped (--startup-timeout "
+                              "sets how long start-up may take)")
+        time.sleep(0.1)
+
+
+def _whereabouts(store, rank: int) -> str:
+    try:
+        host, pid, _ = process_of(store, rank) if store.check([f"pdtool/process/{rank}"]) else (None, 0, "")
+    except Exception:  # noqa: BLE001 - the store may be going away
+        return "not reachable"
+    return f"pid {pid} on {host}" if host else "it never joined the rendezvous"
+
+
+def stop_silent(peer: int, store) -> None:
+    """A peer stopped answering (hung or stopped, e.g. by SIGSTOP): it can no longer handle the
+    launcher's SIGTERM, which would then wait its grace period before a SIGKILL. When it runs on
+    this machine, end it now, so that the whole job stops within the timeout plus seconds. Called
+    once this worker's error is recorded, so that the launcher reports the silence, not the kill."""
+    try:
+        if not store.check([f"pdtool/process/{peer}"]):
+            return  # it never joined: the launcher stops it
+        host, pid, _ = process_of(store, peer)
+        if host == socket.gethostname() and pid != os.getpid():
+            os.kill(pid, signal.SIGKILL)
+    except Exception:  # noqa: BLE001 - best effort: the launcher still stops it after its grace period
+        pass
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:160]

@@ -1,0 +1,54 @@
+"""The launcher's one line for a failed job (`runtime.launch._explain`): which worker's report
+it shows, and in whose words."""
+import json
+from dataclasses import dataclass
+
+from pdtool.runtime.launch import _explain
+
+
+@dataclass
+class Info:
+    """What torch's launcher knows of a failed worker (its ProcessFailure)."""
+
+    error_file: str
+    timestamp: int
+    exitcode: int = 1
+
+    def signal_name(self):
+        return "SIGKILL" if self.exitcode == -9 else "?"
+
+
+@dataclass
+class Failure:
+    failures: dict
+
+
+def _info(tmp_path, rank, message, timestamp, exitcode=1):
+    path = tmp_path / f"error-{rank}.json"
+    if message is not None:
+        path.write_text(json.dumps({"message": {"message": message}}))
+    return Info(str(path), timestamp, exitcode)
+
+
+def test_a_recorded_error_wins_over_the_peer_it_killed_even_a_second_later(tmp_path):
+    """Slow data past --timeout: rank 1 waited, recorded why, killed rank 0; rank 0 died first."""
+    failure = Failure({0: _info(tmp_path, 0, None, 100, -9),
+                       1: _info(tmp_path, 1, "LaunchError: rank 1 waited 5 s for rank 0 to send, which stopped "
+                                "answering (hung, stopped, or busy longer than that)", 101)})
+    line, raised = _explain(failure)
+    assert line.startswith("worker rank 1 failed: rank 1 waited 5 s for rank 0") and "exit code" not in line
+
+
+def test_the_transports_words_for_a_lost_peer_become_pdtools(tmp_path):
+    gloo = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:29500: "
+            "Connection reset by peer GLHF!")
+    line, raised = _explain(Failure({2: _info(tmp_path, 2, gloo, 100), 3: _info(tmp_path, 3, gloo, 100)}))
+    assert line.startswith("worker rank 2 failed: it lost its connection to another worker of the job, which went "
+                           "away") and "GLHF" not in line and "pair.cc" not in line and not raised
+
+
+def test_pdtools_own_words_for_a_lost_peer_stay(tmp_path):
+    own = "LaunchError: rank 0 waited for rank 1 to send: rank 1's remote process exited"
+    line, _ = _explain(Failure({0: _info(tmp_path, 0, own, 100)}))
+    assert line == "worker rank 0 failed: rank 0 waited for rank 1 to send: rank 1's remote process exited; the " \
+                   "other workers were stopped"
