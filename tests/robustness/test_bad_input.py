@@ -198,7 +198,9 @@ def test_a_plan_naming_a_non_factory_is_refused_before_anything_runs(good, tmp_p
                                   "4x1e-30B/s", "2x1e30GB/s", "100000000000x2GB/s", "4x12XB/s", "4x12", "4x12GB/s,",
                                   "4x1GB/s,,2x1GB/s", "cluster-z", "cluster-a:0", "cluster-a:-1", "4x1GB/s;rm -rf /",
                                   "4xNaNGB/s", "4xinfGB/s", "1.5x1GB/s", "no_such_file.json",
-                                  "2x1GB/s+fast", "2x1GB/s+5", "2x1GB/s+11s", "2x1GB/s+-1us", "2x1GB/s+infs"])
+                                  "2x1GB/s+fast", "2x1GB/s+5", "2x1GB/s+11s", "2x1GB/s+-1us", "2x1GB/s+infs",
+                                  "２x2GB/s", "٢x2GB/s", "2x１GB/s", "2x2GB/s,४x1GB/s", "2x1GB/s+５us",
+                                  "cluster-a:٢", "cluster-a:２", "cluster-b:¹", "2\u200bx1GB/s"])
 def test_a_bad_cluster_is_one_line(good, tmp_path, spec):
     path = tmp_path / "m.profile.json"
     path.write_text(json.dumps(good[0]))

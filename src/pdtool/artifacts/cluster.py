@@ -210,8 +210,8 @@ DEFAULT_SERVERS = 4
 _FORMS = ("levels innermost first like 4x12GB/s,4x10Gbit/s, a JSON file like cluster.json, "
           f"or a preset ({', '.join(f'{name}[:SERVERS]' for name in PRESETS)})")
 _PRESET_RE = re.compile(r"^(?P<name>[A-Za-z][\w.-]*)(?:\s*:\s*(?P<servers>.*))?$")
-_LEVEL_START_RE = re.compile(r"^[+-]?\d+\s*[xX*]")
-_LEVEL_RE = re.compile(r"^(?P<count>[+-]?\d+)\s*[xX*]\s*(?:(?P<label>[^@]*?)\s*@\s*)?(?P<bandwidth>.+)$")
+_LEVEL_START_RE = re.compile(r"^[+-]?[0-9]+\s*[xX*]")  # [0-9], not \d: int() would take '٢' or '２' too
+_LEVEL_RE = re.compile(r"^(?P<count>[+-]?[0-9]+)\s*[xX*]\s*(?:(?P<label>[^@]*?)\s*@\s*)?(?P<bandwidth>.+)$")
 
 
 def preset(name: str, servers: int = DEFAULT_SERVERS) -> Cluster:
@@ -242,6 +242,10 @@ def parse_cluster(spec: str, memory: str | None = None) -> Cluster:
         cluster = preset(match["name"], _servers(match["name"].lower(), match["servers"]))
     elif os.path.isfile(text):
         cluster = Cluster.from_json(read_json(text), text)
+    elif _foreign_digit(text):
+        digit = _foreign_digit(text)
+        raise PlanError(f"cluster spec {text!r} has {digit!r} (U+{ord(digit):04X}), a digit other than 0-9; write "
+                        "numbers with the digits 0-9, e.g. 4x12GB/s,4x10Gbit/s or cluster-a:4")
     elif _LEVEL_START_RE.match(text):
         cluster = _parse_levels(text)
     elif _is_bandwidth(text):
@@ -266,12 +270,17 @@ def _is_bandwidth(text: str) -> bool:
     return True
 
 
+def _foreign_digit(text: str) -> str | None:
+    """The first character of `text` that is a digit but not one of 0-9 ('٢', '２', '¹'), or None."""
+    return next((c for c in text if c.isdigit() and not c.isascii()), None)
+
+
 def _servers(name: str, text: str | None) -> int:
     if text is None:
         return DEFAULT_SERVERS
-    if not re.fullmatch(r"\s*[+-]?\d+\s*", text) or int(text) < 1:
-        raise PlanError(f"server count {text!r} in '{name}:{text}' must be a whole number >= 1; "
-                        f"e.g. {name}:{DEFAULT_SERVERS}")
+    if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", text) or int(text) < 1:
+        raise PlanError(f"server count {text!r} in '{name}:{text}' must be a whole number >= 1 written with the "
+                        f"digits 0-9; e.g. {name}:{DEFAULT_SERVERS}")
     return int(text)
 
 
