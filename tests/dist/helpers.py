@@ -4,6 +4,7 @@ import dataclasses
 import torch
 
 from pdtool.artifacts.cluster import parse_cluster
+from pdtool.artifacts.plan import with_boundaries
 from pdtool.modelspec import load_model
 from pdtool.planner import make_plan, shared_parameters
 from pdtool.artifacts.profile import ModelRef
@@ -30,7 +31,8 @@ def plan_with(tmp_path, split, mode="pipedream", ref=MLP, batch_size=4, name="p.
                                           first_name=profile.layers[first].name, last_name=profile.layers[last].name,
                                           ranks=tuple(range(rank, rank + replicas))))
         rank += replicas
-    plan = dataclasses.replace(plan, stages=tuple(stages), groups=(), mode=mode,
+    stages = with_boundaries(profile, stages)
+    plan = dataclasses.replace(plan, stages=stages, groups=(), mode=mode,
                                shared=shared_parameters(profile, stages))
     path = tmp_path / name
     plan.save(path)

@@ -178,7 +178,7 @@ def test_pd_train_refuses_a_split_of_a_model_no_tracer_captures(tmp_path):
     assert plan.profile.split == "none"
     _refused_before_any_worker([str(path)], "trains as one stage only")
     one = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], layers=tuple(range(3)),
-                                                                last_name=plan.stages[1].last_name),))
+                                                                last_name=plan.stages[1].last_name, sends=()),))
     one.save(tmp_path / "one.plan.json")
     result = CliRunner().invoke(cli, ["train", str(tmp_path / "one.plan.json"), "--steps", "2", "--quiet"])
     assert result.exit_code == 0, result.output  # one stage trains the module whole

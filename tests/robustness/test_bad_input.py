@@ -149,19 +149,42 @@ def _reversed(data):
         first[key], second[key] = second[key], first[key]
 
 
-@pytest.mark.parametrize("beside", [True, False], ids=["profile beside", "--profile"])
-def test_stages_out_of_data_flow_order_are_refused_by_every_command(good, tmp_path, beside):
+def _reversed_with_records(data):
+    """The two stages swapped whole (layers, names and what each receives and sends)."""
+    data["stages"][0], data["stages"][1] = data["stages"][1], data["stages"][0]
+    for index, stage in enumerate(data["stages"]):
+        stage["id"], stage["ranks"] = index, [index]
+
+
+@pytest.mark.parametrize("where", ["beside", "--profile", "nowhere"])
+@pytest.mark.parametrize("edit", [_reversed, _reversed_with_records], ids=["layers swapped", "stages swapped"])
+def test_stages_out_of_data_flow_order_are_refused_by_every_command(good, tmp_path, where, edit):
+    """The plan records what each stage receives and sends, so the order is checked from the
+    plan alone when its profile is nowhere to be found."""
     folder = tmp_path / "plans"
     folder.mkdir()
-    profile = (folder if beside else tmp_path) / ("m.profile.json" if beside else "elsewhere.json")
-    profile.write_text(json.dumps(good[0]))
-    path = edited(good[1], _reversed, folder / "m.plan.json")
-    given = [] if beside else ["--profile", profile]
+    if where != "nowhere":
+        profile = (folder if where == "beside" else tmp_path) / ("m.profile.json" if where == "beside" else "else.json")
+        profile.write_text(json.dumps(good[0]))
+    path = edited(good[1], edit, folder / "m.plan.json")
+    given = ["--profile", profile] if where == "--profile" else []
     check(["simulate", path, *given, "--trace", tmp_path / "t.json"], tmp_path, tmp_path / "t.json", codes=(1,))
+    check(["show", path, *given], tmp_path, codes=(1,))
     check(["show", path, *given, "--render", tmp_path / "p.dot"], tmp_path, tmp_path / "p.dot", codes=(1,))
     check(["train", path, "--steps", "1"], tmp_path, codes=(1,))
     result = CliRunner().invoke(cli, ["simulate", str(path), *map(str, given)])
     assert "not in data-flow order" in result.stderr
+
+
+def test_a_plan_from_before_stages_recorded_their_data_flow_says_to_make_it_again(good, tmp_path):
+    def forget(data):
+        for stage in data["stages"]:
+            del stage["receives"], stage["sends"]
+    path = edited(good[1], forget, tmp_path / "old.plan.json")
+    for args in (["show", path], ["simulate", path], ["train", path, "--steps", "1"]):
+        check(args, tmp_path, codes=(1,))
+    result = CliRunner().invoke(cli, ["show", str(path)])
+    assert result.stderr.endswith(f"; make it again with {good[1]['provenance']['command']} -o {path}\n")
 
 
 def test_a_profile_that_is_not_the_plans_is_refused(good, tmp_path):

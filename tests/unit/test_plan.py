@@ -175,6 +175,10 @@ def _plan_json():
     (lambda d: d.update(schema="pdtool.profile/1"), r"this is a profile \(pdtool.profile/1\), not a plan"),
     (lambda d: d.update(schema="pdtool.plan/9"), "expected 'pdtool.plan/1'"),
     (lambda d: d["stages"][0].pop("ranks"), r"stages\[0\].ranks: missing field"),
+    (lambda d: d["stages"][1].update(receives=[1, 1]), r"stages\[1\].receives: layer 1 is listed twice"),
+    (lambda d: d["stages"][1].update(receives=[99]), r"stages\[1\]: receives layer 99, which does not exist"),
+    (lambda d: d["stages"][1].update(sends=[0, "x"]), r"stages\[1\].sends: expected a list of layer ids"),
+    (lambda d: d["stages"][0].update(sends=[]), r"stages\[0\]: sends layers \[\], but the later stages receive \[\d+\]"),
 ])
 def test_hand_edited_inconsistent_plans_are_refused_in_one_line(edit, message):
     data = copy.deepcopy(_plan_json())
@@ -182,6 +186,100 @@ def test_hand_edited_inconsistent_plans_are_refused_in_one_line(edit, message):
     with pytest.raises(ArtifactError, match=message) as info:
         Plan.from_json(data, "m.plan.json")
     assert str(info.value).startswith("m.plan.json: ") and "\n" not in str(info.value)
+
+
+# ----- the plan's own record of its data flow -----------------------------------------------------
+def test_every_stage_records_what_it_receives_from_earlier_stages_and_sends_to_later_ones():
+    """A skip edge 1 -> 4 over three stages of two layers: stage 1 passes nothing of it on,
+    stage 2 reads it straight from stage 0."""
+    import dataclasses
+
+    from pdtool.artifacts.plan import with_boundaries
+
+    profile = chain_profile([10, 10, 10, 10, 10, 40], [1] * 6, [1000] * 6, skips=[(1, 4)])
+    plan = make_plan(profile, parse_cluster("3x1GB/s"), straight=True, simulate=False)
+    assert plan.stages == with_boundaries(profile, plan.stages) and plan.stages[1].receives
+    pairs = with_boundaries(profile, [dataclasses.replace(plan.stages[0], layers=(2 * i, 2 * i + 1)) for i in range(3)])
+    assert [(s.receives, s.sends) for s in pairs] == [((), (1,)), ((1,), (3,)), ((1, 3), ())]
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, ranks=(i,)) for i, s in enumerate(pairs)))
+    data = plan.to_json()
+    assert [(s["receives"], s["sends"]) for s in data["stages"]] == [([], [1]), ([1], [3]), ([1, 3], [])]
+    assert Plan.from_json(json.loads(canonical_json(data)), "p.json") == plan
+
+
+def test_a_set_shaped_stage_records_each_branch_it_receives():
+    plan = make_plan(imported("resnet18"), parse_cluster("4x1e10B/s,2x1.25e9B/s"), cost_model="pipedream",
+                     simulate=False)
+    profile = imported("resnet18")
+    owner = {layer: i for i, s in enumerate(plan.stages) for layer in s.layers}
+    for index, stage in enumerate(plan.stages):
+        assert stage.receives == tuple(sorted({a for a, b in profile.edges if owner[b] == index != owner[a]}))
+        assert stage.sends == tuple(sorted({a for a, b in profile.edges if owner[a] == index != owner[b]}))
+    assert any(len(s.receives) > 1 for s in plan.stages)  # the two branches of a residual block
+
+
+def _swap_stages(data, keys):
+    first, second = data["stages"][:2]
+    for key in keys:
+        first[key], second[key] = second[key], first[key]
+
+
+@pytest.mark.parametrize("keys, message", [
+    (("layers", "first_layer", "last_layer"),
+     r"stages\[1\]: receives layer \d+ from an earlier stage, but it computes it itself: the stages are not in "
+     r"data-flow order \(edited by hand\?\); regenerate the plan with pd plan$"),
+    (("layers", "first_layer", "last_layer", "receives", "sends"),
+     r"stages\[0\]: receives layer \d+ from an earlier stage, but stages\[1\] computes it later: the stages are not "
+     r"in data-flow order"),
+])
+def test_stages_out_of_data_flow_order_are_refused_from_the_plan_alone(keys, message):
+    data = _plan_json()
+    _swap_stages(data, keys)
+    with pytest.raises(ArtifactError, match=message) as info:
+        Plan.from_json(data, "m.plan.json")
+    assert str(info.value).startswith("m.plan.json: ") and "\n" not in str(info.value)
+
+
+def test_a_layer_moved_across_a_boundary_by_hand_is_refused():
+    data = _plan_json()
+    moved = data["stages"][0]["sends"][-1]  # a layer stage 1 receives, moved into stage 1
+    data["stages"][0]["layers"].remove(moved)
+    data["stages"][1]["layers"].append(moved)
+    with pytest.raises(ArtifactError, match=rf"stages\[1\]: receives layer {moved} from an earlier stage, but it "
+                                            "computes it itself"):
+        Plan.from_json(data, "m.plan.json")
+
+
+def test_a_plan_from_before_the_record_is_refused_with_the_command_that_makes_it_again():
+    data = _plan_json()
+    data["provenance"]["command"] = "pd plan vgg16.profile.json\n --cluster 4x1GB/s"
+    for stage in data["stages"]:
+        del stage["receives"], stage["sends"]
+    with pytest.raises(ArtifactError) as info:
+        Plan.from_json(data, "m.plan.json")
+    assert str(info.value) == ("m.plan.json: stages[0]: no receives/sends: the plan was made by an older pdtool, before "
+                               "plans recorded what each stage receives and sends; make it again with pd plan "
+                               "vgg16.profile.json --cluster 4x1GB/s -o m.plan.json")
+
+
+def test_a_record_that_disagrees_with_the_profiles_edges_is_refused_when_the_profile_is_at_hand():
+    """A record consistent in itself (what stage 0 sends, stage 1 receives) that leaves out an
+    edge of the profile: only the profile shows it."""
+    import dataclasses
+
+    from pdtool.artifacts.plan import check_against_profile
+
+    profile = chain_profile([10, 10, 10, 10, 10, 40], [1] * 6, [1000] * 6, skips=[(0, 5)])
+    plan = make_plan(profile, parse_cluster("2x1GB/s"), straight=True, simulate=False)
+    check_against_profile(plan, profile)
+    first, second = plan.stages
+    assert 0 in second.receives and first.sends[0] == 0
+    stale = dataclasses.replace(plan, stages=(dataclasses.replace(first, sends=first.sends[1:]),
+                                              dataclasses.replace(second, receives=second.receives[1:])))
+    with pytest.raises(ArtifactError, match=rf"^the plan: stages\[0\] records receiving \[\] and sending "
+                                            rf"\[{first.sends[-1]}\], but by the profile given's edges it receives "
+                                            rf"\[\] and sends \[0,{first.sends[-1]}\] \(edited by hand\?\)"):
+        check_against_profile(stale, profile)
 
 
 def test_a_measurement_far_from_the_prediction_is_explained_from_what_pdtool_knows():

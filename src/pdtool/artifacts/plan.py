@@ -9,6 +9,7 @@ inputs, so it can be checked in and diffed. `pd train` executes it.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from dataclasses import InitVar, dataclass
@@ -63,6 +64,11 @@ class PlanStage(LayerSet):
     the worker's own work in one all-reduce of its gradients (the profile's share, charged by the
     simulator on replicated stages beside the link's time). `wgrad_ms` is the part of `bwd_ms`
     that computes the weight gradients (the W of mode `zb`).
+
+    `receives` are the ids of the layers of earlier stages whose outputs its layers read, `sends`
+    the ids of its own layers whose outputs later stages read (both ascending; from the profile's
+    edges when the plan was made): the plan's own record of its data flow, so that its stages'
+    order is checked without the profile (`_validate`).
     """
 
     layers: tuple[int, ...]
@@ -85,6 +91,8 @@ class PlanStage(LayerSet):
     data_ms: float = 0.0
     wgrad_ms: float = 0.0
     reduce_ms: float = 0.0
+    receives: tuple[int, ...] = ()
+    sends: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         round_float_fields(self)
@@ -277,7 +285,8 @@ class Plan(SchemaChecked):
                  "in_bytes": s.in_bytes, "out_bytes": s.out_bytes, "activation_bytes": s.activation_bytes,
                  "update_ms": s.update_ms, "data_ms": s.data_ms, "wgrad_ms": s.wgrad_ms, "reduce_ms": s.reduce_ms,
                  "compute_ms": s.compute_ms, "allreduce_ms": s.allreduce_ms, "transfer_ms": s.transfer_ms,
-                 "time_ms": s.time_ms, "memory_bytes": s.memory_bytes}
+                 "time_ms": s.time_ms, "memory_bytes": s.memory_bytes,
+                 "receives": list(s.receives), "sends": list(s.sends)}
                 for i, s in enumerate(self.stages)
             ],
             "groups": [
@@ -324,8 +333,9 @@ class Plan(SchemaChecked):
                                                    "in_flight", "fwd_ms", "bwd_ms", "param_bytes", "in_bytes",
                                                    "out_bytes", "activation_bytes", "compute_ms", "allreduce_ms", "transfer_ms",
                                                    "time_ms", "memory_bytes", "update_ms", "data_ms", "wgrad_ms",
-                                                   "reduce_ms"))
+                                                   "reduce_ms", "receives", "sends"))
             layers = _layer_ids(f, "layers")
+            receives, sends = _boundary(f, data)
             ranks = f.get("ranks", list)
             if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
                 f.fail("every rank must be an integer", "fix the list", "ranks")
@@ -345,7 +355,7 @@ class Plan(SchemaChecked):
                                     # a plan from before weight gradients were timed
                                     f.get("wgrad_ms", float, optional=True,
                                           default=estimate_wgrad_ms(f.number("bwd_ms"), f.count("param_bytes"))),
-                                    f.get("reduce_ms", float, optional=True, default=0.0)))
+                                    f.get("reduce_ms", float, optional=True, default=0.0), receives, sends))
         groups = []
         for where, item in top.items("groups"):
             f = Fields(item, source, where, known=("level", "layers", "units", "compute_ms", "allreduce_ms",
@@ -388,6 +398,25 @@ def _layer_ids(f: Fields, key: str) -> tuple[int, ...]:
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
         f.fail(f"expected a list of layer ids, found {value!r:.40}", "list the stage's layer ids", key)
     return tuple(sorted(value))
+
+
+def _boundary(f: Fields, data: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A stage's `receives` and `sends`; a plan from before they were recorded is refused in one
+    line that says to make it again (with the command that made it)."""
+    if "receives" not in f.data and "sends" not in f.data:
+        provenance = data.get("provenance")
+        command = provenance.get("command") if isinstance(provenance, dict) else None
+        words = command.split() if isinstance(command, str) else []
+        again = " ".join(words + ["-o", f.source]) if words[:2] == ["pd", "plan"] else "pd plan"
+        f.fail("no receives/sends: the plan was made by an older pdtool, before plans recorded what each stage "
+               "receives and sends", f"make it again with {again}")
+    found = []
+    for key in ("receives", "sends"):
+        ids = _layer_ids(f, key)
+        if len(set(ids)) < len(ids):
+            f.fail(f"layer {next(i for i in ids if ids.count(i) > 1)} is listed twice", "list each layer once", key)
+        found.append(ids)
+    return found[0], found[1]
 
 
 def _validate(plan: Plan, source: str) -> None:
@@ -435,6 +464,45 @@ def _validate(plan: Plan, source: str) -> None:
         missing = [layer for layer in range(layers) if layer not in owner]
         top.fail(f"layer{'s' if len(missing) > 1 else ''} {compact_ranges(missing)} "
                  f"{'are' if len(missing) > 1 else 'is'} in no stage", "put every layer in exactly one stage", "stages")
+    _check_data_flow(plan, owner, top)
+
+
+def _check_data_flow(plan: Plan, owner: dict[int, int], top: Fields) -> None:
+    """The stages in data-flow order by the plan's own record: every layer a stage receives is
+    computed by an earlier stage, and every stage sends exactly those of its layers that later
+    stages receive (a hand edit that moves layers between stages breaks one or the other)."""
+    for index, stage in enumerate(plan.stages):
+        for layer in stage.receives:
+            if layer not in owner:
+                top.fail(f"receives layer {layer}, which does not exist in a profile of {plan.profile.layers} layers",
+                         "regenerate the plan with pd plan", f"stages[{index}]")
+            if owner[layer] >= index:
+                computer = "it computes it itself" if owner[layer] == index else f"stages[{owner[layer]}] computes it later"
+                top.fail(f"receives layer {layer} from an earlier stage, but {computer}: {OUT_OF_ORDER}",
+                         "regenerate the plan with pd plan", f"stages[{index}]")
+    for index, stage in enumerate(plan.stages):
+        read = sorted({layer for later in plan.stages[index + 1:] for layer in later.receives if owner[layer] == index})
+        if list(stage.sends) != read:
+            top.fail(f"sends layers [{compact_ranges(stage.sends)}], but the later stages receive "
+                     f"[{compact_ranges(read)}] of its layers: the stages' records disagree (edited by hand?)",
+                     "regenerate the plan with pd plan", f"stages[{index}]")
+
+
+OUT_OF_ORDER = "the stages are not in data-flow order (edited by hand?)"
+"""What a plan whose stage reads what a later stage computes is told; no schedule can run it."""
+
+
+def with_boundaries(profile: Profile, stages) -> tuple[PlanStage, ...]:
+    """`stages` (of a plan of `profile`) with `receives` and `sends` from the profile's edges."""
+    owner = {layer: index for index, stage in enumerate(stages) for layer in stage.layers}
+    receives = [set() for _ in stages]
+    sends = [set() for _ in stages]
+    for src, dst in profile.edges:
+        if owner[src] != owner[dst]:
+            receives[owner[dst]].add(src)
+            sends[owner[src]].add(src)
+    return tuple(dataclasses.replace(stage, receives=tuple(sorted(r)), sends=tuple(sorted(s)))
+                 for stage, r, s in zip(stages, receives, sends))
 
 
 def profile_sha256(profile: Profile) -> str:
@@ -480,5 +548,11 @@ def check_against_profile(plan: Plan, profile: Profile, plan_path: str = "the pl
     for src, dst in profile.edges:
         if owner[src] > owner[dst]:
             raise ArtifactError(f"{plan_path}: stages[{owner[dst]}] reads layer {src} ({profile.layers[src].name}), "
-                                f"which stages[{owner[src]}] computes later: the stages are not in data-flow order "
-                                "(edited by hand?); regenerate the plan with pd plan")
+                                f"which stages[{owner[src]}] computes later: {OUT_OF_ORDER}; regenerate the plan "
+                                "with pd plan")
+    for index, (stage, actual) in enumerate(zip(plan.stages, with_boundaries(profile, plan.stages))):
+        if (stage.receives, stage.sends) != (actual.receives, actual.sends):
+            raise ArtifactError(f"{plan_path}: stages[{index}] records receiving [{compact_ranges(stage.receives)}] "
+                                f"and sending [{compact_ranges(stage.sends)}], but by {profile_path}'s edges it "
+                                f"receives [{compact_ranges(actual.receives)}] and sends "
+                                f"[{compact_ranges(actual.sends)}] (edited by hand?); regenerate the plan with pd plan")

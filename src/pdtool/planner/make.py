@@ -15,7 +15,7 @@ from .. import __version__
 from .. import simulate as simulator
 from ..artifacts.cluster import Cluster
 from ..artifacts.plan import (
-    MS_PER_S, Plan, PlanGroup, PlanStage, Prediction, ProfileRef, compact_ranges, profile_sha256,
+    MS_PER_S, Plan, PlanGroup, PlanStage, Prediction, ProfileRef, compact_ranges, profile_sha256, with_boundaries,
 )
 from ..artifacts.profile import Profile
 from ..errors import PlanError
@@ -161,6 +161,7 @@ def _as_plan(pipeline: Pipeline, solver: Solver, profile: Profile, cluster: Clus
              mode: str | None, command: str) -> Plan:
     """The plan of one of the dynamic program's pipelines, with the cost model's figures."""
     stages, groups = _describe(pipeline, profile, costs, model, solver, memory or Memory(float("inf"), optimizer_slots))
+    stages = with_boundaries(profile, stages)
     items = [(s.time_ms, f"stage {i} {_dominant(s.compute_ms, s.allreduce_ms, s.transfer_ms)}")
              for i, s in enumerate(stages)]
     items += [(g.time_ms, f"level-{g.level} group of layers {compact_ranges(g.layers)} "
