@@ -5,6 +5,7 @@ error, exit 2), no traceback, no output file written and an existing output left
 Everything runs in-process through click's runner; no worker is ever started."""
 import copy
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -193,6 +194,23 @@ def test_a_profile_that_is_not_the_plans_is_refused(good, tmp_path):
     other = edited(good[0], lambda d: d.__setitem__("step_ms", d["step_ms"] * 2), tmp_path / "other.json")
     for args in (["simulate", plan, "--profile", other], ["show", plan, "--profile", other, "--render", tmp_path / "p.dot"]):
         check(args, tmp_path, codes=(1,))
+
+
+def test_a_picture_graphviz_fails_to_draw_is_one_line_and_no_file(good, tmp_path, monkeypatch):
+    folder = tmp_path / "plans"
+    folder.mkdir()
+    (folder / "m.profile.json").write_text(json.dumps(good[0]))
+    (folder / "m.plan.json").write_text(json.dumps(good[1]))
+    fake = tmp_path / "bin" / "dot"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'Warning: x' >&2\nfor i in 1 2 3; do echo \"Error: trouble in init_rank $i\" >&2; "
+                    "done\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    check(["show", folder / "m.plan.json", "--render", folder / "p.svg"], tmp_path, folder / "p.svg", codes=(1,))
+    result = CliRunner().invoke(cli, ["show", str(folder / "m.plan.json"), "--render", str(folder / "p.svg")])
+    assert "(Error: trouble in init_rank 1); --render p.dot writes the picture's source instead" in result.stderr
+    assert not (folder / "p.dot").exists() and result.stdout == ""
 
 
 def test_a_plan_whose_model_changed_is_refused_before_any_worker(good, tmp_path):

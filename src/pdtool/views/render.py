@@ -14,6 +14,13 @@ into several columns inside its box, so a 100-layer model fits a landscape page 
 a 100-node strip. Edges that cross a stage boundary (what the pipeline sends) are heavy and
 labelled with the bytes of the source layer's output per minibatch; edges inside a stage are
 thin and unlabelled. The bottleneck stage has a bold red border.
+
+Edges between columns do not constrain the ranks, so every column starts at the top; their
+labels (bytes, tied weights) are external labels (`xlabel`), placed after the layout. Labels
+that take part in the layout, or a `newrank` row of column heads across the stage boxes, make
+graphviz's `dot` fail ("trouble in init_rank") or crash on plans whose stages interleave (a
+stage's layer ids between another's, as on a transformer cut inside an attention block).
+`dot` runs quietly; when it fails, `render_plan` says so in one line with its first error.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import math
 import os
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import graphviz
@@ -71,7 +79,7 @@ def plan_graph(plan: Plan, profile: Profile) -> graphviz.Digraph:
     short = len(profile.layers) >= SHORT_LABELS_FROM
 
     graph = graphviz.Digraph(name="plan")
-    graph.attr("graph", rankdir="TB", newrank="true", nodesep="0.2", ranksep="0.22",
+    graph.attr("graph", rankdir="TB", nodesep="0.2", ranksep="0.22",
                fontname="Helvetica", fontsize="16", labelloc="t", labeljust="l",
                label=_title(plan, profile))
     graph.attr("node", shape="box", style="rounded,filled", fillcolor="white", color="#555555",
@@ -90,29 +98,18 @@ def plan_graph(plan: Plan, profile: Profile) -> graphviz.Digraph:
             for layer in (profile.layers[i] for i in stage.layers):
                 box.node(_node(layer.id), _node_label(layer, short), tooltip=_tooltip(layer))
 
-    # Column heads share the top rank and stand left to right in layer order (newrank lets a
-    # rank=same group span clusters); the invisible chain between them fixes that order.
-    heads = [ids[0] for ids in column_of]
-    if len(heads) > 1:
-        with graph.subgraph(name="column_heads") as top:
-            top.attr(rank="same")
-            for first in heads:
-                top.node(_node(first))
-            for left, right in zip(heads, heads[1:]):
-                top.edge(_node(left), _node(right), style="invis")
-
     column = {layer_id: c for c, ids in enumerate(column_of) for layer_id in ids}
     for src, dst in profile.edges:
         same_column = column[src] == column[dst]
         attrs = {} if same_column else {"constraint": "false"}
         if stage_of[src] != stage_of[dst]:
-            graph.edge(_node(src), _node(dst), label=format_bytes(profile.layers[src].act_bytes),
+            graph.edge(_node(src), _node(dst), xlabel=format_bytes(profile.layers[src].act_bytes),
                        penwidth="2.5", color="#222222", fontcolor="#222222", arrowsize="0.9", **attrs)
         else:
             graph.edge(_node(src), _node(dst), **attrs)
     for name, layers in profile.shared:  # tied weights: a dashed line between the layers that share one
         for other in layers[1:]:
-            graph.edge(_node(layers[0]), _node(other), label=f"tied: {_text(name)}", style="dashed", dir="none",
+            graph.edge(_node(layers[0]), _node(other), xlabel=f"tied: {_text(name)}", style="dashed", dir="none",
                        color=TIED_COLOUR, fontcolor=TIED_COLOUR, constraint="false", penwidth="1.5")
     return graph
 
@@ -121,10 +118,10 @@ def render_plan(plan: Plan, profile: Profile, path: str | os.PathLike) -> tuple[
     """Write the picture of `plan` over `profile` to `path`; the format is its extension.
 
     Returns the file actually written and a warning line or None. When graphviz's `dot`
-    program is missing (or fails), the `.dot` source goes next to `path` (same stem) and the
-    warning says how to install graphviz and render it by hand. Raises `PdtoolError` for an
-    extension not in `FORMATS` or a folder that cannot be written, `ArtifactError` when the
-    plan was not made from `profile`.
+    program is missing, the `.dot` source goes next to `path` (same stem) and the warning says
+    how to install graphviz and render it by hand. Raises `PdtoolError` for an extension not in
+    `FORMATS`, a folder that cannot be written, or a `dot` that fails (its first error line;
+    nothing is written), `ArtifactError` when the plan was not made from `profile`.
     """
     target = Path(path)
     fmt = target.suffix[1:].lower()
@@ -141,15 +138,30 @@ def render_plan(plan: Plan, profile: Profile, path: str | os.PathLike) -> tuple[
     if shutil.which("dot") is None:
         return _fallback(graph, target, source_path, fmt, "graphviz's `dot` program is not installed")
     try:
-        picture = graph.pipe(format=fmt, engine="dot")
+        picture = graph.pipe(format=fmt, engine="dot", quiet=True)  # dot's warnings are not pd's talk
     except graphviz.ExecutableNotFound:
         return _fallback(graph, target, source_path, fmt, "graphviz's `dot` program is not installed")
     except graphviz.CalledProcessError as exc:
-        last = (exc.stderr or b"").decode("utf-8", "replace").strip().splitlines()
-        why = f"graphviz's `dot` failed ({last[-1] if last else f'exit status {exc.returncode}'})"
-        return _fallback(graph, target, source_path, fmt, why)
+        raise PdtoolError(f"graphviz's `dot` could not draw {target} ({first_error(exc.stderr, exc.returncode)}); "
+                          f"--render {source_path.name} writes the picture's source instead, to lay out with "
+                          "another graphviz version or engine") from None
     write_bytes_atomic(target, picture)
     return target, None
+
+
+def first_error(stderr: bytes | str | None, returncode: int) -> str:
+    """The line of a failed graphviz run that says why: its first `Error` line, else its first
+    line, else how the program ended (an exit status, or the signal that killed it)."""
+    text = stderr.decode("utf-8", "replace") if isinstance(stderr, bytes) else stderr or ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in lines:
+        if "error" in line.lower() or "assertion" in line.lower():
+            return line
+    if lines:
+        return lines[0]
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit status {returncode}"
 
 
 # ----- pieces ----------------------------------------------------------------------------------
