@@ -20,7 +20,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -29,7 +28,7 @@ from pathlib import Path
 
 from ..errors import Interrupted, LaunchError, PdtoolError
 from ..signals import SIGNALS
-from . import shm
+from . import scratch, shm
 from .worker import RunConfig, WorkerReport
 
 
@@ -70,7 +69,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
         raise LaunchError(f"the plan needs {workers} workers but {nodes.nnodes} machines x {per_node} workers "
                           f"make {per_node * nodes.nnodes}; set --nproc-per-node so that they match")
     join_timeout = int(config.timeout_s) + 60
-    logs = tempfile.mkdtemp(prefix="pdtool-workers-")  # the workers' error files; removed when the job ends
+    logs = scratch.make()  # the workers' error files; removed when the job ends (or by the next launch: SIGKILL)
     store, network_env = _meet(nodes, join_timeout, talk)
     node = uuid.uuid4().hex[:12]  # the workers of this launcher: their links may use shared memory (runtime.shm)
     network_env[shm.NODE_ENV] = node

@@ -36,6 +36,7 @@ from typing import Sequence
 import torch
 
 from ..errors import LaunchError
+from .scratch import running
 
 NODE_ENV = "PDTOOL_NODE"
 """Set by `pd train`'s launcher to one value for all the workers it starts (one machine)."""
@@ -99,22 +100,12 @@ class Waiter:
     def _check(self, waited_s: float, what: str) -> None:
         from .peers import PeerTimeout
 
-        if self.peer_pid is not None and not _exists(self.peer_pid):
+        if self.peer_pid is not None and not running(self.peer_pid):
             raise LaunchError(f"rank {self.rank} waited for {what}: rank {self.peer}'s remote process exited")
         if self.timeout_s is not None and waited_s > self.timeout_s:
             raise PeerTimeout(f"rank {self.rank} waited {self.timeout_s:g} s for {what}, which stopped answering (hung, "
                               "stopped, or busy longer than that, e.g. making a slow minibatch); the job was stopped "
                               "(--timeout sets how long a worker waits)", self.peer)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Ring:

@@ -1,0 +1,99 @@
+"""The launcher's scratch folder: what a SIGKILLed launcher left is swept by the next launch,
+and nothing else is (a live launcher's folder, another machine's, files pdtool did not make)."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from pdtool.runtime import scratch
+
+KILLED = ("from pdtool.runtime import scratch; import os, signal; print(scratch.make(), flush=True); "
+          "os.kill(os.getpid(), signal.SIGKILL)")
+
+
+@pytest.fixture
+def temp(tmp_path, monkeypatch):
+    """A temp folder of the test's own, for this process and its children."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    return tmp_path
+
+
+def left_by_killed_launcher():
+    """The scratch folder of a process that made it and was then killed with SIGKILL."""
+    done = subprocess.run([sys.executable, "-c", KILLED], capture_output=True, text=True)
+    assert done.returncode == -9, done.stderr
+    return done.stdout.strip()
+
+
+def test_a_scratch_folder_names_its_launcher(temp):
+    folder = scratch.make()
+    assert os.path.dirname(folder) == str(temp)
+    assert os.path.basename(folder).startswith(f"pdtool-workers-{os.getpid()}-")
+    with open(os.path.join(folder, scratch.OWNER)) as file:
+        owner = json.load(file)
+    assert owner["pid"] == os.getpid() and owner["host"]
+    assert scratch.sweep() == [] and os.path.isdir(folder)  # its launcher (this process) runs
+
+
+def test_the_next_launch_sweeps_what_a_killed_launcher_left(temp):
+    left = left_by_killed_launcher()
+    assert os.path.isdir(left) and left.startswith(str(temp))
+    mine = scratch.make()
+    assert sorted(os.listdir(temp)) == [os.path.basename(mine)]
+
+
+def test_a_live_launchers_folder_is_kept_until_it_dies(temp):
+    child = subprocess.Popen([sys.executable, "-c", "from pdtool.runtime import scratch; import time; "
+                              "print(scratch.make(), flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        folder = child.stdout.readline().strip()
+        assert scratch.sweep() == [] and os.path.isdir(folder)
+    finally:
+        child.kill()
+        child.wait()
+    assert scratch.sweep() == [folder] and not os.path.exists(folder)
+
+
+def test_a_pid_now_running_another_process_does_not_keep_a_dead_launchers_folder(temp):
+    folder = scratch.make()
+    path = os.path.join(folder, scratch.OWNER)
+    with open(path) as file:
+        owner = json.load(file)
+    with open(path, "w") as file:  # this pid, but started at another time: the launcher that made it is gone
+        json.dump({**owner, "started": owner["started"] - 1}, file)
+    assert scratch.sweep() == [folder]
+
+
+@pytest.mark.parametrize("change", [
+    lambda o: o.update(host="another-machine"),   # a temp folder shared over the network
+    lambda o: o.update(namespace="pid:[1]"),      # another container of this machine
+    lambda o: o.update(pid="12"),
+    lambda o: o.pop("pid"),
+])
+def test_folders_of_other_machines_or_unreadable_owners_are_kept(temp, change):
+    left = left_by_killed_launcher()
+    path = os.path.join(left, scratch.OWNER)
+    with open(path) as file:
+        owner = json.load(file)
+    change(owner)
+    with open(path, "w") as file:
+        json.dump(owner, file)
+    assert scratch.sweep() == [] and os.path.isdir(left)
+
+
+def test_what_pdtool_did_not_make_is_kept(temp):
+    left = left_by_killed_launcher()
+    owner = os.path.join(left, scratch.OWNER)
+    for name in ("pdtool-workers-abc", "pdtool-workers-1-x.y", "other-1-x"):  # other names, same owner file
+        os.mkdir(temp / name)
+        os.link(owner, temp / name / scratch.OWNER)
+    (temp / "pdtool-workers-7-file").write_text("a file, not a folder")
+    os.symlink(left, temp / "pdtool-workers-8-link")
+    os.mkdir(temp / "pdtool-workers-9-noowner")
+    assert scratch.sweep() == [left]
+    assert sorted(os.listdir(temp)) == ["other-1-x", "pdtool-workers-1-x.y", "pdtool-workers-7-file",
+                                        "pdtool-workers-8-link", "pdtool-workers-9-noowner", "pdtool-workers-abc"]
