@@ -6,6 +6,7 @@ Everything runs in-process through click's runner; no worker is ever started."""
 import copy
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -268,10 +269,14 @@ def test_bad_plan_options(good, tmp_path, args):
     ["--resume"], ["--evaluate"], ["--rdzv-endpoint", "h:1", "--node-rank", "1"], ["--nnodes", "2"],
     ["--iface", "nosuch0"],
 ], ids=lambda a: " ".join(a))
-def test_bad_train_options_start_no_worker(good, tmp_path, args):
+def test_bad_train_options_start_no_worker(good, tmp_path, args, monkeypatch):
     path = tmp_path / "m.plan.json"
     path.write_text(json.dumps(good[1]))
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     check(["train", path, *args], tmp_path)
+    assert list(temp.iterdir()) == []  # no scratch folder left behind (e.g. by a rendezvous that failed)
 
 
 @pytest.mark.parametrize("args", [
