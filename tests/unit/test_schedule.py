@@ -1,5 +1,6 @@
 """Schedules: generation per mode, text form, validator, weight versions."""
 import dataclasses
+import math
 
 import pytest
 
@@ -406,3 +407,86 @@ def test_zb2_doubles_the_warm_up_and_the_lag_to_fill_the_start_of_a_batch_too():
 def test_validator_checks_weight_gradient_actions(schedule, message):
     with pytest.raises(ScheduleError, match=message):
         validate(schedule)
+
+
+# ----- drains: where a checkpoint resumes exactly ------------------------------------------------
+def _step_groups(mode, replicas, group):
+    """Every stage's minibatches per step: r_s in pipedream and vsync, m otherwise."""
+    return replicas if mode in ("pipedream", "vsync") else (group,)
+
+
+def _drained_grid():
+    for replicas in PATTERNS:
+        for mode in MODES:
+            group = 1 if mode in ("pipedream", "vsync") else default_group(replicas)
+            unit = math.lcm(*_step_groups(mode, replicas, group))
+            for drain in (unit, 2 * unit, 3 * unit):
+                for minibatches in range(group, 4 * unit + 2, group):
+                    yield mode, replicas, minibatches, group, drain
+
+
+def shifted(schedule: Schedule, offset: int) -> list[tuple[Action, ...]]:
+    """Every worker's actions with `offset` added to their minibatch ids."""
+    return [tuple(a if a.kind == "U" else Action(a.kind, a.stage, a.minibatch + offset) for a in actions)
+            for actions in schedule.workers]
+
+
+def test_validator_accepts_every_drained_schedule():
+    count = 0
+    for mode, replicas, minibatches, group, drain in _drained_grid():
+        schedule = generate(mode, replicas, minibatches, group, drain_every=drain)
+        validate(schedule)
+        table = schedule.versions()
+        assert all(table[("B", s, b)] == table[("F", s, b)] for s in range(len(replicas)) for b in range(minibatches))
+        undrained = generate(mode, replicas, minibatches, group)
+        peaks, before = peak_versions(schedule), peak_versions(undrained)
+        assert all(peaks[rank] <= before[rank] for rank in peaks), (mode, replicas, minibatches, drain)
+        if mode == "2bw":
+            assert max(peaks.values()) <= 2
+        count += 1
+    assert count > 1000
+
+
+def test_a_drained_schedule_is_the_concatenation_of_its_segments():
+    """With drains every D minibatches, a worker's actions are those of the schedules of each
+    segment, their minibatch ids shifted by the segment's start: a run resumed at a drain runs
+    exactly what the uninterrupted run would have. (Round robin gives a minibatch the same
+    replica in both when D is a multiple of every r_s, as it always is in pipedream and vsync.)"""
+    count = 0
+    for mode, replicas, minibatches, group, drain in _drained_grid():
+        if drain % math.lcm(*replicas):
+            continue
+        whole = generate(mode, replicas, minibatches, group, drain_every=drain)
+        parts = [shifted(generate(mode, replicas, min(drain, minibatches - start), group), start)
+                 for start in range(0, minibatches, drain)]
+        assert [sum((part[rank] for part in parts), ()) for rank in range(sum(replicas))] == list(whole.workers)
+        count += 1
+    assert count > 800
+
+
+def test_drains_in_each_mode_and_the_versions_after_them():
+    assert lines(generate("pipedream", (1, 1), 4, drain_every=2)) == [
+        "0F0 0F1 0B0 0U 0B1 0U 0F2 0F3 0B2 0U 0B3 0U",
+        "1F0 1B0 1U 1F1 1B1 1U 1F2 1B2 1U 1F3 1B3 1U",
+    ]
+    pipedream = generate("pipedream", (1, 1, 1), 8, drain_every=4)
+    assert forward_versions(pipedream, 0) == [0, 0, 0, 1, 4, 4, 4, 5]  # after the drain: the newest, 4
+    vsync = generate("vsync", (1, 1, 1), 10, drain_every=5)
+    assert [forward_versions(vsync, s) for s in range(3)] == [[0, 0, 0, 1, 2, 5, 5, 5, 6, 7]] * 3
+    # 2bw: batch t runs on version t-1, but the first batch after a drain on the newest, t
+    two = generate("2bw", (1, 1, 1), 12, group=3, drain_every=6)
+    assert [forward_versions(two, s) for s in range(3)] == [[0] * 6 + [2] * 6] * 3
+    for mode in FLUSH_MODES:  # these drain before every step already
+        assert generate(mode, (2, 1), 12, 3, drain_every=6) == generate(mode, (2, 1), 12, 3)
+
+
+@pytest.mark.parametrize("args, drain, message", [
+    (("pipedream", (1, 2), 8), 3, r"drain_every=3 .* positive multiple of 2 \(the stages step every 1, 2 minibatches\)"),
+    (("vsync", (2, 3), 12), 4, r"multiple of 6"),
+    (("2bw", (1, 1), 8, 2), 3, r"drain_every=3 minibatches for mode '2bw' .* multiple of 2"),
+    (("pipedream", (1, 1), 8), 0, r"drain_every=0 .* positive multiple of 1"),
+    (("flush", (1, 1), 8, 2), True, r"drain_every=True"),
+])
+def test_generate_rejects_a_drain_inside_a_step(args, drain, message):
+    with pytest.raises(ScheduleError, match=message):
+        generate(*args, drain_every=drain)

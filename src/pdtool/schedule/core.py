@@ -189,7 +189,11 @@ class Schedule:
         - 2bw (arXiv 2006.09503 section 3.1): the version is fixed when a batch enters the
           pipeline: every microbatch of batch t on every stage uses stage 0's live version when
           the batch's first microbatch t*m starts its forward there. With m >= d that is t-1
-          (0 for t = 0): W(t+1) = W(t) - lr * grad f(W(t-1)), one step of delay at every stage.
+          (0 for t = 0): W(t+1) = W(t) - lr * grad f(W(t-1)), one step of delay at every stage;
+          the first batch after a drain (`generate`'s `drain_every`) runs on the newest, t.
+        A drain changes no rule: after it every stage has made all its versions, so the rules
+        give what a fresh schedule of the remaining minibatches gives (version v there is v + the
+        steps before the drain here).
         """
         live: dict[tuple[int, int], int] = {}
         for actions in self.workers:

@@ -4,9 +4,12 @@ Every worker (stage s, replica i) runs the minibatches b = i, i + r_s, i + 2 r_s
 PipeDream SOSP'19 section 3.2), in one of two orders:
 - 1F1B: `warmup_forwards` forwards, then strictly one forward and one backward, then the
   remaining backwards. pipedream, vsync and 2bw run it over the whole run (PipeDream SOSP'19
-  section 3.2; PipeDream-2BW arXiv 2006.09503 section 3.1); flush runs it inside each batch of m
-  microbatches and drains the pipeline before the step (PipeDream-Flush, arXiv 2006.09503
-  section 3.2).
+  section 3.2; PipeDream-2BW arXiv 2006.09503 section 3.1), or, with `drain_every`, over each
+  segment of that many minibatches: the pipeline drains at every segment's end, where a
+  checkpoint then holds everything the run has done and nothing in flight, so a run resumed
+  there (a fresh schedule of the remaining minibatches) equals the uninterrupted one. flush runs
+  1F1B inside each batch of m microbatches and drains the pipeline before the step
+  (PipeDream-Flush, arXiv 2006.09503 section 3.2).
 - gpipe: per batch of m, all its forwards, then all its backwards in the same order.
 - zb (zero bubble, ZB-H1): flush's order with every backward split into B (input gradients,
   what the stage before waits for) and W (weight gradients, which nobody waits for): a worker
@@ -22,54 +25,74 @@ no microbatch of a batch): it joins the all-reduce with no gradient of its own.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
+from ..errors import ScheduleError
 from .core import (
-    ASYNC_MODES, SPLIT_MODES, Action, Schedule, check_parameters, default_group, step_group, steps, warmup_forwards,
-    weight_lag,
+    ASYNC_MODES, FLUSH_MODES, SPLIT_MODES, Action, Schedule, check_parameters, default_group, step_group, steps,
+    warmup_forwards, weight_lag,
 )
 
 
-def generate(mode: str, replicas: Sequence[int], minibatches: int, group: int | None = None) -> Schedule:
+def generate(mode: str, replicas: Sequence[int], minibatches: int, group: int | None = None,
+             drain_every: int | None = None) -> Schedule:
     """The schedule of `mode` for `minibatches` minibatches on stages with `replicas` replicas each.
 
     `group` is m, the microbatches per optimizer step, for 2bw, flush and gpipe; it defaults to
     `default_group(replicas)` (the number of stages on a straight pipeline), and `minibatches`
     must be a multiple of it. pipedream and vsync take no group (None or 1).
+
+    `drain_every` (minibatches; None: never) drains the pipeline after every that many
+    minibatches: the schedule is then the concatenation of the schedules of its segments, minibatch
+    ids shifted by the segment's start. It must be a multiple of every stage's step group (r_s in
+    pipedream and vsync, m otherwise), so that no step spans two segments. flush, gpipe, zb and
+    zb2 drain after every step anyway: there it changes nothing.
     """
     if group is None:
         group = 1 if mode in ASYNC_MODES else default_group(replicas) if _sane(replicas) else 1
     check_parameters(mode, replicas, minibatches, group)
     shell = Schedule(mode, tuple(replicas), minibatches, group, tuple(() for _ in range(sum(replicas))))
+    span = _batch_span(shell, drain_every)
     workers = []
     for stage, count in enumerate(shell.replicas):
         for replica in range(count):
             own = list(range(replica, minibatches, count))
-            order = _forward_backward_order(shell, stage, own)
+            batches = [[b for b in own if b // span == t] for t in range(-(-minibatches // span))]
+            order = [action for batch in batches for action in _forward_backward_order(shell, stage, batch)]
             workers.append(_with_steps(shell, stage, order))
     return Schedule(mode, shell.replicas, minibatches, group, tuple(workers))
 
 
-def _forward_backward_order(shell: Schedule, stage: int, own: list[int]) -> list[Action]:
-    """F and B actions of one worker for its minibatches `own`, before the steps go in."""
-    if shell.mode in ASYNC_MODES + ("2bw",):
-        batches = [own]
-    else:
-        batches = [[b for b in own if b // shell.group == t] for t in range(shell.minibatches // shell.group)]
-    order: list[Action] = []
-    for batch in batches:
-        if shell.mode == "gpipe":
-            order += [Action("F", stage, b) for b in batch] + [Action("B", stage, b) for b in batch]
-            continue
-        warmup = min(warmup_forwards(shell.replicas, stage, shell.mode), len(batch))
-        order += [Action("F", stage, b) for b in batch[:warmup]]
-        steady = [[Action("F", stage, forward), Action("B", stage, backward)]
-                  for forward, backward in zip(batch[warmup:], batch)]
-        drain = [[Action("B", stage, b)] for b in batch[len(batch) - warmup:]]
-        if shell.mode in SPLIT_MODES:
-            _add_weight_gradients(steady + drain, stage, weight_lag(shell.replicas, stage, shell.mode))
-        order += [action for actions in steady + drain for action in actions]
-    return order
+def _batch_span(shell: Schedule, drain_every: int | None) -> int:
+    """Minibatches between two drains of the pipeline: m in the flush modes, `drain_every` (or the
+    whole run) in pipedream, vsync and 2bw. Raises ScheduleError for a `drain_every` that is not
+    a positive multiple of every stage's step group."""
+    if drain_every is not None:
+        sizes = sorted({step_group(shell, stage) for stage in range(shell.stages)})
+        if not _is_positive(drain_every) or any(drain_every % size for size in sizes):
+            raise ScheduleError(
+                f"drain_every={drain_every!r} minibatches for mode {shell.mode!r} on replicas {shell.replicas}: a "
+                f"drain must fall between two steps of every stage, so it must be a positive multiple of "
+                f"{math.lcm(*sizes)} (the stages step every {', '.join(map(str, sizes))} minibatches)")
+    if shell.mode in FLUSH_MODES:
+        return shell.group
+    return drain_every or shell.minibatches
+
+
+def _forward_backward_order(shell: Schedule, stage: int, batch: list[int]) -> list[Action]:
+    """F and B (and W) actions of one worker for its minibatches `batch` of one span between
+    drains, before the steps go in."""
+    if shell.mode == "gpipe":
+        return [Action("F", stage, b) for b in batch] + [Action("B", stage, b) for b in batch]
+    warmup = min(warmup_forwards(shell.replicas, stage, shell.mode), len(batch))
+    order = [Action("F", stage, b) for b in batch[:warmup]]
+    steady = [[Action("F", stage, forward), Action("B", stage, backward)]
+              for forward, backward in zip(batch[warmup:], batch)]
+    drain = [[Action("B", stage, b)] for b in batch[len(batch) - warmup:]]
+    if shell.mode in SPLIT_MODES:
+        _add_weight_gradients(steady + drain, stage, weight_lag(shell.replicas, stage, shell.mode))
+    return order + [action for actions in steady + drain for action in actions]
 
 
 def _add_weight_gradients(rounds: list[list[Action]], stage: int, lag: int) -> None:
@@ -103,7 +126,10 @@ def _with_steps(shell: Schedule, stage: int, order: list[Action]) -> tuple[Actio
     return tuple(result)
 
 
+def _is_positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _sane(replicas: Sequence[int]) -> bool:
     """Whether `default_group` can run; if not, check_parameters reports the bad replicas."""
-    return isinstance(replicas, (tuple, list)) and bool(replicas) and all(
-        isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in replicas)
+    return isinstance(replicas, (tuple, list)) and bool(replicas) and all(_is_positive(r) for r in replicas)
