@@ -116,9 +116,10 @@ class _Failing(nn.Module):
         return _fail_after(self.lin(x), self.after, self.how)
 
 
-def _failing_chain(after, how):
+def _failing_chain(after, how, dropout=0.0):
     _CALLS["count"] = 0
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), _Failing(after, how))
+    drop = [nn.Dropout(dropout)] if dropout else []
+    model = nn.Sequential(nn.Linear(8, 8), *drop, nn.Linear(8, 8), *drop, _Failing(after, how))
     return model, (lambda n: (torch.randn(n, 8), torch.randint(0, 8, (n,)))), F.cross_entropy
 
 
@@ -143,9 +144,10 @@ def slow_start(delay=0.0, rank=None, **kwargs):
 
 
 @pdtool.factory
-def dying(after=6):
-    """A 3-layer chain whose last layer's worker is killed by a signal after `after` forwards."""
-    return _failing_chain(after, "kill")
+def dying(after=6, dropout=0.0):
+    """A 3-layer chain whose last layer's worker is killed by a signal after `after` forwards;
+    with `dropout`, an nn.Dropout after each of its first two layers."""
+    return _failing_chain(after, "kill", dropout)
 
 
 class _Gate(nn.Module):

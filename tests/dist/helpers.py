@@ -53,7 +53,8 @@ def reference(plan, config, ref=MLP):
     source = synthetic_source(bundle, plan.profile.batch_size, config.seed)
     first = config.first_step * minibatches_per_step(schedule)
     prepare = (lambda worker: restore(worker, config.resume)) if config.resume else None
-    run = run_reference(stages, schedule, config.optimizer, bundle.loss_fn, lambda b: source.batch(first + b), prepare)
+    run = run_reference(stages, schedule, config.optimizer, bundle.loss_fn, lambda b: source.batch(first + b), prepare,
+                        config.seed, first)
     run.losses = {first + b: loss for b, loss in run.losses.items()}
     return run
 

@@ -1,5 +1,7 @@
 """Checkpoints during `pd train`, resuming (also under another plan), and a crash mid-run."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from pdtool.artifacts.checkpoint import latest_complete, load_checkpoint, read_m
 from pdtool.errors import LaunchError
 from pdtool.artifacts.profile import ModelRef
 from pdtool.runtime.session import run
+from pdtool.schedule import MODES
 
 
 def final_weights(result):
@@ -60,20 +63,75 @@ def test_resume_without_a_checkpoint_dir_is_refused(tmp_path):
 
 @pytest.mark.parametrize("mode", ["pipedream", "2bw"])
 def test_asynchronous_modes_resume_on_their_schedule(tmp_path, mode):
-    """A resumed pipedream/2bw run restarts its pipeline from the checkpoint (weights and
-    optimizer state); it must equal the reference executor resumed the same way."""
+    """With --checkpoint-every, a pipedream/2bw run drains its pipeline at every checkpoint; resumed
+    from one, it runs the rest of that schedule, so it equals the reference executor's
+    uninterrupted run of the whole drained schedule."""
     from helpers import reference
 
     plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode=mode)
     root = tmp_path / "ckpt"
-    run(config_for(path, steps=2, checkpoint_dir=str(root)))
-    resumed = run(config_for(path, steps=4, checkpoint_dir=str(root)), resume=True)
-    expected = reference(plan, config_for(path, steps=2, resume=str(root / "step-00000002"),
-                                          first_step=2))
-    assert resumed.losses == pytest.approx(expected.losses, rel=1e-6)
+    run(config_for(path, steps=2, checkpoint_dir=str(root), checkpoint_every=2))
+    resumed = run(config_for(path, steps=4, checkpoint_dir=str(root), checkpoint_every=2), resume=True)
+    expected = reference(plan, config_for(path, steps=4, checkpoint_dir=str(root), checkpoint_every=2))
+    assert resumed.first_step == 2
+    assert resumed.losses == pytest.approx({b: expected.losses[b] for b in resumed.losses}, rel=1e-6)
     got = final_weights(resumed)
     for name, value in expected.weights.items():
         torch.testing.assert_close(got[name], value)
+
+
+@pytest.fixture(scope="module")
+def dropping_plan(tmp_path_factory):
+    """A 2-stage plan of `toymodels:dying` with dropout in both stages (its worker never killed)."""
+    ref = ModelRef("toymodels:dying", {"after": 10**9, "dropout": 0.25})
+    plan, _ = plan_with(tmp_path_factory.mktemp("plan"), [((0, 1), 1), ((2, 2), 1)], ref=ref)
+    return plan
+
+
+def saved(folder):
+    """A checkpoint's tensors: weights and buffers, then optimizer state."""
+    _, tensors, extra = load_checkpoint(folder)
+    return {**tensors, **{f"optimizer {name}": value for name, value in extra.items()}}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_run_killed_and_resumed_equals_the_uninterrupted_run_bit_for_bit(tmp_path, dropping_plan, mode):
+    """Every mode, checkpoints every 2 steps: the last stage's worker is killed (SIGKILL) in the
+    third segment; resumed from the checkpoint at step 4 to step 6, the run ends with the very
+    weights, optimizer state and losses of the run that was never interrupted (dropout included)."""
+    plan = dataclasses.replace(dropping_plan, mode=mode)
+    plan.save(tmp_path / "whole.plan.json")
+    per_step = 1 if mode in ("pipedream", "vsync") else 2
+    model = dict(plan.profile.model, kwargs={"after": 4 * per_step, "dropout": 0.25})  # dies at minibatch 4 * per_step
+    dataclasses.replace(plan, profile=dataclasses.replace(plan.profile, model=model)).save(tmp_path / "dying.plan.json")
+    every = dict(steps=6, checkpoint_every=2)
+    whole = run(config_for(tmp_path / "whole.plan.json", checkpoint_dir=str(tmp_path / "whole"), **every))
+    with pytest.raises(LaunchError, match="SIGKILL|signal"):
+        run(config_for(tmp_path / "dying.plan.json", checkpoint_dir=str(tmp_path / "ckpt"), **every))
+    assert read_manifest(latest_complete(tmp_path / "ckpt"))["step"] == 4
+    resumed = run(config_for(tmp_path / "whole.plan.json", checkpoint_dir=str(tmp_path / "ckpt"), **every),
+                  resume=True)
+    assert resumed.first_step == 4
+    assert resumed.losses == {b: whole.losses[b] for b in range(4 * per_step, 6 * per_step)}
+    expected, got = final_weights(whole), final_weights(resumed)
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0)
+    expected, got = saved(tmp_path / "whole" / "step-00000006"), saved(tmp_path / "ckpt" / "step-00000006")
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0)
+
+
+def test_a_checkpoint_inside_a_round_of_replicas_is_refused(tmp_path):
+    """pipedream steps a 2-replica stage once per 2 minibatches: a checkpoint every 3 steps would
+    fall inside a step, where no schedule can drain; refused before any worker starts."""
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 2)])
+    with pytest.raises(LaunchError, match=r"^--checkpoint-every 3: in mode pipedream the stages, replicated 1-2, step "
+                                          r"once per round .* multiple of 2 minibatches \(2 steps\); use "
+                                          r"--checkpoint-every 4$"):
+        run(config_for(path, steps=6, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=3))
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_resume_never_writes_into_a_folder_it_did_not_create(tmp_path):

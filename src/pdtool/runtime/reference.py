@@ -31,17 +31,18 @@ class ReferenceRun:
 
 def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
                   loss_fn: Callable[[Any, Any], torch.Tensor], batch: Callable[[int], tuple],
-                  prepare: Callable[[StageWorker], None] | None = None) -> ReferenceRun:
+                  prepare: Callable[[StageWorker], None] | None = None, seed: int = 0, first: int = 0) -> ReferenceRun:
     """Run `schedule` on `stages` (from `runtime.stages.build_stages`); `batch(b)` gives
     minibatch b as (inputs tuple, target). The stages' modules are copied per replica;
     `prepare(worker)`, if given, runs on every worker before the first action (e.g. to
-    restore a checkpoint, as a resumed run does)."""
+    restore a checkpoint, as a resumed run does). `seed` and `first` (the first minibatch of a
+    resumed run) seed every forward's random numbers as the runtime does (`StageWorker`)."""
     workers: dict[int, StageWorker] = {}
     for s, stage in enumerate(stages):
         for i in range(schedule.replicas[s]):
             replica = copy.deepcopy(stage)
             workers[schedule.rank(s, i)] = StageWorker(replica, schedule, i, optimizer,
-                                                       loss_fn if s == len(stages) - 1 else None)
+                                                       loss_fn if s == len(stages) - 1 else None, seed, first)
             if prepare is not None:
                 prepare(workers[schedule.rank(s, i)])
     # stages whose steps happen together: a stage's replicas, joined with every stage it shares a

@@ -1,12 +1,18 @@
 """Saving a worker's stage into checkpoints and restoring it, by whole-model names.
 
 A checkpoint "at step K" holds every stage's weights after the optimizer steps that cover
-the minibatches of stage 0's first K steps (K * g0 minibatches): in `flush`, `gpipe` and `2bw`
-every stage steps once per group, so all shards hold exactly K steps; in `pipedream` and
-`vsync` a replicated stage steps once per round of its r_s replicas and saves after its
-first step that covers those minibatches. Only replica 0 of a stage writes (its replicas are
-equal after their all-reduce). Parameters, buffers (e.g. BatchNorm statistics) and optimizer
-state are keyed by their names in the whole model (`layer1.0.conv1.weight`,
+the minibatches of stage 0's first K steps (K * g0 minibatches) and nothing of later ones. The
+schedule drains the pipeline there (`worker.checkpoint_drain`: flush, gpipe, zb and zb2 drain
+before every step, pipedream, vsync and 2bw at every periodic checkpoint, and every run at its
+end), so no minibatch is in flight: the shards are all a resumed run needs, and one resumed from
+a periodic checkpoint with the same interval repeats the uninterrupted run bit for bit. In
+`flush`, `gpipe`, `zb`, `zb2` and `2bw` every stage steps once per group, so all shards hold
+exactly K steps; in `pipedream` and `vsync` a replicated stage steps once per round of its r_s
+replicas: a periodic checkpoint falls between two rounds (its interval is a multiple of every
+r_s), the one at the end after the last, possibly partial, round. A shard is written right after
+the step that completes it, before the worker's next forward. Only replica 0 of a stage writes
+(its replicas are equal after their all-reduce). Parameters, buffers (e.g. BatchNorm
+statistics) and optimizer state are keyed by their names in the whole model (`layer1.0.conv1.weight`,
 `layer1.0.conv1.weight::momentum_buffer`), so a run may resume under another plan.
 """
 from __future__ import annotations
@@ -51,8 +57,9 @@ class ShardSaver:
     """Writes the worker's shard at the checkpoint steps of a run (see the module docstring).
 
     `first_step` is the step the run starts from (after a resume), `steps` how many it runs,
-    `every` the steps between checkpoints (0: only at the end), `per_step` the minibatches
-    per step of stage 0, `run` the run's id (in the shard's name and payload).
+    `every` the steps between checkpoints (0: only at the end; the schedule drains at each, see
+    `worker.checkpoint_drain`), `per_step` the minibatches per step of stage 0, `run` the run's id
+    (in the shard's name and payload).
     """
 
     def __init__(self, worker: StageWorker, root: str, first_step: int, steps: int, every: int, per_step: int,

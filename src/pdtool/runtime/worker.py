@@ -75,13 +75,35 @@ class WorkerReport:
 
 
 def make_schedule(plan: Plan, config: RunConfig) -> Schedule:
-    """The schedule the plan runs: its mode (or --mode), config.steps steps of stage 0."""
+    """The schedule the plan runs: its mode (or --mode), config.steps steps of stage 0, its
+    pipeline drained at every periodic checkpoint (`checkpoint_drain`)."""
     mode = config.mode or plan.mode
     replicas = [s.replicas for s in plan.stages]
-    if mode in ASYNC_MODES:
-        return generate(mode, replicas, config.steps * replicas[0])
-    group = config.group or default_group(replicas)
-    return generate(mode, replicas, config.steps * group, group)
+    group = 1 if mode in ASYNC_MODES else config.group or default_group(replicas)
+    per_step = replicas[0] if mode in ASYNC_MODES else group
+    return generate(mode, replicas, config.steps * per_step, group,
+                    drain_every=checkpoint_drain(mode, replicas, per_step, config))
+
+
+def checkpoint_drain(mode: str, replicas: list[int], per_step: int, config: RunConfig) -> int | None:
+    """Minibatches between the periodic checkpoints of a run (`--checkpoint-dir` with
+    `--checkpoint-every K`: K steps of stage 0, `per_step` minibatches each; None without), where
+    its schedule drains the pipeline: a checkpoint then holds every minibatch before it and
+    nothing after, and a run resumed from it with the same K is the uninterrupted run, bit for
+    bit. pipedream and vsync step a replicated stage once per round of its r_s replicas, so
+    there K * per_step must be a multiple of every r_s (a one-line LaunchError says which K do)."""
+    if not (config.checkpoint_dir and config.checkpoint_every):
+        return None
+    drain = config.checkpoint_every * per_step
+    rounds = math.lcm(*replicas)
+    if mode in ASYNC_MODES and drain % rounds:
+        unit = rounds // math.gcd(rounds, per_step)
+        raise LaunchError(
+            f"--checkpoint-every {config.checkpoint_every}: in mode {mode} the stages, replicated "
+            f"{'-'.join(map(str, replicas))}, step once per round of their replicas, so a checkpoint that resumes "
+            f"exactly must fall after a multiple of {rounds} minibatches ({unit} steps); use --checkpoint-every "
+            f"{unit * -(-config.checkpoint_every // unit)}")
+    return drain
 
 
 def place(plan: Plan, rank: int) -> tuple[int, int]:
@@ -148,7 +170,7 @@ def worker_main(config: RunConfig) -> WorkerReport:
     loss_fn = bundle.loss_fn
     if last and isinstance(loss_fn, torch.nn.Module):
         loss_fn.to(device)  # e.g. class weights
-    worker = StageWorker(stage, schedule, replica, config.optimizer, loss_fn if last else None)
+    worker = StageWorker(stage, schedule, replica, config.optimizer, loss_fn if last else None, config.seed, first)
     if config.resume:
         from .shards import restore
 
