@@ -80,7 +80,11 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
     interrupted run left with every shard written; with none, it sets aside what is there and
     starts from step 0. `say` is told which; `talk` hears what the run is doing while the
     workers start."""
+    from .worker import make_schedule, minibatches_per_step
+
     plan = Plan.load(config.plan_path)
+    short = dataclasses.replace(config, steps=max(config.checkpoint_every, 1))  # one drain's worth, cheap to make
+    per_step = minibatches_per_step(make_schedule(plan, short))  # a schedule it cannot run: refused here
     config = dataclasses.replace(config, run_id=config.run_id or _run_id(config, nodes))
     meta = {"mode": config.mode or plan.mode, "data": config.data, "seed": config.seed}
     lock = FolderLock.acquire(config.checkpoint_dir) if config.checkpoint_dir and nodes.node_rank == 0 else None
@@ -89,7 +93,7 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
         if lock is not None:
             lock.claim({"run": config.run_id, "stages": len(plan.stages), "plan_sha256": plan_sha256(config.plan_path),
                         "meta": meta})
-        return _run_from(config, plan, nodes, verbose, meta, talk)
+        return _run_from(config, plan, per_step, nodes, verbose, meta, talk)
     finally:
         if lock is not None:
             lock.release()
@@ -143,11 +147,9 @@ def _starting_point(config: RunConfig, plan: Plan, resume: bool, lock: FolderLoc
     return dataclasses.replace(config, resume=str(folder), first_step=done, steps=config.steps - done)
 
 
-def _run_from(config: RunConfig, plan: Plan, nodes: Nodes, verbose: bool, meta: dict, talk) -> TrainResult:
+def _run_from(config: RunConfig, plan: Plan, per_step: int, nodes: Nodes, verbose: bool, meta: dict,
+              talk) -> TrainResult:
     """Launch the workers of a run whose starting point is settled, completing its checkpoints."""
-    from .worker import make_schedule, minibatches_per_step
-
-    per_step = minibatches_per_step(make_schedule(plan, dataclasses.replace(config, steps=1)))
     writer = None
     if config.checkpoint_dir and nodes.node_rank == 0:
         writer = _ManifestWriter(Path(config.checkpoint_dir), len(plan.stages), plan_sha256(config.plan_path), meta,
