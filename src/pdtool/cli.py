@@ -322,6 +322,9 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
               help="Steps between checkpoints (0: only at the end).")
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in --checkpoint-dir "
               "(also under a different plan).")
+@click.option("--max-restarts", type=click.IntRange(0, 1000), default=0, show_default=True,
+              help="When a worker fails, start the job again from the newest complete checkpoint, up to this many "
+                   "times (needs --checkpoint-dir; one machine).")
 @click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False),
               help="CSV, one row per step: step, loss, samples/s, each worker's busy share (pandas reads it as is).")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
@@ -365,7 +368,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
                    "split, or a factory's dataset for train=False).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimizer, lr, momentum, weight_decay, checkpoint_dir,
-          checkpoint_every, resume, metrics_path, trace_path, timeout_s, startup_timeout_s, threads, nnodes, node_rank, nproc_per_node,
+          checkpoint_every, resume, max_restarts, metrics_path, trace_path, timeout_s, startup_timeout_s, threads, nnodes, node_rank, nproc_per_node,
           master_addr, master_port, rdzv_endpoint, rdzv_id, iface, device, transport, verbose, evaluate, quiet):
     """Train a plan on torch.distributed workers (gloo on CPU, NCCL on GPUs), one process per rank.
 
@@ -379,6 +382,11 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     from .runtime.launch import Nodes
     from .runtime.worker import RunConfig
 
+    if max_restarts and not checkpoint_dir:
+        raise click.UsageError("--max-restarts needs --checkpoint-dir: a restart continues from the newest checkpoint")
+    if max_restarts and (nnodes > 1 or rdzv_endpoint):
+        raise click.UsageError("--max-restarts restarts the workers of one machine; across machines, restart the "
+                               "job with --resume")
     plan = Plan.load(plan_path)
     if nnodes > 1 and master_port is None and not rdzv_endpoint:
         raise click.UsageError("--nnodes > 1 needs --master-port (the same on every machine) or --rdzv-endpoint")
@@ -415,7 +423,8 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     nodes = Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id, iface)
     result = session.run(config, nodes,
                          verbose=verbose, resume=resume, warn=warn, needs=job.checked.parameters,
-                         say=lambda message: click.echo(f"pd: {message}", err=True), talk=talk)
+                         say=lambda message: click.echo(f"pd: {message}", err=True), talk=talk,
+                         restarts=max_restarts)
     if metrics_path:
         session.write_metrics(metrics_path, result)
     if trace_path:

@@ -70,7 +70,7 @@ def plan_sha256(path: str) -> str:
 
 def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume: bool = False,
         warn=lambda message: None, needs: set[str] | None = None, say=lambda message: None,
-        talk=lambda message: None) -> TrainResult:
+        talk=lambda message: None, restarts: int = 0) -> TrainResult:
     """Run `config` (config.steps = the step the run should reach) and complete its checkpoints.
 
     With a checkpoint folder, the run holds its lock (`folder_lock`: one writer per folder) and
@@ -79,7 +79,8 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
     saying why; `needs` are the parameter names it must hold), after completing what an
     interrupted run left with every shard written; with none, it sets aside what is there and
     starts from step 0. `say` is told which; `talk` hears what the run is doing while the
-    workers start."""
+    workers start. With `restarts` (and a checkpoint folder), a failed job starts again from the
+    newest complete checkpoint, up to that many times, each restart one `say` line."""
     from .worker import make_schedule, minibatches_per_step
 
     plan = Plan.load(config.plan_path)
@@ -89,11 +90,23 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
     meta = {"mode": config.mode or plan.mode, "data": config.data, "seed": config.seed}
     lock = FolderLock.acquire(config.checkpoint_dir) if config.checkpoint_dir and nodes.node_rank == 0 else None
     try:
-        config = _starting_point(config, plan, resume, lock, warn, needs, say)
+        config = _starting_point(config, plan, resume, lock.previous if lock else None, warn, needs, say)
+        writer = {"run": config.run_id, "stages": len(plan.stages), "plan_sha256": plan_sha256(config.plan_path),
+                  "meta": meta}
         if lock is not None:
-            lock.claim({"run": config.run_id, "stages": len(plan.stages), "plan_sha256": plan_sha256(config.plan_path),
-                        "meta": meta})
-        return _run_from(config, plan, per_step, nodes, verbose, meta, talk)
+            lock.claim(writer)
+        for restart in range(restarts + 1):
+            try:
+                return _run_from(config, plan, per_step, nodes, verbose, meta, talk)
+            except LaunchError as failure:
+                if restart == restarts or not config.checkpoint_dir:
+                    if lock is None:
+                        raise
+                    raise LaunchError(f"{failure}; {_kept(config.checkpoint_dir)}") from None
+                config = _restart_point(config, plan, writer, needs)
+                say(f"{failure}; restart {restart + 1} of {restarts} from " +
+                    (f"{config.resume} (step {config.first_step})" if config.resume else "step 0"))
+        raise AssertionError("unreachable")
     finally:
         if lock is not None:
             lock.release()
@@ -108,8 +121,18 @@ def _run_id(config: RunConfig, nodes: Nodes) -> str:
     return hashlib.sha256(f"{job}|{plan_sha256(config.plan_path)}".encode()).hexdigest()[:12]
 
 
-def _starting_point(config: RunConfig, plan: Plan, resume: bool, lock: FolderLock | None, warn, needs, say) -> RunConfig:
-    """`config` from where the run starts: step 0, or with `resume` the newest good checkpoint."""
+def _restart_point(config: RunConfig, plan: Plan, writer: dict, needs) -> RunConfig:
+    """`config` for a restart of this very run after a failure (`--max-restarts`): from the newest
+    complete checkpoint (completing what its workers left with every shard written), aiming at
+    the same last step; its own unfinished folders are set aside without a word."""
+    whole = dataclasses.replace(config, steps=config.first_step + config.steps, first_step=0, resume=None)
+    return _starting_point(whole, plan, True, writer, lambda message: None, needs, lambda message: None)
+
+
+def _starting_point(config: RunConfig, plan: Plan, resume: bool, previous: dict | None, warn, needs,
+                    say) -> RunConfig:
+    """`config` from where the run starts: step 0, or with `resume` the newest good checkpoint;
+    `previous` is the last run that wrote into the folder (`FolderLock.previous`)."""
     root = config.checkpoint_dir
     if not resume:
         if root and existing_steps(root):
@@ -119,7 +142,6 @@ def _starting_point(config: RunConfig, plan: Plan, resume: bool, lock: FolderLoc
         return config
     if not root:
         raise LaunchError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
-    previous = lock.previous if lock is not None else None
     if previous and previous.get("run") and isinstance(previous.get("stages"), int):
         for folder in complete_run(root, str(previous["run"]), previous["stages"], str(previous.get("plan_sha256")),
                                    previous.get("meta") if isinstance(previous.get("meta"), dict) else {}):
@@ -162,11 +184,6 @@ def _run_from(config: RunConfig, plan: Plan, per_step: int, nodes: Nodes, verbos
         if writer is not None:
             writer.stop()
         raise Interrupted(f"{stop}; {_kept(config.checkpoint_dir)}", stop.exit_code - 128) from None
-    except LaunchError as failure:
-        if writer is None:
-            raise
-        writer.stop()
-        raise LaunchError(f"{failure}; {_kept(config.checkpoint_dir)}") from None
     finally:
         if writer is not None:
             writer.stop()
