@@ -36,7 +36,21 @@ class _Pd(click.Group):
             ctx.exit(stop.exit_code)
 
 
-class Finite(click.FloatRange):
+class _AsciiDigits:
+    """A number option written with the digits 0-9 only (Python's int() and float() also read
+    other scripts' digits, e.g. '٢' as 2)."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.isascii():
+            self.fail(f"{value!r} is not a number written with the digits 0-9.", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class Count(_AsciiDigits, click.IntRange):
+    """An integer option within [min, max], in the digits 0-9."""
+
+
+class Finite(_AsciiDigits, click.FloatRange):
     """A float option within [min, max] that is a real number (click's FloatRange lets nan through)."""
 
     name = "finite float"
@@ -111,21 +125,21 @@ def cli() -> None:
               help="Keyword argument for the factory (value parsed as JSON, else a string); repeatable.")
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
               help="Profile JSON to write ('-' for stdout). Written atomically.")
-@click.option("--batch-size", "-b", type=click.IntRange(1, MAX_BATCH), default=None,
+@click.option("--batch-size", "-b", type=Count(1, MAX_BATCH), default=None,
               help="Minibatch size to profile at [default: the factory's, else 32].")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--repeats", type=click.IntRange(1, MAX_REPEATS), default=10, show_default=True,
+@click.option("--repeats", type=Count(1, MAX_REPEATS), default=10, show_default=True,
               help="Timed repetitions per layer; the median is recorded, the interquartile range as spread.")
-@click.option("--warmup", type=click.IntRange(0, MAX_REPEATS), default=2, show_default=True,
+@click.option("--warmup", type=Count(0, MAX_REPEATS), default=2, show_default=True,
               help="Untimed repetitions before timing.")
 @click.option("--granularity", type=click.Choice(["module", "op"]), default="module", show_default=True,
               help="module: fold trivial ops (ReLU, add, view, ...) into neighbouring layers; op: every traced op is a layer.")
-@click.option("--depth", type=click.IntRange(1, 64), default=None,
+@click.option("--depth", type=Count(1, 64), default=None,
               help="Make every submodule nested DEPTH levels deep one layer (e.g. 2: each ResNet block).")
 @click.option("--method", type=click.Choice(["auto", "fx", "export", "modules"]), default="auto", show_default=True,
               help="How to find layers: torch.fx, torch.export, leaf modules in execution order, or auto "
                    "(fx, else export, else leaf modules).")
-@click.option("--threads", type=click.IntRange(1, MAX_THREADS),
+@click.option("--threads", type=Count(1, MAX_THREADS),
               help="Torch threads while measuring [default: torch's]; use the count each pd train worker will have.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, warmup, granularity, depth, method,
@@ -239,10 +253,10 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--mode", type=click.Choice(MODES), default=None,
               help="Schedule mode to simulate [default: the plan's].")
-@click.option("--minibatches", "-n", type=click.IntRange(1, MAX_SIMULATED), default=None,
+@click.option("--minibatches", "-n", type=Count(1, MAX_SIMULATED), default=None,
               help="Minibatches (microbatches in 2bw/flush/gpipe/zb/zb2) to run [default: 16 per worker, "
                    "a multiple of --group].")
-@click.option("--group", "-g", type=click.IntRange(1, 65536), default=None,
+@click.option("--group", "-g", type=Count(1, 65536), default=None,
               help="2bw/flush/gpipe/zb/zb2: microbatches per optimizer step [default: the number of stages, "
                    "or more for replicated stages].")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, allow_dash=True), metavar="OUT.json",
@@ -297,10 +311,10 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
                                 "pd train resnet.plan.json --steps 200 --checkpoint-dir ckpt --checkpoint-every 50 --metrics m.csv --trace t.json",
                                 "pd train resnet.plan.json --steps 400 --checkpoint-dir ckpt --resume"))
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
-@click.option("--steps", type=click.IntRange(1, MAX_STEPS), default=20, show_default=True,
+@click.option("--steps", type=Count(1, MAX_STEPS), default=20, show_default=True,
               help="Train until stage 0 has taken this many optimizer steps (pipedream/vsync: one per round of its "
                    "replicas' minibatches; 2bw/flush/gpipe/zb/zb2: one per group of microbatches).")
-@click.option("--epochs", type=click.IntRange(1, 10**6), help="Instead of --steps: passes over the data set.")
+@click.option("--epochs", type=Count(1, 10**6), help="Instead of --steps: passes over the data set.")
 @click.option("--model", "-m", "model_spec", metavar="PKG.MODULE:FACTORY",
               help="Build the model with this factory instead of the one the plan names (called with the plan's "
                    "kwargs; it must build the same model). Naming it here trusts it: see the README's Security.")
@@ -309,20 +323,20 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
                    "pdtool), or PKG.MODULE:FACTORY returning a torch Dataset of (input, target) items.")
 @click.option("--mode", type=click.Choice(MODES),
               help="Schedule mode [default: the plan's].")
-@click.option("--group", "-g", type=click.IntRange(1, 65536),
+@click.option("--group", "-g", type=Count(1, 65536),
               help="2bw/flush/gpipe/zb/zb2: microbatches per optimizer step [default: the number of stages, or more].")
-@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="Seed of the initial weights and the data order.")
+@click.option("--seed", type=Count(0, 2**63 - 1), default=0, show_default=True, help="Seed of the initial weights and the data order.")
 @click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True)
 @click.option("--lr", type=Finite(0, 1e6, min_open=True), default=0.01, show_default=True,
               help="Learning rate (a replicated stage in pipedream/vsync uses lr * r_s / r_0, see the README).")
 @click.option("--momentum", type=Finite(0, 1, max_open=True), default=0.9, show_default=True, help="SGD momentum.")
 @click.option("--weight-decay", type=Finite(0, 1e6), default=0.0, show_default=True)
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints under this folder.")
-@click.option("--checkpoint-every", type=click.IntRange(0, MAX_STEPS), default=0, show_default=True,
+@click.option("--checkpoint-every", type=Count(0, MAX_STEPS), default=0, show_default=True,
               help="Steps between checkpoints (0: only at the end).")
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in --checkpoint-dir "
               "(also under a different plan).")
-@click.option("--max-restarts", type=click.IntRange(0, 1000), default=0, show_default=True,
+@click.option("--max-restarts", type=Count(0, 1000), default=0, show_default=True,
               help="When a worker fails, start the job again from the newest complete checkpoint, up to this many "
                    "times (needs --checkpoint-dir; one machine).")
 @click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False),
@@ -335,16 +349,16 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
 @click.option("--startup-timeout", "startup_timeout_s", type=Finite(1, 86400), default=600.0, show_default=True,
               help="Seconds start-up may take in all: every worker imports and builds the model, cuts its stage "
                    "and joins the process groups.")
-@click.option("--threads", type=click.IntRange(1, MAX_THREADS),
+@click.option("--threads", type=Count(1, MAX_THREADS),
               help="Torch threads per CPU worker [default: this machine's cores / its workers, at least 1]; "
                    "profile with the same pd profile --threads.")
-@click.option("--nnodes", type=click.IntRange(1, 16384), default=1, show_default=True,
+@click.option("--nnodes", type=Count(1, 16384), default=1, show_default=True,
               help="Machines in the job (each runs this same command).")
-@click.option("--node-rank", type=click.IntRange(0, 16383), default=0, show_default=True, help="This machine's index.")
-@click.option("--nproc-per-node", type=click.IntRange(1, 16384),
+@click.option("--node-rank", type=Count(0, 16383), default=0, show_default=True, help="This machine's index.")
+@click.option("--nproc-per-node", type=Count(1, 16384),
               help="Workers on this machine [default: the plan's workers / --nnodes].")
 @click.option("--master-addr", default="127.0.0.1", show_default=True, help="Address of the node-rank-0 machine.")
-@click.option("--master-port", type=click.IntRange(1, 65535),
+@click.option("--master-port", type=Count(1, 65535),
               help="Its rendezvous port [default: a free one; required with --nnodes > 1].")
 @click.option("--rdzv-endpoint", metavar="HOST:PORT",
               help="A c10d rendezvous instead of --master-addr/--master-port/--node-rank: every machine names "
@@ -478,7 +492,7 @@ def _report(result, plan, config, shared: tuple) -> None:
              epilog=_examples("pd show resnet.profile.json --top 10",
                                 "pd show resnet.plan.json --render resnet.svg"))
 @click.argument("artifact", type=click.Path(dir_okay=False, allow_dash=True))
-@click.option("--top", type=click.IntRange(1, 100000), default=15, show_default=True,
+@click.option("--top", type=Count(1, 100000), default=15, show_default=True,
               help="Profiles: how many of the heaviest layers to list.")
 @click.option("--render", "picture", type=click.Path(dir_okay=False), metavar="PICTURE",
               help="Plans: also draw the layer graph with one coloured box per stage to PICTURE "

@@ -267,7 +267,8 @@ def test_bad_plan_options(good, tmp_path, args):
     ["--checkpoint-every", "-1"], ["--nnodes", "0"], ["--master-port", "0"], ["--master-port", "70000"],
     ["--device", "tpu"], ["--mode", "turbo"], ["--data", "nothing_here:f"], ["--data", "justtext"],
     ["--resume"], ["--evaluate"], ["--rdzv-endpoint", "h:1", "--node-rank", "1"], ["--nnodes", "2"],
-    ["--iface", "nosuch0"],
+    ["--iface", "nosuch0"], ["--steps", "\u0662"], ["--lr", "\uff12"], ["--timeout", "\u0665"],
+    ["--max-restarts", "1"], ["--max-restarts", "-1"], ["--startup-timeout", "0"],
 ], ids=lambda a: " ".join(a))
 def test_bad_train_options_start_no_worker(good, tmp_path, args, monkeypatch):
     path = tmp_path / "m.plan.json"
