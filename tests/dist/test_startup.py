@@ -74,9 +74,11 @@ HANGS = {"sleeps": "import time\ntime.sleep(600)\n",
                      "        pass\n"}
 
 
-@pytest.mark.parametrize("hang", sorted(HANGS))
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_while_the_launcher_imports_a_hanging_factory_is_one_line(tmp_path, hang, sig, code):
+@pytest.mark.parametrize("command, hang, sig, code", [
+    ("train", "sleeps", signal.SIGINT, 130), ("train", "swallows", signal.SIGTERM, 143),
+    ("profile", "sleeps", signal.SIGTERM, 143),
+], ids=["train-SIGINT-sleeps", "train-SIGTERM-swallows", "profile-SIGTERM-sleeps"])
+def test_a_signal_while_pd_imports_a_hanging_factory_is_one_line(tmp_path, command, hang, sig, code):
     """Also when started in the background by a shell, which makes it ignore SIGINT, and when the
     factory swallows every exception (then it is ended GRACE_S seconds later)."""
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
@@ -84,7 +86,8 @@ def test_a_signal_while_the_launcher_imports_a_hanging_factory_is_one_line(tmp_p
     data["profile"]["model"]["spec"] = "hanging:build"
     path.write_text(json.dumps(data))
     (tmp_path / "hanging.py").write_text(HANGS[hang] + "def build(**kwargs):\n    pass\n")
-    process = subprocess.Popen([PD, "train", str(path), "--quiet"], cwd=tmp_path, stdout=subprocess.PIPE,
+    args = {"train": ["train", str(path), "--quiet"], "profile": ["profile", "-m", "hanging:build", "-o", "h.json"]}
+    process = subprocess.Popen([PD, *args[command]], cwd=tmp_path, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     time.sleep(3)  # importing hanging.py
@@ -93,3 +96,4 @@ def test_a_signal_while_the_launcher_imports_a_hanging_factory_is_one_line(tmp_p
     lines = [line for line in err.strip().splitlines() if not line.startswith("pd: importing")]
     assert process.returncode == code and len(lines) == 1 and lines[0].startswith("pd: interrupted by "), err
     assert took < (1 if hang == "sleeps" else 8), took
+    assert not (tmp_path / "h.json").exists()
