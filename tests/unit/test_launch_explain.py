@@ -13,6 +13,7 @@ class Info:
     error_file: str
     timestamp: int
     exitcode: int = 1
+    local_rank: int = 0
 
     def signal_name(self):
         return "SIGKILL" if self.exitcode == -9 else "?"
@@ -52,3 +53,15 @@ def test_pdtools_own_words_for_a_lost_peer_stay(tmp_path):
     line, _ = _explain(Failure({0: _info(tmp_path, 0, own, 100)}))
     assert line == "worker rank 0 failed: rank 0 waited for rank 1 to send: rank 1's remote process exited; the " \
                    "other workers were stopped"
+
+
+def test_an_error_torchs_launcher_left_out_is_read_from_the_logs(tmp_path):
+    """Slow data past --timeout: rank 0 was killed by rank 1, whose end the launcher never saw."""
+    logs = tmp_path / "logs"
+    (logs / "pdtool-x" / "attempt_0" / "1").mkdir(parents=True)
+    (logs / "pdtool-x" / "attempt_0" / "1" / "error.json").write_text(json.dumps({"message": {"message": (
+        "LaunchError: rank 1 waited 3 s for the activations of minibatch 0 from rank 0, which stopped answering")}}))
+    failure = Failure({0: Info(str(tmp_path / "none.json"), 100, -9, local_rank=0)})
+    line, _ = _explain(failure, str(logs))
+    assert line.startswith("worker rank 1 failed: rank 1 waited 3 s for the activations"), line
+    assert _explain(failure)[0].startswith("worker rank 0 failed: exit code -9 (SIGKILL)")

@@ -100,7 +100,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     try:
         results = elastic_launch(settings, _entry)(config)
     except ChildFailedError as failure:
-        line, raised = _explain(failure)
+        line, raised = _explain(failure, logs)
         raise LaunchError(line + (" (--verbose shows its traceback)" if raised and not verbose else "")) from None
     except SignalException as stop:  # the agent has stopped the workers (SHUTDOWN_S of grace, then SIGKILL)
         name = signal.Signals(stop.sigval).name
@@ -284,17 +284,22 @@ def _release_nccl() -> None:
             pass
 
 
-def _explain(failure) -> tuple[str, bool]:
+def _explain(failure, logs: str | None = None) -> tuple[str, bool]:
     """One line: which rank failed first and its error message; and whether it raised (so
     that a traceback exists) rather than died. A worker's own error wins over a peer's
     "connection closed", then one that recorded an error (e.g. "waited for rank 1, which stopped
     answering") over one that died without (rank 1, which that worker then killed: failure times
     have a resolution of a second, so the kill may seem to come first); among those, the first.
-    When every worker only echoes a lost connection, the line says so in pdtool's words."""
-    messages = {rank: _message(info) for rank, info in failure.failures.items()}
-    rank = min(failure.failures, key=lambda r: (_echoes_a_peer(messages[r]), not messages[r],
-                                                  failure.failures[r].timestamp, r))
-    info, message = failure.failures[rank], messages[rank]
+    When every worker only echoes a lost connection, the line says so in pdtool's words. Errors
+    that workers recorded under `logs` count too: torch's launcher reports the first worker it
+    sees end (e.g. one its peer killed for its silence) and stops the rest, whose errors it then
+    leaves out."""
+    failures = dict(failure.failures)
+    messages = {rank: _message(info) for rank, info in failures.items()}
+    for rank, info in _recorded(failures, logs).items():
+        failures[rank], messages[rank] = info, _message(info)
+    rank = min(failures, key=lambda r: (_echoes_a_peer(messages[r]), not messages[r], failures[r].timestamp, r))
+    info, message = failures[rank], messages[rank]
     raised = bool(message)
     if not message:
         message = f"exit code {info.exitcode}" + (f" ({info.signal_name()})" if info.exitcode < 0 else "")
@@ -329,6 +334,30 @@ _PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "remote
 def _echoes_a_peer(message: str) -> bool:
     """Whether a worker's error only reports that another worker went away."""
     return any(marker in message for marker in _PEER_FAILED)
+
+
+@dataclass(frozen=True)
+class _Recorded:
+    """A worker's error file that torch's launcher did not report (the fields `_explain` reads)."""
+
+    error_file: str
+    timestamp: int
+    exitcode: int = 1
+
+
+def _recorded(failures: dict, logs: str | None) -> dict[int, _Recorded]:
+    """Error files under `logs` (torch's layout: .../attempt_N/<local rank>/error.json) of workers
+    that `failures` (global rank -> failure) leaves out, by global rank."""
+    if not logs or not failures:
+        return {}
+    offset = {rank - info.local_rank for rank, info in failures.items() if hasattr(info, "local_rank")}
+    if len(offset) != 1:
+        return {}
+    found = {}
+    for path in Path(logs).glob("**/error.json"):
+        if path.parent.name.isdigit() and int(path.parent.name) + min(offset) not in failures:
+            found[int(path.parent.name) + min(offset)] = _Recorded(str(path), int(path.stat().st_mtime))
+    return found
 
 
 def _message(info) -> str:
