@@ -46,6 +46,27 @@ def test_the_next_launch_sweeps_what_a_killed_launcher_left(temp):
     assert sorted(os.listdir(temp)) == [os.path.basename(mine)]
 
 
+def test_the_shared_memory_files_of_a_killed_launchers_workers_go_with_its_folder(temp):
+    """Workers killed before they mapped their rings leave /dev/shm files named by their launcher."""
+    from pdtool.runtime import shm
+
+    left = left_by_killed_launcher()
+    ring = shm.ring_path(scratch.launcher_id(left), 0, 1, 0)
+    if not os.path.isdir(os.path.dirname(ring)):
+        pytest.skip("no /dev/shm")
+    other = shm.ring_path(scratch.launcher_id(left) + "9", 0, 1, 0)  # another launcher's (an id one longer)
+    for path in (ring, other):
+        with open(path, "wb") as file:
+            file.write(b"ring")
+    try:
+        scratch.make(lambda gone: shm.remove_node(scratch.launcher_id(gone)))  # as the launcher makes its own
+        assert not os.path.exists(left) and not os.path.exists(ring) and os.path.exists(other)
+    finally:
+        for path in (ring, other):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
 def test_a_live_launchers_folder_is_kept_until_it_dies(temp):
     child = subprocess.Popen([sys.executable, "-c", "from pdtool.runtime import scratch; import time; "
                               "print(scratch.make(), flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)

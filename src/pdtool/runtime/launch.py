@@ -70,8 +70,6 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
                           f"make {per_node * nodes.nnodes}; set --nproc-per-node so that they match")
     join_timeout = int(config.timeout_s) + 60
     store, network_env = _meet(nodes, join_timeout, talk)
-    node = uuid.uuid4().hex[:12]  # the workers of this launcher: their links may use shared memory (runtime.shm)
-    network_env[shm.NODE_ENV] = node
     if nodes.rdzv_endpoint:
         rendezvous = dict(run_id=nodes.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=nodes.rdzv_endpoint,
                           rdzv_configs={"join_timeout": join_timeout, "last_call_timeout": 1})
@@ -80,7 +78,11 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
         rendezvous = dict(run_id=f"pdtool-{uuid.uuid4().hex[:8]}" if nodes.nnodes == 1 else "pdtool",
                           rdzv_backend="static", rdzv_endpoint=f"{nodes.master_addr}:{port}",
                           rdzv_configs={"rank": nodes.node_rank, "timeout": join_timeout})
-    logs = scratch.make()  # the workers' error files; removed when the job ends (or by the next launch: SIGKILL)
+    # the workers' error files; removed when the job ends (or, after a SIGKILL, by the next launch, which also
+    # removes the shared-memory files of that launcher's workers)
+    logs = scratch.make(lambda gone: shm.remove_node(scratch.launcher_id(gone)))
+    node = scratch.launcher_id(logs)  # the workers of this launcher: their links may use shared memory (runtime.shm)
+    network_env[shm.NODE_ENV] = node
     settings = LaunchConfig(
         min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=per_node, **rendezvous,
         max_restarts=0, monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_S,

@@ -26,13 +26,21 @@ OWNER = "owner.json"
 _NAME = re.compile(rf"{PREFIX}[0-9]+-[A-Za-z0-9_]+")
 
 
-def make() -> str:
-    """Sweep what dead launchers left, then make this launcher's scratch folder; its path."""
-    sweep()
+def make(swept=lambda path: None) -> str:
+    """Sweep what dead launchers left (calling `swept` with each folder removed), then make this
+    launcher's scratch folder; its path."""
+    for path in sweep():
+        swept(path)
     folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
     with open(os.path.join(folder, OWNER), "w") as file:
         json.dump(_identity(os.getpid()), file)
     return folder
+
+
+def launcher_id(folder: str) -> str:
+    """The id of the launcher that made scratch folder `folder` (`<pid>-<random>`): its workers'
+    shared-memory files carry it (`shm.NODE_ENV`), so they are swept with the folder."""
+    return os.path.basename(folder.rstrip(os.sep)).removeprefix(PREFIX)
 
 
 def sweep(folder: str | None = None) -> list[str]:
