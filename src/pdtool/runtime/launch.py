@@ -253,24 +253,31 @@ _NOISY = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distribut
 def _entry(config: RunConfig) -> WorkerReport:
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from .peers import PeerTimeout, stop_silent
     from .worker import worker_main
 
     try:
         return record(worker_main)(config)  # record: the error file the launcher reads, written first
     except BaseException as exc:
-        if isinstance(exc, PeerTimeout):
-            stop_silent(exc.peer, exc.store)
-        _release_nccl()
-        # The error is recorded. Leave without the process group's teardown, which waits for pending
-        # transfers that a peer that stopped answering never completes. The launcher reports the
-        # first worker it sees exit; one that only echoes a peer's disappearance ("connection
-        # closed") leaves a moment later, so that the worker that failed first is the one reported.
-        if _echoes_a_peer(str(exc)):
-            time.sleep(ECHO_DELAY_S)
+        settle(exc)
+        # Leave without the process group's teardown, which waits for pending transfers that a
+        # peer that stopped answering never completes.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+
+
+def settle(exc: BaseException) -> None:
+    """What a failed worker does once its error is recorded, before it leaves: end a silent peer
+    of this machine (`peers.stop_silent`), release NCCL, and, when its error only echoes a peer's
+    disappearance ("connection closed"), wait `ECHO_DELAY_S`: the launcher reports the first
+    worker it sees exit, and so the worker that failed first is the one reported."""
+    from .peers import PeerTimeout, stop_silent
+
+    if isinstance(exc, PeerTimeout):
+        stop_silent(exc.peer, exc.store)
+    _release_nccl()
+    if _echoes_a_peer(str(exc)):
+        time.sleep(ECHO_DELAY_S)
 
 
 def _release_nccl() -> None:
@@ -305,14 +312,22 @@ def _explain(failure, logs: str | None = None) -> tuple[str, bool]:
     raised = bool(message)
     if not message:
         message = f"exit code {info.exitcode}" + (f" ({info.signal_name()})" if info.exitcode < 0 else "")
+    first, echo = in_own_words(message)
+    return f"worker rank {rank} failed: {first}; the other workers were stopped", raised and not echo
+
+
+def in_own_words(message: str) -> tuple[str, bool]:
+    """A worker's error message (`Class: text`, possibly over several lines) as one line in
+    pdtool's words: its last line, without the class name of pdtool's own errors (one-line
+    messages already); a transport's text for a lost connection (gloo's ends in "GLHF!") said as
+    what it means. And whether it was such an echo of another worker's disappearance."""
     first = message.strip().splitlines()[-1] if message.strip() else message
     own = _own_error().match(first)
-    first = _own_error().sub("", first, count=1)  # pdtool's errors are one-line messages already
-    if not own and _echoes_a_peer(first):  # the transport's own words (gloo's end in "GLHF!"): what they mean
-        first = ("it lost its connection to another worker of the job, which went away (its process ended or its "
-                 "machine is gone; on several machines, that machine's pd train says why)")
-        raised = False
-    return f"worker rank {rank} failed: {first}; the other workers were stopped", raised
+    first = _own_error().sub("", first, count=1)
+    if not own and _echoes_a_peer(first):
+        return ("it lost its connection to another worker of the job, which went away (its process ended or its "
+                "machine is gone; on several machines, that machine's pd train says why)"), True
+    return first, False
 
 
 def _own_error() -> re.Pattern:

@@ -94,10 +94,19 @@ def wait_for_peers(store, rank: int, world: int, silence_s: float, startup_s: fl
     """Say this worker's stage is built; return once every worker's is. A peer that gives no beat
     for `silence_s` seconds is `PeerTimeout`; one not done after `startup_s` is `LaunchError`."""
     store.set(f"pdtool/ready/{rank}", "1")
+    wait_for(store, rank, {r: f"pdtool/ready/{r}" for r in range(world) if r != rank}, silence_s, startup_s,
+             "start", "while it imported, built or cut the model", "build their stages (import, model, stage)")
+
+
+def wait_for(store, rank: int, keys: dict[int, str], silence_s: float, startup_s: float, task: str, during: str,
+             tasks: str) -> None:
+    """Return once every peer of `keys` (rank -> the key it sets when done) has set its key, while
+    they beat (`Beacon`). One that gives no beat for `silence_s` seconds is `PeerTimeout` ("rank
+    R waited for rank P to `task`, which stopped answering (... `during`)"); one not done after
+    `startup_s` seconds is `LaunchError` ("... for rank(s) P to `tasks`")."""
     began = time.monotonic()
-    seen: dict[int, tuple[int, float]] = {r: (-1, began) for r in range(world) if r != rank}  # beats, when
+    seen: dict[int, tuple[int, float]] = {r: (-1, began) for r in keys}  # beats, when
     while True:
-        keys = {r: f"pdtool/ready/{r}" for r in seen}
         if not keys or store.check(list(keys.values())):
             return
         now = time.monotonic()
@@ -108,14 +117,13 @@ def wait_for_peers(store, rank: int, world: int, silence_s: float, startup_s: fl
                 seen[r] = (beats, now)
         silent = [r for r in waiting if now - seen[r][1] > silence_s]
         if silent:
-            raise PeerTimeout(f"rank {rank} waited for rank {silent[0]} to start, which stopped answering "
-                              f"({_whereabouts(store, silent[0])}, no sign of life for {silence_s:g} s while it "
-                              "imported, built or cut the model); the job was stopped (--timeout sets how long a "
-                              "silent worker is waited for)", silent[0], store)
+            raise PeerTimeout(f"rank {rank} waited for rank {silent[0]} to {task}, which stopped answering "
+                              f"({_whereabouts(store, silent[0])}, no sign of life for {silence_s:g} s {during}); "
+                              "the job was stopped (--timeout sets how long a silent worker is waited for)",
+                              silent[0], store)
         if now - began > startup_s:
             raise LaunchError(f"rank {rank} waited {startup_s:g} s for rank(s) {', '.join(map(str, waiting))} to "
-                              "build their stages (import, model, stage); the job was stopped (--startup-timeout "
-                              "sets how long start-up may take)")
+                              f"{tasks}; the job was stopped (--startup-timeout sets how long start-up may take)")
         time.sleep(0.1)
 
 

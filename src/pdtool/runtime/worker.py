@@ -115,8 +115,9 @@ def place(plan: Plan, rank: int) -> tuple[int, int]:
                       "start one worker per rank of the plan")
 
 
-def worker_main(config: RunConfig) -> WorkerReport:
-    """Entry point of every worker process."""
+def worker_main(config: RunConfig, store=None) -> WorkerReport:
+    """Entry point of every worker process. `store`: the job's store when this process joined it
+    already (`peers.join`; a worker started by torchrun or srun, `runtime.external`)."""
     keep_freed_memory()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -124,14 +125,9 @@ def worker_main(config: RunConfig) -> WorkerReport:
     if config.threads:
         torch.set_num_threads(config.threads)
     plan = Plan.load(config.plan_path)
-    used = plan.used_ranks
-    if world != len(used) or used != tuple(range(world)):
-        raise LaunchError(f"the plan runs on ranks {_ranges(used)} but {world} workers were started; "
-                          f"start exactly {len(used)} workers (pd train does that on one machine)")
-    if plan.profile.model is None:
-        raise LaunchError(f"{config.plan_path} was planned from an imported profile with no model; "
-                          "profile the model with pd profile --model and plan that profile")
-    store = peers.join(rank, world, config.startup_timeout_s)  # start-up: see runtime.peers
+    check_world(plan, world, config.plan_path)
+    if store is None:
+        store = peers.join(rank, world, config.startup_timeout_s)  # start-up: see runtime.peers
     with peers.Beacon(store, rank):
         stage_index, replica = place(plan, rank)
         torch.manual_seed(config.seed)  # every worker builds the same initial weights
@@ -196,6 +192,18 @@ def worker_main(config: RunConfig) -> WorkerReport:
     dist.barrier()
     dist.destroy_process_group()
     return report
+
+
+def check_world(plan: Plan, world: int, plan_path: str) -> None:
+    """Refuse, in one line, a job of `world` workers that cannot run `plan`: another number of
+    workers than its ranks, or a plan without a model to build."""
+    used = plan.used_ranks
+    if world != len(used) or used != tuple(range(world)):
+        raise LaunchError(f"the plan runs on ranks {_ranges(used)} but {world} workers were started; "
+                          f"start exactly {len(used)} workers (pd train does that on one machine)")
+    if plan.profile.model is None:
+        raise LaunchError(f"{plan_path} was planned from an imported profile with no model; "
+                          "profile the model with pd profile --model and plan that profile")
 
 
 def _rings(config: RunConfig, plan: Plan, s: int, rank: int, links: dict, specs, window: int,
