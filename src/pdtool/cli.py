@@ -16,6 +16,7 @@ from . import __version__
 from .errors import PdtoolError
 from .fields import check_schema
 from .jsonio import check_writable, read_json
+from .runtime.external import LAUNCHERS
 from .schedule.core import MODES
 from .signals import Stopped, install as install_signal_handlers
 
@@ -376,6 +377,12 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
               help="How messages between workers of this machine travel: shared-memory rings (CPU, x86) or the "
                    "process group (gloo/NCCL); auto takes shared memory when this machine has a core per worker. "
                    "Links to other machines always use the process group.")
+@click.option("--launcher", type=click.Choice(LAUNCHERS), default="auto",
+              show_default=True,
+              help="Who starts the workers: local (pd train starts them), or torchrun/slurm (this process is one "
+                   "worker that torchrun or srun started; see the README's Cluster launchers); auto: torchrun or "
+                   "slurm when their variables are set (TORCHELASTIC_RUN_ID; SLURM_PROCID in an srun step of "
+                   "several tasks), else local.")
 @click.option("--verbose", "-v", is_flag=True, help="Show the launcher's log and a failing worker's traceback.")
 @click.option("--evaluate", is_flag=True,
               help="After training, report top-1 accuracy on the data set's held-out split (digits' test "
@@ -383,19 +390,25 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimizer, lr, momentum, weight_decay, checkpoint_dir,
           checkpoint_every, resume, max_restarts, metrics_path, trace_path, timeout_s, startup_timeout_s, threads, nnodes, node_rank, nproc_per_node,
-          master_addr, master_port, rdzv_endpoint, rdzv_id, iface, device, transport, verbose, evaluate, quiet):
+          master_addr, master_port, rdzv_endpoint, rdzv_id, iface, device, transport, launcher, verbose, evaluate, quiet):
     """Train a plan on torch.distributed workers (gloo on CPU, NCCL on GPUs), one process per rank.
 
     Every worker builds its stage from the model the plan names, checks the plan against the
     world size and the model's fingerprint, then runs its schedule: 1F1B with weight stashing
     (pipedream), vsync, 2bw, flush, gpipe, zb or zb2. A failing worker stops the whole job.
+    Under torchrun or srun (--launcher), this process is one of the workers.
     """
     from .artifacts.plan import Plan
     from .runtime import session
     from .runtime.executor import OptimizerConfig
     from .runtime.launch import Nodes
     from .runtime.worker import RunConfig
+    from .runtime import external
 
+    where = external.place(external.detect(launcher))  # None: pd train starts the workers itself
+    if where is not None:
+        _refuse_local_options(where.launcher, transport, evaluate)
+    reporter = where is None or where.rank == 0  # the process that writes the outputs and prints the summary
     if max_restarts and not checkpoint_dir:
         raise click.UsageError("--max-restarts needs --checkpoint-dir: a restart continues from the newest checkpoint")
     if max_restarts and (nnodes > 1 or rdzv_endpoint):
@@ -407,7 +420,7 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     if rdzv_endpoint and (node_rank or master_port is not None):
         raise click.UsageError("--rdzv-endpoint numbers the machines itself: drop --node-rank and --master-port")
     for path in (metrics_path, trace_path):
-        if path:
+        if path and reporter:
             check_writable(path, (plan_path,) + tuple(p for p in (metrics_path, trace_path) if p and p != path))
     config = RunConfig(plan_path=os.path.abspath(plan_path), steps=steps, mode=mode, group=group, seed=seed,
                        optimizer=OptimizerConfig(optimizer, lr, momentum, weight_decay), timeout_s=timeout_s,
@@ -425,20 +438,27 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     from .runtime.job import prepare
 
     origin = local_origin(plan.profile.model["spec"]) if plan.profile.model and not model_spec else None
-    if origin:  # the plan names code of the experiment folder: say which file runs before it does
+    if origin and reporter:  # the plan names code of the experiment folder: say which file runs before it does
         click.echo(f"pd: importing the plan's model factory {plan.profile.model['spec']} from {origin} "
                    "(experiment folder)", err=True)
     talk = (lambda message: None) if quiet else (lambda message: click.echo(f"pd: {message}", err=True))  # noqa: E731
     warn = lambda message: click.echo(f"pd: warning: {message}", err=True)  # noqa: E731
-    # before any worker starts: a mistake is one line within seconds
-    job = prepare(plan, config, epochs=epochs, nnodes=nnodes, nproc_per_node=nproc_per_node, warn=warn)
-    config = job.config
+    say = lambda message: click.echo(f"pd: {message}", err=True)  # noqa: E731
+    if where is not None:  # this process is one worker; rank 0 does the launcher's part and reports
+        ran = external.train(where, plan, config, epochs=epochs, resume=resume, iface=iface, verbose=verbose,
+                             warn=warn, say=say, talk=talk)
+        if ran is None:
+            return
+        result, job = ran
+        config = job.config
+    else:
+        # before any worker starts: a mistake is one line within seconds
+        job = prepare(plan, config, epochs=epochs, nnodes=nnodes, nproc_per_node=nproc_per_node, warn=warn)
+        config = job.config
+        nodes = Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id, iface)
+        result = session.run(config, nodes, verbose=verbose, resume=resume, warn=warn, needs=job.checked.parameters,
+                             say=say, talk=talk, restarts=max_restarts)
     shared = (config.threads, job.local, job.cores, job.on_cpu)  # what gap_reasons needs to explain a measurement
-    nodes = Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id, iface)
-    result = session.run(config, nodes,
-                         verbose=verbose, resume=resume, warn=warn, needs=job.checked.parameters,
-                         say=lambda message: click.echo(f"pd: {message}", err=True), talk=talk,
-                         restarts=max_restarts)
     if metrics_path:
         session.write_metrics(metrics_path, result)
     if trace_path:
@@ -451,6 +471,27 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     for label, path in (("checkpoints", checkpoint_dir), ("metrics", metrics_path), ("trace", trace_path)):
         if path:
             click.echo(f"{label}: {path}", err=True)
+
+
+_LOCAL_LAUNCHER = ("nnodes", "node_rank", "nproc_per_node", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id",
+                   "max_restarts")
+"""pd train's options that only its own launcher uses (a cluster's launcher places the workers itself)."""
+
+
+def _refuse_local_options(launcher: str, transport: str, evaluate: bool) -> None:
+    """Usage errors for what a worker started by torchrun or srun cannot do."""
+    ctx = click.get_current_context()
+    given = [name for name in _LOCAL_LAUNCHER
+             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    if given:
+        raise click.UsageError(f"--{given[0].replace('_', '-')} is for pd train's own launcher; under {launcher} "
+                               f"the launcher places the workers (set it there, and drop it here)")
+    if transport == "shared-memory":
+        raise click.UsageError(f"--transport shared-memory needs pd train's own launcher (it removes the rings of "
+                               f"workers that die); under {launcher} the workers talk through the process group")
+    if evaluate:
+        raise click.UsageError(f"--evaluate is not supported under {launcher}: every stage's weights stay in its own "
+                               "worker (the final checkpoint holds them all)")
 
 
 def _report(result, plan, config, shared: tuple) -> None:

@@ -1,0 +1,477 @@
+"""Running `pd train` under a cluster's own launcher: torchrun, or SLURM's srun.
+
+There every process that runs `pd train` is one worker of the plan: the launcher started it,
+numbered it and set up where the job meets. `detect` tells which launcher (`--launcher auto`):
+torchrun when TORCHELASTIC_RUN_ID and RANK are set; SLURM when SLURM_PROCID is set in a job step
+(SLURM_STEP_ID) of more than one task (SLURM_NTASKS); else pd train's own (`runtime.launch`).
+`place` reads where this process sits: torchrun's RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; or SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
+SLURM_STEP_TASKS_PER_NODE, the first host of SLURM_STEP_NODELIST and a port from SLURM_JOB_ID
+(`slurm_port`), where MASTER_ADDR and MASTER_PORT, when set, win.
+
+`train` then runs the job as pd train's own launcher does, split over the processes:
+
+1. every process checks the plan against the world size and joins the job's store (rank 0
+   hosts it under SLURM, torchrun's agent under torchrun);
+2. rank 0 alone does the launcher's part: the checks before any worker (`job.prepare`: model,
+   split, data, memory) and, with --checkpoint-dir, the folder's lock, --resume and the run id
+   (as `session.run` does); it publishes what it decided (steps, first step, checkpoint to
+   resume from, run id, threads) in the store, and the others wait for it (while rank 0 beats,
+   up to --startup-timeout). When the checks fail, every process ends with the same one line;
+3. every process runs its worker (`worker.worker_main`); rank 0 also completes the checkpoints
+   (`session._ManifestWriter`: every machine's shards land in the one shared folder);
+4. every worker puts its report (JSON: losses, times, events) in the store, and rank 0 returns
+   them all for the summary, --metrics and --trace.
+
+A failing worker prints `pd: error: worker rank R failed: ...` and exits 1 (torchrun, and srun
+with --kill-on-bad-exit, then stop the others). SIGINT or SIGTERM ends each process with one
+line and exit 128 + the signal, whatever it is doing (`Ending`); rank 0 first completes what
+checkpoints it can.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Mapping
+
+from ..errors import LaunchError, PdtoolError
+from ..signals import SIGNALS
+
+LAUNCHERS = ("auto", "local", "torchrun", "slurm")
+SLURM_PORTS = (10000, 20000)
+"""MASTER_PORT under SLURM when not set: 10000 + SLURM_JOB_ID mod 20000 (below Linux's ephemeral ports, 32768 on)."""
+_SPECIAL_STEPS = 4294967290
+"""SLURM's step ids from here on are not srun's steps (the batch script's, the extern and interactive steps)."""
+_DECISION = "pdtool/launch/decision"  # rank 0's decision (JSON), in the job's store
+_READ = "pdtool/launch/read"          # how many other ranks have read it
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where this process sits in a job that a cluster's launcher started."""
+
+    launcher: str      # torchrun or slurm
+    rank: int
+    world: int
+    local_rank: int    # among the workers of its machine
+    local_world: int   # workers of its machine
+    machines: int
+    master_addr: str   # where the job's store is (rank 0's machine under SLURM)
+    master_port: int
+
+    def export(self) -> None:
+        """Set the environment that torch's env:// rendezvous and `worker_main` read."""
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(self.local_rank),
+                          LOCAL_WORLD_SIZE=str(self.local_world), MASTER_ADDR=self.master_addr,
+                          MASTER_PORT=str(self.master_port))
+
+
+def detect(choice: str, env: Mapping[str, str] = os.environ) -> str:
+    """The launcher `--launcher choice` means here: `auto` is torchrun when TORCHELASTIC_RUN_ID
+    and RANK are set, slurm in an srun job step of more than one task, else local (pd train's own)."""
+    if choice != "auto":
+        return choice
+    if env.get("TORCHELASTIC_RUN_ID") and env.get("RANK"):
+        return "torchrun"
+    step = env.get("SLURM_STEP_ID", "")
+    if env.get("SLURM_PROCID") and step.isdigit() and int(step) < _SPECIAL_STEPS:
+        return "slurm" if _number(env, "SLURM_NTASKS", 1) > 1 else "local"
+    return "local"
+
+
+def place(launcher: str, env: Mapping[str, str] = os.environ) -> Place | None:
+    """Where this process sits under `launcher` (None for pd train's own launcher); one
+    `LaunchError` line naming what is missing or malformed."""
+    if launcher == "torchrun":
+        if not env.get("RANK"):
+            raise LaunchError("--launcher torchrun, but RANK is not set: start pd train with torchrun ... --no-python "
+                              "pd train PLAN ... (or drop --launcher)")
+        return _checked(Place("torchrun", _number(env, "RANK"), _number(env, "WORLD_SIZE"), _number(env, "LOCAL_RANK"),
+                     _number(env, "LOCAL_WORLD_SIZE"), _number(env, "GROUP_WORLD_SIZE", 1),
+                     env.get("MASTER_ADDR") or "127.0.0.1", _number(env, "MASTER_PORT")))
+    if launcher == "slurm":
+        return _slurm_place(env)
+    return None
+
+
+def _checked(where: Place) -> Place:
+    if not (where.rank < where.world and where.local_rank < where.local_world and 0 < where.master_port < 65536):
+        raise LaunchError(f"{where.launcher} set rank {where.rank} of {where.world} (local {where.local_rank} of "
+                          f"{where.local_world}), port {where.master_port}: not a place in a job; check the "
+                          "launcher's environment (MASTER_PORT within 1-65535)")
+    return where
+
+
+def _slurm_place(env: Mapping[str, str]) -> Place:
+    if not env.get("SLURM_PROCID"):
+        raise LaunchError("--launcher slurm, but SLURM_PROCID is not set: start pd train with srun (srun pd train "
+                          "PLAN ... in an allocation or an sbatch script), or drop --launcher")
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    hosts = expand_hosts(nodelist) if nodelist else []
+    addr = env.get("MASTER_ADDR") or (hosts[0] if hosts else "")
+    if not addr:
+        raise LaunchError("SLURM_STEP_NODELIST and SLURM_JOB_NODELIST are not set, so the host of rank 0 is not "
+                          "known: set MASTER_ADDR to it")
+    per_node = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or
+                              env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_NTASKS") or "1")
+    here = env.get("SLURMD_NODENAME")
+    node = hosts.index(here) if here in hosts else _number(env, "SLURM_NODEID", 0)  # this machine in the step
+    port = (_number(env, "MASTER_PORT") if env.get("MASTER_PORT") else
+            slurm_port(_number(env, "SLURM_JOB_ID")))
+    return _checked(Place("slurm", _number(env, "SLURM_PROCID"), _number(env, "SLURM_NTASKS"),
+                          _number(env, "SLURM_LOCALID", 0), per_node[node] if node < len(per_node) else per_node[0],
+                          _number(env, "SLURM_STEP_NUM_NODES", _number(env, "SLURM_NNODES", max(len(hosts), 1))),
+                          addr, port))
+
+
+def slurm_port(job_id: int) -> int:
+    """The job's store port under SLURM when MASTER_PORT is not set (the same in every task)."""
+    return SLURM_PORTS[0] + job_id % SLURM_PORTS[1]
+
+
+def _number(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    """A count or index from the launcher's environment; one line when missing or malformed."""
+    text = env.get(name)
+    if text is None and default is not None:
+        return default
+    if text is None or not re.fullmatch(r"[0-9]{1,10}", text):
+        raise LaunchError(f"{name}={text!r} in the environment is not a number"
+                          + (" (the launcher sets it)" if text is not None else ": the launcher did not set it"))
+    return int(text)
+
+
+def expand_hosts(nodelist: str) -> list[str]:
+    """SLURM's compressed host list, expanded in order: `node[01-03,7],gpu2` is node01, node02,
+    node03, node7, gpu2 (a range keeps the width of its first number; several bracket groups in
+    one name multiply). One `LaunchError` line when it is malformed."""
+    hosts: list[str] = []
+    for item in _top_level(nodelist):
+        parts = re.split(r"\[([^\[\]]*)\]", item)  # literal, range list, literal, ...
+        if not item or any(c in part for part in parts[::2] for c in "[]"):
+            raise _unreadable(nodelist)
+        choices = [[part] if k % 2 == 0 else _range_list(part, nodelist) for k, part in enumerate(parts)]
+        hosts.extend("".join(name) for name in itertools.product(*choices))
+    return hosts
+
+
+def _top_level(nodelist: str) -> list[str]:
+    """The comma-separated items of a host list, commas inside brackets left alone."""
+    items, depth, start = [], 0, 0
+    for i, c in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(c, 0)
+        if depth not in (0, 1):
+            raise _unreadable(nodelist)
+        if c == "," and depth == 0:
+            items.append(nodelist[start:i])
+            start = i + 1
+    if depth:
+        raise _unreadable(nodelist)
+    return items + [nodelist[start:]]
+
+
+def _unreadable(nodelist: str, where: str = "") -> LaunchError:
+    return LaunchError(f"cannot read the SLURM host list {nodelist!r}{where}; set MASTER_ADDR to the host of rank 0")
+
+
+def _range_list(text: str, nodelist: str) -> list[str]:
+    """`01-03,7` -> 01, 02, 03, 7."""
+    found = []
+    for piece in text.split(","):
+        match = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", piece)
+        if not match or (match[2] is not None and int(match[2]) < int(match[1])):
+            raise _unreadable(nodelist, f" (at {piece!r})")
+        first, last = int(match[1]), int(match[2] if match[2] is not None else match[1])
+        found.extend(str(n).zfill(len(match[1])) for n in range(first, last + 1))
+    return found
+
+
+def tasks_per_node(text: str) -> list[int]:
+    """SLURM's tasks per node, expanded: `2(x3),1` is [2, 2, 2, 1]."""
+    counts = []
+    for piece in text.split(","):
+        match = re.fullmatch(r"([0-9]+)(?:\(x([0-9]+)\))?", piece.strip())
+        if not match:
+            raise LaunchError(f"cannot read SLURM's tasks per node {text!r}")
+        counts.extend([int(match[1])] * int(match[2] or 1))
+    return counts
+
+
+class Ending:
+    """How this process ends before its work is done: one line on stderr and an exit code, once,
+    from whichever thread gets there first (`end`). SIGINT and SIGTERM are answered by a thread
+    of their own, woken through the signal wakeup fd whichever thread the kernel gave the signal
+    to: Python runs signal handlers only in the main thread and between bytecodes, so a worker
+    blocked in a transfer or in the store would not answer before its timeout."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.before: list[Callable[[], None]] = []  # what runs first: rank 0 completes the checkpoints it can
+        self.checkpoint_dir: str | None = None       # rank 0's, once it holds it: the line names what is kept
+        self._once = threading.Lock()
+
+    def answer_signals(self) -> None:
+        """From now on SIGINT and SIGTERM end this process with one line (call from the main thread)."""
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        for signum in SIGNALS:
+            signal.signal(signum, _ignore)  # a Python handler keeps Python's C handler, which writes to the fd
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        threading.Thread(target=self._wait, args=(read,), daemon=True, name="pdtool-signals").start()
+
+    def _wait(self, fd: int) -> None:
+        signum = 0
+        while signum not in SIGNALS:
+            signum = os.read(fd, 1)[0]
+        self.end(f"interrupted by {signal.Signals(signum).name}: worker rank {self.rank} stopped", 128 + signum)
+
+    def end(self, message: str, code: int):
+        """Run `before`, print `pd: error: message` (on rank 0 with the checkpoint kept) and exit
+        with `code`, without the process group's teardown (it waits for peers that may be gone)."""
+        from .session import _kept
+
+        with self._once:  # a second caller waits here until the process is gone
+            for step in self.before:
+                try:
+                    step()
+                except Exception:  # noqa: BLE001 - already ending; the line is what matters
+                    pass
+            if self.checkpoint_dir is not None:
+                message += f"; {_kept(self.checkpoint_dir)}"
+            sys.stderr.write(f"pd: error: {message}\n")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+
+def _ignore(signum, frame) -> None:
+    """The main thread's handler of SIGINT/SIGTERM under `Ending`: nothing (its thread answers)."""
+
+
+_DECIDED = ("steps", "first_step", "resume", "run_id", "threads")
+"""The RunConfig fields rank 0 decides for every worker (`job.prepare`, --resume, the run id)."""
+
+
+@dataclass
+class _Folder:
+    """Rank 0's hold on the checkpoint folder: its lock, and the thread completing manifests."""
+
+    lock: object    # folder_lock.FolderLock
+    writer: object  # session._ManifestWriter
+
+    def close(self) -> None:
+        """With every worker done: complete what can be, let the folder go; the writer's error (a full disk)."""
+        self.writer.stop()
+        self.lock.release()
+        if self.writer.error is not None:
+            raise self.writer.error
+
+
+def train(where: Place, plan, config, *, epochs: int | None = None, resume: bool = False, iface: str | None = None,
+          verbose: bool = False, warn=lambda message: None, say=lambda message: None, talk=lambda message: None):
+    """Run this process's worker of a job that `where.launcher` started (see the module
+    docstring). Rank 0 returns (`session.TrainResult` of the whole job, its `job.Job`); the
+    others return None. Errors before the workers start are one `PdtoolError` line, the same on
+    every rank; a worker's failure or a signal ends the process with one line (`Ending`; with
+    `verbose`, a failing worker's traceback first)."""
+    from . import peers
+    from .session import TrainResult
+    from .worker import check_world, worker_main
+
+    ending = Ending(where.rank)
+    ending.answer_signals()
+    where.export()
+    check_world(plan, where.world, config.plan_path)
+    _use_interface(where, iface)
+    store = peers.join(where.rank, where.world, config.startup_timeout_s)
+    if where.rank == 0:
+        job, config, per_step, folder = _decide(store, where, plan, config, epochs, resume, warn, say)
+        if folder is not None:
+            ending.before.append(folder.writer.stop)
+            ending.checkpoint_dir = config.checkpoint_dir
+        talk(f"{where.launcher} started {where.world} worker(s) on {where.machines} machine(s); each builds its "
+             "stage, then training begins")
+    else:
+        config = _decision(store, where.rank, config)
+    began = time.perf_counter()
+    try:
+        report = worker_main(config, store)
+    except BaseException as exc:  # noqa: BLE001 - every way a worker fails is one line
+        _fail(exc, ending, where.rank, verbose)
+    try:
+        store.set(f"pdtool/report/{where.rank}", _report_json(report))
+    except Exception as exc:  # noqa: BLE001 - as in _decision
+        raise _store_lost(where.rank, "after training, reporting to rank 0", exc) from None
+    if where.rank != 0:
+        return None
+    try:
+        reports = _gather(store, where.world, config.timeout_s)
+        wall_s = time.perf_counter() - began
+    finally:
+        if folder is not None:
+            folder.close()
+    return TrainResult(plan, reports, wall_s, config.first_step, config.steps, per_step), job
+
+
+def _use_interface(where: Place, named: str | None) -> None:
+    """Put the workers' traffic (gloo, NCCL) on `named` (--iface); else, unless GLOO_SOCKET_IFNAME
+    is set, on loopback when the job has one machine (as pd train's own launcher does), or on the
+    interface that routes to MASTER_ADDR across machines (gloo's default, the address the host
+    name resolves to, is often loopback: Debian's 127.0.1.1)."""
+    import ipaddress
+
+    from . import network
+
+    if named is None and os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    if named is None and where.machines == 1:
+        interface = "lo"
+    else:
+        interface, address = network.pick_interface(where.master_addr, named)
+        if named is None and ipaddress.ip_address(address).is_loopback:
+            return  # MASTER_ADDR names this machine by a loopback address: leave it to gloo
+    os.environ.update(GLOO_SOCKET_IFNAME=interface, NCCL_SOCKET_IFNAME=interface)
+
+
+def _decide(store, where: Place, plan, config, epochs, resume, warn, say):
+    """Rank 0: the launcher's part (`job.prepare`'s checks, the checkpoint folder, --resume, the
+    run id), published in the store for the other ranks, also when it fails (then the others end
+    with the same line). (job, config, minibatches per step, `_Folder` or None)."""
+    from . import peers
+    from .job import prepare
+
+    try:
+        with peers.Beacon(store, 0):  # the others wait while it beats
+            job = prepare(plan, config, epochs=epochs, nproc_per_node=where.local_world, warn=warn)
+            config, per_step, folder = _start(plan, job.config, resume, job.checked.parameters, warn, say)
+    except PdtoolError as exc:
+        store.set(_DECISION, json.dumps({"error": str(exc)}))
+        _wait_until_read(store, where.world, config.timeout_s)  # the store is rank 0's under SLURM
+        raise
+    store.set(_DECISION, json.dumps({"config": {name: getattr(config, name) for name in _DECIDED}}))
+    return job, config, per_step, folder
+
+
+def _start(plan, config, resume: bool, needs, warn, say):
+    """Where the run starts, as `session.run` settles it: (config with its run id and starting
+    point, minibatches per step, `_Folder` holding the checkpoint folder or None)."""
+    from pathlib import Path
+
+    from .folder_lock import FolderLock
+    from .launch import Nodes
+    from .session import _ManifestWriter, _run_id, _starting_point, plan_sha256
+    from .worker import make_schedule, minibatches_per_step
+
+    short = dataclasses.replace(config, steps=max(config.checkpoint_every, 1))  # one drain's worth
+    per_step = minibatches_per_step(make_schedule(plan, short))  # a schedule it cannot run: refused here
+    config = dataclasses.replace(config, run_id=_run_id(config, Nodes()))  # random: only rank 0 decides it
+    if not config.checkpoint_dir:
+        return _starting_point(config, plan, resume, None, warn, needs, say), per_step, None
+    meta = {"mode": config.mode or plan.mode, "data": config.data, "seed": config.seed}
+    lock = FolderLock.acquire(config.checkpoint_dir)
+    try:
+        config = _starting_point(config, plan, resume, lock, warn, needs, say)
+        lock.claim({"run": config.run_id, "stages": len(plan.stages), "plan_sha256": plan_sha256(config.plan_path),
+                    "meta": meta})
+    except BaseException:
+        lock.release()
+        raise
+    writer = _ManifestWriter(Path(config.checkpoint_dir), len(plan.stages), plan_sha256(config.plan_path), meta,
+                             config.run_id)
+    writer.start()
+    return config, per_step, _Folder(lock, writer)
+
+
+def _wait_until_read(store, world: int, timeout_s: float) -> None:
+    """Rank 0: wait (up to `timeout_s`) until the other ranks have read its decision."""
+    deadline = time.monotonic() + timeout_s
+    while store.add(_READ, 0) < world - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _decision(store, rank: int, config):
+    """Another rank: config as rank 0 decided it, once it has (while rank 0 beats, up to
+    --startup-timeout); rank 0's error line when its checks failed."""
+    from . import peers
+
+    try:
+        peers.wait_for(store, rank, {0: _DECISION}, config.timeout_s, config.startup_timeout_s,
+                       "check the plan", "while it ran pd train's checks", "check the plan (pd train's checks)")
+        decision = json.loads(store.get(_DECISION))
+        store.add(_READ, 1)
+    except peers.PeerTimeout as silent:  # rank 0 stopped (SIGSTOP) or hung: end it, as pd train's workers do
+        peers.stop_silent(silent.peer, silent.store)
+        raise
+    except PdtoolError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the store's connection broke (under SLURM rank 0 hosts it)
+        raise _store_lost(rank, "while rank 0 checked the plan", exc) from None
+    if "error" in decision:
+        raise LaunchError(decision["error"])
+    return dataclasses.replace(config, **decision["config"])
+
+
+def _store_lost(rank: int, when: str, exc: Exception) -> LaunchError:
+    return LaunchError(f"rank {rank} lost the job's store {when} ({str(exc).strip().splitlines()[0][:120]}); the "
+                       "store's host (rank 0 under SLURM, torchrun's agent) went away: its own line says why")
+
+
+def _fail(exc: BaseException, ending: Ending, rank: int, verbose: bool):
+    """A worker failed with `exc` (called in its `except`): its traceback when `verbose`, its
+    line in torchrun's error file (torchrun's report of the failure shows it), then settle as
+    `launch.settle` says and end with the line."""
+    import traceback
+
+    from .launch import in_own_words, settle
+
+    message = f"worker rank {rank} failed: {in_own_words(f'{type(exc).__name__}: {exc}')[0]}"
+    if verbose:
+        traceback.print_exc()
+    _record(message)
+    settle(exc)
+    ending.end(message, 1)
+
+
+def _record(message: str) -> None:
+    """Write `message` where torchrun reads a worker's error (TORCHELASTIC_ERROR_FILE, if set)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w", encoding="utf-8") as file:
+                json.dump({"message": f"pd: error: {message}", "timestamp": int(time.time())}, file)
+        except OSError:
+            pass  # torchrun then reports the exit code alone
+
+
+def _report_json(report) -> str:
+    """A worker's report as JSON: everything but its weights (which stay in its process)."""
+    return json.dumps({f.name: getattr(report, f.name) for f in dataclasses.fields(report) if f.name != "weights"})
+
+
+def _gather(store, world: int, timeout_s: float) -> dict:
+    """Rank 0: every worker's report, by rank (they follow the last barrier within moments)."""
+    from .worker import WorkerReport
+
+    keys = [f"pdtool/report/{r}" for r in range(world)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - torch raises DistStoreError with a long text
+        raise LaunchError(f"rank 0 waited {timeout_s:g} s for the other workers' reports after training "
+                          f"({str(exc).strip().splitlines()[0][:120]}); its checkpoints are kept, but pd train's "
+                          "summary, --metrics and --trace are missing") from None
+    reports = {}
+    for rank, key in enumerate(keys):
+        data = json.loads(store.get(key))
+        data.update(losses={int(b): v for b, v in data["losses"].items()},
+                    finished={int(b): t for b, t in data["finished"].items()},
+                    events=[tuple(event) for event in data["events"]])
+        reports[rank] = WorkerReport(**data)
+    return reports
