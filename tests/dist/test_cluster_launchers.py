@@ -153,3 +153,28 @@ def test_a_failing_worker_under_torchrun_is_one_line(tmp_path):
     assert ours[0] == "pd: error: worker rank 1 failed: RuntimeError: boom after 8 forwards", done.stderr
     assert len(ours) == 2 and "worker rank 0" in ours[1], ours  # torchrun stopped it: its own one line
     assert "traceback : pd: error: worker rank 1 failed: RuntimeError: boom" in done.stderr  # torchrun's report
+
+
+def test_torchrun_restarts_resume_from_the_newest_checkpoint_and_end_as_an_uninterrupted_run(tmp_path):
+    """A worker that raises after 8 forwards (4 flush steps), under torchrun --max-restarts 2 with
+    --resume: each new attempt continues from the newest complete checkpoint (its store keys apart
+    from the last attempt's), and the run ends with the weights of a run that never failed."""
+    split = [((0, 1), 1), ((2, 2), 1)]
+    _, failing = plan_with(tmp_path, split, mode="flush", ref=ModelRef("toymodels:exploding", {"after": 8}))
+    _, whole = plan_with(tmp_path, split, mode="flush", ref=ModelRef("toymodels:exploding", {"after": 10**9}),
+                         name="whole.plan.json")
+    every = ["--steps", "10", "--checkpoint-every", "1", "--quiet"]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+            "2", "--no-python", PD, "train", str(failing), *every, "--checkpoint-dir", "ckpt", "--resume"]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, env=environment(), timeout=180)
+    assert done.returncode == 0, done.stderr
+    resumed = [line for line in done.stderr.splitlines() if line.startswith("pd: resuming from")]
+    assert resumed == ["pd: resuming from ckpt/step-00000004 (step 4)", "pd: resuming from ckpt/step-00000008 (step 8)"]
+    [(code, _, lines)] = finish([subprocess.Popen([PD, "train", str(whole), *every, "--checkpoint-dir", "whole"],
+                                                  cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                  text=True, env=environment())])
+    assert code == 0, lines
+    expected, got = saved(tmp_path / "whole" / "step-00000010"), saved(tmp_path / "ckpt" / "step-00000010")
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0)

@@ -42,8 +42,9 @@ class PeerTimeout(LaunchError):
 
 
 def join(rank: int, world: int, timeout_s: float):
-    """The job's store (the default process group's, under its prefix) once this worker joined it
-    and published its process; one `LaunchError` line when the rendezvous cannot be reached."""
+    """The job's store (the default process group's, under a prefix of its own for each attempt
+    torchrun makes) once this worker joined it and published its process; one `LaunchError` line
+    when the rendezvous cannot be reached."""
     import torch.distributed as dist
 
     try:
@@ -53,7 +54,8 @@ def join(rank: int, world: int, timeout_s: float):
         raise LaunchError(f"rank {rank} cannot join the job's rendezvous at {where} within {timeout_s:g} s "
                           f"({_first_line(exc)}); check the launcher's address and port") from None
     store.set_timeout(timedelta(seconds=timeout_s))
-    store = dist.PrefixStore("default_pg", store)
+    # torchrun keeps its store across restarts of the workers (--max-restarts): each attempt's keys apart
+    store = dist.PrefixStore(f"default_pg/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     store.set(f"pdtool/process/{rank}", f"{socket.gethostname()} {os.getpid()} {os.environ.get(shm.NODE_ENV) or '-'}")
     return store
 
