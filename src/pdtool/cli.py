@@ -484,8 +484,8 @@ def _refuse_local_options(launcher: str, transport: str, evaluate: bool) -> None
     given = [name for name in _LOCAL_LAUNCHER
              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
     if given:
-        raise click.UsageError(f"--{given[0].replace('_', '-')} is for pd train's own launcher; under {launcher} "
-                               f"the launcher places the workers (set it there, and drop it here)")
+        raise click.UsageError(f"--{given[0].replace('_', '-')} is for pd train's own launcher; under {launcher}, "
+                               f"drop it and give {launcher} its own option for it")
     if transport == "shared-memory":
         raise click.UsageError(f"--transport shared-memory needs pd train's own launcher (it removes the rings of "
                                f"workers that die); under {launcher} the workers talk through the process group")

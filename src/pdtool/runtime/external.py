@@ -378,7 +378,7 @@ def _start(plan, config, resume: bool, needs, warn, say):
     meta = {"mode": config.mode or plan.mode, "data": config.data, "seed": config.seed}
     lock = FolderLock.acquire(config.checkpoint_dir)
     try:
-        config = _starting_point(config, plan, resume, lock, warn, needs, say)
+        config = _starting_point(config, plan, resume, lock.previous, warn, needs, say)
         lock.claim({"run": config.run_id, "stages": len(plan.stages), "plan_sha256": plan_sha256(config.plan_path),
                     "meta": meta})
     except BaseException:
