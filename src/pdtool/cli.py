@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
 import click
 
@@ -16,7 +15,7 @@ from . import __version__
 from .errors import PdtoolError
 from .fields import check_schema
 from .jsonio import check_writable, read_json
-from .runtime.external import LAUNCHERS
+from .runtime.cluster_env import LAUNCHERS, detect, place
 from .schedule.core import MODES
 from .signals import Stopped, install as install_signal_handlers
 
@@ -405,7 +404,7 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     from .runtime.worker import RunConfig
     from .runtime import external
 
-    where = external.place(external.detect(launcher))  # None: pd train starts the workers itself
+    where = place(detect(launcher))  # None: pd train starts the workers itself
     if where is not None:
         _refuse_local_options(where.launcher, transport, evaluate)
     reporter = where is None or where.rank == 0  # the process that writes the outputs and prints the summary
