@@ -15,6 +15,8 @@ import os
 import signal
 import sys
 import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 GRACE_S = 5.0
 """Seconds a command has, after the first signal, to stop by itself before it is ended."""
@@ -51,3 +53,29 @@ def _end_now(signum: int) -> None:
                      "(files pd writes are replaced whole, so none is half-written)\n")
     sys.stderr.flush()
     os._exit(128 + signum)
+
+
+class _Overdue(BaseException):
+    """Raised in the main thread when a `deadline` passes (a BaseException: nothing swallows it)."""
+
+
+@contextmanager
+def deadline(seconds: float, error: Exception) -> Iterator[None]:
+    """Raise `error` when the block has not finished after `seconds` (SIGALRM; in the main thread
+    of a platform that has it, else no bound). E.g. the launcher's checks of `pd train`, which
+    import and build the model, are bounded by --startup-timeout as the workers' start-up is."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def overdue(signum, frame):
+        raise _Overdue()
+    previous = signal.signal(signal.SIGALRM, overdue)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    except _Overdue:
+        raise error from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

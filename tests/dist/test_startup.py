@@ -97,3 +97,18 @@ def test_a_signal_while_pd_imports_a_hanging_factory_is_one_line(tmp_path, comma
     assert process.returncode == code and len(lines) == 1 and lines[0].startswith("pd: interrupted by "), err
     assert took < (1 if hang == "sleeps" else 8), took
     assert not (tmp_path / "h.json").exists()
+
+
+def test_the_launchers_checks_are_bounded_by_the_startup_timeout(tmp_path):
+    """A factory whose import hangs in the launcher (before any worker) ends after --startup-timeout."""
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
+    data = json.loads(path.read_text())
+    data["profile"]["model"]["spec"] = "hanging:build"
+    path.write_text(json.dumps(data))
+    (tmp_path / "hanging.py").write_text(HANGS["sleeps"] + "def build(**kwargs):\n    pass\n")
+    began = time.monotonic()
+    done = subprocess.run([PD, "train", str(path), "--startup-timeout", "2", "--quiet"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    lines = [line for line in done.stderr.strip().splitlines() if not line.startswith("pd: importing")]
+    assert done.returncode == 1 and len(lines) == 1 and "took more than --startup-timeout 2 s" in lines[0], done.stderr
+    assert time.monotonic() - began < 15

@@ -18,6 +18,7 @@ import torch
 from ..artifacts.plan import Plan
 from ..errors import LaunchError
 from ..schedule import ASYNC_MODES
+from ..signals import deadline
 from . import shm
 from .preflight import Checked, preflight
 from .session import steps_for_epochs
@@ -40,7 +41,11 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
             nproc_per_node: int | None = None, warn: Callable[[str], None] = lambda message: None) -> Job:
     """Check everything the files and options show, before any worker starts (one line each),
     and fill in the steps (from `epochs`) and the threads per CPU worker."""
-    checked = preflight(plan, config.plan_path, config.mode, config.data, config.seed, config.model)
+    overdue = LaunchError(f"the launcher's checks (importing and building the model, its first minibatch) took more "
+                          f"than --startup-timeout {config.startup_timeout_s:g} s; raise it if the model takes that "
+                          "long to build, else look at what its factory waits for")
+    with deadline(config.startup_timeout_s, overdue):
+        checked = preflight(plan, config.plan_path, config.mode, config.data, config.seed, config.model)
     check_memory(plan, config)
     if epochs:
         per_step = minibatches_per_step(make_schedule(plan, dataclasses.replace(config, steps=1)))
