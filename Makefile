@@ -1,4 +1,5 @@
-# pdtool: `make demo` sets everything up and runs the main job; `make test` runs the tests.
+# pdtool: `make demo` sets everything up and runs the main job; `make test` runs the tests
+# (`make test-fast`: those that start no worker process).
 # Both create (or reuse) a virtual environment in .venv, install pdtool with torch 2.13.0 (CPU) and
 # the test and hf extras (pytest, transformers), and install Debian's graphviz where they can.
 
@@ -12,7 +13,7 @@ PD := $(VENV)/bin/pd
 STAMP := $(VENV)/.pdtool-installed
 OUT ?= out
 
-.PHONY: demo test install graphviz profiles bench clean
+.PHONY: demo test test-fast install graphviz profiles bench clean
 
 install: $(STAMP)
 
@@ -65,6 +66,10 @@ demo: install graphviz
 
 test: install graphviz
 	$(PY) -m pytest -q
+
+# The fast tier for your loop: every test that starts no worker process (tests/README.md).
+test-fast: install graphviz
+	$(PY) -m pytest -q -m "not workers"
 
 # ----- shipped profiles, measured on this machine: `make profiles` regenerates them all -----
 PROFILES := mlp vgg16-small vgg16 resnet50-small resnet50 gpt-small gpt

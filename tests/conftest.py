@@ -1,7 +1,19 @@
-"""Shared test set-up: the tests folder is importable, so model specs like `toymodels:dynamic` work."""
+"""Shared test set-up: the tests folder is importable, so model specs like `toymodels:dynamic` work;
+every test of tests/dist (and every module that says `pytestmark = pytest.mark.workers`) carries
+the `workers` marker: it starts worker processes (`make test-fast` leaves those out). See
+tests/README.md for the tiers."""
 import os
 import sys
+
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+
+
+def pytest_collection_modifyitems(config, items):
+    dist = os.path.join(HERE, "dist") + os.sep
+    for item in items:
+        if str(item.fspath).startswith(dist):
+            item.add_marker(pytest.mark.workers)

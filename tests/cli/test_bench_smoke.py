@@ -3,7 +3,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.workers  # trains with worker processes (tests/README.md)
 
 
 def test_time_to_accuracy_runs_and_prints_its_table(tmp_path):

@@ -10,6 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.workers  # trains with worker processes (tests/README.md)
+
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed")
 def test_make_demo_profiles_plans_draws_simulates_trains_and_summarises(tmp_path):

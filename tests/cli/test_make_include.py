@@ -51,6 +51,7 @@ def test_a_picture_keeps_the_profile_and_plan_it_was_made_from(tmp_path):
     assert make(tmp_path, "tiny.svg", question=True).returncode == 0
 
 
+@pytest.mark.workers
 def test_the_digits_example_trains_and_reports_its_accuracy(tmp_path):
     shutil.copy(ROOT / "examples" / "digits" / "Makefile", tmp_path / "Makefile")
     args = [f"PDTOOL={ROOT}", f"PD={Path(sys.executable).parent / 'pd'}", "EPOCHS=1", "digits.metrics.csv"]
@@ -66,6 +67,7 @@ def test_the_digits_example_trains_and_reports_its_accuracy(tmp_path):
     assert "pd profile" not in again.stdout and "pd plan" not in again.stdout
 
 
+@pytest.mark.workers
 def test_the_gpt2_example_copied_elsewhere_trains_its_own_model(tmp_path):
     """What a user does: copy examples/gpt2 (factory file and Makefile) and run make."""
     pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
