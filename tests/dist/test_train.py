@@ -116,8 +116,9 @@ def test_the_measured_time_per_minibatch_agrees_with_the_wall_time(tmp_path, spl
     span_ms = (finished[-1] - began) * 1000  # first action to last completion
     assert measured is not None and measured > 0
     # the steady state is no slower than the whole run (within this shared machine's bursts: a
-    # slow second in the last half made a 1.05 bound fail once; a miscount of replicas is 2x)
-    assert measured * len(finished) <= span_ms * 1.3
+    # slow second in the last half made a 1.05 bound fail once, and 1.3 once in a fresh-clone CI run
+    # on 2026-12-02, 15 reruns passing; a miscount of replicas is 2x, which 1.6 still catches)
+    assert measured * len(finished) <= span_ms * 1.6
     # and it is the rate of the last half of the completions in time order (not the whole run's:
     # the first 1-3 completions take 16-28 ms each here, the steady state 1-2 ms over shared memory)
     half = len(finished) // 2
