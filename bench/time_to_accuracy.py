@@ -50,7 +50,8 @@ from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
 from pdtool.runtime import session
 from pdtool.runtime.executor import OptimizerConfig
-from pdtool.runtime.worker import RunConfig, make_schedule, minibatches_per_step
+from pdtool.runtime.worker import RunConfig, checked_run
+from pdtool.schedule import rules
 
 MODES = ("pipedream", "vsync", "2bw", "flush")
 SINGLE = "one process"
@@ -109,7 +110,7 @@ def main() -> None:
         plan_path = Path(tmp) / "plan.json"
         plan.save(plan_path)
         for mode in args.modes.split(","):
-            grouped = mode not in ("pipedream", "vsync")
+            grouped = not rules(mode).per_round
             lr = args.lr * args.group if grouped and args.scale_lr else args.lr
             config = RunConfig(plan_path=str(plan_path), steps=1, mode=mode, group=args.group if grouped else None,
                                seed=SEED, optimizer=dataclasses.replace(optimizer, lr=lr), threads=1, data="digits", progress=False,
@@ -122,7 +123,7 @@ def main() -> None:
 
 
 def pipeline_curve(mode: str, config: RunConfig, ref: ModelRef, batches_per_epoch: int, epochs: int) -> Curve:
-    per_step = minibatches_per_step(make_schedule(Plan.load(config.plan_path), config))
+    per_step = checked_run(Plan.load(config.plan_path), config).per_step
     if batches_per_epoch % per_step:
         raise SystemExit(f"{mode}: {per_step} minibatches per step do not divide an epoch of {batches_per_epoch}; "
                          "change --group or --batch")

@@ -91,7 +91,7 @@ from pdtool.runtime.comm import BoundaryTensor, layout
 from pdtool.runtime.launch import launch
 from pdtool.runtime.stages import plan_stages
 from pdtool.runtime.worker import RunConfig
-from pdtool.schedule import ACTIVATION, ASYNC_MODES, GRADIENT, generate, lower
+from pdtool.schedule import ACTIVATION, GRADIENT, generate, lower, modes_where, rules
 from pdtool.simulate import simulate
 
 OPTIMIZER = OptimizerConfig("sgd", 0.01, 0.9, 0.0)
@@ -336,12 +336,13 @@ def _pdtool(setup: Setup, mode: str, transport: str = "auto") -> tuple[float, fl
     last one, like the barrier-timed contenders; otherwise two launches, of warm-up and of
     warm-up + N minibatches, and the slope of the slowest worker's `wall_s` between them.
     """
-    per_step = 1 if mode == "pipedream" else setup.group
+    per_round = rules(mode).per_round
+    per_step = 1 if per_round else setup.group
     quiet = {"progress": False} if "progress" in {f.name for f in dataclasses.fields(RunConfig)} else {}
 
     def run(minibatches: int):
         config = RunConfig(plan_path=setup.plan_path, steps=minibatches // per_step, mode=mode,
-                           group=None if mode == "pipedream" else setup.group, seed=SEED, optimizer=OPTIMIZER,
+                           group=None if per_round else setup.group, seed=SEED, optimizer=OPTIMIZER,
                            threads=1, timeout_s=120.0, transport=transport, **quiet)
         began = time.perf_counter()
         reports = [report for _, report in sorted(launch(config, 2).items())]
@@ -384,7 +385,7 @@ def _action_seconds(report, window: tuple[float, float] = (-math.inf, math.inf))
 def _ops_per_minibatch(plan: Plan, mode: str, group: int, minibatches: int) -> float:
     """The most lowered ops (recv, F, send, B, W, allreduce, step) a worker runs per minibatch."""
     schedule = generate(mode, tuple(s.replicas for s in plan.stages), minibatches,
-                        1 if mode in ASYNC_MODES else group)
+                        1 if rules(mode).per_round else group)
     return max(len(ops) for ops in lower(schedule).workers) / minibatches
 
 
@@ -445,7 +446,7 @@ def overhead_rows(m: int, warmup: int, minibatches: int) -> list[tuple[str, bool
             plan.save(Path(folder) / f"{t}.plan.json")
         for name, mode, transport in contenders:
             _say(f"overhead rows: {name}")
-            group = None if mode in ASYNC_MODES else m
+            group = None if rules(mode).per_round else m
             plan = plans[transport]
             setup = Setup(str(Path(folder) / f"{transport}.plan.json"), ref, TINY_BATCH, m, warmup, minibatches)
             predicted = [simulate(p, mode, minibatches=max(minibatches, 64), group=group).time_per_minibatch_ms
@@ -502,7 +503,7 @@ def main() -> None:
     if len(plan.stages) != 2:
         raise SystemExit(f"the planner chose {len(plan.stages)} stage(s), not 2; change --hidden/--depth/--in-features")
     simulated = {mode: simulate(plan, mode, minibatches=max(args.minibatches, 64),
-                                group=None if mode == "pipedream" else m) for mode in MODES_RUN}
+                                group=None if rules(mode).per_round else m) for mode in MODES_RUN}
     predicted = {mode: result.time_per_minibatch_ms for mode, result in simulated.items()}
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "mlp.plan.json"
@@ -566,7 +567,7 @@ def main() -> None:
     print(f"pdtool time per minibatch from the {how}; start-up "
           f"{' / '.join(f'{start_up[mode]:.1f}' for mode in MODES_RUN)} s per launch ({' / '.join(MODES_RUN)})")
     bubble = {mode: (simulated[mode].bubble_fraction, _measured_bubble(actions[mode], rows[f"pdtool {mode}"]))
-              for mode in ("flush", "zb", "zb2")}
+              for mode in ("flush",) + modes_where(split=True)}
     print("bubble (share of the workers' time idle: in no F, B, W or U), simulated / measured: "
           + "; ".join(f"{mode} {sim:.3f} / {real:.3f}" for mode, (sim, real) in bubble.items()))
     checks = [
@@ -581,7 +582,7 @@ def main() -> None:
                 abs(rows[f"pdtool {mode}"] / predicted[mode] - 1) <= 0.15,
                 f"{rows[f'pdtool {mode}'] / predicted[mode]:.2f}") for mode in MODES_RUN]
     zb_torch = rows["torch ScheduleInterleavedZeroBubble"]
-    for mode in ("zb", "zb2"):
+    for mode in modes_where(split=True):
         checks += [
             (f"pdtool {mode}'s bubble at most half of flush's, simulated", bubble[mode][0] <= bubble["flush"][0] / 2,
              f"{bubble[mode][0] / bubble['flush'][0]:.2f}"),

@@ -16,8 +16,11 @@ from .errors import PdtoolError
 from .fields import check_schema
 from .jsonio import check_writable, read_json
 from .runtime.cluster_env import LAUNCHERS, detect, place
-from .schedule.core import MODES
+from .schedule.modes import DEFAULT, DEFAULT_TIED, GROUP, MODES, ROUND, modes_where
 from .signals import Stopped, install as install_signal_handlers
+
+
+PER_GROUP, PER_ROUND = "/".join(modes_where(steps=GROUP)), "/".join(modes_where(steps=ROUND))  # for --help
 
 
 class _Pd(click.Group):
@@ -203,8 +206,8 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
 @click.option("--cost-model", type=click.Choice(["pdtool", "pipedream"]), default="pdtool", show_default=True,
               help="pdtool: max(compute, all-reduce, transfer) per stage; pipedream: the original optimizer's formulas.")
 @click.option("--mode", type=click.Choice(MODES), default=None,
-              help="Schedule mode the plan is to be trained with [default: pipedream, or 2bw when stages share a "
-                   "parameter (tied weights), which pipedream cannot train].")
+              help=f"Schedule mode the plan is to be trained with [default: {DEFAULT}, or {DEFAULT_TIED} when stages "
+                   f"share a parameter (tied weights), which {DEFAULT} cannot train].")
 @click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True,
               help="Optimizer state counted in the memory model (sgd with momentum: 1 buffer, adam: 2).")
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
@@ -254,10 +257,10 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
 @click.option("--mode", type=click.Choice(MODES), default=None,
               help="Schedule mode to simulate [default: the plan's].")
 @click.option("--minibatches", "-n", type=Count(1, MAX_SIMULATED), default=None,
-              help="Minibatches (microbatches in 2bw/flush/gpipe/zb/zb2) to run [default: 16 per worker, "
+              help=f"Minibatches (microbatches in {PER_GROUP}) to run [default: 16 per worker, "
                    "a multiple of --group].")
 @click.option("--group", "-g", type=Count(1, 65536), default=None,
-              help="2bw/flush/gpipe/zb/zb2: microbatches per optimizer step [default: the number of stages, "
+              help=f"{PER_GROUP}: microbatches per optimizer step [default: the number of stages, "
                    "or more for replicated stages].")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, allow_dash=True), metavar="OUT.json",
               help="Also write the simulated run as a Chrome trace (open it in Perfetto); '-' for stdout.")
@@ -312,8 +315,8 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
                                 "pd train resnet.plan.json --steps 400 --checkpoint-dir ckpt --resume"))
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
 @click.option("--steps", type=Count(1, MAX_STEPS), default=20, show_default=True,
-              help="Train until stage 0 has taken this many optimizer steps (pipedream/vsync: one per round of its "
-                   "replicas' minibatches; 2bw/flush/gpipe/zb/zb2: one per group of microbatches).")
+              help=f"Train until stage 0 has taken this many optimizer steps ({PER_ROUND}: one per round of its "
+                   f"replicas' minibatches; {PER_GROUP}: one per group of microbatches).")
 @click.option("--epochs", type=Count(1, 10**6), help="Instead of --steps: passes over the data set.")
 @click.option("--model", "-m", "model_spec", metavar="PKG.MODULE:FACTORY",
               help="Build the model with this factory instead of the one the plan names (called with the plan's "
@@ -324,11 +327,11 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
 @click.option("--mode", type=click.Choice(MODES),
               help="Schedule mode [default: the plan's].")
 @click.option("--group", "-g", type=Count(1, 65536),
-              help="2bw/flush/gpipe/zb/zb2: microbatches per optimizer step [default: the number of stages, or more].")
+              help=f"{PER_GROUP}: microbatches per optimizer step [default: the number of stages, or more].")
 @click.option("--seed", type=Count(0, 2**63 - 1), default=0, show_default=True, help="Seed of the initial weights and the data order.")
 @click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True)
 @click.option("--lr", type=Finite(0, 1e6, min_open=True), default=0.01, show_default=True,
-              help="Learning rate (a replicated stage in pipedream/vsync uses lr * r_s / r_0, see the README).")
+              help=f"Learning rate (a replicated stage in {PER_ROUND} uses lr * r_s / r_0, see the README).")
 @click.option("--momentum", type=Finite(0, 1, max_open=True), default=0.9, show_default=True, help="SGD momentum.")
 @click.option("--weight-decay", type=Finite(0, 1e6), default=0.0, show_default=True)
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints under this folder.")
@@ -393,8 +396,8 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     """Train a plan on torch.distributed workers (gloo on CPU, NCCL on GPUs), one process per rank.
 
     Every worker builds its stage from the model the plan names, checks the plan against the
-    world size and the model's fingerprint, then runs its schedule: 1F1B with weight stashing
-    (pipedream), vsync, 2bw, flush, gpipe, zb or zb2. A failing worker stops the whole job.
+    world size and the model's fingerprint, then runs its schedule in the plan's mode or --mode
+    (1F1B with weight stashing by default). A failing worker stops the whole job.
     Under torchrun or srun (--launcher), this process is one of the workers.
     """
     from .artifacts.plan import Plan
@@ -510,11 +513,11 @@ def _report(result, plan, config, shared: tuple) -> None:
                + (f"; {rings} link direction(s) over shared memory" if rings else ""))
     measured = result.time_per_minibatch_ms()
     rate = lambda ms: f"{ms:.3f} ms" + (f" ({plan.profile.batch_size / ms * 1e3:.0f} samples/s)" if ms > 0 else "")  # noqa: E731
-    from .runtime.job import expected_ms
+    from .runtime.job import expected_ms, resolved
 
     simulated, cost_model = expected_ms(plan, config)
     expected = simulated if simulated is not None else cost_model
-    predicted = (f"predicted {rate(simulated)} (simulated, {config.mode or plan.mode}), {rate(plan.predicted.time_ms)} "
+    predicted = (f"predicted {rate(simulated)} (simulated, {resolved(plan, config).name}), {rate(plan.predicted.time_ms)} "
                  "by the cost model" if simulated is not None else f"predicted {rate(expected)} by the cost model")
     click.echo(f"time per minibatch: measured {rate(measured)}, {predicted}" if measured else
                f"time per minibatch: too few minibatches to measure; {predicted}")

@@ -42,9 +42,7 @@ from dataclasses import dataclass
 
 from .errors import ScheduleError
 from .artifacts.plan import MS_PER_S, Plan
-from .schedule import (
-    ASYNC_MODES, FLUSH_MODES, Schedule, default_group, generate, peak_versions, stash_depth, step_group,
-)
+from .schedule import Schedule, generate, peak_versions, resolve, stash_depth, step_group
 from .schedule.lower import ACTIVATION, Op, collective_key, lower, message
 
 MIB = 2 ** 20
@@ -208,10 +206,9 @@ def simulate(plan: Plan, mode: str | None = None, minibatches: int | None = None
     `default_minibatches`. An unknown mode, minibatches < 1 or a group the mode refuses raise
     `ScheduleError` (the schedule's own checks).
     """
-    mode = plan.mode if mode is None else mode
     replicas = tuple(s.replicas for s in plan.stages)
-    if group is None:
-        group = 1 if mode in ASYNC_MODES else default_group(replicas)
+    run = resolve(mode, plan.mode, replicas, group)
+    mode, group = run.name, run.group
     if minibatches is None:  # a bad group is reported by the schedule's checks, not here
         minibatches = default_minibatches(sum(replicas), group if isinstance(group, int) and group >= 1 else 1)
     schedule = generate(mode, replicas, minibatches, group)
@@ -370,8 +367,7 @@ class _Run:
         for e in events:
             if e.kind in ("B", "W") and e.stage == 0:
                 completions[e.minibatch] = max(completions.get(e.minibatch, 0.0), e.end_ms)
-        flushes = schedule.mode in FLUSH_MODES
-        tail = 0 if flushes else max(stash_depth(schedule, s) * r for s, r in enumerate(schedule.replicas))
+        tail = 0 if schedule.rules.flushes else max(stash_depth(schedule, s) * r for s, r in enumerate(schedule.replicas))
         per_minibatch = steady_state_ms(completions, schedule.minibatches, step_group(schedule, 0), tail, first)
         versions = peak_versions(schedule)
         in_flight = {self.ranks[w]: self.peak_held[w] for w in range(workers)}

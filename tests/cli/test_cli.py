@@ -300,7 +300,7 @@ def test_plan_gives_tied_weights_across_stages_a_mode_that_trains_them(tmp_path)
     refused = tmp_path / "refused.plan.json"
     result = invoke("plan", str(profile), "--cluster", "4x1GB/s", "--straight", "--mode", "pipedream", "-o", str(refused))
     assert_one_line_error(result, "parameter emb.weight is used by stages")
-    assert "--mode 2bw, flush or gpipe" in result.stderr and not refused.exists()
+    assert "--mode 2bw, flush, gpipe, zb or zb2" in result.stderr and not refused.exists()
     assert invoke("plan", str(profile), "--cluster", "4x1GB/s", "--straight", "--mode", "flush",
                   "-o", str(refused)).exit_code == 0
 

@@ -10,10 +10,11 @@ from pdtool.planner import make_plan, shared_parameters
 from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
 from pdtool.runtime.executor import OptimizerConfig
-from pdtool.runtime.reference import run_reference
 from pdtool.runtime.stages import plan_stages, sample_inputs
 from pdtool.data import synthetic_source
 from pdtool.runtime.worker import RunConfig, make_schedule
+
+from reference_executor import run_reference
 
 MLP = ModelRef("pdtool.zoo:mlp", {"in_features": 12, "hidden": 8, "depth": 3, "classes": 3})
 SGD = OptimizerConfig("sgd", 0.05, 0.9, 0.0)

@@ -60,5 +60,5 @@ def test_tied_weights_in_an_asynchronous_mode_are_refused_in_one_line(tmp_path):
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="pipedream", ref=TIED)
     with pytest.raises(LaunchError, match=r"worker rank \d failed: parameter emb\.weight is used by stages 0 and 1 "
                                           r"\(tied weights\), and mode 'pipedream' would update its copies after "
-                                          r"different minibatches; use --mode 2bw, flush or gpipe"):
+                                          r"different minibatches; use --mode 2bw, flush, gpipe, zb or zb2"):
         launch(config_for(path, steps=2), 2)

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from pdtool.runtime import comm
+from pdtool.schedule import generate, lower
 
 
 class FakeWork:
@@ -97,9 +98,15 @@ def test_a_message_of_small_tensors_is_one_transfer_and_arrives_whole(monkeypatc
     ([(0, 1, 2, 3), (4, 5)], 5, {(1, 0), (1, 1), (3, 0), (3, 1)}),
 ])
 def test_link_groups_pair_the_workers_that_exchange_minibatches(monkeypatch, stages, rank, expected):
+    """The groups come from the lowered schedule's sends: every rank makes the same ones, in one order."""
+    lowered = lower(generate("pipedream", [len(s) for s in stages], 8), ranks=[r for s in stages for r in s])
     made = []
     monkeypatch.setattr(comm.dist, "new_group", lambda ranks: made.append(tuple(ranks)) or tuple(ranks))
-    groups = comm.link_groups(stages, rank)
+    groups = comm.link_groups(lowered, rank)
     assert set(groups) == expected
     assert all(rank in group for group in groups.values())
-    assert len(made) == 2 * len({g for g in made})  # two groups (directions) per linked pair, every rank makes all
+    assert len(made) == 2 * len({g for g in made})  # two groups (directions) per linked pair
+    everyone = made[:]
+    made.clear()
+    comm.link_groups(lowered, stages[0][0])
+    assert made == everyone  # every rank makes every group, in the same order

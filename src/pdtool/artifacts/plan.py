@@ -21,7 +21,7 @@ from ..errors import ArtifactError, PdtoolError
 from ..fields import Fields, check_schema
 from .schemas import SchemaChecked
 from ..jsonio import canonical_json, read_json, round_float_fields, write_json
-from ..schedule.core import MODES, TIE_MODES
+from ..schedule.modes import MODES, ties_refusal
 from .profile import METHODS, SPLITS, Profile, estimate_wgrad_ms
 
 SCHEMA = "pdtool.plan/1"
@@ -238,10 +238,9 @@ class Plan(SchemaChecked):
             return (f"the plan splits the model into {len(self.stages)} stages, but its profile was made from leaf "
                     f"modules (neither torch.fx nor torch.export captured the model), so it trains as one stage "
                     "only; plan it again with the current pd plan (which keeps it in one stage)")
-        if self.shared and mode not in TIE_MODES:
-            return (f"{self.describe_shared()} (tied weights), and mode {mode!r} would update its copies after "
-                    "different minibatches; use --mode 2bw, flush or gpipe (they add the copies' gradients before "
-                    "every step), or plan fewer stages")
+        refusal = ties_refusal(mode)
+        if self.shared and refusal:
+            return f"{self.describe_shared()} (tied weights), and {refusal}"
         return None
 
     def describe_shared(self) -> str:

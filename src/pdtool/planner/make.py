@@ -19,7 +19,7 @@ from ..artifacts.plan import (
 )
 from ..artifacts.profile import Profile
 from ..errors import PlanError
-from ..schedule import ASYNC_MODES, MODES, default_group
+from ..schedule.modes import DEFAULT, DEFAULT_TIED, MODES, listed, modes_where, resolve, rules
 from ..units import format_bytes
 from .costmodel import MODELS, ChainCosts, CostModel, Memory
 from .partition import Pipeline, PipelineStage, Solver
@@ -61,7 +61,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     the simulated data parallelism the baseline, whichever cost model. Without it, the cost
     model's optimum and figures, as PipeDream's optimizer gives them.
     """
-    if (mode or "pipedream") not in MODES:
+    if (mode or DEFAULT) not in MODES:
         raise PlanError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     if cost_model not in MODELS:
         raise PlanError(f"unknown cost model {cost_model!r}; use one of {', '.join(MODELS)}")
@@ -177,23 +177,24 @@ def _as_plan(pipeline: Pipeline, solver: Solver, profile: Profile, cluster: Clus
                      None if profile.model is None else {"spec": profile.model.spec, "kwargs": dict(profile.model.kwargs)},
                      profile.batch_size, len(profile.layers), profile.method, profile.granularity, profile.depth,
                      profile.split, profile.device, profile.layer_sum_over_step, profile.message_ms_per_mib)
-    plan = Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=mode or "pipedream",
+    plan = Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=mode or DEFAULT,
                 stages=tuple(stages), groups=tuple(groups), predicted=prediction, command=command,
                 pdtool_version=__version__, state_space=solver.states.space, shared=shared_parameters(profile, stages))
     if mode is None and plan.untrainable() is not None:
-        plan = dataclasses.replace(plan, mode="2bw")  # `_trainable` says why, for the plan chosen
+        plan = dataclasses.replace(plan, mode=DEFAULT_TIED)  # `_trainable` says why, for the plan chosen
     return plan
 
 
 def _trainable(plan: Plan, mode: str | None, say) -> Plan:
     """The plan, when its mode trains it: an explicit mode that cannot is a PlanError; the
-    default mode was replaced by 2bw for tied weights (say why)."""
+    default mode was replaced by `DEFAULT_TIED` for tied weights (say why)."""
     if mode is not None and plan.untrainable() is not None:
         raise PlanError(plan.untrainable())
-    if mode is None and plan.mode == "2bw":
-        say(f"{plan.describe_shared()} (tied weights), whose copies pipedream cannot keep equal: the plan uses mode "
-            "2bw (every stage steps at batch boundaries after the sharing stages add their gradients; --mode flush or "
-            "gpipe work too)")
+    if mode is None and plan.shared and not rules(DEFAULT).ties:
+        others = listed([m for m in modes_where(ties=True) if m != plan.mode])
+        say(f"{plan.describe_shared()} (tied weights), whose copies {DEFAULT} cannot keep equal: the plan uses mode "
+            f"{plan.mode} (every stage steps at batch boundaries after the sharing stages add their gradients; "
+            f"--mode {others} work too)")
     return plan
 
 
@@ -227,7 +228,7 @@ def shared_parameters(profile: Profile, stages) -> tuple[tuple[str, tuple[int, .
 def _with_simulation(plan: Plan, most: int = SIMULATED_MINIBATCHES) -> Plan:
     """The plan with the simulator's figures for its own schedule recorded in `predicted`, from a
     run of at most `most` minibatches."""
-    group = 1 if plan.mode in ASYNC_MODES else default_group([s.replicas for s in plan.stages])
+    group = resolve(None, plan.mode, [s.replicas for s in plan.stages]).group
     most = min(most, SIMULATED_MINIBATCHES)
     minibatches = min(simulator.default_minibatches(plan.workers, group), max(most // group, 1) * group)
     result = simulator.simulate(plan, minibatches=minibatches, group=None if group == 1 else group)

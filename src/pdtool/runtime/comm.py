@@ -44,7 +44,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..schedule import ACTIVATION, GRADIENT
+from ..schedule import ACTIVATION, GRADIENT, Lowered
 from .peers import PeerTimeout  # noqa: F401 - raised here, and importable from here
 
 _MAX_TENSORS = 256
@@ -267,20 +267,14 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 _WHAT = {ACTIVATION: "activations", GRADIENT: "gradients"}
 
 
-def link_groups(stage_ranks: list[tuple[int, ...]], rank: int) -> dict[tuple[int, int], object]:
-    """Two-rank process groups, one per direction of every link of the plan (neighbouring
-    workers that exchange minibatches), keyed (peer, direction) for the links of `rank`.
+def link_groups(lowered: Lowered, rank: int) -> dict[tuple[int, int], object]:
+    """Two-rank process groups, one per direction of every link the lowered schedule sends a
+    message over (`Lowered.links`), keyed (peer, direction) for the links of `rank`.
 
     Every rank creates every group, in one order, as torch.distributed requires."""
     groups = {}
-    for before, after in zip(stage_ranks, stage_ranks[1:]):
-        common = math.gcd(len(before), len(after))
-        for i, a in enumerate(before):
-            for j, b in enumerate(after):
-                if i % common != j % common:
-                    continue  # no minibatch b has b mod r_s = i and b mod r_s+1 = j
-                for direction in (ACTIVATION, GRADIENT):
-                    group = dist.new_group([a, b])
-                    if rank in (a, b):
-                        groups[(b if rank == a else a, direction)] = group
+    for sender, receiver, direction in lowered.links():
+        group = dist.new_group(sorted((sender, receiver)))
+        if rank in (sender, receiver):
+            groups[(receiver if rank == sender else sender, direction)] = group
     return groups

@@ -36,7 +36,7 @@ from torch.func import functional_call
 
 from ..data import derive_seed
 from ..errors import LaunchError
-from ..schedule import ASYNC_MODES, Action, Schedule
+from ..schedule import Action, Schedule
 from .split_backward import ParameterNodes, input_gradients, weight_gradients
 
 
@@ -60,10 +60,8 @@ class OptimizerConfig:
 
 
 def lr_scale(schedule: Schedule, stage: int) -> float:
-    """The learning-rate factor of `stage` (see the module docstring)."""
-    if schedule.mode in ASYNC_MODES:
-        return schedule.replicas[stage] / schedule.replicas[0]
-    return 1.0
+    """The learning-rate factor of `stage` (see the module docstring; the mode's `lr_scale`)."""
+    return schedule.rules.lr_scale(schedule.replicas, stage)
 
 
 Allreduce = Callable[[torch.Tensor], None]  # sums a flat gradient buffer over the stage's replicas, in place

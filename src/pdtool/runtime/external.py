@@ -209,14 +209,14 @@ def _start(plan, config, resume: bool, needs, warn, say):
     from .folder_lock import FolderLock
     from .launch import Nodes
     from .session import _ManifestWriter, _run_id, _starting_point, plan_sha256
-    from .worker import make_schedule, minibatches_per_step
+    from .worker import checked_run
 
-    short = dataclasses.replace(config, steps=max(config.checkpoint_every, 1))  # one drain's worth
-    per_step = minibatches_per_step(make_schedule(plan, short))  # a schedule it cannot run: refused here
+    run = checked_run(plan, config)  # a schedule it cannot run: refused here
+    per_step = run.per_step
     config = dataclasses.replace(config, run_id=_run_id(config, Nodes()))  # random: only rank 0 decides it
     if not config.checkpoint_dir:
         return _starting_point(config, plan, resume, None, warn, needs, say), per_step, None
-    meta = {"mode": config.mode or plan.mode, "data": config.data, "seed": config.seed}
+    meta = {"mode": run.name, "data": config.data, "seed": config.seed}
     lock = FolderLock.acquire(config.checkpoint_dir)
     try:
         config = _starting_point(config, plan, resume, lock.previous, warn, needs, say)

@@ -17,12 +17,11 @@ import torch
 
 from ..artifacts.plan import Plan
 from ..errors import LaunchError
-from ..schedule import ASYNC_MODES
 from ..signals import deadline
 from . import shm
 from .preflight import Checked, preflight
 from .session import steps_for_epochs
-from .worker import RunConfig, make_schedule, minibatches_per_step
+from .worker import RunConfig, checked_run, resolved
 
 
 @dataclass(frozen=True)
@@ -45,10 +44,10 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
                           f"than --startup-timeout {config.startup_timeout_s:g} s; raise it if the model takes that "
                           "long to build, else look at what its factory waits for")
     with deadline(config.startup_timeout_s, overdue):
-        checked = preflight(plan, config.plan_path, config.mode, config.data, config.seed, config.model)
+        checked = preflight(plan, config.plan_path, resolved(plan, config).name, config.data, config.seed, config.model)
     check_memory(plan, config)
     if epochs:
-        per_step = minibatches_per_step(make_schedule(plan, dataclasses.replace(config, steps=1)))
+        per_step = checked_run(plan, config).per_step
         config = dataclasses.replace(config, steps=steps_for_epochs(epochs, checked.batches_per_epoch, per_step))
     local = nproc_per_node or len(plan.used_ranks) // nnodes
     cores = os.cpu_count() or 1
@@ -81,16 +80,16 @@ def check_memory(plan: Plan, config: RunConfig) -> None:
     from ..simulate import simulate
     from ..units import format_bytes
 
-    mode = config.mode or plan.mode
-    result = simulate(plan, mode=mode, group=config.group)
+    run = resolved(plan, config)
+    result = simulate(plan, mode=run.name, group=config.group)
     needs = Memory(limit, OPTIMIZER_SLOTS[config.optimizer.name]).per_worker(plan, result)
     rank = max(needs, key=needs.get)
     if needs[rank] <= limit:
         return
     stage = next(s for s, st in enumerate(plan.stages) if rank in st.ranks)
-    group = f" with {result.group} microbatches per step" if mode not in ASYNC_MODES else ""
+    group = "" if run.mode.per_round else f" with {result.group} microbatches per step"
     raise LaunchError(
-        f"{config.plan_path}: mode {mode}{group} needs {format_bytes(needs[rank])} on each worker of stage {stage} "
+        f"{config.plan_path}: mode {run.name}{group} needs {format_bytes(needs[rank])} on each worker of stage {stage} "
         f"({result.peak_versions[rank]} weight version(s), {result.peak_in_flight[rank]} minibatch(es) in flight), "
         f"{format_bytes(needs[rank] - limit)} more than the {format_bytes(limit)} per worker of the plan's cluster; "
         "train with a mode or --group that holds less (pd simulate PLAN --mode M prints each worker's peaks), or "

@@ -31,8 +31,9 @@ class Checked:
     parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
-def preflight(plan: Plan, plan_path: str, mode: str | None, data: str, seed: int, model: str | None = None) -> Checked:
-    """Check that the workers can run `plan` in `mode` on `data`; raise one line when not.
+def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model: str | None = None) -> Checked:
+    """Check that the workers can run `plan` in `mode` (the run's, `schedule.resolve`) on `data`;
+    raise one line when not.
     `model`: the spec the user named instead of the plan's (`pd train -m`)."""
     problem = plan.untrainable(mode)
     if problem is not None:
@@ -43,7 +44,7 @@ def preflight(plan: Plan, plan_path: str, mode: str | None, data: str, seed: int
     torch.manual_seed(seed)
     bundle = file_model(plan.profile.model, model)
     stages = plan_stages(plan, bundle.module, sample_inputs(bundle, plan))
-    tied.check_mode(stages, mode or plan.mode)
+    tied.check_mode(stages, mode)
     source = load_source(data, bundle, plan.profile.batch_size, seed)
     inputs, target = source.batch(0)
     _run_once(stages, bundle.loss_fn, inputs, target, data)

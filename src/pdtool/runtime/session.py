@@ -81,13 +81,13 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
     starts from step 0. `say` is told which; `talk` hears what the run is doing while the
     workers start. With `restarts` (and a checkpoint folder), a failed job starts again from the
     newest complete checkpoint, up to that many times, each restart one `say` line."""
-    from .worker import make_schedule, minibatches_per_step
+    from .worker import checked_run
 
     plan = Plan.load(config.plan_path)
-    short = dataclasses.replace(config, steps=max(config.checkpoint_every, 1))  # one drain's worth, cheap to make
-    per_step = minibatches_per_step(make_schedule(plan, short))  # a schedule it cannot run: refused here
+    run = checked_run(plan, config)  # a schedule it cannot run: refused here
+    per_step = run.per_step
     config = dataclasses.replace(config, run_id=config.run_id or _run_id(config, nodes))
-    meta = {"mode": config.mode or plan.mode, "data": config.data, "seed": config.seed}
+    meta = {"mode": run.name, "data": config.data, "seed": config.seed}
     lock = FolderLock.acquire(config.checkpoint_dir) if config.checkpoint_dir and nodes.node_rank == 0 else None
     try:
         config = _starting_point(config, plan, resume, lock.previous if lock else None, warn, needs, say)

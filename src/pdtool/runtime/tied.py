@@ -18,19 +18,18 @@ import torch
 import torch.distributed as dist
 
 from ..errors import LaunchError
-from ..schedule import TIE_MODES
+from ..schedule.modes import ties_refusal
 
 
 def check_mode(stages, mode: str) -> None:
     """Refuse tied weights across stages in a mode that updates the copies at different times
     (the launcher's check of the built stages; `Plan.untrainable` says the same from the plan)."""
     ties = sorted({(stage.param_names[name], users) for stage in stages for name, users in stage.tied.items()})
-    if ties and mode not in TIE_MODES:
+    refusal = ties_refusal(mode)
+    if ties and refusal:
         name, users = ties[0]
         stages_text = ", ".join(map(str, users[:-1])) + f" and {users[-1]}"
-        raise LaunchError(f"parameter {name} is used by stages {stages_text} (tied weights), and "
-                          f"mode {mode!r} would update its copies after different minibatches; use --mode 2bw, "
-                          "flush or gpipe (they add the copies' gradients before every step), or plan fewer stages")
+        raise LaunchError(f"parameter {name} is used by stages {stages_text} (tied weights), and {refusal}")
 
 
 def owner(users: tuple[int, ...]) -> int:

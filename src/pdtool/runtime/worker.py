@@ -8,6 +8,7 @@ stage, waiting for the others) is bounded as `runtime.peers` says.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -22,8 +23,8 @@ from ..allocator import keep_freed_memory
 from ..errors import LaunchError
 from ..modelspec import file_model
 from ..artifacts.plan import Plan
-from ..schedule import ACTIVATION, ASYNC_MODES, GRADIENT, Schedule, default_group, generate, lower, stash_depth
-from ..schedule.lower import collective_key
+from ..schedule import ACTIVATION, GRADIENT, Run, Schedule, checkpoint_unit, generate, lower, resolve, stash_depth, step_group
+from ..schedule.lower import Lowered, Op, collective_key
 from .comm import Link, Prefetch, BoundaryTensor, layout, link_groups
 from . import peers, shm, tied
 from .device import choose, synchronizer
@@ -77,33 +78,41 @@ class WorkerReport:
 def make_schedule(plan: Plan, config: RunConfig) -> Schedule:
     """The schedule the plan runs: its mode (or --mode), config.steps steps of stage 0, its
     pipeline drained at every periodic checkpoint (`checkpoint_drain`)."""
-    mode = config.mode or plan.mode
+    run = resolved(plan, config)
     replicas = [s.replicas for s in plan.stages]
-    group = 1 if mode in ASYNC_MODES else config.group or default_group(replicas)
-    per_step = replicas[0] if mode in ASYNC_MODES else group
-    return generate(mode, replicas, config.steps * per_step, group,
-                    drain_every=checkpoint_drain(mode, replicas, per_step, config))
+    return generate(run.name, replicas, config.steps * run.per_step, run.group,
+                    drain_every=checkpoint_drain(run, replicas, config))
 
 
-def checkpoint_drain(mode: str, replicas: list[int], per_step: int, config: RunConfig) -> int | None:
+def resolved(plan: Plan, config: RunConfig) -> Run:
+    """The run's effective mode, group and minibatches per step (`schedule.resolve`)."""
+    return resolve(config.mode, plan.mode, [s.replicas for s in plan.stages], config.group)
+
+
+def checked_run(plan: Plan, config: RunConfig) -> Run:
+    """The run's settings (`resolved`), after making its schedule for one drain's worth of steps
+    (cheap): a mode, group or --checkpoint-every that cannot run is refused here, in one line."""
+    make_schedule(plan, dataclasses.replace(config, steps=max(config.checkpoint_every, 1)))
+    return resolved(plan, config)
+
+
+def checkpoint_drain(run: Run, replicas: list[int], config: RunConfig) -> int | None:
     """Minibatches between the periodic checkpoints of a run (`--checkpoint-dir` with
     `--checkpoint-every K`: K steps of stage 0, `per_step` minibatches each; None without), where
     its schedule drains the pipeline: a checkpoint then holds every minibatch before it and
     nothing after, and a run resumed from it with the same K is the uninterrupted run, bit for
-    bit. pipedream and vsync step a replicated stage once per round of its r_s replicas, so
-    there K * per_step must be a multiple of every r_s (a one-line LaunchError says which K do)."""
+    bit. In the modes that step a replicated stage once per round of its r_s replicas (pipedream,
+    vsync), K * per_step must be a multiple of every r_s (a one-line LaunchError says which K do)."""
     if not (config.checkpoint_dir and config.checkpoint_every):
         return None
-    drain = config.checkpoint_every * per_step
-    rounds = math.lcm(*replicas)
-    if mode in ASYNC_MODES and drain % rounds:
-        unit = rounds // math.gcd(rounds, per_step)
+    unit = checkpoint_unit(run.name, replicas, run.per_step)
+    if config.checkpoint_every % unit:
         raise LaunchError(
-            f"--checkpoint-every {config.checkpoint_every}: in mode {mode} the stages, replicated "
+            f"--checkpoint-every {config.checkpoint_every}: in mode {run.name} the stages, replicated "
             f"{'-'.join(map(str, replicas))}, step once per round of their replicas, so a checkpoint that resumes "
-            f"exactly must fall after a multiple of {rounds} minibatches ({unit} steps); use --checkpoint-every "
-            f"{unit * -(-config.checkpoint_every // unit)}")
-    return drain
+            f"exactly must fall after a multiple of {math.lcm(*replicas)} minibatches ({unit} steps); use "
+            f"--checkpoint-every {unit * -(-config.checkpoint_every // unit)}")
+    return config.checkpoint_every * run.per_step
 
 
 def place(plan: Plan, rank: int) -> tuple[int, int]:
@@ -152,14 +161,14 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
                                 device_id=device if device.type == "cuda" else None)
     # On an error, no orderly teardown: the launcher records this worker's error before its
     # connections close, so the job reports it rather than a peer's "connection closed".
-    groups = {s: dist.new_group(list(st.ranks)) for s, st in enumerate(plan.stages) if st.replicas > 1}
-    links = link_groups([st.ranks for st in plan.stages], rank)
-    ties = tied.make_ties(stages, [st.ranks for st in plan.stages], stage_index)
     ranks = [r for st in plan.stages for r in st.ranks]  # stage-major, as the schedule numbers its workers
     lowered = lower(schedule, tied.sets(stages), ranks)
     ops = lowered.workers[lowered.index(rank)]
+    groups = {s: dist.new_group(list(st.ranks)) for s, st in enumerate(plan.stages) if st.replicas > 1}
+    links = link_groups(lowered, rank)
+    ties = tied.make_ties(stages, [st.ranks for st in plan.stages], stage_index)
     window = max(stash_depth(schedule, s) for s in range(schedule.stages))
-    rings = _rings(config, plan, stage_index, rank, links, specs, window, device, store)
+    rings = _rings(config, lowered, ops, rank, specs, window, device, store)
     stage = stages[stage_index]
     stage.module.to(device)
     last = stage_index == len(stages) - 1
@@ -206,23 +215,23 @@ def check_world(plan: Plan, world: int, plan_path: str) -> None:
                           "profile the model with pd profile --model and plan that profile")
 
 
-def _rings(config: RunConfig, plan: Plan, s: int, rank: int, links: dict, specs, window: int,
-           device: torch.device, store) -> dict:
-    """Shared-memory rings (`runtime.shm`) for the directions of this worker's links whose peer
-    the same launcher started (`--transport`); the rest go through the process group."""
+def _rings(config: RunConfig, lowered: Lowered, ops, rank: int, specs, window: int, device: torch.device,
+           store) -> dict:
+    """Shared-memory rings (`runtime.shm`) for the directions of this worker's links (its send
+    and recv ops) whose peer the same launcher started (`--transport`); the rest go through the
+    process group."""
     node, local = os.environ.get(shm.NODE_ENV), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if not node or not shm.use_shared_memory(config.transport, device, local):
         return {}
-    stage_of = {r: i for i, st in enumerate(plan.stages) for r in st.ranks}
-    pids = {peer: peers.process_of(store, peer) for peer, _ in links}
+    ends = {(op.peer, op.direction): op for op in ops if op.kind in ("send", "recv")}  # one op of each direction
+    pids = {peer: peers.process_of(store, peer) for peer, _ in ends}
     spin = shm.cores_for_each(local)
     directions = []
-    for peer, direction in links:
+    for (peer, direction), op in sorted(ends.items()):
         if pids[peer][2] != node:
             continue
-        receiving = (direction == ACTIVATION) == (stage_of[peer] < s)
-        message = incoming_specs(specs, s if receiving else stage_of[peer], direction)
-        directions.append(shm.Direction(peer, direction, receiving,
+        message = message_specs(specs, lowered, op)
+        directions.append(shm.Direction(peer, direction, op.kind == "recv",
                                         layout([(t.shape, t.dtype) for t in message], pack_all=True).size))
     rings, made = shm.open_rings(
         store, node, rank, directions, window,
@@ -230,6 +239,12 @@ def _rings(config: RunConfig, plan: Plan, s: int, rank: int, links: dict, specs,
     dist.barrier()  # every ring is mapped: its file can go
     shm.remove(made)
     return rings
+
+
+def message_specs(specs, lowered: Lowered, op: Op) -> list[BoundaryTensor]:
+    """What the message of a `send`/`recv` op carries: what its receiving stage takes in
+    (`incoming_specs`)."""
+    return incoming_specs(specs, lowered.receiver_stage(op), op.direction)
 
 
 def incoming_specs(specs, s: int, direction: int) -> list[BoundaryTensor]:
@@ -242,7 +257,7 @@ def incoming_specs(specs, s: int, direction: int) -> list[BoundaryTensor]:
 
 def minibatches_per_step(schedule: Schedule) -> int:
     """Minibatches that one optimizer step of stage 0 covers."""
-    return schedule.replicas[0] if schedule.mode in ASYNC_MODES else schedule.group
+    return step_group(schedule, 0)
 
 
 def boundary_specs(stages, sample) -> list[list[BoundaryTensor]]:

@@ -15,8 +15,11 @@ with each backward split in two, the weight gradients filling the drain: ZB-H1, 
 `zb2` (zb with twice the warm-up forwards and weight lag, filling the start of a batch too: ZB-H2).
 
 The package's modules, all pure standard library:
-- `core`: `Action`, `Schedule` (ranks, text form, `versions`), the per-mode rules
-  (`warmup_forwards`, `default_group`, `step_group`, `steps`, `stash_depth`) and `peak_versions`;
+- `modes`: the mode table (`TABLE`, one `Mode` row of rules per mode; `MODES`, its keys; `rules`),
+  `resolve` (a run's effective mode, group and minibatches per step), and the rules that need
+  only plain values (`warmup_forwards`, `weight_lag`, `default_group`, `checkpoint_unit`);
+- `core`: `Action`, `Schedule` (ranks, text form, `versions`), the rules that need a schedule
+  (`step_group`, `steps`, `stash_depth`) and `peak_versions`;
 - `generator`: `generate`, the schedule of each mode;
 - `lower`: `lower`, every worker's ops with their communication made explicit (`Op`): what
   the runtime, the simulator and the validator read;
@@ -25,14 +28,19 @@ Import the names from here.
 """
 from .check import validate
 from .core import (
-    ASYNC_MODES, FLUSH_MODES, KINDS, MODES, SPLIT_MODES, TIE_MODES, Action, Schedule, check_parameters,
-    default_group, peak_versions, stash_depth, step_group, steps, warmup_forwards,
+    ASYNC_MODES, FLUSH_MODES, KINDS, SPLIT_MODES, TIE_MODES, Action, Schedule, check_parameters, peak_versions,
+    stash_depth, step_group, steps,
+)
+from .modes import (
+    DEFAULT, DEFAULT_TIED, MODES, TABLE, Mode, Run, checkpoint_unit, default_group, listed, modes_where, resolve,
+    rules, warmup_forwards,
 )
 from .generator import generate
 from .lower import ACTIVATION, GRADIENT, Lowered, Op, lower
 
 __all__ = [
-    "ACTIVATION", "ASYNC_MODES", "FLUSH_MODES", "GRADIENT", "KINDS", "Lowered", "MODES", "Op", "SPLIT_MODES",
-    "TIE_MODES", "lower", "Action", "Schedule", "check_parameters", "default_group", "generate", "peak_versions",
+    "ACTIVATION", "ASYNC_MODES", "DEFAULT", "DEFAULT_TIED", "FLUSH_MODES", "GRADIENT", "KINDS", "Lowered", "MODES",
+    "Mode", "Op", "Run", "SPLIT_MODES", "TABLE", "TIE_MODES", "lower", "Action", "Schedule", "check_parameters",
+    "checkpoint_unit", "default_group", "generate", "listed", "modes_where", "peak_versions", "resolve", "rules",
     "stash_depth", "step_group", "steps", "validate", "warmup_forwards",
 ]

@@ -25,7 +25,8 @@ naming the worker ("w3 s1r0"), the action and the fix:
 from __future__ import annotations
 
 from ..errors import ScheduleError
-from .core import FLUSH_MODES, SPLIT_MODES, Action, Schedule, peak_versions, stash_depth, step_group, steps
+from .modes import listed, modes_where
+from .core import Action, Schedule, peak_versions, stash_depth, step_group, steps
 from .lower import ACTIVATION, collective_key, lower, message, sender_action
 
 _MAX_LISTED = 6  # stuck workers named in a deadlock message
@@ -72,9 +73,10 @@ def _check_once(schedule: Schedule) -> dict[Action, tuple[int, int]]:
         for index, action in enumerate(actions):
             if action.kind == "U":
                 continue
-            if action.kind == "W" and schedule.mode not in SPLIT_MODES:
+            if action.kind == "W" and not schedule.rules.split:
                 raise ScheduleError(f"{schedule.label(rank)}: {action} is a weight-gradient action, but mode "
-                                    f"{schedule.mode!r} runs whole backwards; remove it, or use mode 'zb' or 'zb2'")
+                                    f"{schedule.mode!r} runs whole backwards; remove it, or use mode "
+                                    f"{listed(modes_where(split=True))}")
             if action in where:
                 first_rank, first_index = where[action]
                 raise ScheduleError(f"{schedule.label(rank)}: {action} appears twice (actions {first_index} and "
@@ -82,7 +84,7 @@ def _check_once(schedule: Schedule) -> dict[Action, tuple[int, int]]:
             where[action] = (rank, index)
     for stage in range(schedule.stages):
         for minibatch in range(schedule.minibatches):
-            for kind in ("F", "B", "W") if schedule.mode in SPLIT_MODES else ("F", "B"):
+            for kind in ("F", "B", "W") if schedule.rules.split else ("F", "B"):
                 action = Action(kind, stage, minibatch)
                 if action not in where:
                     owner = schedule.label(schedule.rank(stage, schedule.replica_of(stage, minibatch)))
@@ -93,7 +95,7 @@ def _check_once(schedule: Schedule) -> dict[Action, tuple[int, int]]:
 
 
 def _kinds(schedule: Schedule) -> tuple[str, ...]:
-    return ("F", "B", "W") if schedule.mode in SPLIT_MODES else ("F", "B")
+    return ("F", "B", "W") if schedule.rules.split else ("F", "B")
 
 
 def _check_forward_first(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> None:
@@ -214,16 +216,17 @@ def _check_versions(schedule: Schedule) -> None:
                     f"{schedule.label(rank)}: {action} needs version {version} of stage {action.stage} under mode "
                     f"{schedule.mode!r}, but only {live} steps have run there; move it after step {version}")
             batch = action.minibatch // schedule.group
-            if schedule.mode in FLUSH_MODES and version != batch:
+            if schedule.rules.flushes and version != batch:
                 raise ScheduleError(
                     f"{schedule.label(rank)}: {action} runs on version {version}, but mode {schedule.mode!r} runs "
                     f"batch {batch} (microbatches {batch * schedule.group}..{(batch + 1) * schedule.group - 1}) on "
                     f"version {batch}; run it after step {batch} and before step {batch + 1}")
-    if schedule.mode == "2bw":
+    kept = schedule.rules.versions_kept
+    if kept is not None and kept > 1:  # one version: the version rule above already holds every action to it
         for rank, peak in peak_versions(schedule).items():
-            if peak > 2:
-                raise ScheduleError(f"{schedule.label(rank)}: holds {peak} weight versions at once, but mode '2bw' "
-                                    f"keeps at most 2; use a larger group (now {schedule.group}) or fewer in flight")
+            if peak > kept:
+                raise ScheduleError(f"{schedule.label(rank)}: holds {peak} weight versions at once, but mode "
+                                    f"{schedule.mode!r} keeps at most {kept}; use a larger group (now {schedule.group}) or fewer in flight")
 
 
 _NAMES = {"F": "forward", "B": "backward", "W": "weight gradients"}

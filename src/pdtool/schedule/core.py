@@ -24,13 +24,16 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import ScheduleError
+from .modes import (
+    ALL_FORWARD, ENTRY, GROUP, NEWEST, ROUND, VERTICAL, default_group, listed, modes_where, rules, warmup_forwards,
+    weight_lag,
+)
 
-MODES = ("pipedream", "vsync", "2bw", "flush", "gpipe", "zb", "zb2")
-ASYNC_MODES = ("pipedream", "vsync")    # a step per round of a stage's replicas (the others: per group of m)
-FLUSH_MODES = ("flush", "gpipe", "zb", "zb2")  # the pipeline drains before every step: gradient accumulation
-SPLIT_MODES = ("zb", "zb2")             # every backward is B (input gradients), then W (weight gradients)
-WIDE_MODES = ("zb2",)                   # twice the warm-up forwards and weight lag: 2p - 1 minibatches in flight
-TIE_MODES = ("2bw",) + FLUSH_MODES      # the copies of a tied weight step after the same minibatches
+# the modes sorted by their rules, for tests and docs; code reads the rules themselves (`modes.rules`)
+ASYNC_MODES = modes_where(steps=ROUND)  # a step per round of a stage's replicas (the others: per group of m)
+FLUSH_MODES = modes_where(flushes=True)  # the pipeline drains before every step: gradient accumulation
+SPLIT_MODES = modes_where(split=True)    # every backward is B (input gradients), then W (weight gradients)
+TIE_MODES = modes_where(ties=True)       # the copies of a tied weight step after the same minibatches
 KINDS = ("F", "B", "W", "U")
 
 _ACTION_RE = re.compile(r"(\d+)([FBW])(\d+)|(\d+)U")
@@ -216,48 +219,30 @@ class Schedule:
                     table[(action.kind, action.stage, action.minibatch)] = table[key]
         return table
 
+    @property
+    def rules(self):
+        """The mode's row of the mode table (`modes.Mode`)."""
+        return rules(self.mode)
+
     def _rule(self, stage: int, minibatch: int, live_version: int, live: dict[tuple[int, int], int]) -> int:
-        if self.mode in ("pipedream",) + FLUSH_MODES:
+        rule = self.rules.version
+        if rule == NEWEST:
             return live_version
-        entry = minibatch if self.mode == "vsync" else minibatch - minibatch % self.group
+        entry = minibatch if rule == VERTICAL else minibatch - minibatch % self.group
         if (0, entry) not in live:
             raise ScheduleError(f"{Action('F', stage, minibatch)}: mode {self.mode!r} fixes its version when "
                                 f"{Action('F', 0, entry)} runs, which the schedule lacks; run validate() first")
-        if self.mode == "2bw":
+        if rule == ENTRY:
             return live[(0, entry)]
         seen = min(self.minibatches, live[(0, entry)] * step_group(self, 0))
         return seen // step_group(self, stage)
 
 
-# ----- per-mode rules --------------------------------------------------------------------------
-def warmup_forwards(replicas: Sequence[int], stage: int, mode: str | None = None) -> int:
-    """Forwards a replica of `stage` runs before its first backward under 1F1B.
-
-    floor((W - 1 - sum(r_i for i < s)) / r_s) with W workers in all: 3, 2, 1, 0 on a straight
-    4-stage pipeline, 1, 0 on replicas (3, 1). This keeps NOAM = ceil(W / r_0) minibatches in
-    the pipeline (PipeDream SOSP'19 section 3.2). A replica with fewer minibatches runs them all.
-    In `zb2` (ZB-H2, Qi et al. 2023 section 2.2) twice as many: the extra forwards fill the
-    start of a batch, where a stage would wait for its first input gradient.
-    """
-    base = (sum(replicas) - 1 - sum(replicas[:stage])) // replicas[stage]
-    return 2 * base if mode in WIDE_MODES else base
-
-
-def default_group(replicas: Sequence[int]) -> int:
-    """The smallest microbatches-per-step (m) that 2bw accepts, and the default m of 2bw, flush, gpipe.
-
-    max(d, max_s warmup_s * r_s): at least the d stages (arXiv 2006.09503 section 3.1, m >= d), and
-    at least the span of minibatches one worker of a replicated stage has in flight
-    (warmup_s * r_s); below that, some batch would need a version a stage has not made yet, or a
-    worker would hold three. Equals d on a straight pipeline.
-    """
-    spans = (warmup_forwards(replicas, s) * r for s, r in enumerate(replicas))
-    return max(len(replicas), *spans)
-
-
+# ----- per-mode rules that need a schedule ----------------------------------------------------
 def step_group(schedule: Schedule, stage: int) -> int:
-    """Minibatches per optimizer step of `stage`: r_s for pipedream/vsync (one round of the replicas), m otherwise."""
-    return schedule.replicas[stage] if schedule.mode in ASYNC_MODES else schedule.group
+    """Minibatches per optimizer step of `stage`: r_s where stages step per round of their replicas
+    (pipedream, vsync), m otherwise."""
+    return schedule.replicas[stage] if schedule.rules.per_round else schedule.group
 
 
 def steps(schedule: Schedule, stage: int) -> int:
@@ -275,23 +260,12 @@ def stash_depth(schedule: Schedule, stage: int) -> int:
     """
     if not 0 <= stage < schedule.stages:
         raise ScheduleError(f"stage {stage} is out of range for {schedule.stages} stages; use 0..{schedule.stages - 1}")
-    r = schedule.replicas[stage]
-    share = -(-(schedule.minibatches if schedule.mode in ASYNC_MODES + ("2bw",) else schedule.group) // r)
-    if schedule.mode == "gpipe":
+    r, rule = schedule.replicas[stage], schedule.rules
+    share = -(-(schedule.group if rule.flushes else schedule.minibatches) // r)
+    if rule.order == ALL_FORWARD:
         return share
-    lag = weight_lag(schedule.replicas, stage, schedule.mode) if schedule.mode in SPLIT_MODES else 0
+    lag = weight_lag(schedule.replicas, stage, schedule.mode)
     return min(warmup_forwards(schedule.replicas, stage, schedule.mode) + 1 + lag, share)
-
-
-def weight_lag(replicas: Sequence[int], stage: int, mode: str | None = None) -> int:
-    """zb, zb2: how many backwards a worker of `stage` runs before its first W (then one W after
-    each B, and the rest at the end). zb: the stage's index, as in ZB-H1 (Qi et al. 2023,
-    section 2.1; torch.distributed.pipelining's ScheduleInterleavedZeroBubble with one stage per
-    rank): every stage holds as many minibatches as 1F1B's first stage. The later stages, which
-    wait least for gradients, keep their Ws back to fill the drain, when the earlier stages wait
-    for them. zb2: twice the index (ZB-H2, section 2.2): with twice the warm-up forwards, every
-    stage holds 2p - 1 minibatches on p stages."""
-    return 2 * stage if mode in WIDE_MODES else stage
 
 
 def peak_versions(schedule: Schedule) -> dict[int, int]:
@@ -332,8 +306,7 @@ def peak_versions(schedule: Schedule) -> dict[int, int]:
 # ----- parameters ------------------------------------------------------------------------------
 def check_parameters(mode: str, replicas: Sequence[int], minibatches: int, group: int) -> None:
     """Raise ScheduleError (one line) unless mode, replicas, minibatches and group fit together."""
-    if mode not in MODES:
-        raise ScheduleError(f"unknown schedule mode {mode!r}; use one of {', '.join(MODES)}")
+    rule = rules(mode)
     if not isinstance(replicas, (tuple, list)) or not replicas:
         raise ScheduleError(f"replicas {replicas!r} is empty or not a sequence; give one replica count >= 1 "
                             "per stage, e.g. (1, 1, 1, 1) or (3, 1)")
@@ -345,14 +318,15 @@ def check_parameters(mode: str, replicas: Sequence[int], minibatches: int, group
         raise ScheduleError(f"minibatches={minibatches!r}; the run needs an integer number of minibatches >= 1")
     if not _is_count(group) or group < 1:
         raise ScheduleError(f"group={group!r}; the microbatches per step must be an integer >= 1")
-    if mode in ASYNC_MODES:
+    if rule.per_round:
         if group != 1:
             raise ScheduleError(f"group={group} does not apply to mode {mode!r}, which steps after every minibatch "
-                                "(every round of the replicas); leave group unset or 1, or use 2bw, flush or gpipe")
+                                f"(every round of the replicas); leave group unset or 1, or use "
+                                f"{listed(modes_where(steps=GROUP))}")
         return
-    if mode == "2bw" and group < default_group(replicas):
+    if rule.group_floor and group < default_group(replicas):
         raise ScheduleError(
-            f"group={group} is too small for mode '2bw' on replicas {tuple(replicas)}: two weight versions suffice "
+            f"group={group} is too small for mode {mode!r} on replicas {tuple(replicas)}: two weight versions suffice "
             f"only with at least {default_group(replicas)} microbatches per step (>= the {len(replicas)} stages, "
             "and >= the minibatches a worker spans in flight); pass group >= "
             f"{default_group(replicas)}")

@@ -29,10 +29,8 @@ import math
 from typing import Sequence
 
 from ..errors import ScheduleError
-from .core import (
-    ASYNC_MODES, FLUSH_MODES, SPLIT_MODES, Action, Schedule, check_parameters, default_group, step_group, steps,
-    warmup_forwards, weight_lag,
-)
+from .core import Action, Schedule, check_parameters, step_group, steps
+from .modes import ALL_FORWARD, resolve, warmup_forwards, weight_lag
 
 
 def generate(mode: str, replicas: Sequence[int], minibatches: int, group: int | None = None,
@@ -50,7 +48,7 @@ def generate(mode: str, replicas: Sequence[int], minibatches: int, group: int | 
     zb2 drain after every step anyway: there it changes nothing.
     """
     if group is None:
-        group = 1 if mode in ASYNC_MODES else default_group(replicas) if _sane(replicas) else 1
+        group = resolve(mode, mode, replicas).group
     check_parameters(mode, replicas, minibatches, group)
     shell = Schedule(mode, tuple(replicas), minibatches, group, tuple(() for _ in range(sum(replicas))))
     span = _batch_span(shell, drain_every)
@@ -75,7 +73,7 @@ def _batch_span(shell: Schedule, drain_every: int | None) -> int:
                 f"drain_every={drain_every!r} minibatches for mode {shell.mode!r} on replicas {shell.replicas}: a "
                 f"drain must fall between two steps of every stage, so it must be a positive multiple of "
                 f"{math.lcm(*sizes)} (the stages step every {', '.join(map(str, sizes))} minibatches)")
-    if shell.mode in FLUSH_MODES:
+    if shell.rules.flushes:
         return shell.group
     return drain_every or shell.minibatches
 
@@ -83,14 +81,14 @@ def _batch_span(shell: Schedule, drain_every: int | None) -> int:
 def _forward_backward_order(shell: Schedule, stage: int, batch: list[int]) -> list[Action]:
     """F and B (and W) actions of one worker for its minibatches `batch` of one span between
     drains, before the steps go in."""
-    if shell.mode == "gpipe":
+    if shell.rules.order == ALL_FORWARD:
         return [Action("F", stage, b) for b in batch] + [Action("B", stage, b) for b in batch]
     warmup = min(warmup_forwards(shell.replicas, stage, shell.mode), len(batch))
     order = [Action("F", stage, b) for b in batch[:warmup]]
     steady = [[Action("F", stage, forward), Action("B", stage, backward)]
               for forward, backward in zip(batch[warmup:], batch)]
     drain = [[Action("B", stage, b)] for b in batch[len(batch) - warmup:]]
-    if shell.mode in SPLIT_MODES:
+    if shell.rules.split:
         _add_weight_gradients(steady + drain, stage, weight_lag(shell.replicas, stage, shell.mode))
     return order + [action for actions in steady + drain for action in actions]
 
@@ -128,8 +126,3 @@ def _with_steps(shell: Schedule, stage: int, order: list[Action]) -> tuple[Actio
 
 def _is_positive(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _sane(replicas: Sequence[int]) -> bool:
-    """Whether `default_group` can run; if not, check_parameters reports the bad replicas."""
-    return isinstance(replicas, (tuple, list)) and bool(replicas) and all(_is_positive(r) for r in replicas)

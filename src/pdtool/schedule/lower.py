@@ -77,6 +77,20 @@ class Lowered:
         """The position in `workers` of the worker with rank `rank`."""
         return self.ranks.index(rank)
 
+    def stage_of(self, rank: int) -> int:
+        """The stage that the worker with rank `rank` runs."""
+        return self.schedule.position(self.index(rank))[0]
+
+    def links(self) -> list[tuple[int, int, int]]:
+        """(sender, receiver, direction) of every link some message takes, sorted: the same list
+        on every worker that lowers the same schedule."""
+        return sorted({message(op, rank)[:3] for rank, ops in zip(self.ranks, self.workers)
+                       for op in ops if op.kind == "send"})
+
+    def receiver_stage(self, op: Op) -> int:
+        """The stage that receives the message of a `send`/`recv` op."""
+        return op.stage if op.kind == "recv" else self.stage_of(op.peer)
+
 
 def lower(schedule: Schedule, ties: Sequence[tuple[int, ...]] = (), ranks: Sequence[int] | None = None) -> Lowered:
     """The ops of every worker of `schedule`. `ties`: sets of stages that share weights (their

@@ -5,7 +5,7 @@ import pandas as pd
 
 from ..artifacts.plan import Plan, compact_ranges
 from ..artifacts.profile import Profile
-from ..schedule.core import ASYNC_MODES
+from ..schedule.modes import rules
 from ..simulate import SimResult
 from ..units import format_bytes
 
@@ -132,7 +132,7 @@ def simulation_table(result: SimResult, plan: Plan) -> str:
     table = pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.1f}")
     model = plan.predicted.time_ms
     ratio = f", simulated / cost model = {result.time_per_minibatch_ms / model:.3f}" if model else ""
-    group = f", {result.group} microbatches per step" if result.mode not in ASYNC_MODES else ""
+    group = "" if rules(result.mode).per_round else f", {result.group} microbatches per step"
     copies = plan.profile.message_ms_per_mib
     lines = [
         f"simulated    mode {result.mode}, {result.minibatches} minibatches{group}, {len(rows)} workers in "

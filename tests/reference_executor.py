@@ -1,10 +1,19 @@
 """The reference executor: every worker of a schedule in one process, plain tensors.
 
-The test oracle for the distributed runtime (the README's "Schedules" section): it runs the same
+A test oracle for the distributed runtime (the README's "Schedules" section): it runs the same
 `StageWorker`s on the same schedule, but with messages in dictionaries and the replicas'
 all-reduce as a plain sum, in any order that respects the data dependencies. Whatever the
 runtime adds (processes, point-to-point messages, process groups, routing) must not change
 a single number.
+
+Its independence: it reads the schedule's actions (F, B, W, U), not the lowered ops the runtime
+executes (`pdtool.schedule.lower`). Which worker's output a forward or backward takes, and
+which workers step together (a stage's replicas, joined with the stages it shares a parameter
+with), it works out here on its own from the stages and the schedule's positions. So a wrong
+peer, link, collective group or tie set in the lowering shows as a mismatch or a deadlock of
+the runtime against this, not as an agreement. It shares with the runtime only `StageWorker`
+(the numbers of one stage), which `dist/oracle.py` checks against plain training on its own.
+It lives with the tests: nothing in pdtool runs it.
 """
 from __future__ import annotations
 
@@ -14,9 +23,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ScheduleError
-from ..schedule import Schedule
-from .executor import OptimizerConfig, StageWorker
+from pdtool.errors import ScheduleError
+from pdtool.runtime.executor import OptimizerConfig, StageWorker
+from pdtool.schedule import Schedule
 
 
 @dataclass
