@@ -234,6 +234,7 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
                        + ["--cost-model", cost_model] + (["--mode", mode] if mode else []) + ["--optimizer", optimizer])
     result = make_plan(profile, cluster, cost_model=cost_model, straight=straight, data_parallel=data_parallel, mode=mode,
                        optimizer_slots=OPTIMIZER_SLOTS[optimizer], command=command,
+                       profile_file=None if profile_path == "-" else os.path.basename(profile_path),
                        say=lambda message: click.echo(f"pd: note: {message}", err=True))
     result.save(output)
     if output != "-":

@@ -1,11 +1,11 @@
-"""Reading typed fields out of parsed JSON, with errors that name the file and the field.
+"""Places in parsed JSON, and the one-line errors that name the file and the field.
 
-Artifacts (profile, plan, ...) are parsed with these helpers so that every malformed file
-gets the same kind of one-line message: `FILE: FIELD: PROBLEM; FIX`.
+Every malformed artifact gets the same kind of message: `FILE: FIELD: PROBLEM; FIX`. The
+artifacts' fields are read by `artifacts.record`; `At` is where a problem is, for it and for
+the checks written by hand (`_validate` of each artifact).
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from .errors import ArtifactError
@@ -16,98 +16,35 @@ well inside a float's exact integers, so sums over layers stay exact."""
 MAX_NUMBER = 1e12
 """Largest number an artifact field may hold (milliseconds: about 30 years)."""
 
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-               list: "a list", dict: "an object"}
+TYPE_NAMES = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
+              "array": "a list", "object": "an object", "null": "null"}
 
 
-class Fields:
-    """A view of one JSON object that reads required fields with type checks.
+class At:
+    """A place in file `source`: `where` is the path inside it (e.g. `layers[3]`); `note` ends
+    the fix of the problems `wrong` reports (the schema that declares the field)."""
 
-    `source` names the file, `where` the object's path inside it (e.g. `layers[3]`).
-    """
+    def __init__(self, source: str, where: str = "", note: str = ""):
+        self.source, self.where, self.note = source, where, note
 
-    def __init__(self, data: Any, source: str, where: str = "", known: tuple[str, ...] | None = None):
-        self.source = source
-        self.where = where
-        if not isinstance(data, dict):
-            self.fail(f"expected an object, found {describe(data)}", "regenerate the file")
-        self.data = data
-        if known is not None:
-            unknown = sorted(set(data) - set(known))
-            if unknown:
-                self.fail(f"unknown field {unknown[0]!r}", f"remove it (known fields: {', '.join(sorted(known))})")
+    def at(self, key: str | int) -> "At":
+        """The place of `key` (a field name, or a list index) inside this one."""
+        where = f"{self.where}[{key}]" if isinstance(key, int) else ".".join(p for p in (self.where, key) if p)
+        return At(self.source, where, self.note)
 
     def fail(self, problem: str, fix: str, key: str | None = None) -> None:
-        path = ".".join(p for p in (self.where, key) if p)
+        path = self.at(key).where if key else self.where
         location = f"{self.source}: {path}: " if path else f"{self.source}: "
         raise ArtifactError(f"{location}{problem}; {fix}")
+
+    def wrong(self, problem: str, fix: str = "fix the value or regenerate the file", key: str | None = None) -> None:
+        """`fail`, naming the declaration the value breaks (`note`)."""
+        self.fail(problem, f"{fix} {self.note}" if self.note else fix, key)
 
     def one_of(self, value: Any, allowed, what: str, key: str) -> None:
         """Fail unless `value` (the `what` at `key`) is one of `allowed`."""
         if value not in allowed:
             self.fail(f"unknown {what} {value!r}", f"use one of {', '.join(map(str, allowed))}", key)
-
-    def get(self, key: str, kind: type | tuple[type, ...], optional: bool = False, default: Any = None) -> Any:
-        if key not in self.data:
-            if optional:
-                return default
-            self.fail("missing field", "regenerate the file with the current pdtool", key)
-        value = self.data[key]
-        if optional and value is None:
-            return default
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-            wanted = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
-            self.fail(f"expected {wanted}, found {describe(value)}", "fix the value or regenerate the file", key)
-        return value
-
-    def number(self, key: str, minimum: float = 0.0, maximum: float = MAX_NUMBER, optional: bool = False) -> float:
-        """A finite number in [minimum, maximum]; None for a missing or null field when `optional`."""
-        value = self.get(key, float, optional=optional)
-        if value is None:
-            return None
-        if not math.isfinite(value):
-            self.fail(f"must be a finite number, found {value}", "fix the value or regenerate the file", key)
-        if value < minimum:
-            self.fail(f"must be >= {minimum:g}, found {value:g}", "fix the value or regenerate the file", key)
-        if value > maximum:
-            self.fail(f"must be <= {maximum:g}, found {value:g}", "fix the value or regenerate the file", key)
-        return value
-
-    def count(self, key: str, minimum: int = 0, maximum: int = MAX_COUNT, optional: bool = False) -> int:
-        """An integer in [minimum, maximum]; None for a missing or null field when `optional`."""
-        value = self.get(key, int, optional=optional)
-        if value is None:
-            return None
-        if value < minimum:
-            self.fail(f"must be >= {minimum}, found {value}", "fix the value or regenerate the file", key)
-        if value > maximum:
-            self.fail(f"must be <= {maximum} (2**50), found {value}", "fix the value or regenerate the file", key)
-        return value
-
-    def items(self, key: str, optional: bool = False) -> list[tuple[str, "Fields | Any"]]:
-        """The elements of list field `key`, each paired with its path (none when `optional`
-        and the field is missing)."""
-        return [(f"{self.where + '.' if self.where else ''}{key}[{i}]", item)
-                for i, item in enumerate(self.get(key, list, optional=optional, default=[]) or [])]
-
-    def shared(self, key: str, ids: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """The optional list `key` of `{"param": NAME, ids: [int, ...]}` objects (parameters used
-        by several layers or stages), as (name, ids) pairs."""
-        found = []
-        for where, item in self.items(key, optional=True):
-            f = Fields(item, self.source, where, known=("param", ids))
-            values = f.get(ids, list)
-            if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
-                f.fail(f"expected a list of {ids[:-1]} ids", f"list the {ids} that use the parameter", ids)
-            found.append((f.get("param", str), tuple(values)))
-        return tuple(found)
-
-    def child(self, key: str, known: tuple[str, ...] | None = None) -> "Fields":
-        path = f"{self.where}.{key}" if self.where else key
-        return Fields(self.get(key, dict), self.source, path, known)
 
 
 def check_schema(data: Any, expected: str, source: str) -> None:
@@ -139,4 +76,5 @@ def describe(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "a boolean"
-    return f"{_TYPE_NAMES.get(type(value), type(value).__name__)} ({value!r:.40})"
+    name = {int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(type(value))
+    return f"{TYPE_NAMES[name] if name else type(value).__name__} ({value!r:.40})"

@@ -27,12 +27,12 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import PlanError
-from ..fields import Fields
-from .schemas import SchemaChecked
+from ..fields import At
 from ..jsonio import read_json
+from .record import Artifact, Const, Int, Kind, Records, Str, field
 from ..units import (BANDWIDTH_FORMS, DURATION_FORMS, exact_bandwidth, exact_bytes, exact_duration,
                      format_bandwidth, format_bytes, format_duration, parse_bandwidth, parse_bytes, parse_duration)
 
@@ -48,14 +48,54 @@ MAX_LATENCY = 10.0
 
 
 @dataclass(frozen=True)
+class Quantity(Kind):
+    """A number, or text with a unit that `parse` reads; written as the text `exact` makes (it
+    parses back exactly). A value outside `ok` is `problem`, and `fix` says what to give."""
+
+    parse: Callable[[str], float]
+    exact: Callable[[float], str]
+    convert: type
+    ok: Callable[[float], bool]
+    problem: str
+    fix: str
+    bound: tuple[str, float]  # its JSON Schema bound, e.g. ("minimum", 0)
+    parse_fix: str = "fix the value"
+    types = ("string", "number")
+
+    def read(self, value: str | float, at: At) -> float:
+        if isinstance(value, str):
+            try:
+                value = self.parse(value)
+            except PlanError as exc:
+                at.wrong(str(exc), self.parse_fix)
+        if not (math.isfinite(value) and self.ok(value)):
+            at.wrong(f"{self.problem}, found {value!r}", self.fix)
+        return self.convert(value)
+
+    def write(self, value: float, owner: Any) -> str:
+        return self.exact(value)
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": list(self.types), self.bound[0]: self.bound[1]}
+
+
+@dataclass(frozen=True)
 class Level:
     """One level of the hierarchy: `count` units (workers at level 0, servers at level 1, ...)
     and the `bandwidth` in bytes/s of the link between two units of this level; `latency` is
     the one-way time in seconds of a small message on that link."""
 
-    count: int
-    bandwidth: float
-    latency: float = 0.0
+    count: int = field(Int(1))
+    bandwidth: float = field(Quantity(parse_bandwidth, exact_bandwidth, float, lambda b: b > 0, "must be positive",
+                                      f"give bytes/s as a number or text with a unit ({BANDWIDTH_FORMS})",
+                                      ("exclusiveMinimum", 0)),
+                             doc="bytes/s: a number, or text with a unit ('12GB/s', '10Gbit/s')")
+    latency: float = field(Quantity(parse_duration, exact_duration, float, lambda t: 0 <= t <= MAX_LATENCY,
+                                    f"must be 0 to {MAX_LATENCY:g} s",
+                                    f"give seconds as a number or text with a unit ({DURATION_FORMS})",
+                                    ("minimum", 0)), 0.0, omit=0.0,
+                           doc="one-way time of a small message between two units: seconds (a number), or text with "
+                           "a unit ('100us', '0.1ms'); 0 when absent")
 
     def __post_init__(self) -> None:
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
@@ -77,15 +117,20 @@ class Level:
 
 
 @dataclass(frozen=True)
-class Cluster(SchemaChecked):
+class Cluster(Artifact):
     """Levels innermost first, memory in bytes per worker (None = unlimited), and the preset
     `name` (e.g. "cluster-a:4") when it was built from one."""
 
     SCHEMA_NAME = "cluster"  # schemas/cluster.schema.json
 
-    levels: tuple[Level, ...]
-    memory: int | None = None
-    name: str | None = None
+    levels: tuple[Level, ...] = field(Records(Level, min_items=1))
+    memory: int | None = field(Quantity(parse_bytes, exact_bytes, int, lambda m: m >= 1 and m == int(m),
+                                        "must be a whole number of bytes >= 1",
+                                        'fix it, write it with a unit ("16GiB") or write null for no limit',
+                                        ("minimum", 1), "fix the value or write null for no limit"), None, null=True,
+                               doc="bytes per worker: a number, or text with a unit ('16GiB'); null for no limit")
+    name: str | None = field(Str(), None, null=True)
+    schema: str = field(Const(SCHEMA, "give a cluster file or remove the field"), SCHEMA)
 
     def __post_init__(self) -> None:
         if not isinstance(self.levels, tuple) or not self.levels \
@@ -111,67 +156,11 @@ class Cluster(SchemaChecked):
         text = ", ".join(parts)
         return f"{self.name} = {text}" if self.name else text
 
-    # ----- JSON ----------------------------------------------------------------------------
-    def to_json(self) -> dict[str, Any]:
-        """The JSON tree: bandwidths and memory as text with units that parse back exactly."""
-        return {
-            "schema": SCHEMA,
-            "name": self.name,
-            "levels": [{"count": level.count, "bandwidth": exact_bandwidth(level.bandwidth),
-                        **({"latency": exact_duration(level.latency)} if level.latency else {})}
-                       for level in self.levels],
-            "memory": None if self.memory is None else exact_bytes(self.memory),
-        }
-
     @classmethod
-    def _read(cls, data: Any, source: str) -> "Cluster":
-        """Parse and validate a cluster; every problem is an `ArtifactError` naming `source`.
-
-        `schema` may be left out (hand-written files); when present it must be this one.
-        """
-        top = Fields(data, source, known=("schema", "name", "levels", "memory"))
-        schema = top.get("schema", str, optional=True)
-        if schema is not None and schema != SCHEMA:
-            top.fail(f"schema is {schema!r}, expected {SCHEMA!r}", "give a cluster file or remove the field", "schema")
-        items = top.items("levels")
-        if not items:
-            top.fail("a cluster needs at least one level", 'list levels innermost first, e.g. '
-                     '[{"count": 4, "bandwidth": "12GB/s"}, {"count": 4, "bandwidth": "10Gbit/s"}]', "levels")
-        levels = []
-        for where, item in items:
-            f = Fields(item, source, where, known=("count", "bandwidth", "latency"))
-            count = f.count("count", 1)
-            bandwidth = f.get("bandwidth", (str, float))
-            if isinstance(bandwidth, str):
-                try:
-                    bandwidth = parse_bandwidth(bandwidth)
-                except PlanError as exc:
-                    f.fail(str(exc), "fix the value", "bandwidth")
-            elif not (math.isfinite(bandwidth) and bandwidth > 0):
-                f.fail(f"must be positive, found {bandwidth!r}",
-                       f"give bytes/s as a number or text with a unit ({BANDWIDTH_FORMS})", "bandwidth")
-            latency = f.get("latency", (str, float), optional=True, default=0.0)
-            if isinstance(latency, str):
-                try:
-                    latency = parse_duration(latency)
-                except PlanError as exc:
-                    f.fail(str(exc), "fix the value", "latency")
-            if not (math.isfinite(latency) and 0 <= latency <= MAX_LATENCY):
-                f.fail(f"must be 0 to {MAX_LATENCY:g} s, found {latency!r}",
-                       f"give seconds as a number or text with a unit ({DURATION_FORMS})", "latency")
-            levels.append(Level(count, float(bandwidth), float(latency)))
-        memory = top.get("memory", (str, int, float), optional=True)
-        if isinstance(memory, str):
-            try:
-                memory = parse_bytes(memory)
-            except PlanError as exc:
-                top.fail(str(exc), "fix the value or write null for no limit", "memory")
-        elif memory is not None:
-            if not (math.isfinite(memory) and memory >= 1 and memory == int(memory)):
-                top.fail(f"must be a whole number of bytes >= 1, found {memory!r}",
-                         'fix it, write it with a unit ("16GiB") or write null for no limit', "memory")
-            memory = int(memory)
-        return cls(levels=tuple(levels), memory=memory, name=top.get("name", str, optional=True))
+    def _read_check(cls, at: At, values: dict[str, Any], figures: dict[str, Any], index: int | None) -> None:
+        if not values["levels"]:
+            at.fail("a cluster needs at least one level", 'list levels innermost first, e.g. '
+                    '[{"count": 4, "bandwidth": "12GB/s"}, {"count": 4, "bandwidth": "10Gbit/s"}]', "levels")
 
 
 # ----- presets -----------------------------------------------------------------------------------

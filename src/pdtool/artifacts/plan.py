@@ -18,21 +18,22 @@ from typing import Any
 
 from .cluster import Cluster
 from ..errors import ArtifactError, PdtoolError
-from ..fields import Fields, check_schema
-from .schemas import SchemaChecked
-from ..jsonio import canonical_json, read_json, round_float_fields, write_json
+from ..fields import At, check_schema
+from ..jsonio import canonical_json, round_float_fields
 from ..schedule.modes import MODES, ties_refusal
-from .profile import METHODS, SPLITS, Profile, estimate_wgrad_ms
+from .profile import METHODS, SPLITS, ModelRef, Profile, default_split, estimate_wgrad_ms
+from .record import Artifact, Bool, Const, Int, ListOf, Num, Record, Records, Shared, Str, derived, field
 
 SCHEMA = "pdtool.plan/1"
-"""Modes that train tied weights (a parameter used by several stages): every stage steps at
-batch boundaries, so the sharing stages add their copies' gradients before each step and the
-copies stay equal. `pipedream` and `vsync` step each stage after different minibatches."""
 MS_PER_S = 1e3  # the planner works in seconds, plans and the simulator in ms
 
 
 COST_MODELS = ("pdtool", "pipedream")  # the planner's cost models (`planner.costmodel`), by name
 DOWN_SETS, PREFIXES = "down-sets", "prefixes"  # the planner's state spaces (`planner.states`)
+
+
+LAYER_IDS = ListOf(Int(), "expected a list of layer ids, found {value!r:.40}", "list the stage's layer ids", sort=True)
+"""Layer ids, read sorted (a repeated id stays, for `_validate` to name)."""
 
 
 class LayerSet:
@@ -71,28 +72,48 @@ class PlanStage(LayerSet):
     order is checked without the profile (`_validate`).
     """
 
-    layers: tuple[int, ...]
-    first_name: str
-    last_name: str
-    ranks: tuple[int, ...]
-    in_flight: int
-    fwd_ms: float
-    bwd_ms: float
-    param_bytes: int
-    in_bytes: int
-    out_bytes: int
-    activation_bytes: int
-    compute_ms: float
-    allreduce_ms: float
-    transfer_ms: float
-    time_ms: float
-    memory_bytes: int
-    update_ms: float = 0.0
-    data_ms: float = 0.0
-    wgrad_ms: float = 0.0
-    reduce_ms: float = 0.0
-    receives: tuple[int, ...] = ()
-    sends: tuple[int, ...] = ()
+    DERIVED = (derived("id", Int(), lambda stage, plan, index: index, required=True),
+               derived("replicas", Int(1), lambda stage, *_: stage.replicas, required=True))
+
+    layers: tuple[int, ...] = field(LAYER_IDS, doc="layer ids, ascending")
+    first_name: str = field(Str(), key="first_layer")
+    last_name: str = field(Str(), key="last_layer")
+    ranks: tuple[int, ...] = field(ListOf(Int(), "every rank must be a non-negative integer", "fix the list",
+                                          min_items=1))
+    in_flight: int = field(Int(1))
+    fwd_ms: float = field(Num())
+    bwd_ms: float = field(Num())
+    param_bytes: int = field(Int())
+    in_bytes: int = field(Int())
+    out_bytes: int = field(Int())
+    activation_bytes: int = field(Int())
+    compute_ms: float = field(Num())
+    allreduce_ms: float = field(Num())
+    transfer_ms: float = field(Num())
+    time_ms: float = field(Num())
+    memory_bytes: int = field(Int())
+    update_ms: float = field(Num(), 0.0)
+    data_ms: float = field(Num(), 0.0)
+    wgrad_ms: float = field(Num(), 0.0, missing=lambda v: estimate_wgrad_ms(v["bwd_ms"], v["param_bytes"]),
+                           doc="The part of bwd_ms that computes the weight gradients (the W of mode zb).")
+    reduce_ms: float = field(Num(), 0.0)
+    receives: tuple[int, ...] = field(LAYER_IDS, (), required=True, doc="Ids of the layers of earlier stages whose "
+                                      "outputs this stage's layers read, ascending.")
+    sends: tuple[int, ...] = field(LAYER_IDS, (), required=True, doc="Ids of this stage's layers whose outputs "
+                                   "later stages read, ascending.")
+
+    @classmethod
+    def _read_check(cls, at: At, values: dict[str, Any], figures: dict[str, Any], index: int) -> None:
+        if figures["replicas"] != len(values["ranks"]):
+            at.fail(f"replicas is {figures['replicas']} but {len(values['ranks'])} ranks are listed",
+                    "make replicas equal the number of ranks", "ranks")
+        if figures["id"] != index:
+            at.fail(f"id is {figures['id']}, expected {index}", "number stages 0, 1, 2, ...", "id")
+        for key in ("receives", "sends"):
+            ids = values[key]
+            if len(set(ids)) < len(ids):
+                at.fail(f"layer {next(i for i in ids if ids.count(i) > 1)} is listed twice", "list each layer once",
+                        key)
 
     def __post_init__(self) -> None:
         round_float_fields(self)
@@ -109,13 +130,13 @@ class PlanGroup(LayerSet):
     `units` units of `level`, each running the inner stages it contains; ms per minibatch.
     `compute_ms` is the inner pipeline's time divided by the units."""
 
-    level: int
-    layers: tuple[int, ...]
-    units: int
-    compute_ms: float
-    allreduce_ms: float
-    transfer_ms: float
-    time_ms: float
+    level: int = field(Int())
+    layers: tuple[int, ...] = field(LAYER_IDS, doc="layer ids, ascending")
+    units: int = field(Int(1))
+    compute_ms: float = field(Num())
+    allreduce_ms: float = field(Num())
+    transfer_ms: float = field(Num())
+    time_ms: float = field(Num())
 
     def __post_init__(self) -> None:
         round_float_fields(self)
@@ -140,17 +161,26 @@ class Prediction:
     and what the simulator predicts for the plan's schedule (`simulated_*`; None when the plan
     was made without simulating)."""
 
-    time_ms: float
-    bottleneck: str
-    single_worker_ms: float
-    data_parallel_ms: float
-    simulated_ms: float | None = None
-    simulated_bubble: float | None = None
-    simulated_minibatches: int | None = None
-    candidates: int | None = None  # plans compared in simulation (pd plan); None: the cost model's optimum alone
-    why: str | None = None         # why this plan won among them
-    simulated_data_parallel_ms: float | None = None  # data parallelism on every worker, simulated
-    data_parallel_over_bytes: int | None = None  # data parallelism needs this much more memory per worker than there is
+    DERIVED = (derived("samples_per_s", Num(), lambda prediction, plan, _: plan.samples_per_s),
+               derived("speedup_over_single", Num(), lambda prediction, *_: prediction.speedup_over_single),
+               derived("speedup_over_data_parallel", Num(), lambda prediction, *_: prediction.speedup_over_data_parallel))
+
+    time_ms: float = field(Num(), key="time_per_minibatch_ms")
+    bottleneck: str = field(Str())
+    single_worker_ms: float = field(Num())
+    data_parallel_ms: float = field(Num(), doc="Data parallelism on every worker by the cost model.")
+    simulated_ms: float | None = field(Num(), None, key="simulated.time_per_minibatch_ms", required=True)
+    simulated_bubble: float | None = field(Num(), None, key="simulated.bubble_fraction", required=True)
+    simulated_minibatches: int | None = field(Int(1), None, key="simulated.minibatches", required=True)
+    candidates: int | None = field(Int(1), None, key="simulated.candidates", null=True,
+                                   doc="Plans pd plan compared in simulation (null: not compared).")
+    why: str | None = field(Str(), None, key="simulated.why", null=True, doc="Why this plan won among them.")
+    simulated_data_parallel_ms: float | None = field(Num(), None, key="simulated.data_parallel_ms", null=True,
+                                                     doc="Data parallelism on every worker, simulated: the baseline "
+                                                     "whichever cost model (null when it does not fit).")
+    data_parallel_over_bytes: int | None = field(Int(), None, null=True, doc="How much more memory per worker data "
+                                                 "parallelism on every worker needs than the cluster's limit; null "
+                                                 "when it fits or no limit was given.")
 
     def __post_init__(self) -> None:
         round_float_fields(self)
@@ -186,44 +216,55 @@ class ProfileRef:
     """What the plan needs of its profile: identity, how to rebuild the model's layers, and the
     host's cost of a message (`message_ms_per_mib`, the profile's: charged by the simulator)."""
 
-    sha256: str
-    fingerprint: str
-    model: dict[str, Any] | None
-    batch_size: int
-    layers: int
-    method: str
-    granularity: str
-    depth: int | None
-    split: str = "graph"
-    device: str = ""
-    layer_sum_over_step: float | None = None
-    message_ms_per_mib: float = 0.0
+    sha256: str = field(Str())
+    fingerprint: str = field(Str())
+    model: dict[str, Any] | None = field(Record(ModelRef, as_dict=True), null=True, required=False, missing=None)
+    batch_size: int = field(Int(1))
+    layers: int = field(Int(1))
+    method: str = field(Str(METHODS))
+    granularity: str = field(Str())
+    depth: int | None = field(Int(1), null=True, required=False, missing=None)
+    split: str = field(Str(SPLITS), "graph", missing=default_split,
+                       doc="how pd train can split the model (the profile's split)")
+    device: str = field(Str(), "", doc="where the profile was measured, e.g. 'cpu (2 threads)'")
+    layer_sum_over_step: float | None = field(Num(), None, null=True,
+                                              doc="the profile's summed layer times over a measured step")
+    message_ms_per_mib: float = field(Num(), 0.0, omit=0.0, doc="CPU ms that one MiB of a message costs its "
+                                      "sender and, again, its receiver (the profile's)")
 
     def __post_init__(self) -> None:
         round_float_fields(self)
 
 
 @dataclass(frozen=True)
-class Plan(SchemaChecked):
+class Plan(Artifact):
     """A plan (module doc). `state_space` says which stages the planner considered: "down-sets"
     (differences of down-sets of the layer graph) or "prefixes" (contiguous ranges of the
     profile's layer order, when the graph had too many down-sets: states.MAX_STATES)."""
 
     SCHEMA_NAME = "plan"  # schemas/plan.schema.json
 
-    profile: ProfileRef
-    cluster: Cluster
-    cost_model: str
-    straight: bool
-    mode: str
-    stages: tuple[PlanStage, ...]
-    groups: tuple[PlanGroup, ...]
-    predicted: Prediction
-    command: str
-    pdtool_version: str
-    state_space: str = DOWN_SETS
-    shared: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    schema: str = SCHEMA
+    profile: ProfileRef = field(Record(ProfileRef), doc="The profile planned: its sha256 and model fingerprint, "
+                                "so pd train can refuse a mismatch.")
+    cluster: Cluster = field(Record(Cluster))
+    cost_model: str = field(Str(COST_MODELS))
+    straight: bool = field(Bool())
+    mode: str = field(Str(MODES))
+    stages: tuple[PlanStage, ...] = field(Records(PlanStage, min_items=1), doc="One stage each: its layers, "
+                                          "replicated on `ranks`; times are ms per minibatch as the cost model "
+                                          "charges them.")
+    groups: tuple[PlanGroup, ...] = field(Records(PlanGroup), doc="The stages of the outer levels of the hierarchy.")
+    predicted: Prediction = field(Record(Prediction))
+    command: str = field(Str(), key="provenance.command")
+    pdtool_version: str = field(Str(), key="provenance.pdtool_version")
+    state_space: str = field(Str((DOWN_SETS, PREFIXES)), DOWN_SETS, required=True)
+    shared: tuple[tuple[str, tuple[int, ...]], ...] = field(Shared("stages"), (), doc="parameters used by several "
+                                                            "stages (tied weights): each worker of those stages holds "
+                                                            "a copy, and the copies' gradients are added before every "
+                                                            "step (modes 2bw, flush, gpipe, zb, zb2)")
+    profile_file: str | None = field(Str(), None, key="provenance.profile", omit=None, doc="The profile's file as "
+                                     "pd plan was given it, without its folder (where pd show looks for it).")
+    schema: str = field(Const(SCHEMA, ""), SCHEMA, required=True)
     source: InitVar[str] = "plan"
 
     def __post_init__(self, source: str) -> None:
@@ -262,165 +303,26 @@ class Plan(SchemaChecked):
     def samples_per_s(self) -> float:
         return self.profile.batch_size / (self.predicted.expected_ms / MS_PER_S) if self.predicted.expected_ms else 0.0
 
-    def to_json(self) -> dict[str, Any]:
-        p, pred = self.profile, self.predicted
-        return {
-            "schema": self.schema,
-            "profile": {"sha256": p.sha256, "fingerprint": p.fingerprint, "model": p.model,
-                        "batch_size": p.batch_size, "layers": p.layers, "method": p.method, "split": p.split,
-                        "granularity": p.granularity, "depth": p.depth, "device": p.device,
-                        "layer_sum_over_step": p.layer_sum_over_step,
-                        **({"message_ms_per_mib": p.message_ms_per_mib} if p.message_ms_per_mib else {})},
-            "cluster": self.cluster.to_json(),
-            "cost_model": self.cost_model,
-            "straight": self.straight,
-            "mode": self.mode,
-            "state_space": self.state_space,
-            "shared": [{"param": name, "stages": list(stages)} for name, stages in self.shared],
-            "stages": [
-                {"id": i, "layers": list(s.layers), "first_layer": s.first_name, "last_layer": s.last_name,
-                 "replicas": s.replicas, "ranks": list(s.ranks), "in_flight": s.in_flight,
-                 "fwd_ms": s.fwd_ms, "bwd_ms": s.bwd_ms, "param_bytes": s.param_bytes,
-                 "in_bytes": s.in_bytes, "out_bytes": s.out_bytes, "activation_bytes": s.activation_bytes,
-                 "update_ms": s.update_ms, "data_ms": s.data_ms, "wgrad_ms": s.wgrad_ms, "reduce_ms": s.reduce_ms,
-                 "compute_ms": s.compute_ms, "allreduce_ms": s.allreduce_ms, "transfer_ms": s.transfer_ms,
-                 "time_ms": s.time_ms, "memory_bytes": s.memory_bytes,
-                 "receives": list(s.receives), "sends": list(s.sends)}
-                for i, s in enumerate(self.stages)
-            ],
-            "groups": [
-                {"level": g.level, "layers": list(g.layers), "units": g.units, "compute_ms": g.compute_ms,
-                 "allreduce_ms": g.allreduce_ms,
-                 "transfer_ms": g.transfer_ms, "time_ms": g.time_ms}
-                for g in self.groups
-            ],
-            "predicted": {
-                "time_per_minibatch_ms": pred.time_ms, "bottleneck": pred.bottleneck,
-                "samples_per_s": self.samples_per_s,
-                "single_worker_ms": pred.single_worker_ms, "data_parallel_ms": pred.data_parallel_ms,
-                "speedup_over_single": pred.speedup_over_single,
-                "speedup_over_data_parallel": pred.speedup_over_data_parallel,
-                "simulated": None if pred.simulated_ms is None else {
-                    "time_per_minibatch_ms": pred.simulated_ms, "bubble_fraction": pred.simulated_bubble,
-                    "minibatches": pred.simulated_minibatches, "candidates": pred.candidates, "why": pred.why,
-                    "data_parallel_ms": pred.simulated_data_parallel_ms},
-                "data_parallel_over_bytes": pred.data_parallel_over_bytes,
-            },
-            "provenance": {"command": self.command, "pdtool_version": self.pdtool_version},
-        }
-
     @classmethod
-    def _read(cls, data: Any, source: str) -> "Plan":
+    def _check_raw(cls, data: Any, source: str) -> None:
+        """The kind of file; a plan from before stages recorded what they receive and send is
+        refused in one line that says to make it again (with the command that made it)."""
         check_schema(data, SCHEMA, source)
-        top = Fields(data, source, known=("schema", "profile", "cluster", "cost_model", "straight", "mode",
-                                          "state_space", "shared", "stages", "groups", "predicted", "provenance"))
-        pf = top.child("profile", known=("sha256", "fingerprint", "model", "batch_size", "layers", "method", "split",
-                                          "granularity", "depth", "device", "layer_sum_over_step",
-                                          "message_ms_per_mib"))
-        method = pf.get("method", str)
-        profile = ProfileRef(pf.get("sha256", str), pf.get("fingerprint", str), pf.get("model", dict, optional=True),
-                             pf.count("batch_size", 1), pf.count("layers", 1), method,
-                             pf.get("granularity", str), pf.get("depth", int, optional=True),
-                             pf.get("split", str, optional=True, default="children" if method == "modules" else "graph"),
-                             pf.get("device", str, optional=True, default=""),
-                             pf.get("layer_sum_over_step", float, optional=True),
-                             pf.get("message_ms_per_mib", float, optional=True, default=0.0))
-        shared = top.shared("shared", "stages")
-        stages = []
-        for where, item in top.items("stages"):
-            f = Fields(item, source, where, known=("id", "layers", "first_layer", "last_layer", "replicas", "ranks",
-                                                   "in_flight", "fwd_ms", "bwd_ms", "param_bytes", "in_bytes",
-                                                   "out_bytes", "activation_bytes", "compute_ms", "allreduce_ms", "transfer_ms",
-                                                   "time_ms", "memory_bytes", "update_ms", "data_ms", "wgrad_ms",
-                                                   "reduce_ms", "receives", "sends"))
-            layers = _layer_ids(f, "layers")
-            receives, sends = _boundary(f, data)
-            ranks = f.get("ranks", list)
-            if not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
-                f.fail("every rank must be an integer", "fix the list", "ranks")
-            if f.count("replicas", 1) != len(ranks):
-                f.fail(f"replicas is {f.get('replicas', int)} but {len(ranks)} ranks are listed",
-                       "make replicas equal the number of ranks", "ranks")
-            if f.count("id") != len(stages):
-                f.fail(f"id is {f.get('id', int)}, expected {len(stages)}", "number stages 0, 1, 2, ...", "id")
-            stages.append(PlanStage(layers, f.get("first_layer", str), f.get("last_layer", str), tuple(ranks),
-                                    f.count("in_flight", 1), f.number("fwd_ms"), f.number("bwd_ms"),
-                                    f.count("param_bytes"), f.count("in_bytes"), f.count("out_bytes"),
-                                    f.count("activation_bytes"),
-                                    f.number("compute_ms"), f.number("allreduce_ms"),
-                                    f.number("transfer_ms"), f.number("time_ms"), f.count("memory_bytes"),
-                                    f.get("update_ms", float, optional=True, default=0.0),
-                                    f.get("data_ms", float, optional=True, default=0.0),
-                                    # a plan from before weight gradients were timed
-                                    f.get("wgrad_ms", float, optional=True,
-                                          default=estimate_wgrad_ms(f.number("bwd_ms"), f.count("param_bytes"))),
-                                    f.get("reduce_ms", float, optional=True, default=0.0), receives, sends))
-        groups = []
-        for where, item in top.items("groups"):
-            f = Fields(item, source, where, known=("level", "layers", "units", "compute_ms", "allreduce_ms",
-                                                   "transfer_ms", "time_ms"))
-            groups.append(PlanGroup(f.count("level"), _layer_ids(f, "layers"), f.count("units", 1),
-                                    f.number("compute_ms"), f.number("allreduce_ms"),
-                                    f.number("transfer_ms"), f.number("time_ms")))
-        pr = top.child("predicted", known=("time_per_minibatch_ms", "bottleneck", "samples_per_s", "single_worker_ms",
-                                           "data_parallel_ms", "speedup_over_single", "speedup_over_data_parallel",
-                                           "simulated", "data_parallel_over_bytes"))
-        simulated = (None, None, None, None, None, None)
-        if pr.get("simulated", dict, optional=True) is not None:
-            sim = pr.child("simulated", known=("time_per_minibatch_ms", "bubble_fraction", "minibatches", "candidates",
-                                               "why", "data_parallel_ms"))
-            simulated = (sim.number("time_per_minibatch_ms"), sim.number("bubble_fraction"), sim.count("minibatches", 1),
-                         sim.count("candidates", 1, optional=True), sim.get("why", str, optional=True),
-                         sim.number("data_parallel_ms", optional=True))
-        over = pr.count("data_parallel_over_bytes", optional=True)
-        prov = top.child("provenance", known=("command", "pdtool_version"))
-        return cls(profile=profile, cluster=Cluster.from_json(top.get("cluster", dict), f"{source}: cluster"),
-                   cost_model=top.get("cost_model", str), straight=top.get("straight", bool), mode=top.get("mode", str),
-                   state_space=top.get("state_space", str), shared=shared, stages=tuple(stages),
-                   groups=tuple(groups),
-                   predicted=Prediction(pr.number("time_per_minibatch_ms"), pr.get("bottleneck", str),
-                                        pr.number("single_worker_ms"), pr.number("data_parallel_ms"), *simulated,
-                                        data_parallel_over_bytes=over),
-                   command=prov.get("command", str), pdtool_version=prov.get("pdtool_version", str), source=source)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "Plan":
-        return cls.from_json(read_json(path), str(path))
-
-    def save(self, path: str | os.PathLike) -> None:
-        write_json(path, self.to_json())
-
-
-def _layer_ids(f: Fields, key: str) -> tuple[int, ...]:
-    """A list of layer ids, sorted (a repeated id stays, for `_validate` to name)."""
-    value = f.get(key, list)
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-        f.fail(f"expected a list of layer ids, found {value!r:.40}", "list the stage's layer ids", key)
-    return tuple(sorted(value))
-
-
-def _boundary(f: Fields, data: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A stage's `receives` and `sends`; a plan from before they were recorded is refused in one
-    line that says to make it again (with the command that made it)."""
-    if "receives" not in f.data and "sends" not in f.data:
-        provenance = data.get("provenance")
-        command = provenance.get("command") if isinstance(provenance, dict) else None
-        words = command.split() if isinstance(command, str) else []
-        again = " ".join(words + ["-o", f.source]) if words[:2] == ["pd", "plan"] else "pd plan"
-        f.fail("no receives/sends: the plan was made by an older pdtool, before plans recorded what each stage "
-               "receives and sends", f"make it again with {again}")
-    found = []
-    for key in ("receives", "sends"):
-        ids = _layer_ids(f, key)
-        if len(set(ids)) < len(ids):
-            f.fail(f"layer {next(i for i in ids if ids.count(i) > 1)} is listed twice", "list each layer once", key)
-        found.append(ids)
-    return found[0], found[1]
+        stages = data.get("stages")
+        for index, stage in enumerate(stages if isinstance(stages, list) else []):
+            if isinstance(stage, dict) and "receives" not in stage and "sends" not in stage:
+                provenance = data.get("provenance")
+                command = provenance.get("command") if isinstance(provenance, dict) else None
+                words = command.split() if isinstance(command, str) else []
+                again = " ".join(words + ["-o", source]) if words[:2] == ["pd", "plan"] else "pd plan"
+                At(source, f"stages[{index}]").fail(
+                    "no receives/sends: the plan was made by an older pdtool, before plans recorded what each stage "
+                    "receives and sends", f"make it again with {again}")
 
 
 def _validate(plan: Plan, source: str) -> None:
     """The invariants a plan holds; a hand edit that breaks one gets one clear line."""
-    top = Fields({}, source)
+    top = At(source)
     top.one_of(plan.mode, MODES, "mode", "mode")
     top.one_of(plan.cost_model, COST_MODELS, "cost model", "cost_model")
     top.one_of(plan.state_space, (DOWN_SETS, PREFIXES), "state space", "state_space")
@@ -466,7 +368,7 @@ def _validate(plan: Plan, source: str) -> None:
     _check_data_flow(plan, owner, top)
 
 
-def _check_data_flow(plan: Plan, owner: dict[int, int], top: Fields) -> None:
+def _check_data_flow(plan: Plan, owner: dict[int, int], top: At) -> None:
     """The stages in data-flow order by the plan's own record: every layer a stage receives is
     computed by an earlier stage, and every stage sends exactly those of its layers that later
     stages receive (a hand edit that moves layers between stages breaks one or the other)."""
@@ -511,11 +413,11 @@ def profile_sha256(profile: Profile) -> str:
 
 def find_profile(plan_path: str, plan: Plan) -> str | None:
     """The profile `plan` was made from, or None: X.profile.json beside X.plan.json (the Make
-    convention), the file its command names, or any *.profile.json beside it or in the current
+    convention), the file its provenance names, or any *.profile.json beside it or in the current
     folder, as long as its sha256 is the one the plan records."""
     here = os.path.dirname(plan_path) or "."
-    words = plan.command.split()
-    named = words[2] if plan.command.startswith("pd plan ") and len(words) > 2 else None
+    words = plan.command.split()  # a plan from before provenance named the profile: its command does
+    named = plan.profile_file or (words[2] if plan.command.startswith("pd plan ") and len(words) > 2 else None)
     candidates = ([plan_path[: -len(".plan.json")] + ".profile.json"] if plan_path.endswith(".plan.json") else []) + (
         [os.path.join(here, named), named] if named else []) + sorted(
         str(p) for folder in {here, "."} for p in Path(folder).glob("*.profile.json"))

@@ -11,53 +11,54 @@ Pure: no torch.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass
 from typing import Any
 
-
-from ..fields import Fields, check_schema
-from .schemas import SchemaChecked
-from ..jsonio import read_json, round_float_fields, write_json
+from ..fields import At, check_schema
+from ..jsonio import round_float_fields
+from .record import (Artifact, Const, Int, ListOf, Num, Obj, Pair, Record, Records, Shared, Str, derived,
+                     field)
 
 SCHEMA = "pdtool.profile/1"
 METHODS = ("fx", "export", "modules", "pipedream")
 SPLITS = ("graph", "children", "none")
 """How `pd train` can split a profiled model: "graph" (any layer sets: the traced graph is split),
 "children" (between the children of a top-level nn.Sequential only), "none" (one stage only)."""
+GRANULARITIES = ("module", "op")
 
 
 @dataclass(frozen=True)
 class ModelRef:
     """How to rebuild the model: a `pkg.module:factory` string and the factory's kwargs."""
 
-    spec: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    spec: str = field(Str(), doc="pkg.module:factory that builds the model")
+    kwargs: dict[str, Any] = field(Obj(), factory=dict, required=True, doc="keyword arguments of the factory")
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     """Shape (batch dimension first) and dtype name (e.g. "float32") of one model input."""
 
-    shape: tuple[int, ...]
-    dtype: str
+    shape: tuple[int, ...] = field(ListOf(Int(), "every dimension must be a non-negative integer", "fix the shape"))
+    dtype: str = field(Str())
 
 
 @dataclass(frozen=True)
 class Layer:
     """One layer of the profiled graph; times in ms per minibatch, sizes in bytes."""
 
-    id: int
-    name: str
-    kind: str
-    fwd_ms: float
-    bwd_ms: float
-    act_bytes: int
-    param_bytes: int
-    fwd_ms_spread: float = 0.0
-    bwd_ms_spread: float = 0.0
-    ops: tuple[str, ...] = ()
-    wgrad_ms: float | None = None  # the part of bwd_ms that computes the weight gradients (None: not measured)
+    id: int = field(Int())
+    name: str = field(Str())
+    kind: str = field(Str())
+    fwd_ms: float = field(Num())
+    bwd_ms: float = field(Num())
+    act_bytes: int = field(Int())
+    param_bytes: int = field(Int())
+    fwd_ms_spread: float = field(Num(), 0.0, required=True)
+    bwd_ms_spread: float = field(Num(), 0.0, required=True)
+    ops: tuple[str, ...] = field(ListOf(Str(), "every op must be a string", "fix the list"), ())
+    wgrad_ms: float | None = field(Num(), None, null=True, doc="The part of bwd_ms that computes the weight "
+                                   "gradients (null: not measured).")
 
     def __post_init__(self) -> None:
         round_float_fields(self)
@@ -72,6 +73,11 @@ class Layer:
         return self.wgrad_ms if self.wgrad_ms is not None else estimate_wgrad_ms(self.bwd_ms, self.param_bytes)
 
 
+def default_split(values: dict[str, Any]) -> str:
+    """The split of a profile (or a plan's record of one) from before profiles recorded it."""
+    return "children" if values["method"] == "modules" else "graph"
+
+
 def estimate_wgrad_ms(bwd_ms: float, param_bytes: int) -> float:
     """The weight-gradient part of a backward that was not timed: half of it where there are
     parameters (a matmul's two gradients cost alike), none where there are not."""
@@ -79,7 +85,7 @@ def estimate_wgrad_ms(bwd_ms: float, param_bytes: int) -> float:
 
 
 @dataclass(frozen=True)
-class Profile(SchemaChecked):
+class Profile(Artifact):
     """A measured layer graph of one model at one minibatch size on one device.
 
     `method` says how the layers were found: "fx" (torch.fx graph, `ops` are its node
@@ -100,28 +106,37 @@ class Profile(SchemaChecked):
     """
 
     SCHEMA_NAME = "profile"  # schemas/profile.schema.json
+    DERIVED = (derived("layer_sum_over_step", Num(), lambda profile, *_: profile.layer_sum_over_step, null=True),)
 
-    model: ModelRef | None
-    batch_size: int
-    inputs: tuple[TensorSpec, ...]
-    device: str
-    torch_version: str
-    fingerprint: str
-    method: str
-    granularity: str
-    depth: int | None
-    repeats: int
-    step_ms: float
-    step_ms_spread: float
-    layers: tuple[Layer, ...]
-    edges: tuple[tuple[int, int], ...]
-    update_ms: float = 0.0
-    data_ms: float = 0.0
-    reduce_ms: float = 0.0
-    message_ms_per_mib: float = 0.0
-    split: str = "graph"
-    shared: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    schema: str = SCHEMA
+    model: ModelRef | None = field(Record(ModelRef), null=True)
+    batch_size: int = field(Int(1))
+    inputs: tuple[TensorSpec, ...] = field(Records(TensorSpec))
+    device: str = field(Str())
+    torch_version: str = field(Str())
+    fingerprint: str = field(Str())
+    method: str = field(Str(METHODS), doc="how the layers were found: torch.fx, torch.export, leaf modules in "
+                        "execution order (neither tracer captured the model), or imported from the original PipeDream")
+    granularity: str = field(Str(GRANULARITIES))
+    depth: int | None = field(Int(1), null=True)
+    repeats: int = field(Int())
+    step_ms: float = field(Num())
+    step_ms_spread: float = field(Num())
+    layers: tuple[Layer, ...] = field(Records(Layer, min_items=1), doc="One layer each: forward/backward ms per "
+                                      "minibatch (median, and the interquartile range as spread), output activation "
+                                      "bytes, parameter bytes, the traced ops it covers.")
+    edges: tuple[tuple[int, int], ...] = field(ListOf(Pair(), "expected a pair of layer ids [src, dst], found "
+                                                      "{value!r:.40}", "fix the edge", each=True),
+                                               doc="[source layer id, destination layer id] each")
+    update_ms: float = field(Num(), 0.0)
+    data_ms: float = field(Num(), 0.0)
+    reduce_ms: float = field(Num(), 0.0)
+    message_ms_per_mib: float = field(Num(), 0.0, omit=0.0)
+    split: str = field(Str(SPLITS), "graph", missing=default_split, doc="how pd train can split the model: graph "
+                       "(any layer sets, from the traced graph), children (only between the children of a top-level "
+                       "nn.Sequential), none (only one stage; untraceable model)")
+    shared: tuple[tuple[str, tuple[int, ...]], ...] = field(Shared("layers"), (), doc="parameters used by several "
+                                                            "layers (tied weights), with the ids of those layers")
+    schema: str = field(Const(SCHEMA, ""), SCHEMA, required=True)
     source: InitVar[str] = "profile"
 
     def __post_init__(self, source: str) -> None:
@@ -143,115 +158,17 @@ class Profile(SchemaChecked):
     def param_bytes(self) -> int:
         return sum(layer.param_bytes for layer in self.layers)
 
-    def to_json(self) -> dict[str, Any]:
-        """The JSON tree of this profile (`layer_sum_over_step` is derived, written for readers)."""
-        return {
-            "schema": self.schema,
-            "model": None if self.model is None else {"spec": self.model.spec, "kwargs": dict(self.model.kwargs)},
-            "batch_size": self.batch_size,
-            "inputs": [{"shape": list(t.shape), "dtype": t.dtype} for t in self.inputs],
-            "device": self.device,
-            "torch_version": self.torch_version,
-            "fingerprint": self.fingerprint,
-            "method": self.method,
-            "split": self.split,
-            "shared": [{"param": name, "layers": list(layers)} for name, layers in self.shared],
-            "granularity": self.granularity,
-            "depth": self.depth,
-            "repeats": self.repeats,
-            "step_ms": self.step_ms,
-            "step_ms_spread": self.step_ms_spread,
-            "update_ms": self.update_ms,
-            "reduce_ms": self.reduce_ms,
-            **({"message_ms_per_mib": self.message_ms_per_mib} if self.message_ms_per_mib else {}),
-            "data_ms": self.data_ms,
-            "layer_sum_over_step": self.layer_sum_over_step,
-            "layers": [
-                {
-                    "id": l.id, "name": l.name, "kind": l.kind,
-                    "fwd_ms": l.fwd_ms, "bwd_ms": l.bwd_ms,
-                    "fwd_ms_spread": l.fwd_ms_spread, "bwd_ms_spread": l.bwd_ms_spread, "wgrad_ms": l.wgrad_ms,
-                    "act_bytes": l.act_bytes, "param_bytes": l.param_bytes, "ops": list(l.ops),
-                }
-                for l in self.layers
-            ],
-            "edges": [list(e) for e in self.edges],
-        }
-
     @classmethod
-    def _read(cls, data: Any, source: str) -> "Profile":
-        """Parse and validate a profile; every problem is an `ArtifactError` naming `source`."""
+    def _check_raw(cls, data: Any, source: str) -> None:
         check_schema(data, SCHEMA, source)
-        top = Fields(data, source, known=_TOP_FIELDS)
-        model = None
-        if top.get("model", dict, optional=True) is not None:
-            ref = top.child("model", known=("spec", "kwargs"))
-            model = ModelRef(ref.get("spec", str), dict(ref.get("kwargs", dict)))
-        inputs = []
-        for where, item in top.items("inputs"):
-            spec = Fields(item, source, where, known=("shape", "dtype"))
-            shape = spec.get("shape", list)
-            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-                spec.fail("every dimension must be a non-negative integer", "fix the shape", "shape")
-            inputs.append(TensorSpec(tuple(shape), spec.get("dtype", str)))
-        layers = []
-        for where, item in top.items("layers"):
-            f = Fields(item, source, where, known=_LAYER_FIELDS)
-            ops = f.get("ops", list, optional=True, default=[])
-            if not all(isinstance(o, str) for o in ops):
-                f.fail("every op must be a string", "fix the list", "ops")
-            layers.append(Layer(
-                id=f.count("id"), name=f.get("name", str), kind=f.get("kind", str),
-                fwd_ms=f.number("fwd_ms"), bwd_ms=f.number("bwd_ms"),
-                fwd_ms_spread=f.number("fwd_ms_spread"), bwd_ms_spread=f.number("bwd_ms_spread"),
-                act_bytes=f.count("act_bytes"), param_bytes=f.count("param_bytes"), ops=tuple(ops),
-                wgrad_ms=f.number("wgrad_ms", optional=True),
-            ))
-        edges = []
-        for where, item in top.items("edges"):
-            if not (isinstance(item, list) and len(item) == 2
-                    and all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
-                top.fail(f"{where}: expected a pair of layer ids [src, dst], found {item!r:.40}", "fix the edge")
-            edges.append((item[0], item[1]))
-        shared = top.shared("shared", "layers")
-        method = top.get("method", str)
-        return cls(
-            model=model, batch_size=top.count("batch_size", 1), inputs=tuple(inputs),
-            device=top.get("device", str), torch_version=top.get("torch_version", str),
-            fingerprint=top.get("fingerprint", str), method=method,
-            split=top.get("split", str, optional=True, default="children" if method == "modules" else "graph"),
-            shared=shared,
-            granularity=top.get("granularity", str), depth=top.get("depth", int, optional=True),
-            repeats=top.count("repeats"), step_ms=top.number("step_ms"),
-            step_ms_spread=top.number("step_ms_spread"), layers=tuple(layers), edges=tuple(edges),
-            update_ms=top.get("update_ms", float, optional=True, default=0.0),
-            data_ms=top.get("data_ms", float, optional=True, default=0.0),
-            reduce_ms=top.get("reduce_ms", float, optional=True, default=0.0),
-            message_ms_per_mib=top.get("message_ms_per_mib", float, optional=True, default=0.0),
-            source=source,
-        )
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "Profile":
-        return cls.from_json(read_json(path), str(path))
-
-    def save(self, path: str | os.PathLike) -> None:
-        write_json(path, self.to_json())
-
-
-_TOP_FIELDS = ("schema", "model", "batch_size", "inputs", "device", "torch_version", "fingerprint",
-               "method", "split", "shared", "granularity", "depth", "repeats", "step_ms", "step_ms_spread", "update_ms", "data_ms",
-               "reduce_ms", "message_ms_per_mib", "layer_sum_over_step", "layers", "edges")
-_LAYER_FIELDS = ("id", "name", "kind", "fwd_ms", "bwd_ms", "fwd_ms_spread", "bwd_ms_spread", "wgrad_ms",
-                 "act_bytes", "param_bytes", "ops")
 
 
 def _validate(p: Profile, source: str) -> None:
     """Check the invariants every profile holds; raise `ArtifactError` naming the first broken one."""
-    top = Fields({}, source)
+    top = At(source)
     top.one_of(p.method, METHODS, "method", "method")
     top.one_of(p.split, SPLITS, "split", "split")
-    top.one_of(p.granularity, ("module", "op"), "granularity", "granularity")
+    top.one_of(p.granularity, GRANULARITIES, "granularity", "granularity")
     if p.depth is not None and p.depth < 1:
         top.fail(f"must be >= 1 or null, found {p.depth}", "fix the value", "depth")
     if p.batch_size < 1:

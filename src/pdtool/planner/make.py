@@ -44,7 +44,7 @@ FINALISTS = 3
 
 def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool", straight: bool = False,
               mode: str | None = None, optimizer_slots: int = 1, command: str = "", simulate: bool = True,
-              data_parallel: bool = False, say=lambda message: None) -> Plan:
+              data_parallel: bool = False, profile_file: str | None = None, say=lambda message: None) -> Plan:
     """Run PipeDream's optimizer on `profile` for `cluster` and describe the result as a Plan.
 
     Trainability is decided here, not by the workers: the stages only cut where the model can
@@ -52,6 +52,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     mode that trains them. `mode` None means `pipedream`, or `2bw` when stages share a parameter
     (`say` is told why); a mode given explicitly that cannot train the plan is a `PlanError`.
     `data_parallel` allows no cut: one stage replicated on every worker (the baseline, as a plan).
+    `command` and `profile_file` (the profile's file name) are the plan's provenance.
 
     With `simulate` (what `pd plan` does), the dynamic program's candidates (its best plan for
     each number of workers it may use, and data parallelism) are run through the simulator,
@@ -82,7 +83,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     if not pipelines or pipelines[0] is None:
         raise PlanError(_no_plan_reason(profile, costs, states, counts, bandwidths, model, straight, memory, cluster))
     describe = lambda pipeline, s: _as_plan(pipeline, s, profile, cluster, costs, model, memory,  # noqa: E731
-                                            optimizer_slots, cost_model, straight, mode, command)
+                                            optimizer_slots, cost_model, straight, mode, command, profile_file)
     plans = [describe(p, solver) for p in pipelines]
     if not simulate:
         return _trainable(plans[0], mode, say)
@@ -158,7 +159,7 @@ def _shape(plan: Plan) -> str:
 
 def _as_plan(pipeline: Pipeline, solver: Solver, profile: Profile, cluster: Cluster, costs: ChainCosts,
              model: CostModel, memory: Memory | None, optimizer_slots: int, cost_model: str, straight: bool,
-             mode: str | None, command: str) -> Plan:
+             mode: str | None, command: str, profile_file: str | None) -> Plan:
     """The plan of one of the dynamic program's pipelines, with the cost model's figures."""
     stages, groups = _describe(pipeline, profile, costs, model, solver, memory or Memory(float("inf"), optimizer_slots))
     stages = with_boundaries(profile, stages)
@@ -179,6 +180,7 @@ def _as_plan(pipeline: Pipeline, solver: Solver, profile: Profile, cluster: Clus
                      profile.split, profile.device, profile.layer_sum_over_step, profile.message_ms_per_mib)
     plan = Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=mode or DEFAULT,
                 stages=tuple(stages), groups=tuple(groups), predicted=prediction, command=command,
+                profile_file=profile_file,
                 pdtool_version=__version__, state_space=solver.states.space, shared=shared_parameters(profile, stages))
     if mode is None and plan.untrainable() is not None:
         plan = dataclasses.replace(plan, mode=DEFAULT_TIED)  # `_trainable` says why, for the plan chosen

@@ -1,23 +1,61 @@
-"""JSON Schemas of pdtool's files, and validation against them.
+"""JSON Schemas of pdtool's files, made from the artifacts' declarations (`artifacts.record`).
 
 `profile.schema.json`, `plan.schema.json` and `cluster.schema.json` (JSON Schema 2020-12, in
-this folder) describe the structure of every file `pd` reads and writes: fields, types, ranges
-and enumerations. `check_document` checks a parsed document against one of them and turns the
-first problem into the one-line `ArtifactError` every malformed file gets
-(`FILE: FIELD: PROBLEM; FIX`). What a schema cannot say (layer ids in order, edges between
-existing layers, ranks used once, ...) the artifact classes check after it.
+this folder) publish the structure of every file `pd` reads and writes: fields, types, ranges
+and enumerations. They are generated: `python -m pdtool.artifacts.schemas` writes them again
+from `generate`, and a test checks they are current. pdtool's own reader checks the same
+declarations, so it does not use them; `check_document` checks a document against one (for
+other tools, and tests) and turns the first problem into the one-line `ArtifactError` every
+malformed file gets (`FILE: FIELD: PROBLEM; FIX`).
 """
 from __future__ import annotations
 
 import functools
 import importlib.resources
 import json
+from pathlib import Path
 from typing import Any
 
 from ...errors import ArtifactError
 from ...fields import describe
 
 NAMES = ("profile", "plan", "cluster")
+ABOUT = {
+    "profile": ("pdtool profile (pdtool.profile/1)", "A measured layer graph of one model at one minibatch size on "
+                "one device (pd profile). Layers are listed in a topological order, ids 0, 1, 2, ...; edges go from a "
+                "lower id to a higher one."),
+    "plan": ("pdtool plan (pdtool.plan/1)", "Stages, replicas and ranks for one profile on one cluster, the schedule "
+             "mode and the cost model's prediction (pd plan). pd train executes it."),
+    "cluster": ("pdtool cluster (pdtool.cluster/1)", "A hierarchy of workers: levels innermost first, each `count` "
+                "units of the level below joined at `bandwidth`. Bandwidths are bytes/s (a number) or text with a "
+                "unit: '12GB/s', '10Gbit/s'. A level may give `latency`, seconds or text ('100us'). `memory` is per "
+                "worker, bytes or text ('16GiB'), null for no limit."),
+}
+"""Each schema's title and description."""
+
+
+def generate(name: str) -> dict[str, Any]:
+    """The schema `name` (one of NAMES) as the artifact's declarations make it."""
+    from ..cluster import Cluster
+    from ..plan import Plan
+    from ..profile import Profile
+    from ..record import object_schema
+
+    title, description = ABOUT[name]
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": f"urn:pdtool:schema:{name}",
+            "title": title, "description": description,
+            **object_schema({"profile": Profile, "plan": Plan, "cluster": Cluster}[name])}
+
+
+def generated_text(name: str) -> str:
+    """The text of schema `name` as this folder holds it."""
+    return json.dumps(generate(name), indent=2) + "\n"
+
+
+def main() -> None:
+    """Write every schema into this folder from the declarations."""
+    for name in NAMES:
+        (Path(__file__).parent / f"{name}.schema.json").write_text(generated_text(name))
 _TYPES = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
           "array": "a list", "object": "an object", "null": "null"}
 
@@ -34,27 +72,6 @@ def check_document(data: Any, name: str, source: str) -> None:
     error = jsonschema.exceptions.best_match(_validator(name).iter_errors(data))
     if error is not None:
         raise ArtifactError(_explain(error, name, source))
-
-
-class SchemaChecked:
-    """Mixin of the artifact classes: `from_json` reads a document with the class's own `_read`
-    (its specific messages come first), then checks it against the schema `SCHEMA_NAME`, so
-    every file pdtool accepts satisfies its published schema."""
-
-    SCHEMA_NAME = ""
-
-    @classmethod
-    def from_json(cls, data: Any, source: str | None = None):
-        """Parse and check a document read from JSON; every problem is one `ArtifactError` line
-        naming `source` (default: the schema's name)."""
-        source = source or cls.SCHEMA_NAME
-        parsed = cls._read(data, source)
-        check_document(data, cls.SCHEMA_NAME, source)
-        return parsed
-
-    @classmethod
-    def _read(cls, data: Any, source: str):
-        raise NotImplementedError
 
 
 def _text(name: str) -> str:
