@@ -12,6 +12,8 @@ import time
 import click
 
 from . import __version__
+from .artifacts.plan import COST_MODELS
+from .artifacts.profile import GRANULARITIES, METHODS as PROFILE_METHODS
 from .errors import PdtoolError
 from .fields import check_schema
 from .jsonio import check_writable, read_json
@@ -135,11 +137,12 @@ def cli() -> None:
               help="Timed repetitions per layer; the median is recorded, the interquartile range as spread.")
 @click.option("--warmup", type=Count(0, MAX_REPEATS), default=2, show_default=True,
               help="Untimed repetitions before timing.")
-@click.option("--granularity", type=click.Choice(["module", "op"]), default="module", show_default=True,
+@click.option("--granularity", type=click.Choice(GRANULARITIES), default="module", show_default=True,
               help="module: fold trivial ops (ReLU, add, view, ...) into neighbouring layers; op: every traced op is a layer.")
 @click.option("--depth", type=Count(1, 64), default=None,
               help="Make every submodule nested DEPTH levels deep one layer (e.g. 2: each ResNet block).")
-@click.option("--method", type=click.Choice(["auto", "fx", "export", "modules"]), default="auto", show_default=True,
+@click.option("--method", type=click.Choice(("auto",) + tuple(m for m in PROFILE_METHODS if m != "pipedream")),
+              default="auto", show_default=True,
               help="How to find layers: torch.fx, torch.export, leaf modules in execution order, or auto "
                    "(fx, else export, else leaf modules).")
 @click.option("--threads", type=Count(1, MAX_THREADS),
@@ -203,7 +206,7 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
 @click.option("--straight", is_flag=True, help="No replicated stages: every stage runs on one unit of each level.")
 @click.option("--data-parallel", is_flag=True, help="No cuts: one stage replicated on every worker (to compare a "
               "pipeline with data parallelism, e.g. in pd train).")
-@click.option("--cost-model", type=click.Choice(["pdtool", "pipedream"]), default="pdtool", show_default=True,
+@click.option("--cost-model", type=click.Choice(COST_MODELS), default="pdtool", show_default=True,
               help="pdtool: max(compute, all-reduce, transfer) per stage; pipedream: the original optimizer's formulas.")
 @click.option("--mode", type=click.Choice(MODES), default=None,
               help=f"Schedule mode the plan is to be trained with [default: {DEFAULT}, or {DEFAULT_TIED} when stages "
