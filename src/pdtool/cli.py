@@ -13,7 +13,7 @@ import click
 
 from . import __version__
 from .artifacts.plan import COST_MODELS
-from .artifacts.profile import GRANULARITIES, METHODS as PROFILE_METHODS
+from .artifacts.profile import GRANULARITIES, MEASURED
 from .errors import PdtoolError
 from .fields import check_schema
 from .jsonio import check_writable, read_json
@@ -141,7 +141,7 @@ def cli() -> None:
               help="module: fold trivial ops (ReLU, add, view, ...) into neighbouring layers; op: every traced op is a layer.")
 @click.option("--depth", type=Count(1, 64), default=None,
               help="Make every submodule nested DEPTH levels deep one layer (e.g. 2: each ResNet block).")
-@click.option("--method", type=click.Choice(("auto",) + tuple(m for m in PROFILE_METHODS if m != "pipedream")),
+@click.option("--method", type=click.Choice(("auto",) + MEASURED),
               default="auto", show_default=True,
               help="How to find layers: torch.fx, torch.export, leaf modules in execution order, or auto "
                    "(fx, else export, else leaf modules).")

@@ -20,7 +20,8 @@ from .record import (Artifact, Const, Int, ListOf, Num, Obj, Pair, Record, Recor
                      field)
 
 SCHEMA = "pdtool.profile/1"
-METHODS = ("fx", "export", "modules", "pipedream")
+MEASURED = ("fx", "export", "modules")  # how pd profile finds layers (`profiler`)
+METHODS = MEASURED + ("pipedream",)       # ... or a profile converted from PipeDream's graph.txt
 SPLITS = ("graph", "children", "none")
 """How `pd train` can split a profiled model: "graph" (any layer sets: the traced graph is split),
 "children" (between the children of a top-level nn.Sequential only), "none" (one stage only)."""
