@@ -85,12 +85,12 @@ from pdtool.artifacts.plan import Plan
 from pdtool.planner import make_plan
 from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
-from pdtool.runtime.executor import OptimizerConfig
+from pdtool.runtime.run import OptimizerConfig
 from pdtool.runtime import shm
 from pdtool.runtime.comm import BoundaryTensor, layout
 from pdtool.runtime.launch import launch
 from pdtool.runtime.stages import plan_stages
-from pdtool.runtime.worker import RunConfig
+from pdtool.runtime.run import RunConfig
 from pdtool.schedule import ACTIVATION, GRADIENT, generate, lower, modes_where, rules
 from pdtool.simulate import simulate
 

@@ -24,7 +24,8 @@ from typing import Any, Callable
 import torch
 
 from pdtool.errors import ScheduleError
-from pdtool.runtime.executor import OptimizerConfig, StageWorker
+from pdtool.runtime.executor import StageWorker
+from pdtool.runtime.run import OptimizerConfig
 from pdtool.schedule import Schedule
 
 

@@ -406,9 +406,9 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     """
     from .artifacts.plan import Plan
     from .runtime import session
-    from .runtime.executor import OptimizerConfig
+    from .runtime.run import OptimizerConfig
     from .runtime.launch import Nodes
-    from .runtime.worker import RunConfig
+    from .runtime.run import RunConfig
     from .runtime import external
 
     where = place(detect(launcher))  # None: pd train starts the workers itself

@@ -9,10 +9,10 @@ from pdtool.modelspec import load_model
 from pdtool.planner import make_plan, shared_parameters
 from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
-from pdtool.runtime.executor import OptimizerConfig
+from pdtool.runtime.executor import build_optimizer
 from pdtool.runtime.stages import plan_stages, sample_inputs
 from pdtool.data import synthetic_source
-from pdtool.runtime.worker import RunConfig, make_schedule
+from pdtool.runtime.run import OptimizerConfig, RunConfig, make_schedule
 
 from reference_executor import run_reference
 
@@ -45,7 +45,7 @@ def reference(plan, config, ref=MLP):
     when config.resume names a checkpoint: its weights and optimizer state, minibatches from
     config.first_step on)."""
     from pdtool.runtime.shards import restore
-    from pdtool.runtime.worker import minibatches_per_step
+    from pdtool.runtime.run import minibatches_per_step
 
     torch.manual_seed(config.seed)
     bundle = load_model(ref)
@@ -66,7 +66,7 @@ def gradient_accumulation(plan, config, ref=MLP):
     torch.manual_seed(config.seed)
     bundle = load_model(ref)
     model = bundle.module
-    optimizer = config.optimizer.build(list(model.parameters()), 1.0)
+    optimizer = build_optimizer(config.optimizer, list(model.parameters()), 1.0)
     batch = synthetic_source(bundle, plan.profile.batch_size, config.seed).batch
     losses = {}
     for step in range(config.steps):

@@ -7,7 +7,8 @@ from helpers import config_for, plan_with
 from pdtool.data import dataset_source, digits, evaluate
 from pdtool.modelspec import load_model
 from pdtool.artifacts.profile import ModelRef
-from pdtool.runtime.executor import OptimizerConfig
+from pdtool.runtime.executor import build_optimizer
+from pdtool.runtime.run import OptimizerConfig
 from pdtool.runtime.session import run
 
 MODEL = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": 64, "depth": 2, "classes": 10})
@@ -19,7 +20,7 @@ def single_process_accuracy(seed=0):
     torch.manual_seed(seed)
     bundle = load_model(MODEL)
     source = dataset_source(digits(), BATCH, seed)
-    optimizer = OPTIMIZER.build(list(bundle.module.parameters()), 1.0)
+    optimizer = build_optimizer(OPTIMIZER, list(bundle.module.parameters()), 1.0)
     for b in range(EPOCHS * source.batches_per_epoch):
         inputs, target = source.batch(b)
         optimizer.zero_grad()

@@ -36,7 +36,7 @@ def test_stashed_versions_stay_within_the_schedule_bound(tmp_path, mode):
     plan, path = plan_with(tmp_path, [((0, 0), 1), ((1, 1), 1), ((2, 3), 1)], mode=mode)
     config = config_for(path, steps=6)
     run = reference(plan, config)
-    from pdtool.runtime.worker import make_schedule
+    from pdtool.runtime.run import make_schedule
 
     bound = peak_versions(make_schedule(plan, config))
     assert all(run.peak_versions[rank] <= bound[rank] for rank in bound)
@@ -50,7 +50,7 @@ def test_pipedream_weight_stashing_matches_a_hand_written_two_stage_pipeline(tmp
     from torch.func import functional_call
 
     from pdtool.modelspec import load_model
-    from pdtool.runtime.executor import OptimizerConfig
+    from pdtool.runtime.run import OptimizerConfig
     from pdtool.data import synthetic_source
 
     plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="pipedream")
@@ -81,7 +81,7 @@ def test_pipedream_weight_stashing_matches_a_hand_written_two_stage_pipeline(tmp
 
 
 def test_adam_with_weight_decay_is_gradient_accumulation_too(tmp_path):
-    from pdtool.runtime.executor import OptimizerConfig
+    from pdtool.runtime.run import OptimizerConfig
 
     plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="flush")
     config = config_for(path, steps=3, optimizer=OptimizerConfig("adam", 0.01, 0.0, 0.01))

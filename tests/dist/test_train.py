@@ -11,7 +11,7 @@ from pdtool.errors import LaunchError
 from pdtool.artifacts.profile import ModelRef
 from pdtool.runtime import shm
 from pdtool.runtime.launch import launch
-from pdtool.runtime.worker import make_schedule
+from pdtool.runtime.run import make_schedule
 from pdtool.schedule import peak_versions
 
 

@@ -8,7 +8,7 @@ from pdtool.artifacts.cluster import parse_cluster
 from pdtool.planner import make_plan
 from pdtool.artifacts.profile import Profile
 from pdtool.runtime.session import TrainResult
-from pdtool.runtime.worker import WorkerReport
+from pdtool.runtime.run import WorkerReport
 
 
 def data_parallel_plan():

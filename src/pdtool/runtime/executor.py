@@ -28,7 +28,6 @@ accumulation over m microbatches (mean of the m losses' gradients).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -37,26 +36,19 @@ from torch.func import functional_call
 from ..data import derive_seed
 from ..errors import LaunchError
 from ..schedule import Action, Schedule
+from .run import OptimizerConfig
 from .split_backward import ParameterNodes, input_gradients, weight_gradients
 
 
 
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Optimizer settings shared by every stage: `sgd` (with momentum) or `adam`."""
-
-    name: str = "sgd"
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-
-    def build(self, params: list[torch.nn.Parameter], lr_scale: float) -> torch.optim.Optimizer:
-        lr = self.lr * lr_scale
-        if self.name == "sgd":
-            return torch.optim.SGD(params, lr=lr, momentum=self.momentum, weight_decay=self.weight_decay)
-        if self.name == "adam":
-            return torch.optim.Adam(params, lr=lr, weight_decay=self.weight_decay)
-        raise LaunchError(f"unknown optimizer {self.name!r}; use sgd or adam")
+def build_optimizer(config: OptimizerConfig, params: list[torch.nn.Parameter], lr_scale: float) -> torch.optim.Optimizer:
+    """The torch optimizer of `config` over `params`, its learning rate times `lr_scale`."""
+    lr = config.lr * lr_scale
+    if config.name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    if config.name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=config.weight_decay)
+    raise LaunchError(f"unknown optimizer {config.name!r}; use sgd or adam")
 
 
 def lr_scale(schedule: Schedule, stage: int) -> float:
@@ -91,7 +83,7 @@ class StageWorker:
         self.loss_fn = loss_fn
         self.names = [name for name, _ in stage.module.named_parameters()]
         self.live = [p for _, p in stage.module.named_parameters()]
-        self.optimizer = optimizer.build(self.live, lr_scale(schedule, stage.index)) if self.live else None
+        self.optimizer = build_optimizer(optimizer, self.live, lr_scale(schedule, stage.index)) if self.live else None
         version = schedule.versions()
         self.version_of = {(a.kind, a.minibatch): version[(a.kind, a.stage, a.minibatch)]
                            for a in self.actions if a.kind != "U"}

@@ -125,7 +125,8 @@ def train(where: Place, plan, config, *, epochs: int | None = None, resume: bool
     `verbose`, a failing worker's traceback first)."""
     from . import peers
     from .session import TrainResult
-    from .worker import check_world, worker_main
+    from .worker import worker_main
+    from .run import check_world
 
     ending = Ending(where.rank)
     ending.answer_signals()
@@ -209,7 +210,7 @@ def _start(plan, config, resume: bool, needs, warn, say):
     from .folder_lock import FolderLock
     from .launch import Nodes
     from .session import _ManifestWriter, _run_id, _starting_point, plan_sha256
-    from .worker import checked_run
+    from .run import checked_run
 
     run = checked_run(plan, config)  # a schedule it cannot run: refused here
     per_step = run.per_step
@@ -299,7 +300,7 @@ def _report_json(report) -> str:
 
 def _gather(store, world: int, timeout_s: float) -> dict:
     """Rank 0: every worker's report, by rank (they follow the last barrier within moments)."""
-    from .worker import WorkerReport
+    from .run import WorkerReport
 
     keys = [f"pdtool/report/{r}" for r in range(world)]
     try:

@@ -21,7 +21,7 @@ from ..signals import deadline
 from . import shm
 from .preflight import Checked, preflight
 from .session import steps_for_epochs
-from .worker import RunConfig, checked_run, resolved
+from .run import RunConfig, checked_run, resolved
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 from ..errors import Interrupted, LaunchError, PdtoolError
 from ..signals import SIGNALS
 from . import scratch, shm
-from .worker import RunConfig, WorkerReport
+from .run import RunConfig, WorkerReport
 
 
 ECHO_DELAY_S = 2.0

@@ -27,7 +27,7 @@ from ..artifacts.plan import Plan
 from ..views.trace import measured_trace, write_trace
 from .folder_lock import FolderLock
 from .launch import Nodes, launch
-from .worker import RunConfig, WorkerReport
+from .run import RunConfig, WorkerReport
 
 
 @dataclass
@@ -81,7 +81,7 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
     starts from step 0. `say` is told which; `talk` hears what the run is doing while the
     workers start. With `restarts` (and a checkpoint folder), a failed job starts again from the
     newest complete checkpoint, up to that many times, each restart one `say` line."""
-    from .worker import checked_run
+    from .run import checked_run
 
     plan = Plan.load(config.plan_path)
     run = checked_run(plan, config)  # a schedule it cannot run: refused here

@@ -8,12 +8,10 @@ stage, waiting for the others) is bounded as `runtime.peers` says.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -23,105 +21,13 @@ from ..allocator import keep_freed_memory
 from ..errors import LaunchError
 from ..modelspec import file_model
 from ..artifacts.plan import Plan
-from ..schedule import ACTIVATION, GRADIENT, Run, Schedule, checkpoint_unit, generate, lower, resolve, stash_depth, step_group
+from ..schedule import ACTIVATION, GRADIENT, Schedule, lower, stash_depth
 from ..schedule.lower import Lowered, Op, collective_key
 from .comm import Link, Prefetch, BoundaryTensor, layout, link_groups
 from . import peers, shm, tied
 from .device import choose, synchronizer
-from .executor import OptimizerConfig, StageWorker
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """Everything a worker needs besides the plan file (picklable: it crosses the launcher)."""
-
-    plan_path: str
-    steps: int
-    mode: str | None = None
-    group: int | None = None
-    seed: int = 0
-    optimizer: OptimizerConfig = OptimizerConfig()
-    timeout_s: float = 60.0          # seconds a worker waits for a silent peer (a message, or a beat at start-up)
-    startup_timeout_s: float = 600.0  # seconds start-up (import, model, stage, process groups) may take in all
-    threads: int | None = None
-    return_weights: bool = False
-    data: str = "synthetic"          # "synthetic", "digits" or a pkg.module:factory of a Dataset
-    first_step: int = 0              # steps already done (resume): minibatches start at first_step * group
-    resume: str | None = None        # checkpoint folder to start from
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0        # steps of stage 0 between checkpoints (0: only at the end)
-    progress: bool = True            # the last stage's first replica reports progress on stderr
-    device: str = "auto"             # auto, cpu or cuda (runtime.device)
-    transport: str = "auto"          # auto, shared-memory or process-group (runtime.shm.use_shared_memory)
-    model: str | None = None         # pd train -m: the user's own spec instead of the plan's (pdtool.consent)
-    run_id: str | None = None        # the run's id in its checkpoint shards and manifests (session.run sets it)
-
-
-@dataclass
-class WorkerReport:
-    """What a worker reports when it ends: its losses (last stage), time spent computing and
-    waiting, the most weight versions it stashed, and (on request) its final weights."""
-
-    rank: int
-    stage: int
-    replica: int
-    losses: dict[int, float] = field(default_factory=dict)
-    busy_s: float = 0.0
-    wall_s: float = 0.0
-    peak_versions: int = 0
-    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # on the CPU
-    events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end) in epoch seconds
-    finished: dict[int, float] = field(default_factory=dict)  # last stage: minibatch -> time its backward ended
-    rings: int = 0  # directions of its links that went through shared memory (runtime.shm)
-
-
-def make_schedule(plan: Plan, config: RunConfig) -> Schedule:
-    """The schedule the plan runs: its mode (or --mode), config.steps steps of stage 0, its
-    pipeline drained at every periodic checkpoint (`checkpoint_drain`)."""
-    run = resolved(plan, config)
-    replicas = [s.replicas for s in plan.stages]
-    return generate(run.name, replicas, config.steps * run.per_step, run.group,
-                    drain_every=checkpoint_drain(run, replicas, config))
-
-
-def resolved(plan: Plan, config: RunConfig) -> Run:
-    """The run's effective mode, group and minibatches per step (`schedule.resolve`)."""
-    return resolve(config.mode, plan.mode, [s.replicas for s in plan.stages], config.group)
-
-
-def checked_run(plan: Plan, config: RunConfig) -> Run:
-    """The run's settings (`resolved`), after making its schedule for one drain's worth of steps
-    (cheap): a mode, group or --checkpoint-every that cannot run is refused here, in one line."""
-    make_schedule(plan, dataclasses.replace(config, steps=max(config.checkpoint_every, 1)))
-    return resolved(plan, config)
-
-
-def checkpoint_drain(run: Run, replicas: list[int], config: RunConfig) -> int | None:
-    """Minibatches between the periodic checkpoints of a run (`--checkpoint-dir` with
-    `--checkpoint-every K`: K steps of stage 0, `per_step` minibatches each; None without), where
-    its schedule drains the pipeline: a checkpoint then holds every minibatch before it and
-    nothing after, and a run resumed from it with the same K is the uninterrupted run, bit for
-    bit. In the modes that step a replicated stage once per round of its r_s replicas (pipedream,
-    vsync), K * per_step must be a multiple of every r_s (a one-line LaunchError says which K do)."""
-    if not (config.checkpoint_dir and config.checkpoint_every):
-        return None
-    unit = checkpoint_unit(run.name, replicas, run.per_step)
-    if config.checkpoint_every % unit:
-        raise LaunchError(
-            f"--checkpoint-every {config.checkpoint_every}: in mode {run.name} the stages, replicated "
-            f"{'-'.join(map(str, replicas))}, step once per round of their replicas, so a checkpoint that resumes "
-            f"exactly must fall after a multiple of {math.lcm(*replicas)} minibatches ({unit} steps); use "
-            f"--checkpoint-every {unit * -(-config.checkpoint_every // unit)}")
-    return config.checkpoint_every * run.per_step
-
-
-def place(plan: Plan, rank: int) -> tuple[int, int]:
-    """(stage, replica) that global `rank` runs in the plan."""
-    for s, stage in enumerate(plan.stages):
-        if rank in stage.ranks:
-            return s, stage.ranks.index(rank)
-    raise LaunchError(f"rank {rank} has no stage in the plan (ranks {list(plan.used_ranks)}); "
-                      "start one worker per rank of the plan")
+from .executor import StageWorker
+from .run import RunConfig, WorkerReport, check_world, make_schedule, minibatches_per_step, place
 
 
 def worker_main(config: RunConfig, store=None) -> WorkerReport:
@@ -203,18 +109,6 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
     return report
 
 
-def check_world(plan: Plan, world: int, plan_path: str) -> None:
-    """Refuse, in one line, a job of `world` workers that cannot run `plan`: another number of
-    workers than its ranks, or a plan without a model to build."""
-    used = plan.used_ranks
-    if world != len(used) or used != tuple(range(world)):
-        raise LaunchError(f"the plan runs on ranks {_ranges(used)} but {world} workers were started; "
-                          f"start exactly {len(used)} workers (pd train does that on one machine)")
-    if plan.profile.model is None:
-        raise LaunchError(f"{plan_path} was planned from an imported profile with no model; "
-                          "profile the model with pd profile --model and plan that profile")
-
-
 def _rings(config: RunConfig, lowered: Lowered, ops, rank: int, specs, window: int, device: torch.device,
            store) -> dict:
     """Shared-memory rings (`runtime.shm`) for the directions of this worker's links (its send
@@ -253,11 +147,6 @@ def incoming_specs(specs, s: int, direction: int) -> list[BoundaryTensor]:
     if direction == ACTIVATION:
         return (specs[s - 1] if s > 0 else []) + specs[-1]
     return [t for t in specs[s] if t.dtype.is_floating_point] if s < len(specs) - 1 else []
-
-
-def minibatches_per_step(schedule: Schedule) -> int:
-    """Minibatches that one optimizer step of stage 0 covers."""
-    return step_group(schedule, 0)
 
 
 def boundary_specs(stages, sample) -> list[list[BoundaryTensor]]:
@@ -416,7 +305,3 @@ class _TrainProgress:
         if self.tty:
             sys.stderr.write("\n")
             sys.stderr.flush()
-
-
-def _ranges(ranks) -> str:
-    return f"0..{max(ranks)}" if ranks == tuple(range(len(ranks))) else ",".join(map(str, ranks))
