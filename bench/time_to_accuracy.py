@@ -5,7 +5,7 @@ same initial weights, optimizer and learning rate, trained for the same number o
 
 - `pipedream`, `vsync`, `2bw` and `flush` on the 2-stage plan `make_plan(..., straight=True)`
   picks for 2 workers (1 thread each, gloo), started as `pd train` starts them
-  (`runtime.session.run`); a checkpoint after every epoch (on /dev/shm where it exists) gives
+  (`runtime.launcher.session.run`); a checkpoint after every epoch (on /dev/shm where it exists) gives
   the weights the held-out accuracy is measured on afterwards, in this process;
 - one process training the whole model on the same minibatches (a step per minibatch, as
   `pipedream` without staleness): with one thread (one worker's share of the machine, the
@@ -42,14 +42,14 @@ import torch
 
 from pdtool.artifacts.checkpoint import load_checkpoint, read_manifest, save_shard
 from pdtool.artifacts.cluster import parse_cluster
-from pdtool.data import digits, evaluate, load_source
-from pdtool.modelspec import load_model
+from pdtool.model.data import digits, evaluate, load_source
+from pdtool.model.spec import load_model
 from pdtool.artifacts.plan import Plan
 from pdtool.planner import make_plan
 from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
-from pdtool.runtime import session
-from pdtool.runtime.executor import build_optimizer
+from pdtool.runtime.launcher import session
+from pdtool.runtime.worker.executor import build_optimizer
 from pdtool.runtime.run import OptimizerConfig, RunConfig, checked_run
 from pdtool.schedule import rules
 

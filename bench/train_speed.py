@@ -9,10 +9,10 @@ with one thread (`torch.set_num_threads(1)`), gloo on CPU:
   and weight gradients, ZB-H1), `zb2` (zb with twice the warm-up forwards and the weight
   gradients kept back: ZB-H2, 2p - 1 microbatches in flight where zb holds p) and `pipedream` (a
   step after every minibatch), started by
-  `pdtool.runtime.launch.launch`, as `pd train` starts them;
+  `pdtool.runtime.launcher.launch.launch`, as `pd train` starts them;
 - torch.distributed.pipelining's `Schedule1F1B`, `ScheduleGPipe` and
   `ScheduleInterleavedZeroBubble` (with one stage per rank: its ZB-H1) (n_microbatches = m per
-  step) on pdtool's own two stage modules (`runtime.stages.plan_stages`), wrapped to take and
+  step) on pdtool's own two stage modules (`model.stages.plan_stages`), wrapped to take and
   return positional tensors, 2 processes (torch.multiprocessing);
 - DDP: 2 processes with a full replica each; a step is the same global batch as a flush step,
   m microbatches of the profile's batch size, m/2 on each replica (accumulated under `no_sync`,
@@ -46,7 +46,7 @@ being one of the lowered list's recv, F, send, B, W, allreduce, step (`schedule.
 2-stage flush worker runs 4 per minibatch and a step's 2 per group). The plan's cluster carries
 the link's latency as measured first (a ping-pong of a 32 KB tensor between two processes by the
 transport the row's workers use: `pd train`'s default between workers of one machine, a
-shared-memory ring (`runtime.shm`), or gloo's send and recv: `--cluster 2x10GB/s+<latency>`), so
+shared-memory ring (`runtime.worker.shm`), or gloo's send and recv: `--cluster 2x10GB/s+<latency>`), so
 the simulator knows the compute (profiled), the bandwidth and each message's latency, and the
 overhead is the runtime's own: Python between and around the actions, and waits for the peer's
 overhead. The table also shows the simulation without the latency (what the overhead per op
@@ -79,17 +79,17 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from pdtool.artifacts.cluster import parse_cluster
-from pdtool.data import synthetic_source
-from pdtool.modelspec import load_model
+from pdtool.model.data import synthetic_source
+from pdtool.model.spec import load_model
 from pdtool.artifacts.plan import Plan
 from pdtool.planner import make_plan
 from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
 from pdtool.runtime.run import OptimizerConfig
-from pdtool.runtime import shm
-from pdtool.runtime.comm import BoundaryTensor, layout
-from pdtool.runtime.launch import launch
-from pdtool.runtime.stages import plan_stages
+from pdtool.runtime.worker import shm
+from pdtool.runtime.worker.comm import BoundaryTensor, layout
+from pdtool.runtime.launcher.launch import launch
+from pdtool.model.stages import plan_stages
 from pdtool.runtime.run import RunConfig
 from pdtool.schedule import ACTIVATION, GRADIENT, generate, lower, modes_where, rules
 from pdtool.simulate import simulate
@@ -392,7 +392,7 @@ def _ops_per_minibatch(plan: Plan, mode: str, group: int, minibatches: int) -> f
 def _ping_pong(rank: int, world: int, setup: Setup, queue, rounds: int = 500) -> None:
     """One-way time of a 32 KB message between the two processes, median of `rounds` round trips
     / 2, by each of pd train's transports: the process group's own send and recv (gloo), and a
-    pair of shared-memory rings (`runtime.shm`, what pd train uses between the workers of one
+    pair of shared-memory rings (`runtime.worker.shm`, what pd train uses between the workers of one
     machine here)."""
     group, peer = dist.group.WORLD, 1 - rank
     x = torch.zeros(TINY["hidden"] * TINY_BATCH)

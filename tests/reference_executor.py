@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from pdtool.errors import ScheduleError
-from pdtool.runtime.executor import StageWorker
+from pdtool.runtime.worker.executor import StageWorker
 from pdtool.runtime.run import OptimizerConfig
 from pdtool.schedule import Schedule
 
@@ -42,7 +42,7 @@ class ReferenceRun:
 def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
                   loss_fn: Callable[[Any, Any], torch.Tensor], batch: Callable[[int], tuple],
                   prepare: Callable[[StageWorker], None] | None = None, seed: int = 0, first: int = 0) -> ReferenceRun:
-    """Run `schedule` on `stages` (from `runtime.stages.build_stages`); `batch(b)` gives
+    """Run `schedule` on `stages` (from `model.stages.build_stages`); `batch(b)` gives
     minibatch b as (inputs tuple, target). The stages' modules are copied per replica;
     `prepare(worker)`, if given, runs on every worker before the first action (e.g. to
     restore a checkpoint, as a resumed run does). `seed` and `first` (the first minibatch of a
@@ -56,7 +56,7 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
             if prepare is not None:
                 prepare(workers[schedule.rank(s, i)])
     # stages whose steps happen together: a stage's replicas, joined with every stage it shares a
-    # parameter with (tied weights: the copies' gradients are added before the step, as in `runtime.tied`)
+    # parameter with (tied weights: the copies' gradients are added before the step, as in `runtime.worker.tied`)
     together = {s: {s} for s in range(len(stages))}
     for stage in stages:
         for users in stage.tied.values():
@@ -134,7 +134,7 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
 
 def _add_tied_gradients(workers: list[StageWorker]) -> None:
     """Every copy of a tied parameter gets the sum over its stages of each stage's mean gradient
-    (what `runtime.tied` all-reduces: each replica adds its gradient / its stage's replicas)."""
+    (what `runtime.worker.tied` all-reduces: each replica adds its gradient / its stage's replicas)."""
     sums: dict[str, torch.Tensor] = {}
     for worker in workers:
         params = dict(worker.stage.module.named_parameters())

@@ -17,7 +17,7 @@ from .artifacts.profile import GRANULARITIES, MEASURED
 from .errors import PdtoolError
 from .fields import check_schema
 from .jsonio import check_writable, read_json
-from .runtime.cluster_env import LAUNCHERS, detect, place
+from .runtime.launcher.cluster_env import LAUNCHERS, detect, place
 from .schedule.modes import DEFAULT, DEFAULT_TIED, GROUP, MODES, ROUND, modes_where
 from .signals import Stopped, install as install_signal_handlers
 
@@ -171,7 +171,7 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
             click.echo(f"wrote {output}: {len(imported.layers)} layers imported from {graph_txt}", err=True)
         return
 
-    from .modelspec import parse_model_args
+    from .model.spec import parse_model_args
     from .artifacts.profile import ModelRef
     from .profiler import profile_model
 
@@ -405,11 +405,11 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     Under torchrun or srun (--launcher), this process is one of the workers.
     """
     from .artifacts.plan import Plan
-    from .runtime import session
+    from .runtime.launcher import session
     from .runtime.run import OptimizerConfig
-    from .runtime.launch import Nodes
+    from .runtime.launcher.launch import Nodes
     from .runtime.run import RunConfig
-    from .runtime import external
+    from .runtime.launcher import external
 
     where = place(detect(launcher))  # None: pd train starts the workers itself
     if where is not None:
@@ -435,13 +435,13 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
                        progress=not quiet, return_weights=evaluate, device=device, transport=transport,
                        model=model_spec)
     if evaluate:
-        from .data import held_out
+        from .model.data import held_out
 
         if held_out(data) is None:
             raise click.UsageError("--evaluate needs a data set with a held-out split: --data digits, or a factory "
                                    "that takes train=False")
-    from .modelspec import local_origin
-    from .runtime.job import prepare
+    from .model.spec import local_origin
+    from .runtime.launcher.job import prepare
 
     origin = local_origin(plan.profile.model["spec"]) if plan.profile.model and not model_spec else None
     if origin and reporter:  # the plan names code of the experiment folder: say which file runs before it does
@@ -517,7 +517,7 @@ def _report(result, plan, config, shared: tuple) -> None:
                + (f"; {rings} link direction(s) over shared memory" if rings else ""))
     measured = result.time_per_minibatch_ms()
     rate = lambda ms: f"{ms:.3f} ms" + (f" ({plan.profile.batch_size / ms * 1e3:.0f} samples/s)" if ms > 0 else "")  # noqa: E731
-    from .runtime.job import expected_ms, resolved
+    from .runtime.launcher.job import expected_ms, resolved
 
     simulated, cost_model = expected_ms(plan, config)
     expected = simulated if simulated is not None else cost_model
@@ -526,7 +526,7 @@ def _report(result, plan, config, shared: tuple) -> None:
     click.echo(f"time per minibatch: measured {rate(measured)}, {predicted}" if measured else
                f"time per minibatch: too few minibatches to measure; {predicted}")
     if measured:
-        from .runtime.session import gap_reasons
+        from .runtime.launcher.session import gap_reasons
 
         reasons = gap_reasons(measured, expected, plan, *shared)
         if reasons:

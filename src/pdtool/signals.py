@@ -5,7 +5,7 @@ in the main thread, whatever the process inherited (a job started in the backgro
 non-interactive shell ignores SIGINT otherwise). `Stopped` is a `BaseException`, like
 `KeyboardInterrupt`, so that no `except Exception` on the way (a model factory's, an import's)
 can swallow it; the CLI turns it into its line. While `pd train`'s workers run, torch's launcher
-answers the signals itself (it stops the workers) and `runtime.launch` puts these handlers back
+answers the signals itself (it stops the workers) and `runtime.launcher.launch` puts these handlers back
 afterwards. A command whose main thread does not give way (a factory that catches everything and
 keeps waiting) is ended `GRACE_S` seconds after the first signal, still with one line.
 """

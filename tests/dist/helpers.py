@@ -5,13 +5,13 @@ import torch
 
 from pdtool.artifacts.cluster import parse_cluster
 from pdtool.artifacts.plan import with_boundaries
-from pdtool.modelspec import load_model
+from pdtool.model.spec import load_model
 from pdtool.planner import make_plan, shared_parameters
 from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
-from pdtool.runtime.executor import build_optimizer
-from pdtool.runtime.stages import plan_stages, sample_inputs
-from pdtool.data import synthetic_source
+from pdtool.runtime.worker.executor import build_optimizer
+from pdtool.model.stages import plan_stages, sample_inputs
+from pdtool.model.data import synthetic_source
 from pdtool.runtime.run import OptimizerConfig, RunConfig, make_schedule
 
 from reference_executor import run_reference
@@ -44,7 +44,7 @@ def reference(plan, config, ref=MLP):
     """The reference executor's run of the same plan and schedule (resumed like the runtime
     when config.resume names a checkpoint: its weights and optimizer state, minibatches from
     config.first_step on)."""
-    from pdtool.runtime.shards import restore
+    from pdtool.runtime.worker.shards import restore
     from pdtool.runtime.run import minibatches_per_step
 
     torch.manual_seed(config.seed)

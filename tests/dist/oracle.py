@@ -20,8 +20,8 @@ version for b (weight stashing: the backward uses the forward's version)."""
 import torch
 from torch.func import functional_call
 
-from pdtool.data import synthetic_source
-from pdtool.modelspec import load_model
+from pdtool.model.data import synthetic_source
+from pdtool.model.spec import load_model
 
 STEP_ROUND = {"pipedream": "replicas", "vsync": "replicas", "2bw": "batch"}
 

@@ -10,7 +10,7 @@ from helpers import config_for, plan_with
 from pdtool.artifacts.checkpoint import latest_complete, load_checkpoint, read_manifest
 from pdtool.errors import LaunchError
 from pdtool.artifacts.profile import ModelRef
-from pdtool.runtime.session import run
+from pdtool.runtime.launcher.session import run
 from pdtool.schedule import MODES
 
 

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from helpers import plan_with
 
 from pdtool.cli import cli
-from pdtool.runtime import shm
+from pdtool.runtime.worker import shm
 
 
 def test_pd_train_runs_a_plan_and_reports_loss_and_time(tmp_path):
@@ -279,7 +279,7 @@ def test_pd_train_resume_with_only_an_interrupted_runs_leftovers_starts_over_and
 def test_forcing_shared_memory_where_it_cannot_work_is_said_before_any_worker_starts(tmp_path, monkeypatch):
     from helpers import config_for
 
-    from pdtool.runtime.job import prepare
+    from pdtool.runtime.launcher.job import prepare
 
     plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
     said = []
@@ -309,7 +309,7 @@ def test_a_mode_that_holds_more_than_the_plans_memory_is_refused_before_any_work
 
     from pdtool.artifacts.plan import Plan
     from pdtool.errors import LaunchError
-    from pdtool.runtime.job import prepare
+    from pdtool.runtime.launcher.job import prepare
     from pdtool.planner.costmodel import Memory
     from pdtool.simulate import simulate
 

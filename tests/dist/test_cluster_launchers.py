@@ -1,4 +1,4 @@
-"""`pd train` under a cluster's own launcher (`runtime.external`): a 2-process job started by
+"""`pd train` under a cluster's own launcher (`runtime.launcher.external`): a 2-process job started by
 torchrun itself, and one started as srun would, with SLURM's variables set by hand. Each trains
 as pd train's own launcher does (flush: bit for bit), fails with one line on every process, and
 ends on SIGTERM with one line and its checkpoints kept."""

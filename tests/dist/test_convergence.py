@@ -4,12 +4,12 @@ import torch
 
 from helpers import config_for, plan_with
 
-from pdtool.data import dataset_source, digits, evaluate
-from pdtool.modelspec import load_model
+from pdtool.model.data import dataset_source, digits, evaluate
+from pdtool.model.spec import load_model
 from pdtool.artifacts.profile import ModelRef
-from pdtool.runtime.executor import build_optimizer
+from pdtool.runtime.worker.executor import build_optimizer
 from pdtool.runtime.run import OptimizerConfig
-from pdtool.runtime.session import run
+from pdtool.runtime.launcher.session import run
 
 MODEL = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": 64, "depth": 2, "classes": 10})
 # lr 0.1 with momentum 0.9 is too aggressive for stale weights here (pipedream 76% against 91%); 0.03 is not

@@ -7,7 +7,7 @@ import torch
 
 from helpers import assert_same_run, config_for, gradient_accumulation, merged, plan_with, reference
 
-from pdtool.runtime.launch import launch
+from pdtool.runtime.launcher.launch import launch
 
 three_gpus = pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 CUDA GPUs (one per worker, NCCL)")
 one_gpu = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
@@ -16,7 +16,7 @@ one_gpu = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA
 @one_gpu
 def test_one_stage_on_a_gpu_equals_gradient_accumulation_and_checkpoints(tmp_path):
     from pdtool.artifacts.checkpoint import latest_complete, load_checkpoint
-    from pdtool.runtime.session import run
+    from pdtool.runtime.launcher.session import run
 
     plan, path = plan_with(tmp_path, [((0, 3), 1)], mode="flush")
     config = config_for(path, steps=3, group=2, device="cuda", checkpoint_dir=str(tmp_path / "ckpt"))

@@ -12,8 +12,8 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '
 from helpers import assert_same_run, config_for, gradient_accumulation, merged, plan_with, reference  # noqa: E402
 
 from pdtool.artifacts.profile import ModelRef  # noqa: E402
-from pdtool.runtime.launch import launch  # noqa: E402
-from pdtool.runtime.session import run  # noqa: E402
+from pdtool.runtime.launcher.launch import launch
+from pdtool.runtime.launcher.session import run
 
 TINY = dict(vocab=64, seq_len=8)
 GPT2 = ModelRef("pdtool.zoo.hf:gpt2", dict(TINY, n_embd=16, n_head=2, n_layer=2))  # head tied to the embedding

@@ -7,7 +7,7 @@ from helpers import MLP, SGD, config_for, merged, plan_with
 from oracle import expected_run, versions_seen
 
 from pdtool.profiler import profile_model
-from pdtool.runtime.launch import launch
+from pdtool.runtime.launcher.launch import launch
 
 SPLITS = {
     "2 stages": [((0, 1), 1), ((2, 3), 1)],

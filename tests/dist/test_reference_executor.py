@@ -49,9 +49,9 @@ def test_pipedream_weight_stashing_matches_a_hand_written_two_stage_pipeline(tmp
     uses its forward's weights. Written out here with a weight history, no schedule code."""
     from torch.func import functional_call
 
-    from pdtool.modelspec import load_model
+    from pdtool.model.spec import load_model
     from pdtool.runtime.run import OptimizerConfig
-    from pdtool.data import synthetic_source
+    from pdtool.model.data import synthetic_source
 
     plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="pipedream")
     lr, steps = 0.05, 6
@@ -91,7 +91,7 @@ def test_adam_with_weight_decay_is_gradient_accumulation_too(tmp_path):
 
 
 def test_replicated_stages_scale_their_learning_rate_by_r_s_over_r_0():
-    from pdtool.runtime.executor import lr_scale
+    from pdtool.runtime.worker.executor import lr_scale
     from pdtool.schedule import generate
 
     assert lr_scale(generate("pipedream", (2, 1), 8), 0) == 1.0

@@ -10,7 +10,7 @@ from test_checkpoint_resume import saved
 
 from pdtool.artifacts.profile import ModelRef
 from pdtool.cli import cli
-from pdtool.runtime.session import run
+from pdtool.runtime.launcher.session import run
 
 
 def test_a_worker_killed_mid_run_restarts_from_the_newest_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path):

@@ -9,8 +9,8 @@ from helpers import assert_same_run, config_for, gradient_accumulation, merged, 
 from pdtool.artifacts.checkpoint import latest_complete, load_checkpoint
 from pdtool.errors import LaunchError
 from pdtool.artifacts.profile import ModelRef
-from pdtool.runtime.launch import launch
-from pdtool.runtime.session import run
+from pdtool.runtime.launcher.launch import launch
+from pdtool.runtime.launcher.session import run
 
 TIED = ModelRef("toymodels:tied_lm")
 

@@ -9,8 +9,8 @@ from helpers import assert_same_run, config_for, gradient_accumulation, merged, 
 
 from pdtool.errors import LaunchError
 from pdtool.artifacts.profile import ModelRef
-from pdtool.runtime import shm
-from pdtool.runtime.launch import launch
+from pdtool.runtime.worker import shm
+from pdtool.runtime.launcher.launch import launch
 from pdtool.runtime.run import make_schedule
 from pdtool.schedule import peak_versions
 
@@ -106,7 +106,7 @@ def test_an_untraceable_sequential_is_split_by_its_children(tmp_path):
 def test_the_measured_time_per_minibatch_agrees_with_the_wall_time(tmp_path, split):
     """Replicated last stages complete minibatches side by side and out of id order: the
     measurement counts completions in time order, over whole rounds of replicas."""
-    from pdtool.runtime.session import run
+    from pdtool.runtime.launcher.session import run
 
     _, path = plan_with(tmp_path, split)
     result = run(config_for(path, steps=12))

@@ -7,9 +7,9 @@ import textwrap
 import pytest
 
 from pdtool.consent import consent
-from pdtool.data import DataError
+from pdtool.model.data import DataError
 from pdtool.errors import ModelError
-from pdtool.modelspec import resolve_factory
+from pdtool.model.spec import resolve_factory
 
 RUNS = "open({marker!r}, 'w').close()\n"  # a module's top level that leaves a file when it runs
 

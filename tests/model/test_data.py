@@ -4,8 +4,8 @@ import sys
 import pytest
 import torch
 
-from pdtool.data import (DataError, dataset_source, digits, evaluate, load_source, synthetic_source)
-from pdtool.modelspec import ModelBundle
+from pdtool.model.data import DataError, dataset_source, digits, evaluate, load_source, synthetic_source
+from pdtool.model.spec import ModelBundle
 from pdtool.zoo import mlp
 
 from toydata import Squares
@@ -45,7 +45,7 @@ def test_synthetic_batches_leave_the_callers_random_state_alone():
 
 def test_synthetic_batches_are_the_same_in_another_process():
     source = synthetic_source(mlp(in_features=6, hidden=4, depth=1), 5, seed=7)
-    code = ("from pdtool.data import synthetic_source; from pdtool.zoo import mlp; "
+    code = ("from pdtool.model.data import synthetic_source; from pdtool.zoo import mlp; "
             "(x,), y = synthetic_source(mlp(in_features=6, hidden=4, depth=1), 5, seed=7).batch(11); "
             "print(repr(x.sum().item()), y.tolist())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(" ", 1)
@@ -167,14 +167,14 @@ def test_a_fixed_sample_bundle_gives_its_sample_for_every_index():
 
 
 def test_held_out_splits():
-    from pdtool.data import held_out
+    from pdtool.model.data import held_out
 
     assert len(held_out("digits")) == 360
     assert held_out("synthetic") is None
 
 
 def test_a_factory_taking_train_has_a_held_out_split():
-    from pdtool.data import held_out
+    from pdtool.model.data import held_out
 
     assert len(held_out("toydata:halves")) == 4
     assert held_out("toydata:squares") is None  # takes no train argument: no held-out split

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from pdtool.errors import ModelError
-from pdtool.modelspec import ModelBundle, fingerprint, load_model, parse_model_args
+from pdtool.model.spec import ModelBundle, fingerprint, load_model, parse_model_args
 from pdtool.artifacts.profile import ModelRef
 
 
@@ -93,6 +93,6 @@ def test_the_current_folder_never_shadows_an_installed_module(tmp_path):
     tests = Path(__file__).resolve().parents[1]
     (tmp_path / "toymodels.py").write_text("open('SHADOWED', 'w').close()\n")
     env = dict(os.environ, PYTHONPATH=str(tests))
-    code = "from pdtool.modelspec import load_model; from pdtool.artifacts.profile import ModelRef; load_model(ModelRef('toymodels:dynamic'))"
+    code = "from pdtool.model.spec import load_model; from pdtool.artifacts.profile import ModelRef; load_model(ModelRef('toymodels:dynamic'))"
     subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, env=env, check=True)  # -P: as the pd script
     assert not (tmp_path / "SHADOWED").exists()

@@ -1,7 +1,7 @@
 import pytest
 
 from pdtool.errors import ModelError, ProfileError
-from pdtool.modelspec import load_model
+from pdtool.model.spec import load_model
 from pdtool.artifacts.profile import ModelRef, Profile
 from pdtool.profiler import profile_model
 

@@ -1,9 +1,9 @@
 """The backward split of zero-bubble schedules: input gradients first, weight gradients later,
-equal to one whole backward (runtime.split_backward)."""
+equal to one whole backward (runtime.worker.split_backward)."""
 import pytest
 import torch
 
-from pdtool.runtime.split_backward import ParameterNodes, input_gradients, weight_gradients
+from pdtool.runtime.worker.split_backward import ParameterNodes, input_gradients, weight_gradients
 
 
 def _model():

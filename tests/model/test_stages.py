@@ -9,12 +9,12 @@ from torch.func import functional_call
 
 from pdtool.artifacts.cluster import parse_cluster
 from pdtool.errors import LaunchError
-from pdtool.modelspec import load_model
+from pdtool.model.spec import load_model
 from pdtool.planner import make_plan
 from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
-from pdtool.layergraph import build_layer_graph
-from pdtool.runtime.stages import build_stages, plan_stages
+from pdtool.model.layergraph import build_layer_graph
+from pdtool.model.stages import build_stages, plan_stages
 from pdtool.zoo import gpt, mlp, resnet50
 
 FX = dict(method="fx", granularity="module", depth=None)
@@ -345,7 +345,7 @@ def test_stages_out_of_dependency_order_are_refused():
 def test_a_buffer_read_by_two_stages_is_saved_once():
     from types import SimpleNamespace
 
-    from pdtool.runtime.shards import stage_state
+    from pdtool.runtime.worker.shards import stage_state
 
     class SharedShift(nn.Module):
         def __init__(self):

@@ -1,8 +1,8 @@
-"""runtime.comm without a real process group: a fake torch.distributed records what it is asked."""
+"""runtime.worker.comm without a real process group: a fake torch.distributed records what it is asked."""
 import pytest
 import torch
 
-from pdtool.runtime import comm
+from pdtool.runtime.worker import comm
 from pdtool.schedule import generate, lower
 
 

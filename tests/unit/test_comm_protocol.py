@@ -1,10 +1,10 @@
 """The runtime's message protocol, replayed on every generated schedule with blocking sends.
 
 Each worker runs its lowered ops (`schedule.lower`, what `runtime.worker._run` executes) as a
-coroutine under the runtime's rules: receives are posted ahead (`runtime.comm.Prefetch`);
-`runtime.comm.Link.send` waits for a link's oldest unconfirmed message once `window` are
+coroutine under the runtime's rules: receives are posted ahead (`runtime.worker.comm.Prefetch`);
+`runtime.worker.comm.Link.send` waits for a link's oldest unconfirmed message once `window` are
 pending, and a send completes only when the peer has posted its receive (gloo; over shared
-memory, `runtime.shm`, only when the peer takes the message: `JustInTime`); the k-th op of
+memory, `runtime.worker.shm`, only when the peer takes the message: `JustInTime`); the k-th op of
 a collective (the replicas' all-reduce, a tied-weight all-reduce) waits for every member's
 k-th. Then the final flush of sends and a barrier. The replay asserts that every worker finishes."""
 from collections import deque
@@ -12,7 +12,7 @@ from itertools import product
 
 import pytest
 
-from pdtool.runtime.comm import Prefetch
+from pdtool.runtime.worker.comm import Prefetch
 from pdtool.schedule import ACTIVATION, FLUSH_MODES, GRADIENT, MODES, default_group, generate, lower, stash_depth
 from pdtool.schedule.lower import collective_key, message
 
@@ -113,7 +113,7 @@ def test_no_generated_schedule_deadlocks_with_the_runtimes_window_or_a_window_of
 
 @pytest.mark.parametrize("schedule", list(schedules()), ids=lambda s: f"{s.mode} {s.replicas} g{s.group}")
 def test_no_generated_schedule_deadlocks_over_shared_memory_rings(schedule):
-    """A ring (`runtime.shm`) frees a slot only when the receiver takes the message, at its recv
+    """A ring (`runtime.worker.shm`) frees a slot only when the receiver takes the message, at its recv
     op: receives posted just in time, with the runtime's window as the ring's slots (or 1)."""
     runtime_window = max(stash_depth(schedule, s) for s in range(schedule.stages))
     for window in sorted({1, runtime_window}):

@@ -1,4 +1,4 @@
-"""Running under a cluster's launcher (`runtime.external`): which launcher, where this process
+"""Running under a cluster's launcher (`runtime.launcher.external`): which launcher, where this process
 sits, SLURM's host lists (pure: environments given as dicts)."""
 import pytest
 
@@ -6,7 +6,7 @@ from click.testing import CliRunner
 
 from pdtool.cli import cli
 from pdtool.errors import LaunchError
-from pdtool.runtime.cluster_env import Place, detect, expand_hosts, place, slurm_port, tasks_per_node
+from pdtool.runtime.launcher.cluster_env import Place, detect, expand_hosts, place, slurm_port, tasks_per_node
 
 SRUN = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "123457",
         "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_NODELIST": "gpu[01-08]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",

@@ -1,11 +1,11 @@
-"""One writer per checkpoint folder (`runtime.folder_lock`)."""
+"""One writer per checkpoint folder (`runtime.launcher.folder_lock`)."""
 import os
 import socket
 
 import pytest
 
 from pdtool.errors import LaunchError
-from pdtool.runtime.folder_lock import LOCK, FolderLock
+from pdtool.runtime.launcher.folder_lock import LOCK, FolderLock
 
 
 def test_a_second_holder_is_refused_with_the_first_ones_pid_and_host(tmp_path):

@@ -1,9 +1,9 @@
-"""The launcher's one line for a failed job (`runtime.launch._explain`): which worker's report
+"""The launcher's one line for a failed job (`runtime.launcher.launch._explain`): which worker's report
 it shows, and in whose words."""
 import json
 from dataclasses import dataclass
 
-from pdtool.runtime.launch import _explain
+from pdtool.runtime.launcher.launch import _explain
 
 
 @dataclass

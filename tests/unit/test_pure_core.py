@@ -10,7 +10,7 @@ CORE = ["pdtool.errors", "pdtool.fields", "pdtool.jsonio", "pdtool.units",
         "pdtool.planner.make", "pdtool.schedule", "pdtool.schedule.core", "pdtool.schedule.generator",
         "pdtool.schedule.check", "pdtool.schedule.lower", "pdtool.simulate",
         "pdtool.views", "pdtool.views.trace", "pdtool.views.render", "pdtool.views.show",
-        "pdtool.consent", "pdtool.signals", "pdtool.runtime.cluster_env", "pdtool.runtime.folder_lock"]
+        "pdtool.consent", "pdtool.signals", "pdtool.runtime.launcher.cluster_env", "pdtool.runtime.launcher.folder_lock"]
 
 BLOCK_TORCH = """
 import importlib.abc, sys

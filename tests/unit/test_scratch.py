@@ -8,9 +8,9 @@ import tempfile
 
 import pytest
 
-from pdtool.runtime import scratch
+from pdtool.runtime.launcher import scratch
 
-KILLED = ("from pdtool.runtime import scratch; import os, signal; print(scratch.make(), flush=True); "
+KILLED = ("from pdtool.runtime.launcher import scratch; import os, signal; print(scratch.make(), flush=True); "
           "os.kill(os.getpid(), signal.SIGKILL)")
 
 
@@ -48,7 +48,7 @@ def test_the_next_launch_sweeps_what_a_killed_launcher_left(temp):
 
 def test_the_shared_memory_files_of_a_killed_launchers_workers_go_with_its_folder(temp):
     """Workers killed before they mapped their rings leave /dev/shm files named by their launcher."""
-    from pdtool.runtime import shm
+    from pdtool.runtime.worker import shm
 
     left = left_by_killed_launcher()
     ring = shm.ring_path(scratch.launcher_id(left), 0, 1, 0)
@@ -68,7 +68,7 @@ def test_the_shared_memory_files_of_a_killed_launchers_workers_go_with_its_folde
 
 
 def test_a_live_launchers_folder_is_kept_until_it_dies(temp):
-    child = subprocess.Popen([sys.executable, "-c", "from pdtool.runtime import scratch; import time; "
+    child = subprocess.Popen([sys.executable, "-c", "from pdtool.runtime.launcher import scratch; import time; "
                               "print(scratch.make(), flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
         folder = child.stdout.readline().strip()

@@ -1,4 +1,4 @@
-"""runtime.shm: rings of message slots in a shared file, between two mappings or two processes."""
+"""runtime.worker.shm: rings of message slots in a shared file, between two mappings or two processes."""
 import os
 import time
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdtool.errors import LaunchError
-from pdtool.runtime import comm, shm
+from pdtool.runtime.worker import comm, shm
 
 pytestmark = pytest.mark.skipif(not shm.available(torch.device("cpu")), reason="shared-memory links need x86 and /dev/shm")
 

@@ -5,7 +5,7 @@ Layout under a checkpoint root:
     root/step-00000120/stage-0.RUN.pt  torch.save of {"tensors": {name: tensor}, "extra": {...}, "run": RUN}
     root/step-00000120/stage-1.RUN.pt
     root/step-00000120/manifest.json   schema, step, run, plan sha256, per-shard file and sha256, meta
-    root/.pdtool.lock                  the run that holds the folder (`runtime.folder_lock`)
+    root/.pdtool.lock                  the run that holds the folder (`runtime.launcher.folder_lock`)
 
 RUN is the id of the run that wrote the shard (12 hex digits; checkpoints of older pdtool
 versions have `stage-N.pt` and no run). A manifest completes only shards of its own run, and a

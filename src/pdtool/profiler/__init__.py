@@ -1,6 +1,6 @@
 """`pd profile`: measure a model layer by layer and build its `Profile`.
 
-The layer graph comes from one traced graph (`pdtool.layergraph`): torch.fx symbolic tracing where
+The layer graph comes from one traced graph (`pdtool.model.layergraph`): torch.fx symbolic tracing where
 the model traces, else torch.export (Hugging Face transformers and other models with Python
 fx cannot follow); the same graph is what `pd train` splits into stages. Where neither tracer
 captures the model, the layers are leaf module calls in execution order (see `modules`), and
@@ -19,10 +19,10 @@ from torch.utils._pytree import tree_map
 
 from ..allocator import keep_freed_memory
 from ..errors import ProfileError
-from ..modelspec import fingerprint, load_model, tensor_specs
+from ..model.spec import fingerprint, load_model, tensor_specs
 from ..artifacts.profile import Layer, ModelRef, Profile
 from .fx_measure import LayerCost, measure_split
-from ..layergraph import TRACERS, LayerGraph, Untraceable, capture
+from ..model.layergraph import TRACERS, LayerGraph, Untraceable, capture
 from .modules import measure_modules
 from .timing import Clock, measure_data, measure_message, measure_reduce, measure_step, measure_update
 

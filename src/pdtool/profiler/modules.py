@@ -24,7 +24,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .fx_measure import LayerCost
-from ..layergraph import TRIVIAL_MODULES
+from ..model.layergraph import TRIVIAL_MODULES
 from .timing import Clock, nbytes, summarize, tensors_in
 
 

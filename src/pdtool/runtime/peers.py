@@ -25,7 +25,7 @@ import time
 from datetime import timedelta
 
 from ..errors import LaunchError
-from . import shm
+from .worker import shm
 
 BEAT_S = 0.5
 """Seconds between a starting worker's beats."""

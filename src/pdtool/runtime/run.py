@@ -53,7 +53,7 @@ class RunConfig:
     checkpoint_every: int = 0        # steps of stage 0 between checkpoints (0: only at the end)
     progress: bool = True            # the last stage's first replica reports progress on stderr
     device: str = "auto"             # auto, cpu or cuda (runtime.device)
-    transport: str = "auto"          # auto, shared-memory or process-group (runtime.shm.use_shared_memory)
+    transport: str = "auto"          # auto, shared-memory or process-group (runtime.worker.shm.use_shared_memory)
     model: str | None = None         # pd train -m: the user's own spec instead of the plan's (pdtool.consent)
     run_id: str | None = None        # the run's id in its checkpoint shards and manifests (session.run sets it)
 
@@ -73,7 +73,7 @@ class WorkerReport:
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # on the CPU
     events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end) in epoch seconds
     finished: dict[int, float] = field(default_factory=dict)  # last stage: minibatch -> time its backward ended
-    rings: int = 0  # directions of its links that went through shared memory (runtime.shm)
+    rings: int = 0  # directions of its links that went through shared memory (runtime.worker.shm)
 
 
 def make_schedule(plan: Plan, config: RunConfig) -> Schedule:

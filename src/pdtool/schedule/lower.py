@@ -15,7 +15,7 @@ order, with every peer resolved:
   add the shared parameters' gradients), then `step` (the optimizer).
 
 Minibatch b runs on replica b mod r_s of every stage (1F1B-RR, PipeDream SOSP'19 section 3.2),
-which resolves every peer. The runtime (`runtime.worker`), the simulator, the validator's
+which resolves every peer. The runtime (`runtime.worker.main`), the simulator, the validator's
 deadlock and link-order checks and the message-protocol test all read these lists; none of them
 re-derives routing or the per-mode rules. Pure standard library.
 

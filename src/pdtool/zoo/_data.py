@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from ..modelspec import ModelBundle
+from ..model.spec import ModelBundle
 
 
 def classifier_bundle(module: torch.nn.Module, input_shape: tuple[int, ...], classes: int) -> ModelBundle:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..consent import factory
-from ..modelspec import ModelBundle
+from ..model.spec import ModelBundle
 from ._data import classifier_bundle
 
 

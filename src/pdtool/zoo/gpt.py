@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..consent import factory
-from ..modelspec import ModelBundle
+from ..model.spec import ModelBundle
 
 
 class CausalSelfAttention(nn.Module):

@@ -16,7 +16,7 @@ import torch
 from torch.nn import functional as F
 
 from ..consent import factory
-from ..modelspec import ModelBundle
+from ..model.spec import ModelBundle
 
 
 def _transformers():

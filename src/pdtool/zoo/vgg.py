@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..consent import factory
-from ..modelspec import ModelBundle
+from ..model.spec import ModelBundle
 from ._data import classifier_bundle
 
 # Output channels per convolution at width 64; "M" is a 2x2 max pool.

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..data import load_source
-from ..errors import LaunchError, PdtoolError
-from ..modelspec import file_model
-from ..artifacts.plan import Plan
-from . import tied
-from .stages import plan_stages, sample_inputs
+from ...model.data import load_source
+from ...errors import LaunchError, PdtoolError
+from ...model.spec import file_model
+from ...artifacts.plan import Plan
+from ..worker import tied
+from ...model.stages import plan_stages, sample_inputs
 
 
 @dataclass(frozen=True)

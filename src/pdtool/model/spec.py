@@ -25,9 +25,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .consent import consent, import_path
-from .errors import ModelError, PdtoolError
-from .artifacts.profile import ModelRef, TensorSpec
+from ..consent import consent, import_path
+from ..errors import ModelError, PdtoolError
+from ..artifacts.profile import ModelRef, TensorSpec
 
 Batch = tuple[Any, Any]
 

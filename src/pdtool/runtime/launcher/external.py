@@ -3,8 +3,8 @@
 There every process that runs `pd train` is one worker of the plan: the launcher started it,
 numbered it and set up where the job meets. `detect` tells which launcher (`--launcher auto`):
 torchrun when TORCHELASTIC_RUN_ID and RANK are set; SLURM when SLURM_PROCID is set in a job step
-(SLURM_STEP_ID) of more than one task (SLURM_NTASKS); else pd train's own (`runtime.launch`).
-`place` reads where this process sits (`runtime.cluster_env`: torchrun's or SLURM's variables).
+(SLURM_STEP_ID) of more than one task (SLURM_NTASKS); else pd train's own (`runtime.launcher.launch`).
+`place` reads where this process sits (`runtime.launcher.cluster_env`: torchrun's or SLURM's variables).
 
 `train` then runs the job as pd train's own launcher does, split over the processes:
 
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
-from ..errors import LaunchError, PdtoolError
-from ..signals import SIGNALS
+from ...errors import LaunchError, PdtoolError
+from ...signals import SIGNALS
 from .cluster_env import Place
 
 _DECISION = "pdtool/launch/decision"  # rank 0's decision (JSON), in the job's store
@@ -123,10 +123,10 @@ def train(where: Place, plan, config, *, epochs: int | None = None, resume: bool
     others return None. Errors before the workers start are one `PdtoolError` line, the same on
     every rank; a worker's failure or a signal ends the process with one line (`Ending`; with
     `verbose`, a failing worker's traceback first)."""
-    from . import peers
+    from .. import peers
     from .session import TrainResult
-    from .worker import worker_main
-    from .run import check_world
+    from ..worker.main import worker_main
+    from ..run import check_world
 
     ending = Ending(where.rank)
     ending.answer_signals()
@@ -187,7 +187,7 @@ def _decide(store, where: Place, plan, config, epochs, resume, warn, say):
     """Rank 0: the launcher's part (`job.prepare`'s checks, the checkpoint folder, --resume, the
     run id), published in the store for the other ranks, also when it fails (then the others end
     with the same line). (job, config, minibatches per step, `_Folder` or None)."""
-    from . import peers
+    from .. import peers
     from .job import prepare
 
     try:
@@ -210,7 +210,7 @@ def _start(plan, config, resume: bool, needs, warn, say):
     from .folder_lock import FolderLock
     from .launch import Nodes
     from .session import _ManifestWriter, _run_id, _starting_point, plan_sha256
-    from .run import checked_run
+    from ..run import checked_run
 
     run = checked_run(plan, config)  # a schedule it cannot run: refused here
     per_step = run.per_step
@@ -242,7 +242,7 @@ def _wait_until_read(store, world: int, timeout_s: float) -> None:
 def _decision(store, rank: int, config):
     """Another rank: config as rank 0 decided it, once it has (while rank 0 beats, up to
     --startup-timeout); rank 0's error line when its checks failed."""
-    from . import peers
+    from .. import peers
 
     try:
         peers.wait_for(store, rank, {0: _DECISION}, config.timeout_s, config.startup_timeout_s,
@@ -300,7 +300,7 @@ def _report_json(report) -> str:
 
 def _gather(store, world: int, timeout_s: float) -> dict:
     """Rank 0: every worker's report, by rank (they follow the last barrier within moments)."""
-    from .run import WorkerReport
+    from ..run import WorkerReport
 
     keys = [f"pdtool/report/{r}" for r in range(world)]
     try:

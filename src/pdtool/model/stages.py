@@ -28,7 +28,7 @@ top-level nn.Sequential.
   never an input. A parameter used in several stages (tied weights, e.g. an embedding and an
   output head) is a parameter of each of them, recorded in `Stage.tied`: every worker holds
   its own copy, and the synchronous modes add the copies' gradients before each step (see
-  `runtime.worker`), so the copies stay equal. Buffers and constants read by `get_attr` in
+  `runtime.worker.main`), so the copies stay equal. Buffers and constants read by `get_attr` in
   several stages are shared by those stages.
 
 Every stage works under `torch.func.functional_call(stage.module, params, (values,))` with
@@ -44,9 +44,9 @@ import torch
 from torch import fx, nn
 
 from ..errors import LaunchError
-from ..modelspec import fingerprint
+from .spec import fingerprint
 from ..artifacts.plan import Plan
-from ..layergraph import TRACERS, Group, Untraceable, capture
+from .layergraph import TRACERS, Group, Untraceable, capture
 
 OUTPUT = "output"
 _REPROFILE = "re-run pd profile and pd plan for this model"

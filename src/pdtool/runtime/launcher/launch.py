@@ -26,10 +26,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import Interrupted, LaunchError, PdtoolError
-from ..signals import SIGNALS
-from . import scratch, shm
-from .run import RunConfig, WorkerReport
+from ...errors import Interrupted, LaunchError, PdtoolError
+from ...signals import SIGNALS
+from . import scratch
+from ..worker import shm
+from ..run import RunConfig, WorkerReport
 
 
 ECHO_DELAY_S = 2.0
@@ -81,7 +82,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     # the workers' error files; removed when the job ends (or, after a SIGKILL, by the next launch, which also
     # removes the shared-memory files of that launcher's workers)
     logs = scratch.make(lambda gone: shm.remove_node(scratch.launcher_id(gone)))
-    node = scratch.launcher_id(logs)  # the workers of this launcher: their links may use shared memory (runtime.shm)
+    node = scratch.launcher_id(logs)  # the workers of this launcher: their links may use shared memory (runtime.worker.shm)
     network_env[shm.NODE_ENV] = node
     settings = LaunchConfig(
         min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=per_node, **rendezvous,
@@ -253,7 +254,7 @@ _NOISY = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distribut
 def _entry(config: RunConfig) -> WorkerReport:
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from .worker import worker_main
+    from ..worker.main import worker_main
 
     try:
         return record(worker_main)(config)  # record: the error file the launcher reads, written first
@@ -271,7 +272,7 @@ def settle(exc: BaseException) -> None:
     of this machine (`peers.stop_silent`), release NCCL, and, when its error only echoes a peer's
     disappearance ("connection closed"), wait `ECHO_DELAY_S`: the launcher reports the first
     worker it sees exit, and so the worker that failed first is the one reported."""
-    from .peers import PeerTimeout, stop_silent
+    from ..peers import PeerTimeout, stop_silent
 
     if isinstance(exc, PeerTimeout):
         stop_silent(exc.peer, exc.store)
@@ -332,8 +333,8 @@ def in_own_words(message: str) -> tuple[str, bool]:
 
 def _own_error() -> re.Pattern:
     """`SomeError: ` at the start of a message, for pdtool's error classes (all of them, wherever
-    defined: `pdtool.data.DataError` too)."""
-    importlib.import_module("pdtool.data")  # defines DataError
+    defined: `pdtool.model.data.DataError` too)."""
+    importlib.import_module("pdtool.model.data")  # defines DataError
 
     names, todo = [], [PdtoolError]
     while todo:

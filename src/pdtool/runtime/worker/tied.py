@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import LaunchError
-from ..schedule.modes import ties_refusal
+from ...errors import LaunchError
+from ...schedule.modes import ties_refusal
 
 
 def check_mode(stages, mode: str) -> None:

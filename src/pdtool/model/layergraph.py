@@ -320,7 +320,7 @@ def build_layer_graph(module: nn.Module, granularity: str = "module", depth: int
 def _attribute_reads_per_group(gm: fx.GraphModule, group: dict[fx.Node, int]) -> None:
     """Give every group its own read of each attribute it uses: a parameter (an embedding tied to
     an output head) or buffer read in several layers is read in each, never passed between
-    layers as if it were an activation (the stages read their own too, `runtime.stages`)."""
+    layers as if it were an activation (the stages read their own too, `model.stages`)."""
     for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:
         by_group: dict[int, list[fx.Node]] = {}
         for user in node.users:

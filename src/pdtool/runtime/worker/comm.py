@@ -1,7 +1,7 @@
 """Point-to-point messages between neighbouring stages, over torch.distributed.
 
 A stage only talks to the stage before it and the stage after it (skip connections are
-relayed through the stages in between, see `runtime.stages`). Minibatch b goes to replica
+relayed through the stages in between, see `model.stages`). Minibatch b goes to replica
 b mod r of every stage (1F1B-RR), so the peer of every message follows from the plan. Shapes
 and dtypes of every message are known in advance (`boundary_specs`), so receives are posted
 ahead of need (`Prefetch`) and transfers overlap compute; sends do not block.
@@ -28,7 +28,7 @@ rules (replicated stages, their all-reduces and tied weights included): no deadl
 window or with a window of 1; a window of 0 (each send waiting for its own receive) deadlocks.
 
 Between two workers of one launcher a direction of a link may instead be a shared-memory ring
-(`runtime.shm`, `Link.rings`): its messages are written into and taken out of the ring, with
+(`runtime.worker.shm`, `Link.rings`): its messages are written into and taken out of the ring, with
 nothing to post; the same window bounds it.
 """
 from __future__ import annotations
@@ -44,8 +44,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..schedule import ACTIVATION, GRADIENT, Lowered
-from .peers import PeerTimeout  # noqa: F401 - raised here, and importable from here
+from ...schedule import ACTIVATION, GRADIENT, Lowered
+from ..peers import PeerTimeout
 
 _MAX_TENSORS = 256
 
@@ -138,7 +138,7 @@ class Layout:
 
 def layout(specs: Sequence[tuple[tuple[int, ...], torch.dtype]], pack_all: bool = False) -> Layout:
     """How a message of these shapes and dtypes travels; `pack_all`: every tensor in the one
-    buffer (a shared-memory ring's slot, `runtime.shm`)."""
+    buffer (a shared-memory ring's slot, `runtime.worker.shm`)."""
     return _layout(tuple((tuple(shape), dtype) for shape, dtype in specs), pack_all)
 
 

@@ -33,10 +33,10 @@ from typing import Any, Callable
 import torch
 from torch.func import functional_call
 
-from ..data import derive_seed
-from ..errors import LaunchError
-from ..schedule import Action, Schedule
-from .run import OptimizerConfig
+from ...model.data import derive_seed
+from ...errors import LaunchError
+from ...schedule import Action, Schedule
+from ..run import OptimizerConfig
 from .split_backward import ParameterNodes, input_gradients, weight_gradients
 
 
@@ -60,7 +60,7 @@ Allreduce = Callable[[torch.Tensor], None]  # sums a flat gradient buffer over t
 
 
 class StageWorker:
-    """Replica `replica` of stage `stage` (a `runtime.stages.Stage`) running `schedule`.
+    """Replica `replica` of stage `stage` (a `model.stages.Stage`) running `schedule`.
 
     `loss_fn(output, target)` is given to the last stage only. `forward` and `backward`
     take and return dictionaries of tensors keyed by the stage's boundary names. `seed` is the

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts.checkpoint import checkpoint_folder, load_checkpoint, save_shard
-from ..errors import LaunchError
-from ..schedule import step_group
+from ...artifacts.checkpoint import checkpoint_folder, load_checkpoint, save_shard
+from ...errors import LaunchError
+from ...schedule import step_group
 from . import tied
 from .executor import StageWorker
 
@@ -46,7 +46,7 @@ def stage_state(worker: StageWorker) -> tuple[dict[str, torch.Tensor], dict[str,
     if worker.optimizer is not None:
         for name, p in zip(worker.names, worker.live):
             if name not in mine:
-                continue  # a tied copy: the owner's shard holds it (runtime.tied)
+                continue  # a tied copy: the owner's shard holds it (runtime.worker.tied)
             for key, value in worker.optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
                     extra[f"{stage.param_names[name]}{SEPARATOR}{key}"] = value.detach()

@@ -35,8 +35,8 @@ from typing import Sequence
 
 import torch
 
-from ..errors import LaunchError
-from .scratch import running
+from ...errors import LaunchError
+from ..launcher.scratch import running
 
 NODE_ENV = "PDTOOL_NODE"
 """Set by `pd train`'s launcher to one value for all the workers it starts (one machine)."""
@@ -98,7 +98,7 @@ class Waiter:
                 self._check(now - began, what)
 
     def _check(self, waited_s: float, what: str) -> None:
-        from .peers import PeerTimeout
+        from ..peers import PeerTimeout
 
         if self.peer_pid is not None and not running(self.peer_pid):
             raise LaunchError(f"rank {self.rank} waited for {what}: rank {self.peer}'s remote process exited")

@@ -27,8 +27,8 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 import torch
 
-from .errors import PdtoolError
-from .modelspec import ModelBundle, resolve_factory
+from ..errors import PdtoolError
+from .spec import ModelBundle, resolve_factory
 
 DIGITS_TRAIN_SIZE = 1437
 """The digits train set is the first 1437 of the 1797 samples; the test set the last 360."""

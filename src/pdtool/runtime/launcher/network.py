@@ -17,7 +17,7 @@ import socket
 import struct
 import time
 
-from ..errors import LaunchError
+from ...errors import LaunchError
 
 PROBE_TIMEOUT_S = 5.0
 """Seconds one machine tries to open a connection to another one's probe before it gives up."""

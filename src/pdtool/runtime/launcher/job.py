@@ -15,13 +15,13 @@ from typing import Callable
 
 import torch
 
-from ..artifacts.plan import Plan
-from ..errors import LaunchError
-from ..signals import deadline
-from . import shm
+from ...artifacts.plan import Plan
+from ...errors import LaunchError
+from ...signals import deadline
+from ..worker import shm
 from .preflight import Checked, preflight
 from .session import steps_for_epochs
-from .run import RunConfig, checked_run, resolved
+from ..run import RunConfig, checked_run, resolved
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
         config = dataclasses.replace(config, steps=steps_for_epochs(epochs, checked.batches_per_epoch, per_step))
     local = nproc_per_node or len(plan.used_ranks) // nnodes
     cores = os.cpu_count() or 1
-    from .device import choose, visible_gpus
+    from ..device import choose, visible_gpus
 
     on_cpu = choose(config.device, 0, local).device.type == "cpu"  # a device this machine lacks fails here
     gpus = visible_gpus()
@@ -76,9 +76,9 @@ def check_memory(plan: Plan, config: RunConfig) -> None:
     limit = plan.cluster.memory
     if not limit:
         return
-    from ..planner.costmodel import OPTIMIZER_SLOTS, Memory
-    from ..simulate import simulate
-    from ..units import format_bytes
+    from ...planner.costmodel import OPTIMIZER_SLOTS, Memory
+    from ...simulate import simulate
+    from ...units import format_bytes
 
     run = resolved(plan, config)
     result = simulate(plan, mode=run.name, group=config.group)
@@ -101,7 +101,7 @@ def expected_ms(plan: Plan, config: RunConfig) -> tuple[float | None, float]:
     plan's own figures, or a new simulation when --mode or --group changed the schedule."""
     simulated = plan.predicted.simulated_ms
     if config.mode not in (None, plan.mode) or config.group is not None:
-        from ..simulate import simulate
+        from ...simulate import simulate
 
         simulated = simulate(plan, mode=config.mode, group=config.group).time_per_minibatch_ms
     return simulated, plan.predicted.time_ms

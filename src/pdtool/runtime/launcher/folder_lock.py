@@ -19,7 +19,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from ..errors import LaunchError
+from ...errors import LaunchError
 
 LOCK = ".pdtool.lock"
 

@@ -17,22 +17,23 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..allocator import keep_freed_memory
-from ..errors import LaunchError
-from ..modelspec import file_model
-from ..artifacts.plan import Plan
-from ..schedule import ACTIVATION, GRADIENT, Schedule, lower, stash_depth
-from ..schedule.lower import Lowered, Op, collective_key
+from ...allocator import keep_freed_memory
+from ...errors import LaunchError
+from ...model.spec import file_model
+from ...artifacts.plan import Plan
+from ...schedule import ACTIVATION, GRADIENT, Schedule, lower, stash_depth
+from ...schedule.lower import Lowered, Op, collective_key
 from .comm import Link, Prefetch, BoundaryTensor, layout, link_groups
-from . import peers, shm, tied
-from .device import choose, synchronizer
+from .. import peers
+from . import shm, tied
+from ..device import choose, synchronizer
 from .executor import StageWorker
-from .run import RunConfig, WorkerReport, check_world, make_schedule, minibatches_per_step, place
+from ..run import RunConfig, WorkerReport, check_world, make_schedule, minibatches_per_step, place
 
 
 def worker_main(config: RunConfig, store=None) -> WorkerReport:
     """Entry point of every worker process. `store`: the job's store when this process joined it
-    already (`peers.join`; a worker started by torchrun or srun, `runtime.external`)."""
+    already (`peers.join`; a worker started by torchrun or srun, `runtime.launcher.external`)."""
     keep_freed_memory()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -47,12 +48,12 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
         stage_index, replica = place(plan, rank)
         torch.manual_seed(config.seed)  # every worker builds the same initial weights
         bundle = file_model(plan.profile.model, config.model)
-        from .stages import plan_stages, sample_inputs
+        from ...model.stages import plan_stages, sample_inputs
 
         stages = plan_stages(plan, bundle.module, sample_inputs(bundle, plan))
         schedule = make_schedule(plan, config)
         tied.check_mode(stages, schedule.mode)
-        from ..data import load_source
+        from ...model.data import load_source
 
         source = load_source(config.data, bundle, plan.profile.batch_size, config.seed)
         first = config.first_step * minibatches_per_step(schedule)
@@ -111,7 +112,7 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
 
 def _rings(config: RunConfig, lowered: Lowered, ops, rank: int, specs, window: int, device: torch.device,
            store) -> dict:
-    """Shared-memory rings (`runtime.shm`) for the directions of this worker's links (its send
+    """Shared-memory rings (`runtime.worker.shm`) for the directions of this worker's links (its send
     and recv ops) whose peer the same launcher started (`--transport`); the rest go through the
     process group."""
     node, local = os.environ.get(shm.NODE_ENV), int(os.environ.get("LOCAL_WORLD_SIZE", 1))

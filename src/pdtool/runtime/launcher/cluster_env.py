@@ -2,7 +2,7 @@
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or SLURM's
 (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE, the host list
 SLURM_STEP_NODELIST in its compressed form, SLURM_JOB_ID for the port). `detect` says which
-launcher started this process, `place` where it sits. Pure standard library; `runtime.external`
+launcher started this process, `place` where it sits. Pure standard library; `runtime.launcher.external`
 runs the job from there.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from ..errors import LaunchError
+from ...errors import LaunchError
 
 LAUNCHERS = ("auto", "local", "torchrun", "slurm")
 SLURM_PORTS = (10000, 20000)

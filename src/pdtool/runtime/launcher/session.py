@@ -19,15 +19,16 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..artifacts.checkpoint import (MANIFEST, complete_checkpoint, complete_run, existing_steps, has_shards,
-                                   latest_complete, read_manifest, set_aside_after)
-from ..errors import Interrupted, LaunchError, PdtoolError
-from ..jsonio import write_text_atomic
-from ..artifacts.plan import Plan
-from ..views.trace import measured_trace, write_trace
+from ...artifacts.checkpoint import (
+    MANIFEST, complete_checkpoint, complete_run, existing_steps, has_shards, latest_complete, read_manifest, set_aside_after,
+)
+from ...errors import Interrupted, LaunchError, PdtoolError
+from ...jsonio import write_text_atomic
+from ...artifacts.plan import Plan
+from ...views.trace import measured_trace, write_trace
 from .folder_lock import FolderLock
 from .launch import Nodes, launch
-from .run import RunConfig, WorkerReport
+from ..run import RunConfig, WorkerReport
 
 
 @dataclass
@@ -81,7 +82,7 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
     starts from step 0. `say` is told which; `talk` hears what the run is doing while the
     workers start. With `restarts` (and a checkpoint folder), a failed job starts again from the
     newest complete checkpoint, up to that many times, each restart one `say` line."""
-    from .run import checked_run
+    from ..run import checked_run
 
     plan = Plan.load(config.plan_path)
     run = checked_run(plan, config)  # a schedule it cannot run: refused here
@@ -302,8 +303,8 @@ def held_out_accuracy(result: TrainResult, config: RunConfig) -> tuple[float, in
     None when the data set has none or this machine does not hold every stage's weights."""
     import torch
 
-    from ..data import evaluate, held_out
-    from ..modelspec import file_model
+    from ...model.data import evaluate, held_out
+    from ...model.spec import file_model
 
     dataset = held_out(config.data)
     model_ref = result.plan.profile.model
