@@ -139,7 +139,7 @@ def pipeline_curve(mode: str, config: RunConfig, ref: ModelRef, batches_per_epoc
     accuracy, seconds = [], []
     for epoch in range(1, epochs + 1):
         folder = Path(config.checkpoint_dir) / f"step-{epoch * steps_per_epoch:08d}"
-        assert read_manifest(folder)["step"] == epoch * steps_per_epoch
+        assert read_manifest(folder).step == epoch * steps_per_epoch
         _, tensors, _ = load_checkpoint(folder)
         accuracy.append(held_out_accuracy(ref, tensors))
         seconds.append(max(ends[epoch - 1] for ends in saves) - start)

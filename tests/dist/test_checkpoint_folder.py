@@ -54,7 +54,7 @@ def test_a_second_run_on_a_folder_in_use_is_one_line_and_the_first_one_completes
     assert sorted(p.name for p in ckpt.glob("step-*")) == [f"step-{k:08d}" for k in range(100, 601, 100)]
     for folder in ckpt.glob("step-*"):  # every manifest completes the first run's own shards
         manifest = read_manifest(folder)
-        assert manifest["run"] == record["run"] and all(record["run"] in e["file"] for e in manifest["shards"].values())
+        assert manifest.run == record["run"] and all(record["run"] in e.file for e in manifest.shards.values())
         load_checkpoint(folder)
 
 
@@ -74,7 +74,7 @@ def test_resume_completes_the_checkpoint_an_interrupted_run_left_with_every_shar
     assert resumed.exit_code == 0, resumed.output
     assert f"completed {ckpt / 'step-00000003'}: the interrupted run" in resumed.stderr
     assert f"resuming from {ckpt / 'step-00000003'} (step 3)" in resumed.stderr
-    assert "trained steps 4-5" in resumed.stdout and read_manifest(latest_complete(ckpt))["step"] == 5
+    assert "trained steps 4-5" in resumed.stdout and read_manifest(latest_complete(ckpt)).step == 5
 
 
 def test_a_sigkilled_launcher_takes_its_workers_along_and_resume_continues(tmp_path):
@@ -100,7 +100,7 @@ def test_a_sigkilled_launcher_takes_its_workers_along_and_resume_continues(tmp_p
             process.kill()
     resumed = CliRunner().invoke(cli, ["train", str(path), "--steps", "5", "--checkpoint-dir", str(ckpt), "--resume",
                                        "--quiet"])
-    newest = read_manifest(latest_complete(ckpt))["step"] if latest_complete(ckpt) else 0
+    newest = read_manifest(latest_complete(ckpt)).step if latest_complete(ckpt) else 0
     assert resumed.exit_code in (0, 1), resumed.output
     if newest < 5:  # killed early: it continues from what was complete, or from step 0
         assert resumed.exit_code == 0 and "trained steps" in resumed.stdout, resumed.output

@@ -29,7 +29,7 @@ def test_flush_resumed_under_another_plan_ends_where_an_uninterrupted_run_ends(t
     root = tmp_path / "ckpt"
     first = run(config_for(two, steps=2, group=2, checkpoint_dir=str(root), checkpoint_every=1))
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000001", "step-00000002"]
-    assert read_manifest(latest_complete(root))["step"] == 2
+    assert read_manifest(latest_complete(root)).step == 2
     resumed = run(config_for(three, steps=4, group=2, checkpoint_dir=str(root)), resume=True)
     assert resumed.first_step == 2 and sorted(resumed.losses) == [4, 5, 6, 7]
     assert resumed.losses == pytest.approx({b: whole.losses[b] for b in (4, 5, 6, 7)}, rel=1e-6)
@@ -52,7 +52,7 @@ def test_a_crash_leaves_the_last_complete_checkpoint_loadable(tmp_path):
     newest = latest_complete(root)
     assert newest is not None
     manifest, tensors, _ = load_checkpoint(newest)
-    assert 1 <= manifest["step"] < 20 and "2.lin.weight" in tensors and "0.weight" in tensors
+    assert 1 <= manifest.step < 20 and "2.lin.weight" in tensors and "0.weight" in tensors
 
 
 def test_resume_without_a_checkpoint_dir_is_refused(tmp_path):
@@ -108,7 +108,7 @@ def test_a_run_killed_and_resumed_equals_the_uninterrupted_run_bit_for_bit(tmp_p
     whole = run(config_for(tmp_path / "whole.plan.json", checkpoint_dir=str(tmp_path / "whole"), **every))
     with pytest.raises(LaunchError, match="SIGKILL|signal"):
         run(config_for(tmp_path / "dying.plan.json", checkpoint_dir=str(tmp_path / "ckpt"), **every))
-    assert read_manifest(latest_complete(tmp_path / "ckpt"))["step"] == 4
+    assert read_manifest(latest_complete(tmp_path / "ckpt")).step == 4
     resumed = run(config_for(tmp_path / "whole.plan.json", checkpoint_dir=str(tmp_path / "ckpt"), **every),
                   resume=True)
     assert resumed.first_step == 4
@@ -154,4 +154,4 @@ def test_resume_never_writes_into_a_folder_it_did_not_create(tmp_path):
     assert (aside / shard.name).read_bytes() == old_shard and not (aside / "manifest.json").exists()
     assert not list(aside.glob("*.tmp")) and not list(aside.glob(".*.tmp"))
     assert any("skipping checkpoint" in w for w in warnings) and any("set-aside" in w for w in warnings)
-    assert read_manifest(root / "step-00000003")["step"] == 3 and not (root / "step-00000002").exists()
+    assert read_manifest(root / "step-00000003").step == 3 and not (root / "step-00000002").exists()

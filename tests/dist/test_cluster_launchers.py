@@ -139,7 +139,7 @@ def test_sigterm_ends_every_process_with_one_line_and_keeps_the_checkpoints(loca
     assert len(first) == 1 and first[0].startswith("pd: error: interrupted by SIGTERM: worker rank 0 stopped; the last "
                                                    "complete checkpoint is ckpt/step-"), first
     newest = latest_complete(tmp_path / "ckpt")
-    assert str(newest.relative_to(tmp_path)) in first[0] and read_manifest(newest)["step"] >= 20
+    assert str(newest.relative_to(tmp_path)) in first[0] and read_manifest(newest).step >= 20
     load_checkpoint(newest)
 
 

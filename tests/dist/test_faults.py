@@ -204,7 +204,7 @@ def test_a_full_disk_stops_the_job_with_one_line_and_keeps_the_checkpoints(tmp_p
     assert run.returncode == 1 and len(lines) == 1 and "No space left on device" in lines[0], lines
     assert time.monotonic() - began < 60
     last = latest_complete(ckpt)
-    assert last is not None and verify_checkpoint(last)["step"] >= 1  # what was written before is intact
+    assert last is not None and verify_checkpoint(last).step >= 1  # what was written before is intact
     assert f"the last complete checkpoint is {last}" in lines[0]
     assert not list(ckpt.rglob("*.tmp"))
 

@@ -44,7 +44,7 @@ def test_round_trip_keeps_tensors_extras_and_manifest(tmp_path):
     assert folder == tmp_path / "step-00000120"
     assert sorted(p.name for p in folder.iterdir()) == ["manifest.json", "stage-0.pt"]
     manifest, tensors, extras = load_checkpoint(folder)
-    assert manifest["step"] == 120 and manifest["plan_sha256"] == PLAN and manifest["meta"] == {"lr": 0.1}
+    assert manifest.step == 120 and manifest.plan_sha256 == PLAN and manifest.meta == {"lr": 0.1}
     assert torch.equal(tensors["fc.weight"], weight.detach()) and not tensors["fc.weight"].requires_grad
     assert tensors["fc.count"].item() == 7
     assert torch.equal(extras["fc.weight"]["momentum_buffer"], momentum) and extras["fc.count"] == {"step": 5}
@@ -72,7 +72,7 @@ def test_shards_of_two_stages_merge_into_the_full_state_and_resplit_under_anothe
     # a 3-stage plan takes its own names from the merged dict and saves a new checkpoint
     again = _save(tmp_path, 20, _split(tensors, [{"0"}, {"2"}, {"3", "4"}]))
     manifest, merged, _ = load_checkpoint(again)
-    assert sorted(manifest["shards"]) == ["0", "1", "2"]
+    assert sorted(manifest.shards) == [0, 1, 2]
     assert all(torch.equal(merged[k], v) for k, v in state.items()) and merged.keys() == state.keys()
 
 
@@ -237,7 +237,7 @@ def test_a_manifest_completes_only_the_shards_of_its_own_run(tmp_path):
     save_shard(folder, 1, {"b": torch.ones(2)}, run="aaaa")
     assert complete_run(tmp_path, "aaaa", 2, PLAN, {"mode": "flush"}) == [folder]
     manifest, tensors, _ = load_checkpoint(folder)
-    assert manifest["run"] == "aaaa" and manifest["meta"] == {"mode": "flush"} and torch.equal(tensors["b"], torch.ones(2))
+    assert manifest.run == "aaaa" and manifest.meta == {"mode": "flush"} and torch.equal(tensors["b"], torch.ones(2))
 
 
 def test_a_shard_of_another_run_under_a_manifest_is_refused_on_load(tmp_path):
@@ -271,3 +271,99 @@ def test_latest_complete_skips_another_models_checkpoint_by_shape(tmp_path):
     assert latest_complete(tmp_path, lines.append, {"fc.weight": (3, 2)}) == tmp_path / "step-00000003"
     assert latest_complete(tmp_path, lines.append, {"fc.weight": (4, 2)}) is None
     assert "fc.weight has shape (3, 2), the model (4, 2) (another model's checkpoint)" in lines[0]
+
+
+# ----- the manifest, declared once (artifacts/manifest.py) ---------------------------------------------------
+
+META = {"mode": "pipedream", "samples": 384, "lr": 0.1, "nested": {"b": [1, 2.5, None, True], "a": "x"}}
+HASHES = {0: "0" * 64, 1: "1" * 64, 10: "ab" * 32}
+# written by write_manifest before the manifest was a declared record (commit d6881ee), byte for byte
+OLD_BYTES = {
+    None: '{\n  "meta": {\n    "lr": 0.1,\n    "mode": "pipedream",\n    "nested": {\n      "a": "x",\n      "b": [\n'
+          '        1,\n        2.5,\n        null,\n        true\n      ]\n    },\n    "samples": 384\n  },\n'
+          '  "plan_sha256": "cdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcd",\n'
+          '  "schema": "pdtool.checkpoint/1",\n  "shards": {\n    "0": {\n      "file": "stage-0.pt",\n'
+          '      "sha256": "0000000000000000000000000000000000000000000000000000000000000000"\n    },\n    "1": {\n'
+          '      "file": "stage-1.pt",\n'
+          '      "sha256": "1111111111111111111111111111111111111111111111111111111111111111"\n    },\n    "10": {\n'
+          '      "file": "stage-10.pt",\n'
+          '      "sha256": "abababababababababababababababababababababababababababababababab"\n    }\n  },\n'
+          '  "step": 12\n}\n',
+    "a1b2c3d4e5f6": '{\n  "meta": {\n    "lr": 0.1,\n    "mode": "pipedream",\n    "nested": {\n      "a": "x",\n'
+                    '      "b": [\n        1,\n        2.5,\n        null,\n        true\n      ]\n    },\n'
+                    '    "samples": 384\n  },\n'
+                    '  "plan_sha256": "cdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcdcd",\n'
+                    '  "run": "a1b2c3d4e5f6",\n  "schema": "pdtool.checkpoint/1",\n  "shards": {\n    "0": {\n'
+                    '      "file": "stage-0.a1b2c3d4e5f6.pt",\n'
+                    '      "sha256": "0000000000000000000000000000000000000000000000000000000000000000"\n    },\n'
+                    '    "1": {\n      "file": "stage-1.a1b2c3d4e5f6.pt",\n'
+                    '      "sha256": "1111111111111111111111111111111111111111111111111111111111111111"\n    },\n'
+                    '    "10": {\n      "file": "stage-10.a1b2c3d4e5f6.pt",\n'
+                    '      "sha256": "abababababababababababababababababababababababababababababababab"\n    }\n  },\n'
+                    '  "step": 12\n}\n',
+}
+
+
+@pytest.mark.parametrize("run", [None, "a1b2c3d4e5f6"])
+def test_a_manifest_is_written_byte_for_byte_as_before_and_reads_back(tmp_path, run):
+    from pdtool.artifacts.checkpoint import read_manifest, shard_name
+    from pdtool.artifacts.manifest import Manifest, ShardFile
+    from pdtool.artifacts.schemas import check_document
+
+    folder = checkpoint_folder(tmp_path, 12)
+    for stage in HASHES:
+        save_shard(folder, stage, {"w": torch.zeros(2)}, run=run)
+    write_manifest(folder, 12, "cd" * 32, HASHES, META, run=run)
+    assert (folder / "manifest.json").read_text() == OLD_BYTES[run]
+    manifest = read_manifest(folder)  # a manifest without run (older pdtool) reads too
+    assert manifest == Manifest(12, "cd" * 32, {s: ShardFile(shard_name(s, run), h) for s, h in HASHES.items()}, META, run)
+    assert canonical_json(manifest.to_json()) == OLD_BYTES[run]
+    check_document(json.loads(OLD_BYTES[run]), "manifest", "written")  # the published schema takes it
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"schema": "pdtool.plan/1"}, "schema 'pdtool.plan/1' is not 'pdtool.checkpoint/1'; this is not a pdtool checkpoint"),
+    ({"schema": None}, "schema None is not 'pdtool.checkpoint/1'"),
+    ({"step": None}, "step: missing field; regenerate the file"),
+    ({"step": "7"}, "step: expected an integer, found a string ('7')"),
+    ({"step": True}, "step: expected an integer, found a boolean"),
+    ({"plan_sha256": 5}, "plan_sha256: expected a string, found an integer (5)"),
+    ({"shards": []}, "shards: expected an object, found a list ([])"),
+    ({"meta": None}, "meta: missing field"),
+    ({"meta": [1]}, "meta: expected an object, found a list ([1])"),
+    ({"run": 7}, "run: expected a string, found an integer (7)"),
+    ({"run": "a b"}, "run: expected a run id (1-64 ASCII letters and digits), found a string ('a b')"),
+    ({"run": None}, "run: expected a string, found null"),
+    ({"shards": {"x": {"file": "stage-0.pt", "sha256": "00"}}}, "shards: key 'x' is not a stage number"),
+    ({"shards": {"\u0662": {"file": "stage-0.pt", "sha256": "00"}}}, "shards: key '\u0662' is not a stage number"),
+    ({"shards": {"0": "stage-0.pt"}}, "shards.0: expected an object, found a string ('stage-0.pt')"),
+    ({"shards": {"0": {"file": "stage-0.pt"}}}, "shards.0.sha256: missing field"),
+    ({"shards": {"0": {"file": "../stage-0.pt", "sha256": "00"}}},
+     "shards.0.file: expected a file name in the checkpoint's folder (no '/', not '.' or '..'), found a string"),
+    ({"shards": {"0": {"file": "..", "sha256": "00"}}}, "shards.0.file: expected a file name"),
+    ({"extra": 1}, "unknown field 'extra'; remove it"),
+])
+def test_every_damaged_manifest_field_is_one_line_naming_it(tmp_path, change, message):
+    from pdtool.artifacts.checkpoint import read_manifest
+
+    folder = _save(tmp_path, 7, [{"a": torch.ones(2)}])
+    data = json.loads((folder / "manifest.json").read_text())
+    data.update(change)
+    (folder / "manifest.json").write_text(json.dumps({k: v for k, v in data.items() if v is not None or k == "run"}))
+    for read in (read_manifest, load_checkpoint):
+        with pytest.raises(ArtifactError) as info:
+            read(folder)
+        assert "\n" not in str(info.value) and str(info.value).startswith(f"{folder / 'manifest.json'}: {message}")
+
+
+def test_a_manifest_of_a_file_that_is_not_an_object_or_a_link_is_refused(tmp_path):
+    from pdtool.artifacts.checkpoint import read_manifest
+
+    folder = _save(tmp_path, 7, [{"a": torch.ones(2)}])
+    (folder / "manifest.json").write_text("[1]")
+    with pytest.raises(ArtifactError, match=r"manifest.json: schema 'list' is not 'pdtool.checkpoint/1'"):
+        read_manifest(folder)
+    (folder / "manifest.json").unlink()
+    os.symlink(_save(tmp_path, 8, [{"a": torch.ones(2)}]) / "manifest.json", folder / "manifest.json")
+    with pytest.raises(ArtifactError, match=r"manifest.json: a symbolic link, not a checkpoint pdtool wrote"):
+        read_manifest(folder)

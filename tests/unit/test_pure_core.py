@@ -5,7 +5,7 @@ import sys
 
 CORE = ["pdtool.errors", "pdtool.fields", "pdtool.jsonio", "pdtool.units",
         "pdtool.artifacts", "pdtool.artifacts.cluster", "pdtool.artifacts.profile", "pdtool.artifacts.plan",
-        "pdtool.artifacts.pipedream", "pdtool.artifacts.schemas",
+        "pdtool.artifacts.pipedream", "pdtool.artifacts.schemas", "pdtool.artifacts.manifest",
         "pdtool.planner", "pdtool.planner.costmodel", "pdtool.planner.states", "pdtool.planner.partition",
         "pdtool.planner.make", "pdtool.schedule", "pdtool.schedule.core", "pdtool.schedule.generator",
         "pdtool.schedule.check", "pdtool.schedule.lower", "pdtool.simulate",

@@ -5,6 +5,7 @@ Layout under a checkpoint root:
     root/step-00000120/stage-0.RUN.pt  torch.save of {"tensors": {name: tensor}, "extra": {...}, "run": RUN}
     root/step-00000120/stage-1.RUN.pt
     root/step-00000120/manifest.json   schema, step, run, plan sha256, per-shard file and sha256, meta
+                                       (`manifest.Manifest`)
     root/.pdtool.lock                  the run that holds the folder (`runtime.launcher.folder_lock`)
 
 RUN is the id of the run that wrote the shard (12 hex digits; checkpoints of older pdtool
@@ -34,9 +35,9 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..errors import ArtifactError
-from ..jsonio import read_json, write_bytes_atomic, write_json
+from ..jsonio import write_bytes_atomic, write_json
+from .manifest import RUN_ID, RUN_ID_MEANS, Manifest, ShardFile
 
-SCHEMA = "pdtool.checkpoint/1"
 MANIFEST = "manifest.json"
 _FOLDER = re.compile(r"step-(\d{8,})")
 
@@ -58,8 +59,8 @@ def shard_name(stage: int, run: str | None = None) -> str:
 
 
 def _check_run(run: str | None) -> str | None:
-    if run is not None and not (isinstance(run, str) and run.isalnum() and run.isascii() and 0 < len(run) <= 64):
-        raise ArtifactError(f"run id {run!r} is not 1-64 ASCII letters and digits")
+    if run is not None and not (isinstance(run, str) and re.fullmatch(RUN_ID, run)):
+        raise ArtifactError(f"run id {run!r} is not {RUN_ID_MEANS}")
     return run
 
 
@@ -123,16 +124,9 @@ def write_manifest(folder: str | os.PathLike, step: int, plan_sha256: str, shard
     missing = [s for s in sorted(shards) if not (folder / shard_name(s, run)).is_file()]
     if missing:
         raise ArtifactError(f"{folder}: no shard for stage(s) {missing}; save every stage's shard before the manifest")
-    manifest = {
-        "schema": SCHEMA,
-        "step": step,
-        "plan_sha256": plan_sha256,
-        "shards": {str(s): {"file": shard_name(s, run), "sha256": shards[s]} for s in sorted(shards)},
-        "meta": meta or {},
-    }
-    if run:
-        manifest["run"] = run
-    write_json(folder / MANIFEST, manifest)
+    manifest = Manifest(step, plan_sha256, {s: ShardFile(shard_name(s, run), shards[s]) for s in sorted(shards)},
+                        meta or {}, run)
+    write_json(folder / MANIFEST, manifest.to_json())
 
 
 def complete_checkpoint(folder: str | os.PathLike, stages: int, plan_sha256: str, meta: dict[str, Any],
@@ -173,7 +167,7 @@ def complete_run(root: str | os.PathLike, run: str, stages: int, plan_sha256: st
     return done
 
 
-def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
+def read_manifest(folder: str | os.PathLike) -> Manifest:
     """The manifest of the checkpoint in `folder`, checked for schema and fields (not hashes)."""
     folder = Path(folder)
     path = folder / MANIFEST
@@ -182,24 +176,11 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
                             "checkpoints hold regular files and folders only")
     if not path.is_file():
         raise ArtifactError(f"{folder}: no {MANIFEST}, so the checkpoint is incomplete; use an older one")
-    manifest = read_json(path)
-    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
-        found = manifest.get("schema") if isinstance(manifest, dict) else type(manifest).__name__
-        raise ArtifactError(f"{path}: schema {found!r} is not {SCHEMA!r}; this is not a pdtool checkpoint manifest")
-    for key, kind in (("step", int), ("plan_sha256", str), ("shards", dict), ("meta", dict)):
-        if not isinstance(manifest.get(key), kind):
-            raise ArtifactError(f"{path}: field {key!r} is missing or not a {kind.__name__}; the manifest is damaged")
-    if "run" in manifest and not (isinstance(manifest["run"], str) and manifest["run"].isalnum()):
-        raise ArtifactError(f"{path}: field 'run' is not a run id; the manifest is damaged")
-    for stage, entry in manifest["shards"].items():
-        if not (stage.isdigit() and isinstance(entry, dict) and isinstance(entry.get("file"), str)
-                and isinstance(entry.get("sha256"), str) and "/" not in entry["file"] and entry["file"] != ".."):
-            raise ArtifactError(f"{path}: shard entry {stage!r} is damaged; it needs a file name and a sha256")
-    return manifest
+    return Manifest.load(path)  # schema, fields, run id, stage numbers, shard file names
 
 
-def _read_shard(folder: Path, stage: str, entry: dict[str, str]) -> bytes:
-    path = folder / entry["file"]
+def _read_shard(folder: Path, stage: int, entry: ShardFile) -> bytes:
+    path = folder / entry.file
     if path.is_symlink():
         raise ArtifactError(f"{path}: a symbolic link, not a shard pdtool wrote; checkpoints hold regular files only")
     try:
@@ -208,21 +189,21 @@ def _read_shard(folder: Path, stage: str, entry: dict[str, str]) -> bytes:
         raise ArtifactError(f"{path}: shard of stage {stage} is missing; the checkpoint is incomplete") from None
     except OSError as exc:
         raise ArtifactError(f"{path}: cannot read the shard ({exc}); check the file and its permissions") from None
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+    if hashlib.sha256(data).hexdigest() != entry.sha256:
         raise ArtifactError(f"{path}: sha256 differs from the manifest's, the shard is corrupt; use an older checkpoint")
     return data
 
 
-def verify_checkpoint(folder: str | os.PathLike) -> dict[str, Any]:
+def verify_checkpoint(folder: str | os.PathLike) -> Manifest:
     """The manifest of `folder` once every shard's sha256 is checked; ArtifactError if not complete."""
     folder = Path(folder)
     manifest = read_manifest(folder)
-    for stage, entry in manifest["shards"].items():
+    for stage, entry in manifest.shards.items():
         _read_shard(folder, stage, entry)
     return manifest
 
 
-def load_checkpoint(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+def load_checkpoint(folder: str | os.PathLike) -> tuple[Manifest, dict[str, torch.Tensor], dict[str, Any]]:
     """(manifest, tensors of all shards merged by qualified name, extras merged) of `folder`.
 
     Every shard's sha256 is checked against the manifest and the shard is read with
@@ -232,10 +213,10 @@ def load_checkpoint(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str
     manifest = read_manifest(folder)
     tensors: dict[str, torch.Tensor] = {}
     extras: dict[str, Any] = {}
-    owner: dict[tuple[str, str], str] = {}
-    for stage, entry in sorted(manifest["shards"].items(), key=lambda item: int(item[0])):
+    owner: dict[tuple[str, str], int] = {}
+    for stage, entry in sorted(manifest.shards.items()):
         data = _read_shard(folder, stage, entry)
-        path = folder / entry["file"]
+        path = folder / entry.file
         try:
             payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as exc:
@@ -243,9 +224,9 @@ def load_checkpoint(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str
         if not (isinstance(payload, dict) and isinstance(payload.get("tensors"), dict)
                 and isinstance(payload.get("extra"), dict)):
             raise ArtifactError(f"{path}: not a pdtool shard (no 'tensors' and 'extra'); it was not written by save_shard")
-        if payload.get("run") != manifest.get("run"):
+        if payload.get("run") != manifest.run:
             raise ArtifactError(f"{path}: written by run {payload.get('run')}, but the manifest completes run "
-                                f"{manifest.get('run')}; the checkpoint mixes two runs, use another one")
+                                f"{manifest.run}; the checkpoint mixes two runs, use another one")
         for kind, merged in (("tensors", tensors), ("extra", extras)):
             for name, value in payload[kind].items():
                 if (kind, name) in owner:
@@ -323,8 +304,8 @@ def latest_complete(root: str | os.PathLike, warn: Callable[[str], None] | None 
             else:
                 manifest, tensors, _ = load_checkpoint(folder)
                 _check_needs(folder, tensors, needs)
-            if manifest["step"] != step:
-                raise ArtifactError(f"{folder / MANIFEST}: says step {manifest['step']}, the folder step {step}")
+            if manifest.step != step:
+                raise ArtifactError(f"{folder / MANIFEST}: says step {manifest.step}, the folder step {step}")
         except ArtifactError as exc:
             if warn is not None:
                 warn(f"skipping checkpoint {folder}: {exc}")

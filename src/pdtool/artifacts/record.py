@@ -16,6 +16,7 @@ import functools
 import inspect
 import math
 import os
+import re
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable
 
@@ -96,13 +97,24 @@ class Num(Kind):
 @dataclass(frozen=True)
 class Str(Kind):
     """A string; `choices` are its allowed values, which the artifact's `_validate` checks (so
-    that a dataclass made in code is checked too) and the schema lists."""
+    that a dataclass made in code is checked too) and the schema lists. A string that does not
+    match `pattern` (a regular expression of the whole string) is refused on reading: it is not
+    `means` (what it must be, in words)."""
 
     choices: tuple[str, ...] = ()
+    pattern: str = ""
+    means: str = ""
     types = ("string",)
 
+    def read(self, value: str, at: At) -> str:
+        if self.pattern and not re.fullmatch(self.pattern, value):
+            at.wrong(f"expected {self.means or 'a string matching ' + self.pattern}, found {describe(value)}")
+        return value
+
     def schema(self) -> dict[str, Any]:
-        return {"enum": list(self.choices)} if self.choices else {"type": "string"}
+        if self.choices:
+            return {"enum": list(self.choices)}
+        return {"type": "string", **({"pattern": f"^(?:{self.pattern})$"} if self.pattern else {})}
 
 
 @dataclass(frozen=True)
@@ -199,6 +211,34 @@ class Record(Kind):
     def schema(self) -> dict[str, Any]:
         name = getattr(self.cls, "SCHEMA_NAME", "")
         return {"$ref": f"urn:pdtool:schema:{name}"} if name else object_schema(self.cls)
+
+
+@dataclass(frozen=True)
+class MapOf(Kind):
+    """A JSON object of `item`s under keys matching `keys` (a regular expression of the whole
+    key, `means` in words), read as a dict (`number`: the keys read as integers, written back
+    as decimal text, so `keys` should match only the decimal form of a number)."""
+
+    item: Kind
+    keys: str
+    means: str
+    number: bool = False
+    types = ("object",)
+
+    def read(self, value: dict, at: At) -> dict:
+        found = {}
+        for key, item in value.items():
+            if not re.fullmatch(self.keys, key):
+                at.wrong(f"key {key!r} is not {self.means}", "fix the key or regenerate the file")
+            found[int(key) if self.number else key] = typed(self.item, item, at.at(key))
+        return found
+
+    def write(self, value: dict, owner: Any) -> dict:
+        return {str(key): self.item.write(item, owner) for key, item in value.items()}
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "object", "propertyNames": {"pattern": f"^(?:{self.keys})$"},
+                "additionalProperties": self.item.schema()}
 
 
 @dataclass(frozen=True)
@@ -333,13 +373,17 @@ def _member(member: Member, data: dict, at: At, values: dict[str, Any]) -> Any:
         if member.required:
             at.wrong("missing field", "regenerate the file with the current pdtool", member.key)
         return member.missing(values)
-    value, where = data[member.key], at.at(member.key)
-    if value is None and member.null:
+    return typed(member.kind, data[member.key], at.at(member.key), member.null)
+
+
+def typed(kind: Kind, value: Any, at: At, null: bool = False) -> Any:
+    """`value` at `at` read as `kind` (None when it is null and may be), once its JSON type is checked."""
+    if value is None and null:
         return None
-    if not any(_TYPES[t](value) for t in member.kind.types):
-        wanted = [TYPE_NAMES[t] for t in member.kind.types] + (["null"] if member.null else [])
-        where.wrong(f"expected {' or '.join(wanted)}, found {describe(value)}")
-    return member.kind.read(value, where)
+    if not any(_TYPES[t](value) for t in kind.types):
+        wanted = [TYPE_NAMES[t] for t in kind.types] + (["null"] if null else [])
+        at.wrong(f"expected {' or '.join(wanted)}, found {describe(value)}")
+    return kind.read(value, at)
 
 
 def read_members(items, data: Any, at: At) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """JSON Schemas of pdtool's files, made from the artifacts' declarations (`artifacts.record`).
 
-`profile.schema.json`, `plan.schema.json` and `cluster.schema.json` (JSON Schema 2020-12, in
-this folder) publish the structure of every file `pd` reads and writes: fields, types, ranges
+`profile.schema.json`, `plan.schema.json`, `cluster.schema.json` and `manifest.schema.json` (a
+checkpoint's manifest; JSON Schema 2020-12, in this folder) publish the structure of every file `pd` reads and writes: fields, types, ranges
 and enumerations. They are generated: `python -m pdtool.artifacts.schemas` writes them again
 from `generate`, and a test checks they are current. pdtool's own reader checks the same
 declarations, so it does not use them; `check_document` checks a document against one (for
@@ -19,7 +19,7 @@ from typing import Any
 from ...errors import ArtifactError
 from ...fields import describe
 
-NAMES = ("profile", "plan", "cluster")
+NAMES = ("profile", "plan", "cluster", "manifest")
 ABOUT = {
     "profile": ("pdtool profile (pdtool.profile/1)", "A measured layer graph of one model at one minibatch size on "
                 "one device (pd profile). Layers are listed in a topological order, ids 0, 1, 2, ...; edges go from a "
@@ -30,6 +30,9 @@ ABOUT = {
                 "units of the level below joined at `bandwidth`. Bandwidths are bytes/s (a number) or text with a "
                 "unit: '12GB/s', '10Gbit/s'. A level may give `latency`, seconds or text ('100us'). `memory` is per "
                 "worker, bytes or text ('16GiB'), null for no limit."),
+    "manifest": ("pdtool checkpoint manifest (pdtool.checkpoint/1)", "The manifest.json of a checkpoint folder "
+                 "(pd train --checkpoint-dir): the shard file of each stage with its sha256, written last, so a "
+                 "checkpoint is complete when its manifest is there and every shard matches it."),
 }
 """Each schema's title and description."""
 
@@ -37,6 +40,7 @@ ABOUT = {
 def generate(name: str) -> dict[str, Any]:
     """The schema `name` (one of NAMES) as the artifact's declarations make it."""
     from ..cluster import Cluster
+    from ..manifest import Manifest
     from ..plan import Plan
     from ..profile import Profile
     from ..record import object_schema
@@ -44,7 +48,7 @@ def generate(name: str) -> dict[str, Any]:
     title, description = ABOUT[name]
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": f"urn:pdtool:schema:{name}",
             "title": title, "description": description,
-            **object_schema({"profile": Profile, "plan": Plan, "cluster": Cluster}[name])}
+            **object_schema({"profile": Profile, "plan": Plan, "cluster": Cluster, "manifest": Manifest}[name])}
 
 
 def generated_text(name: str) -> str:

@@ -156,7 +156,7 @@ def _starting_point(config: RunConfig, plan: Plan, resume: bool, previous: dict 
                           "); give the --checkpoint-dir of this model's run, or drop --resume and give a new folder")
     for line in skipped:
         warn(line)
-    done = read_manifest(folder)["step"] if folder is not None else 0
+    done = read_manifest(folder).step if folder is not None else 0
     if done >= config.steps:
         raise LaunchError(f"the newest checkpoint ({folder}) is already at step {done} >= --steps "
                           f"{config.steps}; ask for more steps")
