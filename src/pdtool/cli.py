@@ -466,12 +466,18 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
                              say=say, talk=talk, restarts=max_restarts)
     shared = (config.threads, job.local, job.cores, job.on_cpu)  # what gap_reasons needs to explain a measurement
     if metrics_path:
-        session.write_metrics(metrics_path, result)
+        from .views.metrics import write_metrics
+
+        write_metrics(metrics_path, result)
     if trace_path:
-        session.write_measured_trace(trace_path, result)
+        from .views.trace import write_measured_trace
+
+        write_measured_trace(trace_path, result)
     _report(result, plan, config, shared)
     if evaluate:
-        scored = session.held_out_accuracy(result, config)
+        from .model.data import held_out_accuracy
+
+        scored = held_out_accuracy(result.weights(), plan.profile.model, config.data, config.seed, config.model)
         click.echo(f"held-out accuracy: {scored[0]:.1%} of {scored[1]} samples" if scored else
                    "accuracy: not measured here (the stages' weights are on other machines)")
     for label, path in (("checkpoints", checkpoint_dir), ("metrics", metrics_path), ("trace", trace_path)):
@@ -517,17 +523,16 @@ def _report(result, plan, config, shared: tuple) -> None:
                + (f"; {rings} link direction(s) over shared memory" if rings else ""))
     measured = result.time_per_minibatch_ms()
     rate = lambda ms: f"{ms:.3f} ms" + (f" ({plan.profile.batch_size / ms * 1e3:.0f} samples/s)" if ms > 0 else "")  # noqa: E731
-    from .runtime.launcher.job import expected_ms, resolved
+    from .prediction import expected_ms, gap_reasons
+    from .runtime.run import resolved
 
-    simulated, cost_model = expected_ms(plan, config)
+    simulated, cost_model = expected_ms(plan, config.mode, config.group)
     expected = simulated if simulated is not None else cost_model
     predicted = (f"predicted {rate(simulated)} (simulated, {resolved(plan, config).name}), {rate(plan.predicted.time_ms)} "
                  "by the cost model" if simulated is not None else f"predicted {rate(expected)} by the cost model")
     click.echo(f"time per minibatch: measured {rate(measured)}, {predicted}" if measured else
                f"time per minibatch: too few minibatches to measure; {predicted}")
     if measured:
-        from .runtime.launcher.session import gap_reasons
-
         reasons = gap_reasons(measured, expected, plan, *shared)
         if reasons:
             click.echo(f"measured {measured / expected:.1f}x the prediction, because:")

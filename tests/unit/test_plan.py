@@ -285,7 +285,7 @@ def test_a_record_that_disagrees_with_the_profiles_edges_is_refused_when_the_pro
 def test_a_measurement_far_from_the_prediction_is_explained_from_what_pdtool_knows():
     import dataclasses
 
-    from pdtool.runtime.launcher.session import gap_reasons
+    from pdtool.prediction import gap_reasons
 
     plan = make_plan(imported("vgg16"), parse_cluster("4x1.25e9B/s"), simulate=False)
     plan = dataclasses.replace(plan, profile=dataclasses.replace(plan.profile, device="cpu (2 threads)",

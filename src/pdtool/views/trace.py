@@ -99,3 +99,11 @@ def write_trace(path: str | os.PathLike, trace: dict[str, Any]) -> None:
     lines = ",\n".join(dump(event) for event in trace.get("traceEvents", ()))
     tail = f",{dump(rest)[1:]}" if rest else "}"
     write_text_atomic(path, f'{{"traceEvents":[\n{lines}\n]{tail}\n')
+
+
+def write_measured_trace(path: str, result) -> None:
+    """The Chrome trace of what the workers of a `pd train` run did (`session.TrainResult`)."""
+    measured = result.time_per_minibatch_ms()
+    write_trace(path, measured_trace({r: rep.events for r, rep in result.reports.items()}, result.plan, {
+        "measured_time_per_minibatch_ms": measured, "plan_time_per_minibatch_ms": result.plan.predicted.time_ms,
+        "minibatches": len(result.losses)}))

@@ -16,7 +16,7 @@ torchrun when TORCHELASTIC_RUN_ID and RANK are set; SLURM when SLURM_PROCID is s
    resume from, run id, threads) in the store, and the others wait for it (while rank 0 beats,
    up to --startup-timeout). When the checks fail, every process ends with the same one line;
 3. every process runs its worker (`worker.worker_main`); rank 0 also completes the checkpoints
-   (`session._ManifestWriter`: every machine's shards land in the one shared folder);
+   (`manifests.ManifestWriter`: every machine's shards land in the one shared folder);
 4. every worker puts its report (JSON: losses, times, events) in the store, and rank 0 returns
    them all for the summary, --metrics and --trace.
 
@@ -77,7 +77,7 @@ class Ending:
     def end(self, message: str, code: int):
         """Run `before`, print `pd: error: message` (on rank 0 with the checkpoint kept) and exit
         with `code`, without the process group's teardown (it waits for peers that may be gone)."""
-        from .session import _kept
+        from .resume import kept
 
         with self._once:  # a second caller waits here until the process is gone
             for step in self.before:
@@ -86,7 +86,7 @@ class Ending:
                 except Exception:  # noqa: BLE001 - already ending; the line is what matters
                     pass
             if self.checkpoint_dir is not None:
-                message += f"; {_kept(self.checkpoint_dir)}"
+                message += f"; {kept(self.checkpoint_dir)}"
             sys.stderr.write(f"pd: error: {message}\n")
             sys.stdout.flush()
             sys.stderr.flush()
@@ -106,7 +106,7 @@ class _Folder:
     """Rank 0's hold on the checkpoint folder: its lock, and the thread completing manifests."""
 
     lock: object    # folder_lock.FolderLock
-    writer: object  # session._ManifestWriter
+    writer: object  # manifests.ManifestWriter
 
     def close(self) -> None:
         """With every worker done: complete what can be, let the folder go; the writer's error (a full disk)."""
@@ -207,27 +207,16 @@ def _start(plan, config, resume: bool, needs, warn, say):
     point, minibatches per step, `_Folder` holding the checkpoint folder or None)."""
     from pathlib import Path
 
-    from .folder_lock import FolderLock
     from .launch import Nodes
-    from .session import _ManifestWriter, _run_id, _starting_point, plan_sha256
-    from ..run import checked_run
+    from .manifests import ManifestWriter
+    from .resume import plan_sha256, settle
 
-    run = checked_run(plan, config)  # a schedule it cannot run: refused here
-    per_step = run.per_step
-    config = dataclasses.replace(config, run_id=_run_id(config, Nodes()))  # random: only rank 0 decides it
-    if not config.checkpoint_dir:
-        return _starting_point(config, plan, resume, None, warn, needs, say), per_step, None
-    meta = {"mode": run.name, "data": config.data, "seed": config.seed}
-    lock = FolderLock.acquire(config.checkpoint_dir)
-    try:
-        config = _starting_point(config, plan, resume, lock.previous, warn, needs, say)
-        lock.claim({"run": config.run_id, "stages": len(plan.stages), "plan_sha256": plan_sha256(config.plan_path),
-                    "meta": meta})
-    except BaseException:
-        lock.release()
-        raise
-    writer = _ManifestWriter(Path(config.checkpoint_dir), len(plan.stages), plan_sha256(config.plan_path), meta,
-                             config.run_id)
+    start = settle(plan, config, Nodes(), resume, warn, needs, say)  # the run id is random: only rank 0 decides it
+    config, per_step, lock = start.config, start.per_step, start.lock
+    if lock is None:
+        return config, per_step, None
+    writer = ManifestWriter(Path(config.checkpoint_dir), len(plan.stages), plan_sha256(config.plan_path), start.meta,
+                            config.run_id)
     writer.start()
     return config, per_step, _Folder(lock, writer)
 

@@ -9,6 +9,7 @@ compared with. The CLI only parses options and prints; benches and tests call th
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -20,7 +21,6 @@ from ...errors import LaunchError
 from ...signals import deadline
 from ..worker import shm
 from .preflight import Checked, preflight
-from .session import steps_for_epochs
 from ..run import RunConfig, checked_run, resolved
 
 
@@ -96,12 +96,8 @@ def check_memory(plan: Plan, config: RunConfig) -> None:
         "plan over more workers (pd plan counts 1F1B's versions and minibatches in flight)")
 
 
-def expected_ms(plan: Plan, config: RunConfig) -> tuple[float | None, float]:
-    """(simulated, cost model) time per minibatch for the mode and group that `config` runs: the
-    plan's own figures, or a new simulation when --mode or --group changed the schedule."""
-    simulated = plan.predicted.simulated_ms
-    if config.mode not in (None, plan.mode) or config.group is not None:
-        from ...simulate import simulate
-
-        simulated = simulate(plan, mode=config.mode, group=config.group).time_per_minibatch_ms
-    return simulated, plan.predicted.time_ms
+def steps_for_epochs(epochs: int, batches_per_epoch: int | None, per_step: int) -> int:
+    """The steps of stage 0 that `epochs` passes over the data take."""
+    if not batches_per_epoch:
+        raise LaunchError("--epochs needs a data set with a size; --data synthetic is endless, use --steps")
+    return math.ceil(epochs * batches_per_epoch / per_step)

@@ -1,0 +1,53 @@
+"""What `pd train` compares its measurement with, and why they differ: the prediction for the
+mode and group that ran (`expected_ms`) and the reasons pdtool knows for a gap (`gap_reasons`).
+Pure: no torch."""
+from __future__ import annotations
+
+import re
+
+from .artifacts.plan import Plan
+
+
+def expected_ms(plan: Plan, mode: str | None, group: int | None) -> tuple[float | None, float]:
+    """(simulated, cost model) time per minibatch for `mode` and `group` (None: the plan's): the
+    plan's own figures, or a new simulation when the mode or the group changed the schedule."""
+    simulated = plan.predicted.simulated_ms
+    if mode not in (None, plan.mode) or group is not None:
+        from .simulate import simulate
+
+        simulated = simulate(plan, mode=mode, group=group).time_per_minibatch_ms
+    return simulated, plan.predicted.time_ms
+
+
+GAP = 1.5
+"""Measured over predicted time per minibatch beyond which (either way) pd train says why."""
+
+
+def gap_reasons(measured_ms: float, predicted_ms: float, plan: Plan, threads: int | None, local_workers: int,
+                cores: int, on_cpu: bool) -> list[str]:
+    """Why the measured time per minibatch is more than `GAP` times off the prediction, from what
+    pdtool knows (none when it is not): cores shared by the workers, a profile measured with
+    other threads than the workers have, a profile whose layer times do not add up to a step."""
+    if not (measured_ms > 0 and predicted_ms > 0) or 1 / GAP <= measured_ms / predicted_ms <= GAP:
+        return []
+    reasons, explained = [], 1.0
+    if on_cpu and threads and local_workers * threads > cores:
+        explained *= local_workers * threads / cores
+        reasons.append(f"{local_workers} workers x {threads} thread(s) share {cores} cores "
+                       f"({local_workers * threads / cores:.1f}x oversubscribed; the prediction gives each worker its own)")
+    profiled = re.match(r"cpu \((\d+) threads?\)", plan.profile.device or "")
+    if on_cpu and threads and profiled and int(profiled.group(1)) != threads:
+        explained *= max(int(profiled.group(1)) / threads, 1.0)
+        reasons.append(f"the profile was measured with {profiled.group(1)} thread(s), the workers have {threads} "
+                       "(profile with pd profile --threads to match)")
+    ratio = plan.profile.layer_sum_over_step
+    if ratio is not None and not 0.8 <= ratio <= 1.25:
+        explained *= 1 / ratio
+        reasons.append(f"the profile's layer times sum to {ratio:.2f} of a measured step, so its costs are off by "
+                       "that much")
+    rest = measured_ms / predicted_ms / explained
+    if not 1 / GAP <= rest <= GAP:
+        reasons.append(("about " + f"{rest:.1f}x " if reasons else "") + "outside what pdtool models: the runtime's "
+                       "own overhead per action (about 0.4 ms on small layers), message latency and processes "
+                       "competing for memory bandwidth; pd simulate --trace beside pd train --trace shows where")
+    return reasons

@@ -1,0 +1,29 @@
+"""The metrics CSV of a `pd train` run: one row per optimizer step of stage 0."""
+from __future__ import annotations
+
+from ..jsonio import write_text_atomic
+
+
+def write_metrics(path: str, result) -> None:
+    """One row per optimizer step of stage 0 of `result` (`session.TrainResult`): step, mean
+    loss, samples/s, and per worker the share of that step's wall time it spent computing (busy;
+    the rest is idle or waiting)."""
+    losses, finished = result.losses, result.finished
+    ranks = sorted(result.reports)
+    header = ["step", "minibatches", "loss", "samples_per_s"] + [f"busy_rank{r}" for r in ranks]
+    rows = [",".join(header)]
+    batch = result.plan.profile.batch_size
+    previous = min((began for r in result.reports.values() for _, began, _ in r.events), default=0.0)
+    for k in range(result.steps):
+        ids = range((result.first_step + k) * result.per_step, (result.first_step + k + 1) * result.per_step)
+        if not all(b in finished for b in ids):
+            break
+        end = max(finished[b] for b in ids)
+        window = max(end - previous, 1e-9)
+        loss = sum(losses[b] for b in ids) / len(ids)
+        busy = [sum(max(0.0, min(e, end) - max(s, previous)) for _, s, e in result.reports[r].events) / window
+                for r in ranks]
+        rows.append(",".join([str(result.first_step + k + 1), str(len(ids)), f"{loss:.6g}",
+                              f"{batch * len(ids) / window:.6g}"] + [f"{x:.4f}" for x in busy]))
+        previous = end
+    write_text_atomic(path, "\n".join(rows) + "\n")
