@@ -405,11 +405,8 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     Under torchrun or srun (--launcher), this process is one of the workers.
     """
     from .artifacts.plan import Plan
-    from .runtime.launcher import session
-    from .runtime.run import OptimizerConfig
     from .runtime.launcher.launch import Nodes
-    from .runtime.run import RunConfig
-    from .runtime.launcher import external
+    from .runtime.run import OptimizerConfig, RunConfig
 
     where = place(detect(launcher))  # None: pd train starts the workers itself
     if where is not None:
@@ -441,7 +438,7 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
             raise click.UsageError("--evaluate needs a data set with a held-out split: --data digits, or a factory "
                                    "that takes train=False")
     from .model.spec import local_origin
-    from .runtime.launcher.job import prepare
+    from .runtime.launcher.train import train as run_training
 
     origin = local_origin(plan.profile.model["spec"]) if plan.profile.model and not model_spec else None
     if origin and reporter:  # the plan names code of the experiment folder: say which file runs before it does
@@ -450,20 +447,15 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     talk = (lambda message: None) if quiet else (lambda message: click.echo(f"pd: {message}", err=True))  # noqa: E731
     warn = lambda message: click.echo(f"pd: warning: {message}", err=True)  # noqa: E731
     say = lambda message: click.echo(f"pd: {message}", err=True)  # noqa: E731
-    if where is not None:  # this process is one worker; rank 0 does the launcher's part and reports
-        ran = external.train(where, plan, config, epochs=epochs, resume=resume, iface=iface, verbose=verbose,
-                             warn=warn, say=say, talk=talk)
-        if ran is None:
-            return
-        result, job = ran
-        config = job.config
-    else:
-        # before any worker starts: a mistake is one line within seconds
-        job = prepare(plan, config, epochs=epochs, nnodes=nnodes, nproc_per_node=nproc_per_node, warn=warn)
-        config = job.config
-        nodes = Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id, iface)
-        result = session.run(config, nodes, verbose=verbose, resume=resume, warn=warn, needs=job.checked.parameters,
-                             say=say, talk=talk, restarts=max_restarts)
+    nodes = Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id, iface)
+    ran = run_training(plan, config, where=where, nodes=nodes, epochs=epochs, resume=resume, restarts=max_restarts,
+                       verbose=verbose, warn=warn, say=say, talk=talk)  # every check before any worker starts
+    if ran is None:
+        return  # a worker of torchrun or srun that is not rank 0: rank 0 reports
+    result, job = ran
+    config = job.config
+    from .views.summary import train_summary
+
     shared = (config.threads, job.local, job.cores, job.on_cpu)  # what gap_reasons needs to explain a measurement
     if metrics_path:
         from .views.metrics import write_metrics
@@ -473,7 +465,8 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
         from .views.trace import write_measured_trace
 
         write_measured_trace(trace_path, result)
-    _report(result, plan, config, shared)
+    for line in train_summary(result, plan, config, shared):
+        click.echo(line)
     if evaluate:
         from .model.data import held_out_accuracy
 
@@ -504,40 +497,6 @@ def _refuse_local_options(launcher: str, transport: str, evaluate: bool) -> None
     if evaluate:
         raise click.UsageError(f"--evaluate is not supported under {launcher}: every stage's weights stay in its own "
                                "worker (the final checkpoint holds them all)")
-
-
-def _report(result, plan, config, shared: tuple) -> None:
-    """What pd train prints when the workers are done: steps, loss, and the measured time per
-    minibatch beside the plan's predictions for the mode and group that ran, and why they differ
-    when they differ by more than 1.5x (`shared`: threads, local workers, cores, on the CPU)."""
-    losses = result.losses
-    if not losses:
-        return
-    first, last = losses[min(losses)], losses[max(losses)]
-    here, everywhere = len(result.reports), len(plan.used_ranks)
-    workers = f"{here} worker{'s' if here != 1 else ''}" + (f" of this machine ({everywhere} in the job)"
-                                                          if here < everywhere else "")
-    rings = sum(report.rings for report in result.reports.values()) // 2  # each counted by both ends
-    click.echo(f"trained steps {result.first_step + 1}-{result.first_step + result.steps} ({len(losses)} minibatches) "
-               f"on {workers} in {result.wall_s:.1f} s; loss {first:.4f} -> {last:.4f}"
-               + (f"; {rings} link direction(s) over shared memory" if rings else ""))
-    measured = result.time_per_minibatch_ms()
-    rate = lambda ms: f"{ms:.3f} ms" + (f" ({plan.profile.batch_size / ms * 1e3:.0f} samples/s)" if ms > 0 else "")  # noqa: E731
-    from .prediction import expected_ms, gap_reasons
-    from .runtime.run import resolved
-
-    simulated, cost_model = expected_ms(plan, config.mode, config.group)
-    expected = simulated if simulated is not None else cost_model
-    predicted = (f"predicted {rate(simulated)} (simulated, {resolved(plan, config).name}), {rate(plan.predicted.time_ms)} "
-                 "by the cost model" if simulated is not None else f"predicted {rate(expected)} by the cost model")
-    click.echo(f"time per minibatch: measured {rate(measured)}, {predicted}" if measured else
-               f"time per minibatch: too few minibatches to measure; {predicted}")
-    if measured:
-        reasons = gap_reasons(measured, expected, plan, *shared)
-        if reasons:
-            click.echo(f"measured {measured / expected:.1f}x the prediction, because:")
-            for reason in reasons:
-                click.echo(f"  - {reason}")
 
 
 @cli.command(short_help="print a summary of a profile or plan; draw a plan",

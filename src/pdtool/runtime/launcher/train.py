@@ -1,0 +1,30 @@
+"""`pd train` on the launching side, whoever started the processes: pd train's own launcher
+(`job.prepare`: every check before any worker starts, then `session.run`), or torchrun or srun
+(`external.train`: this process is one worker, rank 0 does the launcher's part)."""
+from __future__ import annotations
+
+from ...artifacts.plan import Plan
+from ..run import RunConfig
+from .cluster_env import Place
+from .launch import Nodes
+
+
+def train(plan: Plan, config: RunConfig, *, where: Place | None, nodes: Nodes, epochs: int | None = None,
+          resume: bool = False, restarts: int = 0, verbose: bool = False, warn=lambda message: None,
+          say=lambda message: None, talk=lambda message: None):
+    """Train `plan` as `config` says; (`session.TrainResult`, `job.Job`) where this process reports
+    (pd train's own launcher, or rank 0 of an external launcher's job), else None. `where`: the
+    external launcher's placement of this process (None: pd train starts the workers itself, on
+    `nodes`). `warn`, `say` and `talk` hear warnings, notes and what the run is doing."""
+    if where is not None:
+        from . import external
+
+        return external.train(where, plan, config, epochs=epochs, resume=resume, iface=nodes.interface,
+                              verbose=verbose, warn=warn, say=say, talk=talk)
+    from . import session
+    from .job import prepare
+
+    job = prepare(plan, config, epochs=epochs, nnodes=nodes.nnodes, nproc_per_node=nodes.nproc_per_node, warn=warn)
+    result = session.run(job.config, nodes, verbose=verbose, resume=resume, warn=warn, needs=job.checked.parameters,
+                         say=say, talk=talk, restarts=restarts)
+    return result, job

@@ -1,0 +1,40 @@
+"""What `pd train` prints when its workers are done: steps, loss, and the measured time per
+minibatch beside the plan's predictions, with the reasons for a gap. Pure: no torch."""
+from __future__ import annotations
+
+from ..artifacts.plan import Plan
+from ..prediction import expected_ms, gap_reasons
+from ..runtime.run import RunConfig, resolved
+
+
+def train_summary(result, plan: Plan, config: RunConfig, shared: tuple) -> list[str]:
+    """The lines pd train prints when the workers are done (`result`: a `session.TrainResult`):
+    steps, loss, and the measured time per minibatch beside the plan's predictions for the mode
+    and group that ran, and why they differ when they differ by more than 1.5x (`shared`:
+    threads, local workers, cores, on the CPU)."""
+    losses = result.losses
+    if not losses:
+        return []
+    lines = []
+    first, last = losses[min(losses)], losses[max(losses)]
+    here, everywhere = len(result.reports), len(plan.used_ranks)
+    workers = f"{here} worker{'s' if here != 1 else ''}" + (f" of this machine ({everywhere} in the job)"
+                                                          if here < everywhere else "")
+    rings = sum(report.rings for report in result.reports.values()) // 2  # each counted by both ends
+    lines.append(f"trained steps {result.first_step + 1}-{result.first_step + result.steps} ({len(losses)} minibatches) "
+                 f"on {workers} in {result.wall_s:.1f} s; loss {first:.4f} -> {last:.4f}"
+                 + (f"; {rings} link direction(s) over shared memory" if rings else ""))
+    measured = result.time_per_minibatch_ms()
+    rate = lambda ms: f"{ms:.3f} ms" + (f" ({plan.profile.batch_size / ms * 1e3:.0f} samples/s)" if ms > 0 else "")  # noqa: E731
+    simulated, cost_model = expected_ms(plan, config.mode, config.group)
+    expected = simulated if simulated is not None else cost_model
+    predicted = (f"predicted {rate(simulated)} (simulated, {resolved(plan, config).name}), {rate(plan.predicted.time_ms)} "
+                 "by the cost model" if simulated is not None else f"predicted {rate(expected)} by the cost model")
+    lines.append(f"time per minibatch: measured {rate(measured)}, {predicted}" if measured else
+                 f"time per minibatch: too few minibatches to measure; {predicted}")
+    if measured:
+        reasons = gap_reasons(measured, expected, plan, *shared)
+        if reasons:
+            lines.append(f"measured {measured / expected:.1f}x the prediction, because:")
+            lines += [f"  - {reason}" for reason in reasons]
+    return lines
