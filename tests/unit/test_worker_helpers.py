@@ -1,5 +1,5 @@
 """Small pure helpers of runtime.worker.main."""
-from pdtool.runtime.worker.main import _next_forwards
+from pdtool.runtime.worker.interpreter import _next_forwards
 from pdtool.schedule import Action
 
 

@@ -57,6 +57,33 @@ class BoundaryTensor:
     dtype: torch.dtype
 
 
+def boundary_specs(stages, sample) -> list[list[BoundaryTensor]]:
+    """Per stage, the names, shapes and dtypes of what it sends on, and last the target's."""
+    inputs, target = sample
+    values = dict(zip(stages[0].inputs, inputs))
+    specs = []
+    with torch.no_grad():
+        for stage in stages[:-1]:
+            values = stage.forward(values)
+            specs.append([BoundaryTensor(n, tuple(values[n].shape), values[n].dtype) for n in stage.outputs])
+    specs.append([BoundaryTensor("target", tuple(target.shape), target.dtype)])
+    return specs
+
+
+def incoming_specs(specs, s: int, direction: int) -> list[BoundaryTensor]:
+    """What stage s receives in one direction: the previous stage's outputs and the target
+    (activations), or the gradients of its own floating-point outputs (none on the last stage)."""
+    if direction == ACTIVATION:
+        return (specs[s - 1] if s > 0 else []) + specs[-1]
+    return [t for t in specs[s] if t.dtype.is_floating_point] if s < len(specs) - 1 else []
+
+
+def message_specs(specs, lowered: Lowered, op) -> list[BoundaryTensor]:
+    """What the message of a `send`/`recv` op carries: what its receiving stage takes in
+    (`incoming_specs`)."""
+    return incoming_specs(specs, lowered.receiver_stage(op), op.direction)
+
+
 class Prefetch:
     """Which receives a worker posts before it runs each of its lowered ops (`schedule.lower`):
     for each direction, its next `window + 1` recv ops (the current one included), in order.

@@ -1,0 +1,218 @@
+"""The worker's loop: one worker's lowered ops (`schedule.lower`) executed in order.
+
+One of the three interpreters of a schedule, beside the simulator (`simulate._Run`) and the
+message-protocol replay of the tests: `Interpreter` has one method per kind of op (`recv`,
+`send`, `forward`, `backward`, `weight_backward`, `allreduce`, `tie`, `step`), run by `run`.
+Before each op it posts the receives that enter the prefetch window (`comm.Prefetch`). Every F,
+B, W and step becomes an event of the worker's report (name, start, end in epoch seconds, each
+end taken after the device's queued work), which the trace and the busy time read.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ...errors import LaunchError
+from ...schedule import ACTIVATION, GRADIENT, Schedule
+from ...schedule.lower import Op, collective_key
+from ..device import synchronizer
+from ..run import WorkerReport, minibatches_per_step
+from .comm import BoundaryTensor, Link, Prefetch, incoming_specs
+from .executor import StageWorker
+
+
+@dataclass(frozen=True)
+class Context:
+    """What one worker's loop runs with: its `schedule` and lowered `ops`, every stage's
+    boundary `specs` (`comm.boundary_specs`), `batch` (minibatch -> (inputs, target) on the
+    device, minibatches counted from `first`, the run's first), its `collectives` (by
+    `collective_key`), its `link` to its neighbours, its checkpoint `saver` (None: none), and
+    whether it shows the progress line (`show_progress`, of `batch_size` samples a minibatch)."""
+
+    schedule: Schedule
+    ops: tuple[Op, ...]
+    specs: list[list[BoundaryTensor]]
+    batch: Callable[[int], tuple]
+    collectives: dict
+    link: Link
+    saver: object | None
+    first: int
+    show_progress: bool
+    batch_size: int
+
+
+class Interpreter:
+    """The state of one worker's loop: what it received and has yet to send, the minibatch it
+    made ahead, the report it fills. `run` executes the ops in order, one method each."""
+
+    def __init__(self, worker: StageWorker, context: Context):
+        self.worker, self.context = worker, context
+        self.s = s = worker.index
+        self.last = s == context.schedule.stages - 1
+        self.incoming = {d: incoming_specs(context.specs, s, d) for d in (ACTIVATION, GRADIENT)}
+        self.report = WorkerReport(rank=worker.rank, stage=s, replica=worker.replica)
+        self.start = time.perf_counter()
+        self.sync = synchronizer(context.link.device)
+        self.progress = (_TrainProgress(context.first + context.schedule.minibatches, context.batch_size)
+                         if context.show_progress and self.last and worker.replica == 0 else None)
+        # The input stage makes the minibatch of its next forward before it waits for a gradient: the
+        # making overlaps the wait and leaves the path gradient -> backward -> forward -> next stage
+        # (bench/train_speed.py model, 3 paired runs of 160 minibatches: 1.1-1.4 ms per minibatch less).
+        self.made: dict[int, tuple] = {}
+        self.upcoming = _next_forwards(context.ops) if s == 0 and not self.last else None
+        self.inbox: dict[tuple[int, int], list] = {}   # (direction, minibatch) -> tensors received
+        self.outbox: dict[tuple[int, int], list] = {}  # (direction, minibatch) -> tensors to send
+        self.prefetch = Prefetch(context.ops, context.link.window)
+        self.step_began = 0.0
+        self.at = 0  # index of the op being run
+        self.kinds = {"recv": self.recv, "send": self.send, "F": self.forward, "B": self.backward,
+                      "W": self.weight_backward, "allreduce": self.allreduce, "tie": self.tie, "step": self.step}
+
+    def run(self) -> WorkerReport:
+        """Execute the ops in order; the report once the last message is sent."""
+        for i, op in enumerate(self.context.ops):
+            self.at = i
+            self.post(self.prefetch.fresh[i])
+            self.kinds[op.kind](op)
+        return self.finish()
+
+    def clock(self) -> float:
+        """Wall time after the device's queued work: events cover the work they name."""
+        self.sync()
+        return time.time()
+
+    def post(self, recvs: list[Op]) -> None:
+        """Post the receives of the recv ops that enter the prefetch window."""
+        for ahead in recvs:
+            self.context.link.post_recv((ahead.direction, ahead.minibatch), ahead.peer,
+                                        self.incoming[ahead.direction], ahead.direction)
+
+    def recv(self, op: Op) -> None:
+        """Wait for a message (the input stage first makes the minibatch of its next forward)."""
+        upcoming = self.upcoming
+        if upcoming is not None and upcoming[self.at] is not None and upcoming[self.at] not in self.made:
+            self.made[upcoming[self.at]] = self.context.batch(upcoming[self.at])
+        self.inbox[(op.direction, op.minibatch)] = self.context.link.wait_recv((op.direction, op.minibatch))
+
+    def send(self, op: Op) -> None:
+        self.context.link.send(self.outbox.pop((op.direction, op.minibatch)), op.peer, op.minibatch, op.direction)
+
+    def forward(self, op: Op) -> None:
+        """F: the minibatch's inputs (made, or received with its target), the forward, its outputs
+        and the target into the outbox; on the last stage a loss that is not finite ends the run."""
+        b, s, specs = op.minibatch, self.s, self.context.specs
+        if s == 0:
+            inputs, target = self.made.pop(b) if b in self.made else self.context.batch(b)
+            values = dict(zip(self.worker.stage.inputs, inputs))
+        else:
+            received = self.inbox.pop((ACTIVATION, b))
+            values = {t.name: x for t, x in zip(specs[s - 1], received)}
+            target = received[-1]
+        began = self.clock()
+        out = self.worker.forward(b, values, target)
+        self.report.events.append((f"{s}F{b}", began, self.clock()))
+        if self.last and not math.isfinite(out):
+            self.diverged(b, out)
+        if not self.last:
+            self.outbox[(ACTIVATION, b)] = [out[t.name] for t in specs[s]] + [target]
+
+    def diverged(self, b: int, loss: float) -> None:
+        first = self.context.first
+        step = (first + b) // minibatches_per_step(self.context.schedule) + 1
+        raise LaunchError(f"the loss became {loss} at step {step} (minibatch {first + b}, last stage {self.s}): "
+                          "training diverged; lower --lr, then --resume from the last checkpoint (written "
+                          "before this step, it is kept)")
+
+    def backward(self, op: Op) -> None:
+        """B: the received output gradients (none on the last stage), the backward, its input
+        gradients into the outbox (zeros for an input that got none)."""
+        b, s, first = op.minibatch, self.s, self.context.first
+        grads = (None if self.last else
+                 {t.name: g for t, g in zip(self.incoming[GRADIENT], self.inbox.pop((GRADIENT, b)))})
+        began = self.clock()
+        input_grads = self.worker.backward(b, grads, op.weights)
+        self.report.events.append((f"{s}B{b}", began, self.clock()))
+        if self.last:
+            self.report.finished[first + b] = self.report.events[-1][2]
+            if self.progress is not None:
+                self.progress.update(first + b, self.worker.losses.get(b))
+        if s > 0:
+            device = self.context.link.device
+            self.outbox[(GRADIENT, b)] = [input_grads.get(t.name, torch.zeros(t.shape, dtype=t.dtype, device=device))
+                                          for t in self.context.specs[s - 1] if t.dtype.is_floating_point]
+
+    def weight_backward(self, op: Op) -> None:
+        """W: the weight gradients of a minibatch whose B computed only the input gradients."""
+        began = self.clock()
+        self.worker.weight_backward(op.minibatch)
+        self.report.events.append((f"{self.s}W{op.minibatch}", began, self.clock()))
+
+    def allreduce(self, op: Op) -> None:
+        """The replicas' gradient mean; the step's event begins here."""
+        self.step_began = self.clock()
+        self.context.collectives[collective_key(op)](self.worker)
+
+    def tie(self, op: Op) -> None:
+        """The sum of the gradients of weights shared with other stages."""
+        self.context.collectives[collective_key(op)](self.worker)
+
+    def step(self, op: Op) -> None:  # noqa: ARG002 - every op's method takes its op
+        """The optimizer step, then the checkpoint that falls after it (replica 0 saves)."""
+        self.worker.finish_step()
+        self.report.events.append((f"{self.s}U", self.step_began, self.clock()))
+        began = self.clock()
+        saver = self.context.saver
+        if saver is not None and saver.after_step():
+            self.report.events.append(("checkpoint", began, self.clock()))  # shows in the trace, counts as busy
+
+    def finish(self) -> WorkerReport:
+        """Wait for the last sends; the losses, busy and wall time into the report."""
+        self.context.link.flush()
+        if self.progress is not None:
+            self.progress.close()
+        report, first = self.report, self.context.first
+        report.losses = {first + b: loss for b, loss in self.worker.losses.items()}
+        report.busy_s = sum(end - began for _, began, end in report.events)
+        report.wall_s = time.perf_counter() - self.start
+        return report
+
+
+def _next_forwards(ops) -> list[int | None]:
+    """For each op index, the minibatch of the first forward after it (None: no more)."""
+    following: list[int | None] = [None] * len(ops)
+    nxt = None
+    for i in range(len(ops) - 1, -1, -1):
+        following[i] = nxt
+        if ops[i].kind == "F":
+            nxt = ops[i].minibatch
+    return following
+
+
+class _TrainProgress:
+    """One line on stderr, at most once a second: minibatches done, loss, samples/s."""
+
+    def __init__(self, total: int, batch_size: int):
+        self.total, self.batch_size = total, batch_size
+        self.began = self.last = time.monotonic()
+        self.done = 0
+        self.tty = sys.stderr.isatty()
+
+    def update(self, minibatch: int, loss: float | None) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self.last >= 1.0 or minibatch + 1 == self.total:
+            rate = self.done * self.batch_size / max(now - self.began, 1e-9)
+            text = f"minibatch {minibatch + 1}/{self.total}  loss {loss:.4f}  {rate:.1f} samples/s"
+            sys.stderr.write(f"\r\033[K{text}" if self.tty else text + "\n")
+            sys.stderr.flush()
+            self.last = now
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
