@@ -1,4 +1,4 @@
-"""Small pure helpers of runtime.worker.main."""
+"""Small pure helpers of runtime.worker.interpreter."""
 from pdtool.runtime.worker.interpreter import _next_forwards
 from pdtool.schedule import Action
 
