@@ -25,7 +25,6 @@ import time
 from datetime import timedelta
 
 from ..errors import LaunchError
-from .worker import shm
 
 BEAT_S = 0.5
 """Seconds between a starting worker's beats."""
@@ -39,6 +38,22 @@ class PeerTimeout(LaunchError):
         super().__init__(message)
         self.peer = peer
         self.store = store
+
+
+NODE_ENV = "PDTOOL_NODE"
+"""Set by `pd train`'s launcher to one value for all the workers it starts (one machine): the
+scratch folder and the shared-memory rings of those workers carry it."""
+
+
+def running(pid: int) -> bool:
+    """Whether a process `pid` exists (of any user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def join(rank: int, world: int, timeout_s: float):
@@ -56,7 +71,7 @@ def join(rank: int, world: int, timeout_s: float):
     store.set_timeout(timedelta(seconds=timeout_s))
     # torchrun keeps its store across restarts of the workers (--max-restarts): each attempt's keys apart
     store = dist.PrefixStore(f"default_pg/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    store.set(f"pdtool/process/{rank}", f"{socket.gethostname()} {os.getpid()} {os.environ.get(shm.NODE_ENV) or '-'}")
+    store.set(f"pdtool/process/{rank}", f"{socket.gethostname()} {os.getpid()} {os.environ.get(NODE_ENV) or '-'}")
     return store
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from ...errors import Interrupted, LaunchError, PdtoolError
 from ...signals import SIGNALS
 from . import scratch
+from .. import peers
 from ..worker import shm
 from ..run import RunConfig, WorkerReport
 
@@ -83,7 +84,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     # removes the shared-memory files of that launcher's workers)
     logs = scratch.make(lambda gone: shm.remove_node(scratch.launcher_id(gone)))
     node = scratch.launcher_id(logs)  # the workers of this launcher: their links may use shared memory (runtime.worker.shm)
-    network_env[shm.NODE_ENV] = node
+    network_env[peers.NODE_ENV] = node
     settings = LaunchConfig(
         min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=per_node, **rendezvous,
         max_restarts=0, monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_S,

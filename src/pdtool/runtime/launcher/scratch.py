@@ -20,6 +20,8 @@ import socket
 import stat
 import tempfile
 
+from ..peers import running
+
 PREFIX = "pdtool-workers-"
 OWNER = "owner.json"
 """The file in a scratch folder that names its launcher: host, pid namespace, pid, start time."""
@@ -39,7 +41,7 @@ def make(swept=lambda path: None) -> str:
 
 def launcher_id(folder: str) -> str:
     """The id of the launcher that made scratch folder `folder` (`<pid>-<random>`): its workers'
-    shared-memory files carry it (`shm.NODE_ENV`), so they are swept with the folder."""
+    shared-memory files carry it (`peers.NODE_ENV`), so they are swept with the folder."""
     return os.path.basename(folder.rstrip(os.sep)).removeprefix(PREFIX)
 
 
@@ -104,14 +106,3 @@ def _start_ticks(pid: int) -> int | None:
     if len(fields) < 20 or fields[0] == "Z" or not (fields[19].isascii() and fields[19].isdigit()):
         return None
     return int(fields[19])
-
-
-def running(pid: int) -> bool:
-    """Whether a process `pid` exists (of any user)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -177,7 +177,7 @@ def _rings(config: RunConfig, lowered: Lowered, ops, rank: int, specs, window: i
     """Shared-memory rings (`runtime.worker.shm`) for the directions of this worker's links (its send
     and recv ops) whose peer the same launcher started (`--transport`); the rest go through the
     process group."""
-    node, local = os.environ.get(shm.NODE_ENV), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    node, local = os.environ.get(peers.NODE_ENV), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if not node or not shm.use_shared_memory(config.transport, device, local):
         return {}
     ends = {(op.peer, op.direction): op for op in ops if op.kind in ("send", "recv")}  # one op of each direction

@@ -36,10 +36,8 @@ from typing import Sequence
 import torch
 
 from ...errors import LaunchError
-from ..launcher.scratch import running
+from ..peers import running
 
-NODE_ENV = "PDTOOL_NODE"
-"""Set by `pd train`'s launcher to one value for all the workers it starts (one machine)."""
 CHECK_S = 0.1  # seconds between checks of the timeout and of the peer's process during a wait
 _SHM_DIR = "/dev/shm"
 _LINE = 64  # bytes: the counters sit on cache lines of their own, and so does each slot's header
