@@ -18,6 +18,7 @@ from .errors import PdtoolError
 from .fields import check_schema
 from .jsonio import check_writable, read_json
 from .runtime.launcher.cluster_env import LAUNCHERS, detect, place
+from .runtime.run import DEVICES, OPTIMIZERS, TRANSPORTS
 from .schedule.modes import DEFAULT, DEFAULT_TIED, GROUP, MODES, ROUND, modes_where
 from .signals import Stopped, install as install_signal_handlers
 
@@ -211,7 +212,7 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
 @click.option("--mode", type=click.Choice(MODES), default=None,
               help=f"Schedule mode the plan is to be trained with [default: {DEFAULT}, or {DEFAULT_TIED} when stages "
                    f"share a parameter (tied weights), which {DEFAULT} cannot train].")
-@click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True,
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", show_default=True,
               help="Optimizer state counted in the memory model (sgd with momentum: 1 buffer, adam: 2).")
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
               help="Plan JSON to write ('-' for stdout). Written atomically.")
@@ -333,7 +334,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
 @click.option("--group", "-g", type=Count(1, 65536),
               help=f"{PER_GROUP}: microbatches per optimizer step [default: the number of stages, or more].")
 @click.option("--seed", type=Count(0, 2**63 - 1), default=0, show_default=True, help="Seed of the initial weights and the data order.")
-@click.option("--optimizer", type=click.Choice(["sgd", "adam"]), default="sgd", show_default=True)
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", show_default=True)
 @click.option("--lr", type=Finite(0, 1e6, min_open=True), default=0.01, show_default=True,
               help=f"Learning rate (a replicated stage in {PER_ROUND} uses lr * r_s / r_0, see the README).")
 @click.option("--momentum", type=Finite(0, 1, max_open=True), default=0.9, show_default=True, help="SGD momentum.")
@@ -375,10 +376,10 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
 @click.option("--iface", metavar="NAME",
               help="Network interface of the workers' traffic (gloo and NCCL) [default: lo on one machine; the one "
                    "that routes to the rendezvous host across machines, or GLOO_SOCKET_IFNAME if set].")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
               help="Where workers run: cuda gives each worker the GPU of its local rank and NCCL; cpu uses gloo; "
                    "auto takes the GPUs when torch sees one for every worker of this machine, else the CPU.")
-@click.option("--transport", type=click.Choice(["auto", "shared-memory", "process-group"]), default="auto",
+@click.option("--transport", type=click.Choice(TRANSPORTS), default="auto",
               show_default=True,
               help="How messages between workers of this machine travel: shared-memory rings (CPU, x86) or the "
                    "process group (gloo/NCCL); auto takes shared memory when this machine has a core per worker. "

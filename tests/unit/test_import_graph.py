@@ -91,3 +91,4 @@ def test_no_import_back_up():
 def test_nothing_imports_the_cli():
     graph = _imports(module_level_only=False)
     assert sorted(module for module in MODULES if "pdtool.cli" in graph[module]) == []
+

@@ -296,3 +296,10 @@ def test_a_measurement_far_from_the_prediction_is_explained_from_what_pdtool_kno
     assert reasons[1].startswith("the profile was measured with 2 thread(s), the workers have 1")
     assert reasons[2].startswith("the profile's layer times sum to 0.50 of a measured step")
     assert reasons[3].startswith("about 5.0x outside what pdtool models")  # 40 / (2 * 2 * 2)
+
+
+def test_the_planner_counts_the_state_of_every_optimizer_the_workers_build():
+    from pdtool.planner.costmodel import OPTIMIZER_SLOTS
+    from pdtool.runtime.run import OPTIMIZERS
+
+    assert tuple(OPTIMIZER_SLOTS) == OPTIMIZERS

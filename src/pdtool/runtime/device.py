@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LaunchError
+from .run import DEVICES
 
-CHOICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,8 @@ def choose(requested: str, local_rank: int, local_workers: int, gpus: int | None
     """The device of the worker with `local_rank` among `local_workers` on this machine.
 
     `gpus` is how many CUDA devices torch sees (asked of torch when None)."""
-    if requested not in CHOICES:
-        raise LaunchError(f"unknown device {requested!r}; use one of {', '.join(CHOICES)}")
+    if requested not in DEVICES:
+        raise LaunchError(f"unknown device {requested!r}; use one of {', '.join(DEVICES)}")
     if gpus is None:
         gpus = visible_gpus()
     if requested == "cpu" or (requested == "auto" and gpus < local_workers):

@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     import torch
 
 
+OPTIMIZERS = ("sgd", "adam")  # what `worker.executor.build_optimizer` builds (planner.costmodel.OPTIMIZER_SLOTS: their state)
+DEVICES = ("auto", "cpu", "cuda")  # where a worker computes (`runtime.device.choose`)
+TRANSPORTS = ("auto", "shared-memory", "process-group")  # how neighbours' messages travel (`worker.shm.use_shared_memory`)
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """Optimizer settings shared by every stage: `sgd` (with momentum) or `adam`."""

@@ -36,7 +36,7 @@ from torch.func import functional_call
 from ...model.data import derive_seed
 from ...errors import LaunchError
 from ...schedule import Action, Schedule
-from ..run import OptimizerConfig
+from ..run import OPTIMIZERS, OptimizerConfig
 from .split_backward import ParameterNodes, input_gradients, weight_gradients
 
 
@@ -48,7 +48,7 @@ def build_optimizer(config: OptimizerConfig, params: list[torch.nn.Parameter], l
         return torch.optim.SGD(params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
     if config.name == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=config.weight_decay)
-    raise LaunchError(f"unknown optimizer {config.name!r}; use sgd or adam")
+    raise LaunchError(f"unknown optimizer {config.name!r}; use one of {', '.join(OPTIMIZERS)}")
 
 
 def lr_scale(schedule: Schedule, stage: int) -> float:
