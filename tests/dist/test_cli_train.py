@@ -51,13 +51,20 @@ def test_pd_train_on_a_device_this_machine_lacks_is_one_line(tmp_path):
 
 
 def test_pd_train_auto_device_with_too_few_gpus_warns_and_trains_on_the_cpu(tmp_path, monkeypatch):
+    """The launcher's checks (`job.prepare`, which pd train runs before any worker starts): the
+    warning, and a job on the CPU. Its warnings reach stderr as the next test's does, and each
+    worker's own choice is `device.choose` (tests/unit/test_device.py), so no worker starts here."""
+    from helpers import config_for
+
     from pdtool.runtime import device
+    from pdtool.runtime.launcher.job import prepare
 
     monkeypatch.setattr(device, "visible_gpus", lambda: 1)  # a one-GPU machine, two workers
-    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
-    result = CliRunner().invoke(cli, ["train", str(path), "--steps", "2", "--quiet"])
-    assert result.exit_code == 0, result.output
-    assert "torch sees 1 GPU(s) for 2 workers on this machine, so they train on the CPU" in result.stderr
+    plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
+    said = []
+    job = prepare(plan, config_for(path, steps=2, device="auto"), warn=said.append)
+    assert job.on_cpu and job.config.device == "auto"
+    assert any("torch sees 1 GPU(s) for 2 workers on this machine, so they train on the CPU" in line for line in said)
 
 
 def test_pd_train_gives_each_cpu_worker_a_share_of_the_cores_by_default(tmp_path, monkeypatch):
@@ -180,8 +187,13 @@ def test_pd_train_refuses_a_split_of_a_model_no_tracer_captures(tmp_path):
     one = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], layers=tuple(range(3)),
                                                                 last_name=plan.stages[1].last_name, sends=()),))
     one.save(tmp_path / "one.plan.json")
-    result = CliRunner().invoke(cli, ["train", str(tmp_path / "one.plan.json"), "--steps", "2", "--quiet"])
-    assert result.exit_code == 0, result.output  # one stage trains the module whole
+    # one stage passes the launcher's checks (`job.prepare`, what refused the split above); that it
+    # then trains the module whole is test_train.py's test_a_model_no_tracer_captures_trains_whole_...
+    from helpers import config_for
+
+    from pdtool.runtime.launcher.job import prepare
+
+    prepare(Plan.load(tmp_path / "one.plan.json"), config_for(tmp_path / "one.plan.json", steps=2))
 
 
 def test_pd_train_refuses_to_overwrite_checkpoints_without_resume(tmp_path):

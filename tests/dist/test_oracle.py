@@ -1,13 +1,17 @@
 """pd train's asynchronous modes against an oracle written from the README alone (oracle.py):
-the same losses and final weights, on 2- and 3-stage plans, replicated stages included."""
+the same losses and final weights, on 2- and 3-stage plans, replicated stages included. Each run
+is also checked against the reference executor (`runtime.reference`, the schedule run in one
+process) and against the schedule's bound on stashed weight versions: one run, both oracles."""
 import pytest
 import torch
 
-from helpers import MLP, SGD, config_for, merged, plan_with
+from helpers import MLP, SGD, config_for, merged, plan_with, reference
 from oracle import expected_run, versions_seen
 
 from pdtool.profiler import profile_model
 from pdtool.runtime.launcher.launch import launch
+from pdtool.runtime.run import make_schedule
+from pdtool.schedule import peak_versions
 
 SPLITS = {
     "2 stages": [((0, 1), 1), ((2, 3), 1)],
@@ -24,7 +28,9 @@ def test_asynchronous_modes_equal_the_readme_oracle(tmp_path, mode, split):
     plan, path = plan_with(tmp_path, SPLITS[split], mode=mode)
     group = len(SPLITS[split]) if mode == "2bw" else None  # m = the number of stages (>= d)
     steps = 5
-    losses, weights = merged(launch(config_for(path, steps=steps, group=group), len(plan.used_ranks)))
+    config = config_for(path, steps=steps, group=group)
+    reports = launch(config, len(plan.used_ranks))
+    losses, weights = merged(reports)
     profile = profile_model(MLP, batch_size=4, repeats=1, warmup=0)  # for the layer names
     expected_losses, expected_weights = expected_run(plan, profile, MLP, steps, seed=0, lr=SGD.lr, momentum=SGD.momentum,
                                                      group=group or 1)
@@ -32,6 +38,15 @@ def test_asynchronous_modes_equal_the_readme_oracle(tmp_path, mode, split):
     assert weights.keys() == expected_weights.keys()
     for name, expected in expected_weights.items():
         torch.testing.assert_close(weights[name], expected)
+    # the same run against the reference executor (the schedule the workers ran, in one process)
+    run = reference(plan, config)
+    assert losses == pytest.approx(run.losses, rel=1e-6)
+    assert weights.keys() == run.weights.keys()
+    for name, expected in run.weights.items():
+        torch.testing.assert_close(weights[name], expected)
+    bound = peak_versions(make_schedule(plan, config))  # the README's versions per worker
+    assert all(report.peak_versions <= bound[rank] for rank, report in reports.items())
+    assert max(report.peak_versions for report in reports.values()) >= 1  # weights were stashed
 
 
 def test_the_oracles_versions_are_the_readmes_table():

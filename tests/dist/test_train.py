@@ -1,6 +1,5 @@
 """The distributed runtime on CPU with gloo: every number equal to its oracle."""
 import glob
-import time
 
 import pytest
 import torch
@@ -18,12 +17,12 @@ from pdtool.schedule import peak_versions
 SHM = pytest.mark.skipif(not shm.available(torch.device("cpu")), reason="shared-memory links need x86 and /dev/shm")
 
 
+# With the default transport, test_oracle.py checks every asynchronous mode on every one of its
+# splits (these three included) against the reference executor and the bound on stashed versions,
+# in the run it compares with the README's oracle; here, links forced onto shared-memory rings.
 @pytest.mark.parametrize("mode, split, transport", [
-    ("pipedream", [((0, 1), 2), ((2, 3), 1)], "auto"),
     pytest.param("pipedream", [((0, 1), 2), ((2, 3), 1)], "shared-memory", marks=SHM),
-    ("vsync", [((0, 0), 1), ((1, 2), 1), ((3, 3), 1)], "auto"),
-    ("2bw", [((0, 1), 1), ((2, 3), 1)], "auto"),
-], ids=["pipedream 2-1", "pipedream 2-1 rings", "vsync 1-1-1", "2bw 1-1"])
+], ids=["pipedream 2-1 rings"])
 def test_asynchronous_modes_equal_the_reference_executor(tmp_path, mode, split, transport):
     plan, path = plan_with(tmp_path, split, mode=mode)
     config = config_for(path, steps=4, transport=transport)
@@ -70,19 +69,6 @@ def test_messages_over_shared_memory_or_the_process_group_train_alike(tmp_path, 
     assert [reports[rank].rings for rank in range(3)] == rings
     assert_same_run(*merged(reports), *gradient_accumulation(plan, config))
     assert not glob.glob("/dev/shm/pdtool-*")
-
-
-@pytest.mark.parametrize("factory, error", [
-    ("exploding", r"worker rank 1 failed: .*boom after 6 forwards; the other workers were stopped"),
-    ("dying", r"worker rank 1 failed: exit code -9 \(SIGKILL\); the other workers were stopped"),
-], ids=["raises", "killed"])
-def test_a_failing_worker_stops_the_job_quickly_with_its_error(tmp_path, factory, error):
-    ref = ModelRef(f"toymodels:{factory}", {"after": 6})
-    plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=ref)
-    began = time.monotonic()
-    with pytest.raises(LaunchError, match=error):
-        launch(config_for(path, steps=20, return_weights=False), 2)
-    assert time.monotonic() - began < 30
 
 
 def test_a_plan_for_another_world_size_is_refused_before_any_process_group(tmp_path):
