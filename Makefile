@@ -65,11 +65,12 @@ demo: install graphviz
 	@echo "  checkpoint        $$(ls -d $(OUT)/demo.checkpoints/step-* | tail -1)"
 
 test: install graphviz
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not workers" -n auto
+	$(PY) -m pytest -q -m workers
 
 # The fast tier for your loop: every test that starts no worker process (tests/README.md).
 test-fast: install graphviz
-	$(PY) -m pytest -q -m "not workers"
+	$(PY) -m pytest -q -m "not workers" -n auto
 
 # ----- shipped profiles, measured on this machine: `make profiles` regenerates them all -----
 PROFILES := mlp vgg16-small vgg16 resnet50-small resnet50 gpt-small gpt
