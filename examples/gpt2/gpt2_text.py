@@ -20,7 +20,7 @@ import inspect
 import torch
 
 import pdtool
-from pdtool.model.spec import ModelBundle
+from pdtool import ModelBundle
 from pdtool.zoo.hf import gpt2
 
 SEQ_LEN = 64

@@ -1,6 +1,6 @@
 """pd train's asynchronous modes against an oracle written from the README alone (oracle.py):
 the same losses and final weights, on 2- and 3-stage plans, replicated stages included. Each run
-is also checked against the reference executor (`runtime.reference`, the schedule run in one
+is also checked against the reference executor (`tests/reference_executor.py`, the schedule run in one
 process) and against the schedule's bound on stashed weight versions: one run, both oracles."""
 import pytest
 import torch
