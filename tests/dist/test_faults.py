@@ -19,17 +19,26 @@ PD = str(Path(sys.executable).parent / "pd")
 DIGITS = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": 16, "depth": 2, "classes": 10})
 
 
-def workers_of(pid):
-    """The worker processes (spawned children) of the launcher `pid`."""
+def children_of(pid):
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            try:
-                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            except FileNotFoundError:
-                continue
-            if b"spawn_main" in cmdline:
-                found.append(int(child))
+        try:
+            found.extend(int(child) for child in (task / "children").read_text().split())
+        except FileNotFoundError:
+            continue
+    return found
+
+
+def workers_of(pid):
+    """The worker processes of the launcher `pid`: the children of its forkserver child."""
+    found = []
+    for server in children_of(pid):
+        try:
+            cmdline = Path(f"/proc/{server}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"multiprocessing.forkserver" in cmdline:
+            found.extend(children_of(server))
     return sorted(found)
 
 
