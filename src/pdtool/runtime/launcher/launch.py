@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ...errors import Interrupted, LaunchError, PdtoolError
 from ...signals import SIGNALS
-from . import scratch
+from . import forked, scratch
 from .. import peers
 from ..worker import shm
 from ..run import RunConfig, WorkerReport
@@ -85,9 +85,10 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     logs = scratch.make(lambda gone: shm.remove_node(scratch.launcher_id(gone)))
     node = scratch.launcher_id(logs)  # the workers of this launcher: their links may use shared memory (runtime.worker.shm)
     network_env[peers.NODE_ENV] = node
+    method = forked.start_method(config.device, per_node)
     settings = LaunchConfig(
         min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=per_node, **rendezvous,
-        max_restarts=0, monitor_interval=0.1, start_method="forkserver", shutdown_timeout=SHUTDOWN_S,
+        max_restarts=0, monitor_interval=0.1, start_method=method, shutdown_timeout=SHUTDOWN_S,
         logs_specs=DefaultLogsSpecs(log_dir=logs),
     )
     quiet = [] if verbose else [logging.getLogger(name) for name in _NOISY] + [
@@ -99,11 +100,10 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     os.environ.update(network_env)
     talk(f"starting {per_node} worker process(es) on this machine: each builds its stage, then training begins")
     handlers = {signum: signal.getsignal(signum) for signum in SIGNALS}  # torch's launcher replaces them
-    _preload()
     reaper = _Reaper(logs)
     reaper.start()
     try:
-        results = elastic_launch(settings, _entry)(config, _Launcher())
+        results = elastic_launch(settings, _entry)(config, forked.Launcher() if method == forked.FORKSERVER else None)
     except ChildFailedError as failure:
         line, raised = _explain(failure, logs)
         raise LaunchError(line + (" (--verbose shows its traceback)" if raised and not verbose else "")) from None
@@ -146,7 +146,7 @@ class _Reaper(threading.Thread):
     def run(self) -> None:
         failed_at, seen = None, set()
         while not self.done.wait(0.2):
-            workers = _worker_states()
+            workers = forked.worker_states()
             gone = seen - set(workers)
             seen |= set(workers)
             if failed_at is None and (any(self.logs.glob("**/error.json")) or
@@ -158,140 +158,6 @@ class _Reaper(threading.Thread):
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-
-
-def _worker_states() -> dict[int, str]:
-    """This process's live worker processes (the children of its forkserver child): pid -> state
-    letter (R, S, T, ...), from /proc; empty where /proc has no such files."""
-    found = {}
-    for server in _children("self"):
-        try:
-            if _FORKSERVER not in Path(f"/proc/{server}/cmdline").read_bytes():
-                continue
-        except OSError:
-            continue
-        for pid in _children(server):
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state not in ("Z", "X"):
-                found[pid] = state
-    return found
-
-
-_FORKSERVER = b"multiprocessing.forkserver"
-"""In the command line of the forkserver that starts the workers (and of the workers it forks)."""
-
-
-def _children(pid: int | str) -> list[int]:
-    """The child processes of `pid` ("self": this one), from /proc."""
-    found = []
-    for children in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            found.extend(map(int, children.read_text().split()))
-        except OSError:
-            continue
-    return found
-
-
-PRELOAD = "pdtool.runtime.worker.preload"
-"""The module the workers' forkserver imports before it forks any worker."""
-
-
-def _preload() -> None:
-    """The workers start from a forkserver (multiprocessing's), which imports torch and the worker's
-    modules once (`PRELOAD`): a worker is forked ready instead of importing them (about 2 s of CPU
-    each). The forkserver starts at this process's first launch and serves every later one; its
-    environment and standard streams are those of that first launch, which `_Launcher` corrects
-    in each worker. (Its cwd and sys.path multiprocessing sets in each worker itself.)"""
-    import multiprocessing
-
-    multiprocessing.set_forkserver_preload([PRELOAD])
-
-
-class _Launcher:
-    """What a worker takes from the launcher at this launch rather than from the forkserver it was
-    forked from: the launcher's environment (with the job's network variables) and its standard
-    output and error (passed as file descriptors)."""
-
-    def __init__(self):
-        self.env = dict(os.environ)
-        self.streams = {fd: _Fd(fd) for fd in (1, 2) if _is_open(fd)}
-
-    def restore(self) -> None:
-        """In the worker, before anything else: the launcher's environment, overlaid by what torch's
-        launcher set for this worker (the variables whose values differ from the forkserver's own,
-        and those it always sets), random seeds of its own, and the launcher's standard streams.
-        The forkserver's `alive` pipe, whose end multiprocessing hands every forked process, is
-        closed: held by a worker, it would keep the forkserver alive after a SIGKILLed launcher,
-        and the worker with it (a worker ends when the forkserver does: torch sets it a
-        parent-death signal; the forkserver ends when that pipe closes)."""
-        import tempfile
-        from multiprocessing import forkserver
-
-        base = getattr(sys.modules.get(PRELOAD), "BASE_ENV", None)
-        own = {name: value for name, value in os.environ.items()
-               if name in _ELASTIC_ENV or (base is not None and base.get(name) != value)}
-        os.environ.clear()
-        os.environ.update({**self.env, **own})
-        tempfile.tempdir = None  # the forkserver's may come from another TMPDIR
-        # random seeds as a fresh process has them, not the forkserver's (which every worker would share;
-        # Python's `random` reseeds itself after a fork)
-        import torch
-
-        torch.default_generator.seed()
-        if "numpy" in sys.modules:
-            sys.modules["numpy"].random.seed()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for target, fd in self.streams.items():
-            if isinstance(fd, int):
-                os.dup2(fd, target)
-                os.close(fd)
-        alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
-        if alive is not None:
-            os.close(alive)
-            forkserver._forkserver._forkserver_alive_fd = None
-
-
-_ELASTIC_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
-                "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-                "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
-"""Variables torch's launcher sets for every worker, whatever their values (`_start_workers` of its
-local agent, and `start_processes`)."""
-
-
-class _Fd:
-    """A file descriptor of the launcher that a forked worker receives as its own (multiprocessing
-    passes it to the forkserver while it sends the worker's arguments); unpickles as that number."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-
-    def __reduce__(self):
-        from multiprocessing import context, reduction
-
-        if context.get_spawning_popen() is None:  # not on the way to a worker: nothing to pass
-            return _no_fd, ()
-        return _detach, (reduction.DupFd(self.fd),)
-
-
-def _detach(dup) -> int:
-    return dup.detach()
-
-
-def _no_fd() -> None:
-    return None
-
-
-def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
 
 
 _IFNAME_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -366,7 +232,7 @@ def _client_store(host: str, port: int, timeout_s: int, talk):
 _NOISY = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher")
 
 
-def _entry(config: RunConfig, launcher: _Launcher | None = None) -> WorkerReport:
+def _entry(config: RunConfig, launcher: forked.Launcher | None = None) -> WorkerReport:
     if launcher is not None:
         launcher.restore()
     from torch.distributed.elastic.multiprocessing.errors import record
