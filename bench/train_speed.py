@@ -604,16 +604,39 @@ def _verdicts(checks: list[tuple[str, bool, str]], measured: bool) -> None:
 
 
 def _cpu_seconds() -> tuple[float, float, float]:
-    """(CPU seconds the whole machine has been busy, CPU seconds of this process and its reaped
-    children, wall seconds); the machine's figure is NaN where /proc/stat is missing."""
+    """(CPU seconds the whole machine has been busy, CPU seconds of this process, its reaped
+    children and its live children with what they reaped (the workers' forkserver and the workers
+    it forked: `runtime.launcher.forked`), wall seconds); the machine's figure is NaN where
+    /proc/stat is missing."""
     own = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
               for f in ("ru_utime", "ru_stime"))
+    own += sum(_tree_seconds(pid) for pid in _children(os.getpid()))
     try:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
     except (OSError, ValueError):
         busy = float("nan")
     return busy, own, time.perf_counter()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found += [int(child) for child in task.read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def _tree_seconds(pid: int) -> float:
+    """CPU seconds of a live process, the children it reaped and its live descendants (/proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    ticks = sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK") + sum(_tree_seconds(child) for child in _children(pid))
 
 
 def _other_cores(before, after) -> float:
