@@ -258,16 +258,17 @@ def _store_lost(rank: int, when: str, exc: Exception) -> LaunchError:
 def _fail(exc: BaseException, ending: Ending, rank: int, verbose: bool):
     """A worker failed with `exc` (called in its `except`): its traceback when `verbose`, its
     line in torchrun's error file (torchrun's report of the failure shows it), then settle as
-    `launch.settle` says and end with the line."""
+    `worker.entry.after_failure` says and end with the line."""
     import traceback
 
-    from .launch import in_own_words, settle
+    from ..worker.entry import after_failure
+    from .launch import in_own_words
 
     message = f"worker rank {rank} failed: {in_own_words(f'{type(exc).__name__}: {exc}')[0]}"
     if verbose:
         traceback.print_exc()
     _record(message)
-    settle(exc)
+    after_failure(exc)
     ending.end(message, 1)
 
 

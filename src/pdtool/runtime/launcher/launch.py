@@ -19,7 +19,6 @@ import re
 import shutil
 import signal
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -29,12 +28,12 @@ from pathlib import Path
 from ...errors import Interrupted, LaunchError, PdtoolError
 from ...signals import SIGNALS
 from . import forked, scratch
+from ..worker.entry import LaunchState, echoes_a_peer, entry
 from .. import peers
 from ..worker import shm
 from ..run import RunConfig, WorkerReport
 
 
-ECHO_DELAY_S = 2.0
 """Seconds a worker whose error only reports a peer's disappearance waits before it exits."""
 SHUTDOWN_S = 2
 """Seconds the workers get to exit after SIGTERM when pd train itself is interrupted; then SIGKILL."""
@@ -103,7 +102,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     reaper = _Reaper(logs)
     reaper.start()
     try:
-        results = elastic_launch(settings, _entry)(config, forked.Launcher() if method == forked.FORKSERVER else None)
+        results = elastic_launch(settings, entry)(config, LaunchState() if method == forked.FORKSERVER else None)
     except ChildFailedError as failure:
         line, raised = _explain(failure, logs)
         raise LaunchError(line + (" (--verbose shows its traceback)" if raised and not verbose else "")) from None
@@ -232,51 +231,6 @@ def _client_store(host: str, port: int, timeout_s: int, talk):
 _NOISY = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher")
 
 
-def _entry(config: RunConfig, launcher: forked.Launcher | None = None) -> WorkerReport:
-    if launcher is not None:
-        launcher.restore()
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from ..worker.main import worker_main
-
-    try:
-        return record(worker_main)(config)  # record: the error file the launcher reads, written first
-    except BaseException as exc:
-        settle(exc)
-        # Leave without the process group's teardown, which waits for pending transfers that a
-        # peer that stopped answering never completes.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
-
-def settle(exc: BaseException) -> None:
-    """What a failed worker does once its error is recorded, before it leaves: end a silent peer
-    of this machine (`peers.stop_silent`), release NCCL, and, when its error only echoes a peer's
-    disappearance ("connection closed"), wait `ECHO_DELAY_S`: the launcher reports the first
-    worker it sees exit, and so the worker that failed first is the one reported."""
-    from ..peers import PeerTimeout, stop_silent
-
-    if isinstance(exc, PeerTimeout):
-        stop_silent(exc.peer, exc.store)
-    _release_nccl()
-    if _echoes_a_peer(str(exc)):
-        time.sleep(ECHO_DELAY_S)
-
-
-def _release_nccl() -> None:
-    """After a worker's error is recorded: tear down an NCCL process group, whose communicators
-    can otherwise hang the process at exit. (A gloo group is left to the process's end, so that
-    peers see this worker's error before its connections close.)"""
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - already failing; the recorded error is what matters
-            pass
-
-
 def _explain(failure, logs: str | None = None) -> tuple[str, bool]:
     """One line: which rank failed first and its error message; and whether it raised (so
     that a traceback exists) rather than died. A worker's own error wins over a peer's
@@ -291,7 +245,7 @@ def _explain(failure, logs: str | None = None) -> tuple[str, bool]:
     messages = {rank: _message(info) for rank, info in failures.items()}
     for rank, info in _recorded(failures, logs).items():
         failures[rank], messages[rank] = info, _message(info)
-    rank = min(failures, key=lambda r: (_echoes_a_peer(messages[r]), not messages[r], failures[r].timestamp, r))
+    rank = min(failures, key=lambda r: (echoes_a_peer(messages[r]), not messages[r], failures[r].timestamp, r))
     info, message = failures[rank], messages[rank]
     raised = bool(message)
     if not message:
@@ -308,7 +262,7 @@ def in_own_words(message: str) -> tuple[str, bool]:
     first = message.strip().splitlines()[-1] if message.strip() else message
     own = _own_error().match(first)
     first = _own_error().sub("", first, count=1)
-    if not own and _echoes_a_peer(first):
+    if not own and echoes_a_peer(first):
         return ("it lost its connection to another worker of the job, which went away (its process ended or its "
                 "machine is gone; on several machines, that machine's pd train says why)"), True
     return first, False
@@ -325,16 +279,6 @@ def _own_error() -> re.Pattern:
         names.append(cls.__name__)
         todo.extend(cls.__subclasses__())
     return re.compile(r"^([\w.]+\.)?(" + "|".join(sorted(names)) + r"): ")
-
-
-_PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
-                "communicator was aborted", "Broken pipe", "remote process exited", "Socket unexpectedly closed",
-                "GLHF")
-
-
-def _echoes_a_peer(message: str) -> bool:
-    """Whether a worker's error only reports that another worker went away."""
-    return any(marker in message for marker in _PEER_FAILED)
 
 
 @dataclass(frozen=True)

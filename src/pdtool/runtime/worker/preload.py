@@ -7,7 +7,7 @@ import importlib
 import os
 
 MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.elastic.multiprocessing.errors",
-           "pdtool.runtime.launcher.launch",  # its _entry is what every worker runs (and `forked`, which it imports)
+           "pdtool.runtime.worker.entry",  # what every worker runs
            "pdtool.runtime.worker.main", "pdtool.runtime.worker.interpreter", "pdtool.runtime.worker.executor")
 
 for _name in MODULES:
@@ -15,4 +15,4 @@ for _name in MODULES:
 
 BASE_ENV = dict(os.environ)
 """The forkserver's environment (the launcher's at its first launch): a worker's variables that
-differ from it are the ones torch's launcher set for that worker (`forked.Launcher.restore`)."""
+differ from it are the ones torch's launcher set for that worker (`entry.LaunchState.restore`)."""
