@@ -1,5 +1,7 @@
 """What `pd train` compares its measurement with, and why they differ: the prediction for the
-mode and group that ran (`expected_ms`) and the reasons pdtool knows for a gap (`gap_reasons`).
+mode and group that ran (`expected_ms`) and the reasons pdtool knows for a gap (`gap_reasons`);
+each worker's memory by the terms of the planner's memory model (`planned_memory`) and the term
+that is most off when the measurement differs by more than `MEMORY_GAP` (`memory_gap`).
 Pure: no torch."""
 from __future__ import annotations
 
@@ -51,3 +53,37 @@ def gap_reasons(measured_ms: float, predicted_ms: float, plan: Plan, threads: in
                        "own overhead per action (about 0.4 ms on small layers), message latency and processes "
                        "competing for memory bandwidth; pd simulate --trace beside pd train --trace shows where")
     return reasons
+
+
+MEMORY_GAP = 1.25
+"""Measured over planned memory of a worker beyond which (either way) pd train names the term most off."""
+
+
+def planned_memory(plan: Plan, mode: str | None, group: int | None, optimizer: str) -> dict[int, dict[str, int]]:
+    """Per plan rank, the bytes the memory model gives each term (`Memory.terms`: weights and
+    their versions, gradients, optimizer state, activations in flight) for the schedule of `mode`
+    and `group` (None: the plan's) with `optimizer`'s state."""
+    from .planner.costmodel import OPTIMIZER_SLOTS, Memory
+    from .simulate import simulate
+
+    result = simulate(plan, mode=mode, group=group)
+    model = Memory(float("inf"), OPTIMIZER_SLOTS[optimizer])
+    return {rank: {term: int(value) for term, value in model.terms(stage.param_bytes, stage.activation_bytes,
+                                                                   result.peak_in_flight[rank],
+                                                                   result.peak_versions[rank]).items()}
+            for stage in plan.stages for rank in stage.ranks}
+
+
+def memory_gap(measured: dict[str, int], planned: dict[str, int]) -> str | None:
+    """Why a worker's measured memory beyond its start (`worker.memory.measure`) is more than
+    `MEMORY_GAP` times off the plan's (`planned_memory`), naming the term most off; None within it."""
+    from .units import format_bytes
+
+    beyond, total = measured["peak"] - measured["base"], sum(planned.values())
+    if total <= 0 or 1 / MEMORY_GAP <= beyond / total <= MEMORY_GAP:
+        return None
+    term = max(planned, key=lambda name: abs(measured.get(name, 0) - planned[name]))
+    what = (" (what remains of the peak beyond weights, gradients and optimizer state: activations and the "
+            "runtime's own buffers)") if term == "activations" else ""
+    return (f"{beyond / total:.1f}x the plan; the term most off is {term}{what}: measured "
+            f"{format_bytes(measured.get(term, 0))}, planned {format_bytes(planned[term])}")

@@ -303,3 +303,22 @@ def test_the_planner_counts_the_state_of_every_optimizer_the_workers_build():
     from pdtool.runtime.run import OPTIMIZERS
 
     assert tuple(OPTIMIZER_SLOTS) == OPTIMIZERS
+
+
+def test_a_workers_memory_far_from_the_plan_names_the_term_most_off():
+    from pdtool.planner.costmodel import Memory
+    from pdtool.prediction import memory_gap, planned_memory
+
+    plan = make_plan(imported("vgg16"), parse_cluster("4x1.25e9B/s"), straight=True)
+    planned = planned_memory(plan, None, None, "adam")
+    stage = plan.stages[0]
+    terms = planned[stage.ranks[0]]
+    assert terms["gradients"] == stage.param_bytes and terms["optimizer"] == 2 * stage.param_bytes
+    assert sum(terms.values()) == int(Memory(float("inf"), 2).need(stage.param_bytes, stage.activation_bytes,
+                                                                 terms["activations"] // stage.activation_bytes,
+                                                                 terms["weights"] // stage.param_bytes))
+    close = {"base": 100, "peak": 100 + int(sum(terms.values()) * 1.2), **terms}
+    assert memory_gap(close, terms) is None  # within 25%: nothing to say
+    far = {**close, "peak": 100 + 3 * sum(terms.values()), "activations": terms["activations"] + 2 * sum(terms.values())}
+    line = memory_gap(far, terms)
+    assert line.startswith("3.0x the plan; the term most off is activations (what remains of the peak")

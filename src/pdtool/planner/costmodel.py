@@ -120,8 +120,14 @@ class Memory:
 
     def need(self, params: np.ndarray | float, stashed: np.ndarray | float, in_flight: int, versions: int | None = None):
         """Bytes one worker needs: weight versions (under 1F1B as many as minibatches in flight),
-        gradient and optimizer state, plus stashed activations."""
-        return params * ((in_flight if versions is None else versions) + 1 + self.optimizer_slots) + in_flight * stashed
+        gradient and optimizer state, plus stashed activations (the sum of `terms`)."""
+        return sum(self.terms(params, stashed, in_flight, versions).values())
+
+    def terms(self, params, stashed, in_flight: int, versions: int | None = None) -> dict:
+        """`need` by term: `weights` (its versions), `gradients`, `optimizer` (its state) and
+        `activations` (what the minibatches in flight stash)."""
+        return {"weights": params * (in_flight if versions is None else versions), "gradients": params,
+                "optimizer": params * self.optimizer_slots, "activations": in_flight * stashed}
 
     def per_worker(self, plan: "Plan", result: "SimResult") -> dict[int, int]:
         """Bytes each worker (plan rank) needs for the schedule a simulation ran: its peak weight

@@ -66,7 +66,7 @@ class RunConfig:
 @dataclass
 class WorkerReport:
     """What a worker reports when it ends: its losses (last stage), time spent computing and
-    waiting, the most weight versions it stashed, and (on request) its final weights."""
+    waiting, the most weight versions it stashed, its memory, and (on request) its final weights."""
 
     rank: int
     stage: int
@@ -79,6 +79,7 @@ class WorkerReport:
     events: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end) in epoch seconds
     finished: dict[int, float] = field(default_factory=dict)  # last stage: minibatch -> time its backward ended
     rings: int = 0  # directions of its links that went through shared memory (runtime.worker.shm)
+    memory: dict[str, int] = field(default_factory=dict)  # bytes, as `worker.memory.measure` reports them
 
 
 def make_schedule(plan: Plan, config: RunConfig) -> Schedule:

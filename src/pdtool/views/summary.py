@@ -3,7 +3,8 @@ minibatch beside the plan's predictions, with the reasons for a gap. Pure: no to
 from __future__ import annotations
 
 from ..artifacts.plan import Plan
-from ..prediction import expected_ms, gap_reasons
+from ..prediction import expected_ms, gap_reasons, memory_gap, planned_memory
+from ..units import format_bytes
 from ..runtime.run import RunConfig, resolved
 
 
@@ -37,4 +38,30 @@ def train_summary(result, plan: Plan, config: RunConfig, shared: tuple) -> list[
         if reasons:
             lines.append(f"measured {measured / expected:.1f}x the prediction, because:")
             lines += [f"  - {reason}" for reason in reasons]
-    return lines
+    return lines + memory_lines(result, plan, config)
+
+
+def memory_lines(result, plan: Plan, config: RunConfig) -> list[str]:
+    """Per stage of this machine (its busiest replica): the peak memory beyond the worker's start
+    beside the plan's, and the term most off where they differ by more than 25%."""
+    reports = [r for r in result.reports.values() if r.memory]
+    if not reports:
+        return []
+    planned = planned_memory(plan, config.mode, config.group, config.optimizer.name)
+    busiest = {}
+    for report in reports:
+        if report.stage not in busiest or _beyond(report) > _beyond(busiest[report.stage]):
+            busiest[report.stage] = report
+    parts, gaps = [], []
+    for stage, report in sorted(busiest.items()):
+        plan_bytes = sum(planned[report.rank].values())
+        parts.append(f"stage {stage} {format_bytes(_beyond(report))} measured (rank {report.rank}, beyond "
+                     f"{format_bytes(report.memory['base'])} at its start), {format_bytes(plan_bytes)} planned")
+        gap = memory_gap(report.memory, planned[report.rank])
+        if gap:
+            gaps.append(f"  - stage {stage}: {gap}")
+    return [f"peak memory per worker: {'; '.join(parts)}"] + gaps
+
+
+def _beyond(report) -> int:
+    return report.memory["peak"] - report.memory["base"]

@@ -24,7 +24,7 @@ from ...schedule import Schedule, lower, stash_depth
 from ...schedule.lower import Lowered, collective_key
 from .comm import BoundaryTensor, Link, boundary_specs, layout, link_groups, message_specs
 from .. import peers
-from . import shm, tied
+from . import memory, shm, tied
 from ..device import Placement, choose
 from .executor import StageWorker
 from .interpreter import Context, Interpreter
@@ -36,6 +36,7 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
     already (`peers.join`; a worker started by torchrun or srun, `runtime.launcher.external`)."""
     rank, world, placement = _environment(config)
     device = placement.device
+    base = memory.start(device)  # before the stage is built: its peak is measured from here
     plan = Plan.load(config.plan_path)
     check_world(plan, world, config.plan_path)
     if store is None:
@@ -54,7 +55,7 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
     except peers.PeerTimeout as silent:
         silent.store = silent.store or store  # where the silent peer's process is published (peers.stop_silent)
         raise
-    return _end(config, report, worker, link)
+    return _end(config, report, worker, link, memory.measure(worker, device, base))
 
 
 def _environment(config: RunConfig) -> tuple[int, int, Placement]:
@@ -155,10 +156,11 @@ def _stage_worker(config: RunConfig, built: _Built, device: torch.device):
     return worker, saver
 
 
-def _end(config: RunConfig, report: WorkerReport, worker: StageWorker, link: Link) -> WorkerReport:
-    """The report completed (weights on request), once every worker is done."""
+def _end(config: RunConfig, report: WorkerReport, worker: StageWorker, link: Link, measured: dict) -> WorkerReport:
+    """The report completed (its memory, weights on request), once every worker is done."""
     report.peak_versions = worker.peak_versions
     report.rings = len(link.rings)
+    report.memory = measured
     if config.return_weights:
         stage = worker.stage
         report.weights = {stage.param_names[n]: p.detach().cpu().clone() for n, p in stage.module.named_parameters()}

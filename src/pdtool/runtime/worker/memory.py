@@ -1,0 +1,44 @@
+"""What a worker measures of its own memory, by the terms of the planner's memory model
+(`planner.costmodel.Memory.terms`): the peak from the operating system (CPU: the process's peak
+resident set; CUDA: the most memory torch allocated on the device) beyond what the process held
+when it started, and of it the bytes of the stage's weights and their stashed versions, its
+gradients and its optimizer state, counted exactly; the rest is activations and the runtime's
+own buffers (messages, shared-memory rings, the allocator's cache)."""
+from __future__ import annotations
+
+import os
+import resource
+
+import torch
+
+TERMS = ("weights", "gradients", "optimizer", "activations")
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (/proc/self/statm; 0 where /proc lacks it)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def start(device: torch.device) -> int:
+    """What the process holds before its stage is built: the baseline its peak is measured from."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else resident_bytes()
+
+
+def measure(worker, device: torch.device, base: int) -> dict[str, int]:
+    """`base`, `peak`, and the peak beyond `base` by term (`TERMS`), for a `StageWorker` whose run
+    is done: its weights and the most versions it stashed, one gradient per parameter (as every
+    backward has), its optimizer's state tensors; `activations` is what remains of the peak."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    params = sum(p.numel() * p.element_size() for p in worker.live)
+    state = worker.optimizer.state.values() if worker.optimizer is not None else ()
+    optimizer = sum(t.numel() * t.element_size() for entry in state for t in entry.values() if torch.is_tensor(t))
+    exact = {"weights": params * (1 + worker.peak_versions), "gradients": params, "optimizer": optimizer}
+    rest = max(peak - base - sum(exact.values()), 0)
+    return {"base": base, "peak": peak, **exact, "activations": rest}
