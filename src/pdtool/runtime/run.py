@@ -80,6 +80,7 @@ class WorkerReport:
     finished: dict[int, float] = field(default_factory=dict)  # last stage: minibatch -> time its backward ended
     rings: int = 0  # directions of its links that went through shared memory (runtime.worker.shm)
     memory: dict[str, int] = field(default_factory=dict)  # bytes, as `worker.memory.measure` reports them
+    step_memory: list[tuple[float, int]] = field(default_factory=list)  # (end of each step, bytes in use then)
 
 
 def make_schedule(plan: Plan, config: RunConfig) -> Schedule:

@@ -6,11 +6,14 @@ from ..jsonio import write_text_atomic
 
 def write_metrics(path: str, result) -> None:
     """One row per optimizer step of stage 0 of `result` (`session.TrainResult`): step, mean
-    loss, samples/s, and per worker the share of that step's wall time it spent computing (busy;
-    the rest is idle or waiting)."""
+    loss, samples/s, per worker the share of that step's wall time it spent computing (busy;
+    the rest is idle or waiting), and per worker the memory it held (MB: its resident set, or on
+    a GPU what torch allocated there) after its last step that ended by then (empty before its
+    first)."""
     losses, finished = result.losses, result.finished
     ranks = sorted(result.reports)
-    header = ["step", "minibatches", "loss", "samples_per_s"] + [f"busy_rank{r}" for r in ranks]
+    header = (["step", "minibatches", "loss", "samples_per_s"] + [f"busy_rank{r}" for r in ranks]
+              + [f"memory_mb_rank{r}" for r in ranks])
     rows = [",".join(header)]
     batch = result.plan.profile.batch_size
     previous = min((began for r in result.reports.values() for _, began, _ in r.events), default=0.0)
@@ -23,7 +26,15 @@ def write_metrics(path: str, result) -> None:
         loss = sum(losses[b] for b in ids) / len(ids)
         busy = [sum(max(0.0, min(e, end) - max(s, previous)) for _, s, e in result.reports[r].events) / window
                 for r in ranks]
+        held = [_held(result.reports[r].step_memory, end) for r in ranks]
         rows.append(",".join([str(result.first_step + k + 1), str(len(ids)), f"{loss:.6g}",
-                              f"{batch * len(ids) / window:.6g}"] + [f"{x:.4f}" for x in busy]))
+                              f"{batch * len(ids) / window:.6g}"] + [f"{x:.4f}" for x in busy]
+                             + ["" if x is None else f"{x / 1e6:.1f}" for x in held]))
         previous = end
     write_text_atomic(path, "\n".join(rows) + "\n")
+
+
+def _held(samples: list[tuple[float, int]], end: float) -> int | None:
+    """Bytes in use after the last step that ended by `end` (None: none had)."""
+    before = [used for ended, used in samples if ended <= end]
+    return before[-1] if before else None

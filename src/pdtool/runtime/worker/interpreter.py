@@ -22,6 +22,7 @@ from ...schedule import ACTIVATION, GRADIENT, Schedule
 from ...schedule.lower import Op, collective_key
 from ..device import synchronizer
 from ..run import WorkerReport, minibatches_per_step
+from . import memory
 from .comm import BoundaryTensor, Link, Prefetch, incoming_specs
 from .executor import StageWorker
 
@@ -165,6 +166,7 @@ class Interpreter:
         """The optimizer step, then the checkpoint that falls after it (replica 0 saves)."""
         self.worker.finish_step()
         self.report.events.append((f"{self.s}U", self.step_began, self.clock()))
+        self.report.step_memory.append((self.report.events[-1][2], memory.in_use(self.context.link.device)))
         began = self.clock()
         saver = self.context.saver
         if saver is not None and saver.after_step():

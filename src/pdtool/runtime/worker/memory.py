@@ -23,9 +23,15 @@ def resident_bytes() -> int:
         return 0
 
 
+def in_use(device: torch.device) -> int:
+    """Bytes the process holds now: on CUDA what torch has allocated on the device, else its
+    resident set."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else resident_bytes()
+
+
 def start(device: torch.device) -> int:
     """What the process holds before its stage is built: the baseline its peak is measured from."""
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else resident_bytes()
+    return in_use(device)
 
 
 def measure(worker, device: torch.device, base: int) -> dict[str, int]:
