@@ -8,8 +8,8 @@ def write_metrics(path: str, result) -> None:
     """One row per optimizer step of stage 0 of `result` (`session.TrainResult`): step, mean
     loss, samples/s, per worker the share of that step's wall time it spent computing (busy;
     the rest is idle or waiting), and per worker the memory it held (MB: its resident set, or on
-    a GPU what torch allocated there) after its last step that ended by then (empty before its
-    first)."""
+    a GPU what torch allocated there) at the end of its own step nearest in time to the end of
+    this one (empty for a worker that never stepped)."""
     losses, finished = result.losses, result.finished
     ranks = sorted(result.reports)
     header = (["step", "minibatches", "loss", "samples_per_s"] + [f"busy_rank{r}" for r in ranks]
@@ -35,6 +35,5 @@ def write_metrics(path: str, result) -> None:
 
 
 def _held(samples: list[tuple[float, int]], end: float) -> int | None:
-    """Bytes in use after the last step that ended by `end` (None: none had)."""
-    before = [used for ended, used in samples if ended <= end]
-    return before[-1] if before else None
+    """Bytes in use at the end of the step nearest in time to `end` (None: no step)."""
+    return min(samples, key=lambda sample: abs(sample[0] - end))[1] if samples else None
