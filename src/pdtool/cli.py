@@ -18,7 +18,7 @@ from .errors import PdtoolError
 from .fields import check_schema
 from .jsonio import check_writable, read_json
 from .runtime.launcher.cluster_env import LAUNCHERS, detect, place
-from .runtime.run import DEVICES, OPTIMIZERS, TRANSPORTS
+from .runtime.run import DEVICES, INITS, OPTIMIZERS, TRANSPORTS
 from .schedule.modes import DEFAULT, DEFAULT_TIED, GROUP, MODES, ROUND, modes_where
 from .signals import Stopped, install as install_signal_handlers
 
@@ -390,6 +390,10 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
                    "worker that torchrun or srun started; see the README's Cluster launchers); auto: torchrun or "
                    "slurm when their variables are set (TORCHELASTIC_RUN_ID; SLURM_PROCID in an srun step of "
                    "several tasks), else local.")
+@click.option("--init", "init", type=click.Choice(INITS), default="rule", show_default=True,
+              help="Initial weights: rule (each worker gives only its stage's parameters their values, each from a "
+                   "generator seeded by --seed and the parameter's name, with its modules' own init methods: the same "
+                   "under any plan) or factory (every process builds the whole model with the factory's own values).")
 @click.option("--verbose", "-v", is_flag=True, help="Show the launcher's log and a failing worker's traceback.")
 @click.option("--evaluate", is_flag=True,
               help="After training, report top-1 accuracy on the data set's held-out split (digits' test "
@@ -397,7 +401,8 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimizer, lr, momentum, weight_decay, checkpoint_dir,
           checkpoint_every, resume, max_restarts, metrics_path, trace_path, timeout_s, startup_timeout_s, threads, nnodes, node_rank, nproc_per_node,
-          master_addr, master_port, rdzv_endpoint, rdzv_id, iface, device, transport, launcher, verbose, evaluate, quiet):
+          master_addr, master_port, rdzv_endpoint, rdzv_id, iface, device, transport, launcher, init, verbose, evaluate,
+          quiet):
     """Train a plan on torch.distributed workers (gloo on CPU, NCCL on GPUs), one process per rank.
 
     Every worker builds its stage from the model the plan names, checks the plan against the
@@ -431,7 +436,7 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
                        startup_timeout_s=startup_timeout_s,
                        threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                        progress=not quiet, return_weights=evaluate, device=device, transport=transport,
-                       model=model_spec)
+                       model=model_spec, init=init)
     if evaluate:
         from .model.data import held_out
 

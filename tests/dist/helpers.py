@@ -5,7 +5,7 @@ import torch
 
 from pdtool.artifacts.cluster import parse_cluster
 from pdtool.artifacts.plan import with_boundaries
-from pdtool.model.spec import load_model
+from pdtool.model.build import initial_model
 from pdtool.planner import make_plan, shared_parameters
 from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
@@ -47,8 +47,7 @@ def reference(plan, config, ref=MLP):
     from pdtool.runtime.worker.shards import restore
     from pdtool.runtime.run import minibatches_per_step
 
-    torch.manual_seed(config.seed)
-    bundle = load_model(ref)
+    bundle = initial_model(ref, config.seed)
     stages = plan_stages(plan, bundle.module, sample_inputs(bundle, plan))
     schedule = make_schedule(plan, config)
     source = synthetic_source(bundle, plan.profile.batch_size, config.seed)
@@ -63,8 +62,7 @@ def reference(plan, config, ref=MLP):
 def gradient_accumulation(plan, config, ref=MLP):
     """One process, no pipeline: per step, the mean gradient of `group` microbatches."""
     schedule = make_schedule(plan, config)
-    torch.manual_seed(config.seed)
-    bundle = load_model(ref)
+    bundle = initial_model(ref, config.seed)
     model = bundle.module
     optimizer = build_optimizer(config.optimizer, list(model.parameters()), 1.0)
     batch = synthetic_source(bundle, plan.profile.batch_size, config.seed).batch

@@ -21,7 +21,7 @@ import torch
 from torch.func import functional_call
 
 from pdtool.model.data import synthetic_source
-from pdtool.model.spec import load_model
+from pdtool.model.build import initial_model
 
 STEP_ROUND = {"pipedream": "replicas", "vsync": "replicas", "2bw": "batch"}
 
@@ -50,8 +50,7 @@ def expected_run(plan, profile, ref, steps: int, seed: int, lr: float, momentum:
     `profile` (the plan's) names the layers: a parameter belongs to the layer whose name prefixes it."""
     mode = plan.mode
     replicas = [len(s.ranks) for s in plan.stages]
-    torch.manual_seed(seed)
-    bundle = load_model(ref)
+    bundle = initial_model(ref, seed)
     model = bundle.module
     names = {layer.id: layer.name for layer in profile.layers}
     stage_of = {}

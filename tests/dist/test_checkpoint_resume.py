@@ -112,7 +112,7 @@ def test_a_run_killed_and_resumed_equals_the_uninterrupted_run_bit_for_bit(tmp_p
     plan = dataclasses.replace(dropping_plan, mode=mode)
     plan.save(tmp_path / "whole.plan.json")
     per_step = 1 if mode in ("pipedream", "vsync") else 2
-    model = dict(plan.profile.model, kwargs={"after": 4 * per_step, "dropout": 0.25})  # dies at minibatch 4 * per_step
+    model = dict(plan.profile.model, kwargs={"after": 4 * per_step + 1, "dropout": 0.25})  # dies in the third segment
     dataclasses.replace(plan, profile=dataclasses.replace(plan.profile, model=model)).save(tmp_path / "dying.plan.json")
     every = dict(steps=6, checkpoint_every=2)
     whole = run(config_for(tmp_path / "whole.plan.json", checkpoint_dir=str(tmp_path / "whole"), **every))

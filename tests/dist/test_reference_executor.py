@@ -49,7 +49,7 @@ def test_pipedream_weight_stashing_matches_a_hand_written_two_stage_pipeline(tmp
     uses its forward's weights. Written out here with a weight history, no schedule code."""
     from torch.func import functional_call
 
-    from pdtool.model.spec import load_model
+    from pdtool.model.build import initial_model
     from pdtool.runtime.run import OptimizerConfig
     from pdtool.model.data import synthetic_source
 
@@ -58,8 +58,7 @@ def test_pipedream_weight_stashing_matches_a_hand_written_two_stage_pipeline(tmp
     config = config_for(path, steps=steps, optimizer=OptimizerConfig("sgd", lr, 0.0, 0.0))
     run = reference(plan, config)
 
-    torch.manual_seed(config.seed)
-    bundle = load_model(MLP)
+    bundle = initial_model(MLP, config.seed)
     model, batch = bundle.module, synthetic_source(bundle, plan.profile.batch_size, config.seed).batch
     first = {n: p.detach().clone() for n, p in model.named_parameters() if n.split(".")[0] in ("0", "2")}
     second = {n: p.detach().clone() for n, p in model.named_parameters() if n.split(".")[0] in ("4", "6")}

@@ -39,6 +39,9 @@ their whole-model names for checkpoints and resume under another plan.
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,27 +150,32 @@ def trace_fx(module: nn.Module, depth: int | None = None) -> fx.GraphModule:
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
 
 
+@contextlib.contextmanager
+def quiet(*loggers: str):
+    """While it lasts, torch's `loggers` say only what is critical, and nothing reaches stderr
+    (a failing capture prints its partial graph there: the one line pdtool gives is what the user needs)."""
+    found = [logging.getLogger(name) for name in loggers]
+    levels = [logger.level for logger in found]
+    for logger in found:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for logger, level in zip(found, levels):
+            logger.setLevel(level)
+
+
 def trace_export(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[fx.GraphModule, Any]:
     """Capture `module` on `inputs` with torch.export (non-strict, training graph): the graph
     module (reading the model's own parameters and buffers) and the output's pytree spec.
     The graph is specialised to the shapes of `inputs`. Raises `Untraceable` with the reason."""
-    import contextlib
-    import io
-    import logging
-
-    quiet = [logging.getLogger(name) for name in ("torch._export", "torch.export", "torch._dynamo", "torch.fx")]
-    levels = [logger.level for logger in quiet]
-    for logger in quiet:
-        logger.setLevel(logging.ERROR)
     try:  # a failing export prints the partial graph on stderr: the reason is what the user needs
-        with contextlib.redirect_stderr(io.StringIO()):
+        with quiet("torch._export", "torch.export", "torch._dynamo", "torch.fx"):
             program = torch.export.export(module, tuple(inputs), strict=False)
             gm = program.module(check_guards=False)
     except Exception as exc:  # data-dependent control flow, unsupported ops, ...
         raise Untraceable(_first_line(exc)) from None
-    finally:
-        for logger, level in zip(quiet, levels):
-            logger.setLevel(level)
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and not node.users and str(node.target).startswith("_guards"):
             gm.graph.erase_node(node)

@@ -21,9 +21,12 @@ from ..schedule import Run, Schedule, checkpoint_unit, generate, resolve, step_g
 if TYPE_CHECKING:
     import torch
 
+    from ..model.capture import Capture
+
 
 OPTIMIZERS = ("sgd", "adam")  # what `worker.executor.build_optimizer` builds (planner.costmodel.OPTIMIZER_SLOTS: their state)
 DEVICES = ("auto", "cpu", "cuda")  # where a worker computes (`runtime.device.choose`)
+INITS = ("rule", "factory")  # initial weights: `model.build`'s initialization rule, or the factory's own
 TRANSPORTS = ("auto", "shared-memory", "process-group")  # how neighbours' messages travel (`worker.shm.use_shared_memory`)
 
 
@@ -61,6 +64,8 @@ class RunConfig:
     transport: str = "auto"          # auto, shared-memory or process-group (runtime.worker.shm.use_shared_memory)
     model: str | None = None         # pd train -m: the user's own spec instead of the plan's (pdtool.consent)
     run_id: str | None = None        # the run's id in its checkpoint shards and manifests (session.run sets it)
+    init: str = "rule"               # pd train --init: the initialization rule, or the factory's values (model.build)
+    capture: Capture | None = None   # every stage's program and message specs (the launcher's preflight)
 
 
 @dataclass
@@ -81,6 +86,7 @@ class WorkerReport:
     rings: int = 0  # directions of its links that went through shared memory (runtime.worker.shm)
     memory: dict[str, int] = field(default_factory=dict)  # bytes, as `worker.memory.measure` reports them
     step_memory: list[tuple[float, int]] = field(default_factory=list)  # (end of each step, bytes in use then)
+    startup: dict[str, float] = field(default_factory=dict)  # epoch times: began, built (its stage), joined (the group)
 
 
 def make_schedule(plan: Plan, config: RunConfig) -> Schedule:

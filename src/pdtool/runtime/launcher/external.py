@@ -97,6 +97,8 @@ def _ignore(signum, frame) -> None:
     """The main thread's handler of SIGINT/SIGTERM under `Ending`: nothing (its thread answers)."""
 
 
+_CAPTURE = "pdtool/capture"
+"""Where rank 0 publishes the stages' capture (`model.capture.Capture`) for the other ranks."""
 _DECIDED = ("steps", "first_step", "resume", "run_id", "threads")
 """The RunConfig fields rank 0 decides for every worker (`job.prepare`, --resume, the run id)."""
 
@@ -198,6 +200,7 @@ def _decide(store, where: Place, plan, config, epochs, resume, warn, say):
         store.set(_DECISION, json.dumps({"error": str(exc)}))
         _wait_until_read(store, where.world, config.timeout_s)  # the store is rank 0's under SLURM
         raise
+    store.set(_CAPTURE, config.capture.to_json())
     store.set(_DECISION, json.dumps({"config": {name: getattr(config, name) for name in _DECIDED}}))
     return job, config, per_step, folder
 
@@ -237,6 +240,7 @@ def _decision(store, rank: int, config):
         peers.wait_for(store, rank, {0: _DECISION}, config.timeout_s, config.startup_timeout_s,
                        "check the plan", "while it ran pd train's checks", "check the plan (pd train's checks)")
         decision = json.loads(store.get(_DECISION))
+        capture = store.get(_CAPTURE).decode() if "error" not in decision else None
         store.add(_READ, 1)
     except peers.PeerTimeout as silent:  # rank 0 stopped (SIGSTOP) or hung: end it, as pd train's workers do
         peers.stop_silent(silent.peer, silent.store)
@@ -247,7 +251,9 @@ def _decision(store, rank: int, config):
         raise _store_lost(rank, "while rank 0 checked the plan", exc) from None
     if "error" in decision:
         raise LaunchError(decision["error"])
-    return dataclasses.replace(config, **decision["config"])
+    from ...model.capture import Capture
+
+    return dataclasses.replace(config, **decision["config"], capture=Capture.from_json(capture))
 
 
 def _store_lost(rank: int, when: str, exc: Exception) -> LaunchError:

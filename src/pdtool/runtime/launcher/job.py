@@ -44,7 +44,9 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
                           f"than --startup-timeout {config.startup_timeout_s:g} s; raise it if the model takes that "
                           "long to build, else look at what its factory waits for")
     with deadline(config.startup_timeout_s, overdue):
-        checked = preflight(plan, config.plan_path, resolved(plan, config).name, config.data, config.seed, config.model)
+        checked = preflight(plan, config.plan_path, resolved(plan, config).name, config.data, config.seed, config.model,
+                            config.init, warn)
+    config = dataclasses.replace(config, capture=checked.capture)
     check_memory(plan, config)
     if epochs:
         per_step = checked_run(plan, config).per_step

@@ -3,8 +3,9 @@
 A stage only talks to the stage before it and the stage after it (skip connections are
 relayed through the stages in between, see `model.stages`). Minibatch b goes to replica
 b mod r of every stage (1F1B-RR), so the peer of every message follows from the plan. Shapes
-and dtypes of every message are known in advance (`boundary_specs`), so receives are posted
-ahead of need (`Prefetch`) and transfers overlap compute; sends do not block.
+and dtypes of every message are known in advance (the launcher's capture,
+`model.capture.Capture.specs`), so receives are posted ahead of need (`Prefetch`) and transfers
+overlap compute; sends do not block.
 A message's small tensors (at most `PACK_BYTES` each: a target, masks, a small model's
 activations) travel together in one byte buffer (`Layout`): every transfer costs gloo about
 50-100 us however small, so a 2-tensor message took 160 us one way where one tensor took 110.
@@ -55,19 +56,6 @@ class BoundaryTensor:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-
-def boundary_specs(stages, sample) -> list[list[BoundaryTensor]]:
-    """Per stage, the names, shapes and dtypes of what it sends on, and last the target's."""
-    inputs, target = sample
-    values = dict(zip(stages[0].inputs, inputs))
-    specs = []
-    with torch.no_grad():
-        for stage in stages[:-1]:
-            values = stage.forward(values)
-            specs.append([BoundaryTensor(n, tuple(values[n].shape), values[n].dtype) for n in stage.outputs])
-    specs.append([BoundaryTensor("target", tuple(target.shape), target.dtype)])
-    return specs
 
 
 def incoming_specs(specs, s: int, direction: int) -> list[BoundaryTensor]:

@@ -30,7 +30,7 @@ from .executor import StageWorker
 @dataclass(frozen=True)
 class Context:
     """What one worker's loop runs with: its `schedule` and lowered `ops`, every stage's
-    boundary `specs` (`comm.boundary_specs`), `batch` (minibatch -> (inputs, target) on the
+    boundary `specs` (from the launcher's capture, `model.capture`), `batch` (minibatch -> (inputs, target) on the
     device, minibatches counted from `first`, the run's first), its `collectives` (by
     `collective_key`), its `link` to its neighbours, its checkpoint `saver` (None: none), and
     whether it shows the progress line (`show_progress`, of `batch_size` samples a minibatch)."""

@@ -10,6 +10,7 @@ ops is `runtime.worker.interpreter`.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -18,11 +19,10 @@ import torch
 import torch.distributed as dist
 
 from ...allocator import keep_freed_memory
-from ...model.spec import file_model
 from ...artifacts.plan import Plan
 from ...schedule import Schedule, lower, stash_depth
 from ...schedule.lower import Lowered, collective_key
-from .comm import BoundaryTensor, Link, boundary_specs, layout, link_groups, message_specs
+from .comm import BoundaryTensor, Link, layout, link_groups, message_specs
 from .. import peers
 from . import memory, shm, tied
 from ..device import Placement, choose
@@ -34,6 +34,7 @@ from ..run import RunConfig, WorkerReport, check_world, make_schedule, minibatch
 def worker_main(config: RunConfig, store=None) -> WorkerReport:
     """Entry point of every worker process. `store`: the job's store when this process joined it
     already (`peers.join`; a worker started by torchrun or srun, `runtime.launcher.external`)."""
+    began = time.time()
     rank, world, placement = _environment(config)
     device = placement.device
     base = memory.start(device)  # before the stage is built: its peak is measured from here
@@ -42,8 +43,10 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
     if store is None:
         store = peers.join(rank, world, config.startup_timeout_s)  # start-up: see runtime.peers
     with peers.Beacon(store, rank):
-        built = _build(config, plan, rank)
+        built = _build(config, plan, rank, device)
+        startup = {"began": began, "built": time.time()}
         _join_group(config, placement, store, rank, world)
+        startup["joined"] = time.time()
     # On an error, no orderly teardown: the launcher records this worker's error before its
     # connections close, so the job reports it rather than a peer's "connection closed".
     ops, link, collectives = _connect(config, plan, built, rank, device, store)
@@ -55,6 +58,7 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
     except peers.PeerTimeout as silent:
         silent.store = silent.store or store  # where the silent peer's process is published (peers.stop_silent)
         raise
+    report.startup = startup
     return _end(config, report, worker, link, memory.measure(worker, device, base))
 
 
@@ -71,14 +75,15 @@ def _environment(config: RunConfig) -> tuple[int, int, Placement]:
 
 @dataclass(frozen=True)
 class _Built:
-    """What every worker builds alike from the plan, and this worker's place in it: all the
-    `stages` (the same initial weights everywhere), the `schedule`, the model's `loss_fn`, the
-    run's `first` minibatch, `batch` (minibatch counted from `first` -> (inputs, target)) and
-    every stage's boundary `specs`."""
+    """This worker's place in the plan and what it builds from the launcher's capture: its own
+    `stage` (only its parameters hold memory), the `capture` (every stage's description and
+    message specs), the `schedule`, the model's `loss_fn`, the run's `first` minibatch, `batch`
+    (minibatch counted from `first` -> (inputs, target)) and every stage's boundary `specs`."""
 
     stage_index: int
     replica: int
-    stages: list
+    stage: object
+    capture: object
     schedule: Schedule
     loss_fn: Callable
     first: int
@@ -86,23 +91,33 @@ class _Built:
     specs: list[list[BoundaryTensor]]
 
 
-def _build(config: RunConfig, plan: Plan, rank: int) -> _Built:
-    """The model cut into the plan's stages, the schedule and the data (within start-up)."""
+def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _Built:
+    """This worker's stage (`model.capture.own_stage`), the schedule and the data (within start-up)."""
     stage_index, replica = place(plan, rank)
-    torch.manual_seed(config.seed)  # every worker builds the same initial weights
-    bundle = file_model(plan.profile.model, config.model)
-    from ...model.stages import plan_stages, sample_inputs
-
-    stages = plan_stages(plan, bundle.module, sample_inputs(bundle, plan))
-    schedule = make_schedule(plan, config)
-    tied.check_mode(stages, schedule.mode)
+    from ...model.build import build_model
+    from ...model.capture import own_stage
     from ...model.data import load_source
 
+    bundle, on_meta = build_model(plan.profile.model, config.model, config.seed, config.init)
     source = load_source(config.data, bundle, plan.profile.batch_size, config.seed)
+    capture = config.capture or _capture_here(plan, bundle, source, config, on_meta)
+    stage = own_stage(capture, stage_index, plan, bundle, config.seed, device, on_meta)
+    schedule = make_schedule(plan, config)
+    tied.check_mode(capture.stages, schedule.mode)
     first = config.first_step * minibatches_per_step(schedule)
     batch = lambda b: source.batch(first + b)  # noqa: E731
-    specs = boundary_specs(stages, batch(0))
-    return _Built(stage_index, replica, stages, schedule, bundle.loss_fn, first, batch, specs)
+    specs = [[BoundaryTensor(name, tuple(shape), getattr(torch, dtype)) for name, shape, dtype in boundary]
+             for boundary in capture.specs]
+    return _Built(stage_index, replica, stage, capture, schedule, bundle.loss_fn, first, batch, specs)
+
+
+def _capture_here(plan: Plan, bundle, source, config: RunConfig, on_meta: bool):
+    """The capture the launcher makes (`runtime.launcher.preflight`), for a worker started without one."""
+    from ...model.capture import cut
+    from ...model.dryrun import described
+
+    inputs, target = source.batch(0)
+    return described(cut(plan, bundle), bundle, inputs, target, config.data, config.seed, on_meta)
 
 
 def _join_group(config: RunConfig, placement: Placement, store, rank: int, world: int) -> None:
@@ -121,11 +136,11 @@ def _connect(config: RunConfig, plan: Plan, built: _Built, rank: int, device: to
     """This worker's lowered ops, its link to its neighbours (process groups, shared-memory
     rings) and its collectives. Every rank makes every process group, in one order."""
     ranks = [r for st in plan.stages for r in st.ranks]  # stage-major, as the schedule numbers its workers
-    lowered = lower(built.schedule, tied.sets(built.stages), ranks)
+    lowered = lower(built.schedule, tied.sets(built.capture.stages), ranks)
     ops = lowered.workers[lowered.index(rank)]
     groups = {s: dist.new_group(list(st.ranks)) for s, st in enumerate(plan.stages) if st.replicas > 1}
     links = link_groups(lowered, rank)
-    ties = tied.make_ties(built.stages, [st.ranks for st in plan.stages], built.stage_index)
+    ties = tied.make_ties(built.capture.stages, built.stage, [st.ranks for st in plan.stages])
     window = max(stash_depth(built.schedule, s) for s in range(built.schedule.stages))
     rings = _rings(config, lowered, ops, rank, built.specs, window, device, store)
     collectives = _collectives(ops, groups.get(built.stage_index), ties)
@@ -135,9 +150,9 @@ def _connect(config: RunConfig, plan: Plan, built: _Built, rank: int, device: to
 def _stage_worker(config: RunConfig, built: _Built, device: torch.device):
     """This worker's stage on its device, with its optimizer (restored on --resume), and the
     saver of its checkpoint shards (replica 0, with --checkpoint-dir; else None)."""
-    stage = built.stages[built.stage_index]
+    stage = built.stage
     stage.module.to(device)
-    last = built.stage_index == len(built.stages) - 1
+    last = built.stage_index == len(built.capture.stages) - 1
     loss_fn = built.loss_fn
     if last and isinstance(loss_fn, torch.nn.Module):
         loss_fn.to(device)  # e.g. class weights

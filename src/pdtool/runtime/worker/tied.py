@@ -42,18 +42,17 @@ def sets(stages) -> list[tuple[int, ...]]:
     return sorted({users for stage in stages for users in stage.tied.values()})
 
 
-def make_ties(stages, stage_ranks: list[tuple[int, ...]], stage_index: int) -> dict[tuple[int, ...], Callable]:
+def make_ties(stages, stage, stage_ranks: list[tuple[int, ...]]) -> dict[tuple[int, ...], Callable]:
     """For each set of sharing stages that this worker's stage belongs to, the function its
     `tie` op runs (`StageWorker` -> None): all-reduce the shared parameters' gradients.
 
     Creates one process group per set of sharing stages (all their workers), on every rank in
     one order, as torch.distributed requires; call it on every rank."""
     groups = {users: dist.new_group(sorted(r for s in users for r in stage_ranks[s])) for users in sets(stages)}
-    stage = stages[stage_index]
     mine: dict[tuple[int, ...], list[str]] = {}
     for name, users in sorted(stage.tied.items()):
         mine.setdefault(users, []).append(name)
-    replicas = len(stage_ranks[stage_index])
+    replicas = len(stage_ranks[stage.index])
     params = dict(stage.module.named_parameters())
 
     def tie(users: tuple[int, ...], worker) -> None:  # noqa: ARG001 - the op's signature

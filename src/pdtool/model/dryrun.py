@@ -1,0 +1,109 @@
+"""The first minibatch through a plan's stages before any worker starts: the shapes of every message.
+
+`described` completes a `model.capture.Capture` with its message specs by running the first
+minibatch of the data through every stage and the loss function on fake tensors (torch's
+`FakeTensorMode`: shapes and dtypes only, no memory, no compute, whatever the model's size).
+Where fake tensors cannot follow the model (values that decide shapes, an op without a fake
+kernel), it runs for real, one stage's parameters at a time (`model.build.materialize`, then
+back to `meta`), so no process holds the whole model for it either. An error of the model on
+the data is one `LaunchError` line.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from torch import nn
+
+import torch
+
+from ..errors import LaunchError, PdtoolError
+from .build import materialize, to_meta
+from .capture import Capture, Spec, describe, names_of, stage_module
+from .layergraph import quiet
+from .stages import OUTPUT
+
+_CPU = torch.device("cpu")
+
+
+def described(stages, bundle, inputs, target, data: str, seed: int, on_meta: bool) -> Capture:
+    """The `Capture` of `stages` (`model.capture.cut` of `bundle`'s model) with its message
+    specs, from the first minibatch (`inputs`, `target`) of `--data data`."""
+    capture = describe(stages, bundle.module)
+    model = bundle.module
+    try:
+        with quiet("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes"):
+            specs, loss = check_data(capture, lambda: [stage_module(info, model, _CPU, stages) for info in capture.stages],
+                                     model, inputs, target, bundle.loss_fn)
+    except Exception:  # noqa: BLE001 - fake tensors cannot follow this model: the real run says what is wrong
+        specs, loss = _run_real(capture, stages, bundle, inputs, target, data, seed, on_meta)
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        raise LaunchError(f"the loss function returned {type(loss).__name__} for --data {data}, not a scalar tensor; "
+                          "fix the model factory's loss function")
+    return dataclasses.replace(capture, specs=specs)
+
+
+def _run_real(capture: Capture, stages, bundle, inputs, target, data: str, seed: int, on_meta: bool):
+    """The same for real, holding one stage's parameters at a time."""
+    shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in inputs
+                       if isinstance(t, torch.Tensor))
+    model = bundle.module
+    specs = []
+    try:
+        with torch.no_grad():
+            values = dict(zip(capture.stages[0].inputs, inputs))
+            for info in capture.stages:
+                made = [n for n in names_of(info) if on_meta and model.get_parameter(n).device.type == "meta"]
+                materialize(model, made, seed)
+                values = stage_module(info, model, _CPU, stages)(values)
+                to_meta(model, made)
+                if info.index < len(capture.stages) - 1:
+                    specs.append(tuple((n, tuple(values[n].shape), str(values[n].dtype).removeprefix("torch."))
+                                       for n in info.outputs))
+            loss = bundle.loss_fn(values[OUTPUT], target)
+    except PdtoolError:
+        raise
+    except Exception as exc:
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else ""
+        raise LaunchError(f"the first minibatch of --data {data} (inputs {shapes}) does not fit the model: "
+                          f"{type(exc).__name__}: {first}; give data of the shapes the model was profiled with "
+                          "(the profile's inputs), or profile the model again") from None
+    specs.append((("target", tuple(target.shape), str(target.dtype).removeprefix("torch.")),))
+    return tuple(specs), loss
+
+
+def check_data(capture: Capture, stages_on: Callable[[], list[nn.Module]], model: nn.Module, inputs, target,
+               loss_fn) -> tuple[tuple[tuple[Spec, ...], ...], Any]:
+    """Run `inputs` through every stage and `loss_fn` on fake tensors (no memory, no compute):
+    (the message specs per boundary and the target's, the loss). `stages_on()` gives the stage
+    modules bound to `model` on the CPU. Raises what the model raises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    modules = stages_on()
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    specs = []
+    with mode, torch.no_grad():
+        values = dict(zip(capture.stages[0].inputs, (mode.from_tensor(t) for t in inputs)))
+        for info, module in zip(capture.stages, modules):
+            tensors = {own: _fake(mode, t) for own, t in
+                       list(module.named_parameters()) + list(module.named_buffers())}
+            values = torch.func.functional_call(module, tensors, (values,))
+            if info.index < len(capture.stages) - 1:
+                specs.append(tuple((n, tuple(int(d) for d in values[n].shape), _dtype(values[n].dtype))
+                                   for n in info.outputs))
+        loss = loss_fn(values[OUTPUT], mode.from_tensor(target) if isinstance(target, torch.Tensor) else target)
+    specs.append(((("target", tuple(target.shape), _dtype(target.dtype)),) if isinstance(target, torch.Tensor)
+                  else ()))
+    return tuple(specs), loss
+
+
+def _fake(mode, tensor: torch.Tensor):
+    if tensor.device.type == "meta":
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")  # inside the mode: a fake CPU tensor
+    return mode.from_tensor(tensor)
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,191 @@
+"""Models built without their weights (`model.build`), each stage's program as data
+(`model.program`), and a worker's own stage from the launcher's capture (`model.capture`)."""
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from pdtool.errors import ModelError
+from pdtool.model.build import (build_model, check_initialisable, initial_model, materialize, seed_of,
+                                unset_parameters, waiting)
+from pdtool.model.capture import Capture, cut, describe, own_stage, stage_module
+from pdtool.model.program import decode, encode
+
+GPT = {"spec": "pdtool.zoo:gpt", "kwargs": dict(vocab=32, seq_len=8, d_model=16, heads=2, layers=2)}
+MLP = {"spec": "pdtool.zoo:mlp", "kwargs": dict(in_features=12, hidden=8, depth=3, classes=3)}
+
+
+def test_parameters_wait_on_meta_and_buffers_keep_the_factorys_values():
+    bundle, on_meta = build_model(GPT, None, 0)
+    assert on_meta
+    model = bundle.module
+    assert all(p.device.type == "meta" for n, p in model.named_parameters() if n != "pos_emb")
+    # GPT itself has no reset_parameters: its own parameter keeps the factory's value
+    assert model.pos_emb.device.type == "cpu" and model.pos_emb.abs().sum() > 0
+    assert waiting(model) == [n for n, _ in model.named_parameters() if n != "pos_emb"]
+
+
+@pytest.mark.parametrize("model", [MLP, GPT], ids=["mlp", "gpt"])
+def test_a_parameters_initial_value_depends_on_the_seed_and_its_name_only(model):
+    whole = dict(initial_model(model, 3).module.named_parameters())
+    names = waiting(build_model(model, None, 3)[0].module)
+    for part in (names[::2], names[1::2], names[-1:]):  # any subset, as any plan's stage would ask
+        bundle, _ = build_model(model, None, 3)
+        materialize(bundle.module, part, 3)
+        got = dict(bundle.module.named_parameters())
+        assert all(torch.equal(got[n], whole[n]) for n in part)
+        assert all(got[n].device.type == "meta" for n in set(names) - set(part))
+    other = dict(initial_model(model, 4).module.named_parameters())
+    assert not torch.equal(other[names[0]], whole[names[0]])
+
+
+def test_the_rule_uses_each_modules_own_init():
+    torch.manual_seed(0)
+    whole = initial_model(MLP, 0).module
+    first = whole[0]
+    bound = 1 / first.in_features ** 0.5  # nn.Linear.reset_parameters: kaiming uniform, a=sqrt(5)
+    assert first.weight.abs().max() <= bound and first.bias.abs().max() <= bound
+    assert first.weight.std() > bound / 3
+    torch.manual_seed(seed_of(0, "0.weight"))
+    expected = nn.Linear(first.in_features, first.out_features).weight  # its first draw under the parameter's seed
+    assert torch.equal(first.weight, expected)
+
+
+class _HalfInit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(3))
+        self.b = nn.Parameter(torch.empty(3))
+
+    def reset_parameters(self):
+        nn.init.ones_(self.a)  # b is forgotten
+
+    def forward(self, x):
+        return x * self.a * self.b
+
+
+def test_a_parameter_no_init_method_sets_is_one_line_found_on_meta():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), _HalfInit())
+    assert unset_parameters(model) == ["1.b"]
+    with pytest.raises(ModelError, match=r"^parameter 1\.b \(of a _HalfInit\) is set by no init method .* give "
+                                         r"_HalfInit a reset_parameters\(\) .* or train with --init factory"):
+        check_initialisable(model)
+    with pytest.raises(ModelError, match="parameter 1.b"):
+        materialize(model, ["1.a", "1.b"], 0)
+
+
+def _reads_its_weights():
+    layer = nn.Linear(4, 4)
+    scale = float(layer.weight.detach().abs().max())  # impossible on meta
+    return nn.Sequential(layer), (lambda n: (torch.randn(n, 4) * scale, torch.randint(0, 4, (n,)))), \
+        nn.functional.cross_entropy
+
+
+def test_a_factory_that_cannot_run_on_meta_is_built_whole_with_a_warning(monkeypatch):
+    import sys
+    import types
+
+    module = types.ModuleType("meta_hostile")
+    module._reads_its_weights = _reads_its_weights
+    monkeypatch.setitem(sys.modules, "meta_hostile", module)
+    said = []
+    bundle, on_meta = build_model({"spec": "meta_hostile:_reads_its_weights", "kwargs": {}}, "meta_hostile:_reads_its_weights",
+                                  0, warn=said.append)
+    assert not on_meta and all(p.device.type == "cpu" for p in bundle.module.parameters())
+    assert len(said) == 1 and "cannot run with its parameters on the meta device" in said[0]
+    assert not build_model(MLP, None, 0, init="factory")[1]
+
+
+# ----- programs ----------------------------------------------------------------------------------
+
+def _plan(tmp_path, model, starts):
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "dist"))
+    from helpers import plan_with
+    from pdtool.artifacts.profile import ModelRef
+    from pdtool.profiler import profile_model
+
+    ref = ModelRef(model["spec"], model["kwargs"])
+    names = [layer.name for layer in profile_model(ref, batch_size=2, repeats=1, warmup=0).layers]
+    bounds = [0] + [names.index(s) for s in starts] + [len(names)]
+    return plan_with(tmp_path, [((a, b - 1), 1) for a, b in zip(bounds, bounds[1:])], mode="flush", ref=ref,
+                     batch_size=2)[0]
+
+
+def _whole_run(model, seed, inputs):
+    bundle = initial_model(model, seed)
+    with torch.no_grad():
+        return bundle.module(*inputs)
+
+
+CASES = [(GPT, ["blocks.0.fc", "blocks.1.ln1"]), (MLP, ["2", "4"])]
+try:
+    import transformers  # noqa: F401
+
+    CASES += [({"spec": "pdtool.zoo.hf:gpt2", "kwargs": dict(vocab=64, seq_len=8, n_embd=16, n_head=2, n_layer=2)},
+               ["transformer.h.1.ln_1"]),
+              ({"spec": "pdtool.zoo.hf:llama", "kwargs": dict(vocab=64, seq_len=8, hidden=16, heads=4, kv_heads=2,
+                                                               layers=2)},
+               ["model.layers.0.mlp.gate_proj", "model.layers.1.self_attn.q_proj"])]
+except ImportError:
+    pass
+
+
+@pytest.mark.parametrize("model, starts", CASES, ids=[c[0]["spec"].split(":")[1] for c in CASES])
+def test_stages_built_from_their_programs_compute_the_whole_model(tmp_path, model, starts):
+    plan = _plan(tmp_path, model, starts)
+    bundle, _ = build_model(model, None, 0)
+    _, inputs, _ = bundle.batch(2)
+    capture = Capture.from_json(describe(cut(plan, bundle), bundle.module).to_json())  # as it crosses to workers
+    assert all(info.program is not None for info in capture.stages)
+    values = dict(zip(capture.stages[0].inputs, inputs))
+    held = []
+    for info in capture.stages:  # each stage as its own worker builds it: a fresh model, its own parameters only
+        worker_bundle, on_meta = build_model(model, None, 0)
+        stage = own_stage(capture, info.index, plan, worker_bundle, 0, torch.device("cpu"), on_meta)
+        real = {n for n, p in worker_bundle.module.named_parameters() if p.device.type != "meta"}
+        assert real == set(stage.param_names.values())
+        held.append(real)
+        with torch.no_grad():
+            values = stage.forward(values)
+    assert set().union(*held) == {n for n, _ in initial_model(model, 0).module.named_parameters()}
+    expected = _whole_run(model, 0, inputs)
+    got, want = values["output"], expected
+    got, want = (getattr(got, "logits", got), getattr(want, "logits", want))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_program_is_plain_text_that_names_what_it_calls(tmp_path):
+    plan = _plan(tmp_path, GPT, ["blocks.1.ln1"])
+    bundle, _ = build_model(GPT, None, 0)
+    stages = cut(plan, bundle)
+    text = encode(stages[0].module.graph)
+    assert "scaled_dot_product_attention" in text and "pickle" not in text
+    graph = decode(text)
+    assert [n.name for n in graph.nodes] == [n.name for n in stages[0].module.graph.nodes]
+    broken = text.replace("torch._C._nn:scaled_dot_product_attention", "not_imported_anywhere:f")
+    from pdtool.errors import LaunchError
+
+    with pytest.raises(LaunchError, match="calls not_imported_anywhere:f, which this worker has not imported"):
+        decode(broken)
+
+
+def test_a_stage_module_binds_to_the_models_own_tensors(tmp_path):
+    plan = _plan(tmp_path, MLP, ["4"])
+    bundle, _ = build_model(MLP, None, 0)
+    capture = describe(cut(plan, bundle), bundle.module)
+    materialize(bundle.module, waiting(bundle.module), 0)
+    module = stage_module(capture.stages[1], bundle.module, torch.device("cpu"))
+    assert {id(p) for p in module.parameters()} == {id(bundle.module.get_parameter(n))
+                                                    for n in capture.stages[1].param_names.values()}
+    assert dataclasses.asdict(Capture.from_json(capture.to_json())) == dataclasses.asdict(capture)
+
+
+def test_the_zoo_gpt_keeps_its_position_embedding_init():
+    module = initial_model(GPT, 0).module
+    import importlib
+
+    assert isinstance(module, importlib.import_module("pdtool.zoo.gpt").GPT) and 0.01 < float(module.pos_emb.std()) < 0.03
