@@ -185,16 +185,21 @@ def to_meta(model: nn.Module, names: Iterable[str]) -> None:
 
 
 class _Writes(TorchDispatchMode):
-    """The tensors (or bases of views) that ops write in place while it lasts."""
+    """Records the tensors (or bases of views) that ops write in place while it lasts; an op that
+    writes only `meta` tensors (an init method on a parameter waiting there) is skipped: it
+    would compute nothing."""
 
     def __init__(self):
         super().__init__()
         self.written: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        for arg, value in zip(func._schema.arguments, args):
-            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
-                self.written.add(id(value._base if value._base is not None else value))
+        written = [value for arg, value in zip(func._schema.arguments, args)
+                   if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor)]
+        for value in written:
+            self.written.add(id(value._base if value._base is not None else value))
+        if written and func._schema.returns and all(value.device.type == "meta" for value in written):
+            return written[0]  # in place: the op returns what it wrote
         return func(*args, **(kwargs or {}))
 
 

@@ -1,4 +1,7 @@
-"""A plan's pipeline stages, built at run time from the model itself (no generated source).
+"""A plan's pipeline stages, cut from the model itself (no generated source).
+
+`pd train`'s launcher cuts them once, on a model waiting on `meta` (`model.capture`), and each
+worker rebinds its own stage's graph to its own model (`model.capture.own_stage`).
 
 The model is captured by the tracer that made its profile (torch.fx, or torch.export on a
 sample minibatch of the profile's size) and grouped into layers exactly as `pd profile` grouped

@@ -64,24 +64,45 @@ PRELOAD = "pdtool.runtime.worker.preload"
 """The module the workers' forkserver imports before it forks any worker."""
 
 
-def start_method(device: str, local_workers: int) -> str:
+def start_method(device: str, local_workers: int, modules: tuple[str, ...] = ()) -> str:
     """How the workers start: from the forkserver (`FORKSERVER`) when they compute on the CPU, else
     spawned (a forked process cannot use CUDA once its parent has touched it), and the forkserver
-    is readied (`_preload`)."""
+    is readied (`_preload`, with `modules` besides the worker's own)."""
     from ..device import choose
 
     if choose(device, 0, local_workers).device.type != "cpu":
         return SPAWN
-    _preload()
+    _preload(modules)
     return FORKSERVER
 
 
-def _preload() -> None:
+_PRELOADED: list[str] = [PRELOAD]
+
+
+def _preload(modules: tuple[str, ...] = ()) -> None:
     """The workers start from a forkserver (multiprocessing's), which imports torch and the worker's
-    modules once (`PRELOAD`): a worker is forked ready instead of importing them (about 2 s of CPU
-    each). The forkserver starts at this process's first launch and serves every later one; its
+    modules once (`PRELOAD`), and the model's (`warm`): a worker is forked ready instead of
+    importing them (about 2 s of CPU each for torch, 0.6-1.5 s for transformers). The forkserver
+    starts at this process's first launch (or `warm`) and serves every later one; its
     environment and standard streams are those of that first launch, which `worker.entry.LaunchState` corrects
     in each worker (`worker.entry.LaunchState`). (Its cwd and sys.path multiprocessing sets in each worker itself.)"""
     import multiprocessing
 
-    multiprocessing.set_forkserver_preload([PRELOAD])
+    _PRELOADED.extend(m for m in modules if m not in _PRELOADED)
+    multiprocessing.set_forkserver_preload(list(_PRELOADED))
+
+
+def warm(device: str, local_workers: int, model) -> None:
+    """Start the workers' forkserver now when they will be forked from it, with the modules of the
+    launcher's `model` (a `ModelBundle` the launcher built: the modules its modules' classes come
+    from, e.g. transformers' modeling_gpt2 or the experiment's own) imported, so that those imports run while pd train
+    checks the plan, once per machine rather than once per worker. Only modules the launcher
+    already imported (with the user's consent) are named."""
+    import sys
+
+    classes = {type(m).__module__ for m in model.module.modules()}
+    modules = tuple(sorted(m for m in classes if m in sys.modules))
+    if start_method(device, local_workers, modules) == FORKSERVER:
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()

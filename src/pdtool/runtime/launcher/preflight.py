@@ -1,11 +1,13 @@
 """What `pd train` checks on the launching machine before any worker starts.
 
 A mistake that the files and options show (a plan its model cannot run, a model that cannot
-be built or is not the plan's, a split the model does not allow, tied weights in a mode that
-cannot train them, data that does not fit the model) is one `PdtoolError` line within seconds,
-not a worker's error after the job has started. The launcher builds the model and its stages
-exactly as a worker will (same factory, same tracer, same split) and runs the first minibatch
-of the data through every stage and the loss, without gradients.
+be built or is not the plan's, a parameter the initialization rule cannot set, a split the
+model does not allow, tied weights in a mode that cannot train them, data that does not fit
+the model) is one `PdtoolError` line within seconds, not a worker's error after the job has
+started. None of it needs the model's weights: the launcher builds the model with its
+parameters on `meta` (`model.build`), captures the plan's stages once (`model.capture`: the
+workers build theirs from this capture) and runs the first minibatch of the data through every
+stage and the loss on fake tensors (`model.dryrun`).
 """
 from __future__ import annotations
 
@@ -36,10 +38,11 @@ class Checked:
 
 
 def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model: str | None = None,
-              init: str = "rule", warn: Callable[[str], None] = lambda message: None) -> Checked:
+              init: str = "rule", warn: Callable[[str], None] = lambda message: None,
+              built: Callable = lambda model: None) -> Checked:
     """Check that the workers can run `plan` in `mode` (the run's, `schedule.resolve`) on `data`;
     raise one line when not. `model`: the spec the user named instead of the plan's (`pd train
-    -m`); `init`: `pd train --init` (`model.build`)."""
+    -m`); `init`: `pd train --init` (`model.build`); `built` hears the model once it is built."""
     problem = plan.untrainable(mode)
     if problem is not None:
         raise LaunchError(f"{plan_path}: {problem}")
@@ -47,6 +50,7 @@ def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model
         raise LaunchError(f"{plan_path} was planned from an imported profile with no model; "
                           "profile the model with pd profile --model and plan that profile")
     bundle, on_meta = build_model(plan.profile.model, model, seed, init, warn)
+    built(bundle)
     if on_meta:
         check_initialisable(bundle.module)
     stages = cut(plan, bundle)

@@ -23,6 +23,19 @@ def resident_bytes() -> int:
         return 0
 
 
+def peak_resident_bytes() -> int:
+    """This process's peak resident set (VmHWM of /proc/self/status: since the process started or
+    was forked; `ru_maxrss` instead keeps the peak of the process that exec'd it)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
 def in_use(device: torch.device) -> int:
     """Bytes the process holds now: on CUDA what torch has allocated on the device, else its
     resident set."""
@@ -41,7 +54,7 @@ def measure(worker, device: torch.device, base: int) -> dict[str, int]:
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        peak = peak_resident_bytes()
     params = sum(p.numel() * p.element_size() for p in worker.live)
     state = worker.optimizer.state.values() if worker.optimizer is not None else ()
     optimizer = sum(t.numel() * t.element_size() for entry in state for t in entry.values() if torch.is_tensor(t))

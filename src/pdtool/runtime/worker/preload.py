@@ -8,7 +8,8 @@ import os
 
 MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.elastic.multiprocessing.errors",
            "pdtool.runtime.worker.entry",  # what every worker runs
-           "pdtool.runtime.worker.main", "pdtool.runtime.worker.interpreter", "pdtool.runtime.worker.executor")
+           "pdtool.runtime.worker.main", "pdtool.runtime.worker.interpreter", "pdtool.runtime.worker.executor",
+           "pdtool.model.build", "pdtool.model.capture", "pdtool.model.program")  # its stage (model.capture.own_stage)
 
 for _name in MODULES:
     importlib.import_module(_name)

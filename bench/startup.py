@@ -1,0 +1,126 @@
+"""Benchmark of `pd train`'s start-up: the time to the first completed minibatch, before and after
+the launcher captures the model once and each worker builds only its own stage (issue 23).
+
+Side by side in one run, for GPT-2 small as pdtool's zoo builds it (`pdtool.zoo:gpt`, fx-traced)
+and as Hugging Face `transformers` builds it from a config (`pdtool.zoo.hf:gpt2`, captured with
+torch.export), both 124M parameters with 128-token sequences, on straight pipelines of 2 and 4
+local CPU workers (`make_plan(..., straight=True)` for `Nx10GB/s`), 2 steps in the plan's mode
+(`pipedream` for the zoo GPT; `2bw` for Hugging Face's GPT-2, whose head is tied to its embedding):
+
+- **before**: what `pd train` did until issue 23, and still does with `--init factory` when a
+  worker is given no capture: the launcher builds the whole model and runs a minibatch through
+  it; every worker builds the whole model with the factory's weights, captures it itself
+  (torch.fx or torch.export) and cuts its stage out of it;
+- **after**: `pd train` today: the model waits on `meta` everywhere (`model.build`), the
+  launcher captures the stages once and checks the first minibatch on fake tensors
+  (`model.capture`, `model.dryrun`), and each worker decodes its own stage's program and gives
+  only that stage's parameters their values (the initialization rule).
+
+Each row runs in a fresh process that acts as `pd train` (`runtime.launcher.job.prepare`, then
+`runtime.launcher.launch.launch`, as the CLI calls them), so no row inherits another's imports.
+Columns: "first minibatch" is the time from the start of `prepare` to the end of the backward
+of minibatch 0 on stage 0 (event `0B0`, when the first minibatch is complete on every stage);
+"checks" is `prepare`'s part of it; "started" when the first worker began, "building" the slowest
+worker's time from its start to its stage built (`WorkerReport.startup`: began -> built), "joined"
+when the last worker had joined the process group, all from the start of `prepare`; "worker RSS" the largest peak resident
+set of a worker over the whole run (training included), "launcher RSS" the row process's own
+(both VmHWM from the OS).
+
+    python bench/startup.py            # both models, 2 and 4 workers (about 3 minutes here)
+    python bench/startup.py --quick    # the zoo GPT only, 2 and 4 workers
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+MODELS = {
+    "zoo gpt": ("pdtool.zoo:gpt", dict(vocab=50257, seq_len=128, d_model=768, heads=12, layers=12)),
+    "hf gpt2": ("pdtool.zoo.hf:gpt2", dict(vocab=50257, seq_len=128, n_embd=768, n_head=12, n_layer=12)),
+}
+WORKERS = (2, 4)
+WAYS = ("before", "after")
+
+
+def _plan(folder: str, name: str, workers: int) -> str:
+    from pdtool.artifacts.cluster import parse_cluster
+    from pdtool.artifacts.profile import ModelRef
+    from pdtool.planner import make_plan
+    from pdtool.profiler import profile_model
+
+    spec, kwargs = MODELS[name]
+    profile = profile_model(ModelRef(spec, kwargs), batch_size=1, repeats=1, warmup=0)
+    path = os.path.join(folder, f"{name.replace(' ', '_')}-{workers}.plan.json")
+    make_plan(profile, parse_cluster(f"{workers}x10GB/s"), straight=True, simulate=False).save(path)
+    return path
+
+
+def _row(plan_path: str, way: str, workers: int) -> dict:
+    """One row, in this process (a fresh one): pd train's checks, then its workers."""
+    from pdtool.artifacts.plan import Plan
+    from pdtool.runtime.launcher.job import prepare
+    from pdtool.runtime.launcher.launch import launch
+    from pdtool.runtime.run import RunConfig
+    from pdtool.runtime.worker.memory import peak_resident_bytes
+
+    plan = Plan.load(plan_path)
+    config = RunConfig(plan_path=plan_path, steps=2, progress=False, device="cpu", timeout_s=120,
+                       init="factory" if way == "before" else "rule")
+    began = time.time()
+    from pdtool.runtime.launcher import forked
+
+    job = prepare(plan, config, built=lambda model: forked.warm(config.device, workers, model))  # as pd train does
+    checked = time.time()
+    config = job.config if way == "after" else dataclasses.replace(job.config, capture=None)  # workers capture
+    reports = launch(config, len(plan.used_ranks))
+    first = max(end for report in reports.values() for action, _, end in report.events if action == "0B0")
+    return {"stages": len(plan.stages), "first_s": first - began, "checks_s": checked - began,
+            "started_s": min(r.startup["began"] for r in reports.values()) - began,
+            "joined_s": max(r.startup["joined"] for r in reports.values()) - began,
+            "building_s": max(r.startup["built"] - r.startup["began"] for r in reports.values()),
+            "worker_mb": max(r.memory["peak"] for r in reports.values()) / 2 ** 20,
+            "launcher_mb": peak_resident_bytes() / 2 ** 20}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the zoo GPT only")
+    parser.add_argument("--row", nargs=3, metavar=("PLAN", "WAY", "WORKERS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.row:
+        print(json.dumps(_row(args.row[0], args.row[1], int(args.row[2]))))
+        return
+    models = ["zoo gpt"] if args.quick else list(MODELS)
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name in models:
+            for workers in WORKERS:
+                path = _plan(folder, name, workers)
+                for way in WAYS:
+                    out = subprocess.run([sys.executable, __file__, "--row", path, way, str(workers)], check=True,
+                                         capture_output=True, text=True).stdout
+                    results[name, workers, way] = json.loads(out.strip().splitlines()[-1])
+    print(f"{'model':9} {'workers':>7} {'stages':>6} {'way':7} {'first minibatch':>15} {'checks':>7} {'started':>8} "
+          f"{'building':>8} {'joined':>7} {'worker RSS':>11} {'launcher RSS':>12}")
+    for (name, workers, way), row in results.items():
+        print(f"{name:9} {workers:7d} {row['stages']:6d} {way:7} {row['first_s']:13.2f} s {row['checks_s']:5.2f} s "
+              f"{row['started_s']:6.2f} s {row['building_s']:6.2f} s {row['joined_s']:5.2f} s {row['worker_mb']:8.0f} MB "
+              f"{row['launcher_mb']:9.0f} MB")
+    print()
+    for name in models:
+        for workers in WORKERS:
+            before, after = results[name, workers, "before"], results[name, workers, "after"]
+            print(f"{name}, {workers} workers: start-up after/before {after['first_s'] / before['first_s']:.2f}, "
+                  f"stage building after/before {after['building_s'] / before['building_s']:.2f}")
+        two, four = results[name, 2, "after"], results[name, 4, "after"]
+        print(f"{name}: start-up with 4 workers / with 2 (after) {four['first_s'] / two['first_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
