@@ -344,6 +344,9 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
               help="Steps between checkpoints (0: only at the end).")
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint in --checkpoint-dir "
               "(also under a different plan).")
+@click.option("--init-from", "init_from", type=click.Path(exists=True), metavar="PATH",
+              help="Start from pretrained weights: a .safetensors file or a Hugging Face model folder "
+                   "(model.safetensors, or shards with their index); each worker reads only its stage's tensors.")
 @click.option("--max-restarts", type=Count(0, 1000), default=0, show_default=True,
               help="When a worker fails, start the job again from the newest complete checkpoint, up to this many "
                    "times (needs --checkpoint-dir; one machine).")
@@ -400,7 +403,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
                    "split, or a factory's dataset for train=False).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimizer, lr, momentum, weight_decay, checkpoint_dir,
-          checkpoint_every, resume, max_restarts, metrics_path, trace_path, timeout_s, startup_timeout_s, threads, nnodes, node_rank, nproc_per_node,
+          checkpoint_every, resume, init_from, max_restarts, metrics_path, trace_path, timeout_s, startup_timeout_s, threads, nnodes, node_rank, nproc_per_node,
           master_addr, master_port, rdzv_endpoint, rdzv_id, iface, device, transport, launcher, init, verbose, evaluate,
           quiet):
     """Train a plan on torch.distributed workers (gloo on CPU, NCCL on GPUs), one process per rank.
@@ -418,6 +421,9 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     if where is not None:
         _refuse_local_options(where.launcher, transport, evaluate)
     reporter = where is None or where.rank == 0  # the process that writes the outputs and prints the summary
+    if init_from and resume:
+        raise click.UsageError("--init-from starts a run from pretrained weights and --resume continues one from its "
+                               "checkpoint; give one of them")
     if max_restarts and not checkpoint_dir:
         raise click.UsageError("--max-restarts needs --checkpoint-dir: a restart continues from the newest checkpoint")
     if max_restarts and (nnodes > 1 or rdzv_endpoint):
@@ -436,7 +442,7 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
                        startup_timeout_s=startup_timeout_s,
                        threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                        progress=not quiet, return_weights=evaluate, device=device, transport=transport,
-                       model=model_spec, init=init)
+                       model=model_spec, init=init, init_from=os.path.abspath(init_from) if init_from else None)
     if evaluate:
         from .model.data import held_out
 
@@ -503,6 +509,26 @@ def _refuse_local_options(launcher: str, transport: str, evaluate: bool) -> None
     if evaluate:
         raise click.UsageError(f"--evaluate is not supported under {launcher}: every stage's weights stay in its own "
                                "worker (the final checkpoint holds them all)")
+
+
+@cli.command(name="export", short_help="write a checkpoint as safetensors -> DIR",
+             epilog=_examples("pd export ckpt/step-00000200 -o gpt2-trained"))
+@click.argument("checkpoint", type=click.Path(file_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
+              help="The folder to write (model-0000k-of-0000n.safetensors per stage, model.safetensors.index.json).")
+@click.option("--config-from", type=click.Path(file_okay=False), metavar="DIR",
+              help="A Hugging Face model folder (the one --init-from read) whose config.json and generation_config.json "
+                   "to copy, so that from_pretrained reads the result as it is.")
+def export_checkpoint(checkpoint, output, config_from):
+    """Write a checkpoint's weights as a Hugging Face-style safetensors folder, one stage at a time.
+
+    CHECKPOINT is a checkpoint folder or a --checkpoint-dir (its newest complete checkpoint).
+    Tensors keep the model's own names, so transformers' from_pretrained (with the model's
+    config: --config-from) or pd train --init-from reads the folder."""
+    from .model.weights import export
+
+    files, size = export(checkpoint, output, config_from)
+    click.echo(f"wrote {output}: {_count(files, 'file')} of safetensors, {size / 2 ** 20:.1f} MiB, and its index")
 
 
 @cli.command(short_help="print a summary of a profile or plan; draw a plan",

@@ -179,19 +179,24 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
     return Manifest.load(path)  # schema, fields, run id, stage numbers, shard file names
 
 
-def _read_shard(folder: Path, stage: int, entry: ShardFile) -> bytes:
+def _read_shard(folder: Path, stage: int, entry: ShardFile) -> Path:
+    """The path of stage `stage`'s shard once its sha256 matches the manifest's (read in blocks:
+    the shard is never in memory whole)."""
     path = folder / entry.file
     if path.is_symlink():
         raise ArtifactError(f"{path}: a symbolic link, not a shard pdtool wrote; checkpoints hold regular files only")
+    digest = hashlib.sha256()
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as file:
+            for block in iter(lambda: file.read(1 << 22), b""):
+                digest.update(block)
     except FileNotFoundError:
         raise ArtifactError(f"{path}: shard of stage {stage} is missing; the checkpoint is incomplete") from None
     except OSError as exc:
         raise ArtifactError(f"{path}: cannot read the shard ({exc}); check the file and its permissions") from None
-    if hashlib.sha256(data).hexdigest() != entry.sha256:
+    if digest.hexdigest() != entry.sha256:
         raise ArtifactError(f"{path}: sha256 differs from the manifest's, the shard is corrupt; use an older checkpoint")
-    return data
+    return path
 
 
 def verify_checkpoint(folder: str | os.PathLike) -> Manifest:
@@ -206,27 +211,18 @@ def verify_checkpoint(folder: str | os.PathLike) -> Manifest:
 def load_checkpoint(folder: str | os.PathLike) -> tuple[Manifest, dict[str, torch.Tensor], dict[str, Any]]:
     """(manifest, tensors of all shards merged by qualified name, extras merged) of `folder`.
 
-    Every shard's sha256 is checked against the manifest and the shard is read with
-    `weights_only=True`, on the CPU. A name in two shards is an error.
+    Every shard's sha256 is checked against the manifest and the shard is loaded with
+    `weights_only=True`, on the CPU, memory-mapped: the tensors take memory only where they are
+    used, so a worker resuming its stage holds that stage, not the whole model. A name in two
+    shards is an error.
     """
     folder = Path(folder)
     manifest = read_manifest(folder)
     tensors: dict[str, torch.Tensor] = {}
     extras: dict[str, Any] = {}
     owner: dict[tuple[str, str], int] = {}
-    for stage, entry in sorted(manifest.shards.items()):
-        data = _read_shard(folder, stage, entry)
-        path = folder / entry.file
-        try:
-            payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise ArtifactError(f"{path}: cannot load the shard ({type(exc).__name__}: {_first_line(exc)})") from None
-        if not (isinstance(payload, dict) and isinstance(payload.get("tensors"), dict)
-                and isinstance(payload.get("extra"), dict)):
-            raise ArtifactError(f"{path}: not a pdtool shard (no 'tensors' and 'extra'); it was not written by save_shard")
-        if payload.get("run") != manifest.run:
-            raise ArtifactError(f"{path}: written by run {payload.get('run')}, but the manifest completes run "
-                                f"{manifest.run}; the checkpoint mixes two runs, use another one")
+    for stage in sorted(manifest.shards):
+        payload = _load_shard(folder, manifest, stage)
         for kind, merged in (("tensors", tensors), ("extra", extras)):
             for name, value in payload[kind].items():
                 if (kind, name) in owner:
@@ -235,6 +231,27 @@ def load_checkpoint(folder: str | os.PathLike) -> tuple[Manifest, dict[str, torc
                 owner[kind, name] = stage
                 merged[name] = value
     return manifest, tensors, extras
+
+
+def _load_shard(folder: Path, manifest: Manifest, stage: int) -> dict:
+    """Stage `stage`'s shard of the checkpoint in `folder`, checked, memory-mapped."""
+    path = _read_shard(folder, stage, manifest.shards[stage])
+    try:  # mapped, not read: a tensor takes memory only once it is used (a worker copies its stage's)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise ArtifactError(f"{path}: cannot load the shard ({type(exc).__name__}: {_first_line(exc)})") from None
+    if not (isinstance(payload, dict) and isinstance(payload.get("tensors"), dict)
+            and isinstance(payload.get("extra"), dict)):
+        raise ArtifactError(f"{path}: not a pdtool shard (no 'tensors' and 'extra'); it was not written by save_shard")
+    if payload.get("run") != manifest.run:
+        raise ArtifactError(f"{path}: written by run {payload.get('run')}, but the manifest completes run "
+                            f"{manifest.run}; the checkpoint mixes two runs, use another one")
+    return payload
+
+
+def shard_tensors(folder: str | os.PathLike, manifest: Manifest, stage: int) -> dict[str, torch.Tensor]:
+    """The weights and buffers of stage `stage`'s shard alone (checked, memory-mapped)."""
+    return _load_shard(Path(folder), manifest, stage)["tensors"]
 
 
 def _first_line(exc: Exception) -> str:

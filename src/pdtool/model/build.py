@@ -31,7 +31,7 @@ import contextlib
 import hashlib
 import math
 import sys
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -144,16 +144,20 @@ def _hf_roots(model: nn.Module) -> dict[int, nn.Module]:
     return roots
 
 
-def materialize(model: nn.Module, names: Iterable[str], seed: int) -> None:
+def materialize(model: nn.Module, names: Iterable[str], seed: int,
+                values: Mapping[str, torch.Tensor] | None = None) -> None:
     """Give the parameters `names` (first whole-model names) that wait on `meta` their initial
-    values by the rule, on the CPU, in place in `model`; the others stay on `meta`.
-    `ModelError` when no init method sets one."""
+    values, on the CPU, in place in `model`: from `values` where it has them (pretrained
+    weights), else by the rule; the others stay on `meta`. `ModelError` when no init method sets one."""
     slots = _Slots(model)
     made: list[tuple[nn.Parameter, nn.Parameter]] = []
     params = dict(model.named_parameters())
     for name in names:
         meta = params[name]
         if meta.device.type != "meta":
+            continue
+        if values is not None and name in values:
+            made.append((meta, nn.Parameter(values[name].to(meta.dtype).clone(), requires_grad=meta.requires_grad)))
             continue
         real = nn.Parameter(torch.empty_like(meta, device="cpu"), requires_grad=meta.requires_grad)
         floating = real.dtype.is_floating_point

@@ -173,14 +173,24 @@ def _attribute(model: nn.Module, target: str):
 
 
 def own_stage(capture: Capture, index: int, plan, bundle, seed: int, device: torch.device | None = None,
-              on_meta: bool = True) -> Stage:
+              on_meta: bool = True, weights=None) -> Stage:
     """Stage `index` of `capture` on this process's `bundle` (its model built by `model.build`):
-    its parameters given values by the rule, its program bound to the model, the rest of the
-    model's tensors released. `plan` cuts the stage here when its program is missing."""
+    its parameters given values by the rule, or read from `weights` (`model.weights.WeightFiles`:
+    this stage's tensors only), its program bound to the model, the rest of the model's tensors
+    released. `plan` cuts the stage here when its program is missing."""
     info = capture.stages[index]
     model = bundle.module
+    names = names_of(info)
+    values = weights.read(names + list(dict.fromkeys(info.buffer_names.values()))) if weights is not None else {}
     if on_meta:
-        materialize(model, names_of(info), seed)
+        materialize(model, names, seed, values)
+    with torch.no_grad():
+        for name, tensor in values.items():  # the stage's buffers; its parameters too when built whole
+            if on_meta and name in names:
+                continue
+            target = _attribute(model, name)
+            if target.device.type != "meta":
+                target.copy_(tensor)
     # without a program (a model split by module selection, a graph the format cannot write) it is cut here
     module = stage_module(info, model, device, None if info.program is not None else cut(plan, bundle))
     stage = Stage(index, module, info.inputs, info.outputs, {}, {}, info.layers, dict(info.tied),

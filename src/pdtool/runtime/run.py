@@ -66,6 +66,7 @@ class RunConfig:
     run_id: str | None = None        # the run's id in its checkpoint shards and manifests (session.run sets it)
     init: str = "rule"               # pd train --init: the initialization rule, or the factory's values (model.build)
     capture: Capture | None = None   # every stage's program and message specs (the launcher's preflight)
+    init_from: str | None = None     # pd train --init-from: a safetensors file or Hugging Face folder (model.weights)
 
 
 @dataclass

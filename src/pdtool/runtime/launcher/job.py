@@ -47,7 +47,7 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
                           "long to build, else look at what its factory waits for")
     with deadline(config.startup_timeout_s, overdue):
         checked = preflight(plan, config.plan_path, resolved(plan, config).name, config.data, config.seed, config.model,
-                            config.init, warn, built)
+                            config.init, warn, built, config.init_from)
     config = dataclasses.replace(config, capture=checked.capture)
     check_memory(plan, config)
     if epochs:

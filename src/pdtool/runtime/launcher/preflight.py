@@ -39,10 +39,11 @@ class Checked:
 
 def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model: str | None = None,
               init: str = "rule", warn: Callable[[str], None] = lambda message: None,
-              built: Callable = lambda model: None) -> Checked:
+              built: Callable = lambda model: None, init_from: str | None = None) -> Checked:
     """Check that the workers can run `plan` in `mode` (the run's, `schedule.resolve`) on `data`;
     raise one line when not. `model`: the spec the user named instead of the plan's (`pd train
-    -m`); `init`: `pd train --init` (`model.build`); `built` hears the model once it is built."""
+    -m`); `init`: `pd train --init` (`model.build`); `built` hears the model once it is built; `init_from`: `pd train --init-from` (its files'
+    names and shapes checked against the stages', `model.weights`)."""
     problem = plan.untrainable(mode)
     if problem is not None:
         raise LaunchError(f"{plan_path}: {problem}")
@@ -58,4 +59,9 @@ def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model
     source = load_source(data, bundle, plan.profile.batch_size, seed)
     inputs, target = source.batch(0)
     capture = described(stages, bundle, inputs, target, data, seed, on_meta)
+    if init_from:
+        from ...model.weights import WeightFiles
+
+        WeightFiles.open(init_from).check(dict(capture.parameters),
+                                          {b for info in capture.stages for b in info.buffer_names.values()})
     return Checked(source.batches_per_epoch, dict(capture.parameters), capture, on_meta)

@@ -101,7 +101,12 @@ def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _B
     bundle, on_meta = build_model(plan.profile.model, config.model, config.seed, config.init)
     source = load_source(config.data, bundle, plan.profile.batch_size, config.seed)
     capture = config.capture or _capture_here(plan, bundle, source, config, on_meta)
-    stage = own_stage(capture, stage_index, plan, bundle, config.seed, device, on_meta)
+    weights = None
+    if config.init_from:
+        from ...model.weights import WeightFiles
+
+        weights = WeightFiles.open(config.init_from)
+    stage = own_stage(capture, stage_index, plan, bundle, config.seed, device, on_meta, weights)
     schedule = make_schedule(plan, config)
     tied.check_mode(capture.stages, schedule.mode)
     first = config.first_step * minibatches_per_step(schedule)
