@@ -148,9 +148,16 @@ def cli() -> None:
                    "(fx, else export, else leaf modules).")
 @click.option("--threads", type=Count(1, MAX_THREADS),
               help="Torch threads while measuring [default: torch's]; use the count each pd train worker will have.")
+@click.option("--memory", metavar="SIZE",
+              help="The profiler's memory budget, e.g. 8GiB [default: what the device has free]: a model whose whole "
+                   "profiling needs more (about 4x its parameters) is profiled one layer's weights at a time.")
+@click.option("--layerwise", is_flag=True, help="Profile one layer's weights at a time whatever the model's size.")
+@click.option("--reuse-identical", is_flag=True,
+              help="Layer by layer, time a layer identical to an earlier one (kind, parameter and input shapes: "
+                   "transformer blocks) only once; the profile says which layers carry another's figures.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, warmup, granularity, depth, method,
-            threads, quiet):
+            threads, memory, layerwise, reuse_identical, quiet):
     """Measure a model layer by layer and write its profile (pdtool.profile/1).
 
     Per layer: forward and backward time (ms, median of --repeats), output activation bytes,
@@ -181,19 +188,26 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
 
         torch.set_num_threads(threads)
 
+    from .units import parse_bytes
+
+    budget = parse_bytes(memory) if memory is not None else None  # a bad size: one line
     progress = _ProfileProgress(quiet)
     ref = ModelRef(spec, parse_model_args(model_args))
     try:
         result = profile_model(ref, batch_size=batch_size, device=device, repeats=repeats, warmup=warmup,
                                granularity=granularity, depth=depth, method=method, progress=progress,
-                               warn=lambda message: (progress.done(), click.echo(f"pd: warning: {message}", err=True)))
+                               warn=lambda message: (progress.done(), click.echo(f"pd: warning: {message}", err=True)),
+                               memory=budget, layerwise=layerwise, reuse_identical=reuse_identical)
     finally:
         progress.done()
     result.save(output)
     if output != "-" and not quiet:
         ratio = result.layer_sum_over_step
+        how = (f"layer sum / step {ratio:.3f}" if ratio is not None else
+               f"profiled one layer at a time, {sum(1 for layer in result.layers if layer.same_as is not None)} "
+               "layer(s) carrying an identical earlier one's figures")
         click.echo(f"wrote {output}: {len(result.layers)} layers ({result.method}), step {result.step_ms:.3f} ms, "
-                   f"layer sum / step {ratio:.3f}", err=True)
+                   f"{how}", err=True)
 
 
 @cli.command(short_help="partition it over a cluster -> PLAN.json",

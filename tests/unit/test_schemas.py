@@ -19,8 +19,10 @@ PROFILES = sorted((Path(__file__).parents[2] / "profiles").glob("*.profile.json"
 
 def written(profile_path, message_ms_per_mib=None):
     profile = Profile.load(profile_path)
-    if message_ms_per_mib is not None:
-        profile = dataclasses.replace(profile, message_ms_per_mib=message_ms_per_mib)
+    if message_ms_per_mib is not None:  # and what a layer-by-layer profile writes besides
+        first = dataclasses.replace(profile.layers[0], same_as=0)
+        profile = dataclasses.replace(profile, message_ms_per_mib=message_ms_per_mib, measured="layers",
+                                      layers=(first,) + profile.layers[1:])
     plan = make_plan(profile, parse_cluster("cluster-a:2", memory="16GiB"), simulate=True)
     return profile.to_json(), plan.to_json()
 
@@ -51,7 +53,7 @@ def test_cluster_files_satisfy_the_cluster_schema():
 
 
 def test_the_schemas_list_exactly_the_fields_pdtool_writes():
-    profile, plan = written(PROFILES[0], message_ms_per_mib=0.25)  # written when measured (not 0)
+    profile, plan = written(PROFILES[0], message_ms_per_mib=0.25)  # written when measured (not 0), by layer
     # a level's latency is written when it is not 0
     cluster = make_plan(Profile.load(PROFILES[0]), parse_cluster("4x12GB/s+5us,2x10Gbit/s+50us")).to_json()["cluster"]
     for document, name, nested in ((profile, "profile", {"layers": 0}), (plan, "plan", {"stages": 0}),

@@ -60,6 +60,9 @@ class Layer:
     ops: tuple[str, ...] = field(ListOf(Str(), "every op must be a string", "fix the list"), ())
     wgrad_ms: float | None = field(Num(), None, null=True, doc="The part of bwd_ms that computes the weight "
                                    "gradients (null: not measured).")
+    same_as: int | None = field(Int(0), None, null=True, omit=None, doc="Not timed: identical to layer same_as "
+                                "(the same kind, parameter and input shapes), whose figures it carries "
+                                "(pd profile --reuse-identical).")
 
     def __post_init__(self) -> None:
         round_float_fields(self)
@@ -132,6 +135,9 @@ class Profile(Artifact):
     data_ms: float = field(Num(), 0.0)
     reduce_ms: float = field(Num(), 0.0)
     message_ms_per_mib: float = field(Num(), 0.0, omit=0.0)
+    measured: str = field(Str(("step", "layers")), "step", omit="step", doc="step: step_ms is a timed whole "
+                          "training step; layers: the model was profiled one layer's weights at a time (pd profile "
+                          "--memory, --layerwise), step_ms and update_ms are the sums of its layers'")
     split: str = field(Str(SPLITS), "graph", missing=default_split, doc="how pd train can split the model: graph "
                        "(any layer sets, from the traced graph), children (only between the children of a top-level "
                        "nn.Sequential), none (only one stage; untraceable model)")
@@ -153,7 +159,7 @@ class Profile(Artifact):
     @property
     def layer_sum_over_step(self) -> float | None:
         """How the per-layer model compares with a measured whole step (1.0 = exact)."""
-        return self.layer_sum_ms / self.step_ms if self.step_ms > 0 else None
+        return self.layer_sum_ms / self.step_ms if self.step_ms > 0 and self.measured == "step" else None
 
     @property
     def param_bytes(self) -> int:

@@ -179,13 +179,16 @@ def materialize(model: nn.Module, names: Iterable[str], seed: int,
         slots.put(meta, real)
 
 
-def to_meta(model: nn.Module, names: Iterable[str]) -> None:
-    """Parameters `names` of `model` go back to `meta` (their memory is freed)."""
+def to_meta(model: nn.Module, names: Iterable[str], waited: Mapping[str, nn.Parameter] | None = None) -> None:
+    """Parameters `names` of `model` go back to `meta` (their memory is freed): the very `meta`
+    parameters in `waited` (name -> the one that waited before), else new ones."""
     slots = _Slots(model)
     for name in names:
         real = model.get_parameter(name)
         if real.device.type != "meta":
-            slots.put(real, nn.Parameter(torch.empty_like(real, device="meta"), requires_grad=real.requires_grad))
+            meta = (waited or {}).get(name)
+            slots.put(real, meta if meta is not None else
+                      nn.Parameter(torch.empty_like(real, device="meta"), requires_grad=real.requires_grad))
 
 
 class _Writes(TorchDispatchMode):

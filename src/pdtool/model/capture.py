@@ -77,7 +77,8 @@ class Capture:
 @contextlib.contextmanager
 def all_on_meta(model: nn.Module):
     """While it lasts, every parameter and buffer of `model` is a `meta` tensor (a tracer then
-    sees one device everywhere); the real ones come back afterwards."""
+    sees one device everywhere); the real ones come back afterwards. Yields {id(stand-in): the
+    real tensor it stands for}."""
     swapped: list[tuple[dict, str, Any]] = []
     copies: dict[int, torch.Tensor] = {}
     for module in model.modules():
@@ -92,7 +93,7 @@ def all_on_meta(model: nn.Module):
                 swapped.append((table, name, tensor))
                 table[name] = copies[id(tensor)]
     try:
-        yield
+        yield {id(copies[id(tensor)]): tensor for _, _, tensor in swapped}
     finally:
         for table, name, tensor in swapped:
             table[name] = tensor
@@ -138,9 +139,7 @@ def bind(graph: fx.Graph, model: nn.Module, index: int, device: torch.device | N
     """A stage module running `graph` on `model`'s own modules and tensors (as they are now);
     the graph's `meta` devices become `device`."""
     if device is not None:
-        for node in graph.nodes:
-            node.args = _on_device(node.args, device)
-            node.kwargs = _on_device(node.kwargs, device)
+        retarget(graph, device)
     root = {}
     for target in attribute_targets(graph):
         root[target] = _attribute(model, target)
@@ -150,6 +149,14 @@ def bind(graph: fx.Graph, model: nn.Module, index: int, device: torch.device | N
 
         module = _Rebuilt(module, treespec_loads(out_spec))
     return module
+
+
+def retarget(graph: fx.Graph, device: torch.device) -> None:
+    """The `meta` devices a capture on `meta` wrote into `graph`'s ops (torch.export's
+    `arange(device=meta)`, its device checks) become `device`, in place."""
+    for node in graph.nodes:
+        node.args = _on_device(node.args, device)
+        node.kwargs = _on_device(node.kwargs, device)
 
 
 def _on_device(value, device: torch.device):

@@ -11,6 +11,7 @@ per-layer times is from a real step.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..allocator import keep_freed_memory
+from ..units import format_bytes
 from ..errors import ProfileError
 from ..model.spec import fingerprint, load_model, tensor_specs
 from ..artifacts.profile import Layer, ModelRef, Profile
@@ -33,18 +35,50 @@ def _no_progress(message: str) -> None:
     pass
 
 
+WHOLE_MODEL_FACTOR = 4
+"""Profiling the whole model at once needs about this many times its parameter bytes: the
+weights, their gradients, the momentum of the timed optimizer step and a copy of the weights
+(measured: 4.2x on bench/big_model.py's 1.75 GiB MLP); more than `--memory` allows, and the
+model is profiled one layer at a time."""
+
+
 def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str = "cpu", repeats: int = 10,
                   warmup: int = 2, granularity: str = "module", depth: int | None = None,
                   method: str = "auto", progress: Callable[[str], None] = _no_progress,
-                  warn: Callable[[str], None] = _no_progress) -> Profile:
+                  warn: Callable[[str], None] = _no_progress, memory: int | None = None, layerwise: bool = False,
+                  reuse_identical: bool = False) -> Profile:
     """Profile the model `ref` names; `progress` receives one short line per unit of work,
-    `warn` what the user should know about the result (a fallback, modules never called)."""
+    `warn` what the user should know about the result (a fallback, modules never called).
+    `memory`: the profiler's budget in bytes (default: what the device has free): a model whose
+    whole-model profiling would need more (`WHOLE_MODEL_FACTOR`), or any with `layerwise`, is
+    profiled one layer's weights at a time (`profiler.layerwise`); `reuse_identical` times a layer
+    identical to an earlier one only once."""
     keep_freed_memory()  # as the workers do, so that the profile measures what they run
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup}); fix the flags")
+    dev = _device(device)
+    from ..model.build import build_model
+
+    waiting, on_meta = build_model({"spec": ref.spec, "kwargs": ref.kwargs}, ref.spec, 0, warn=warn)
+    need = WHOLE_MODEL_FACTOR * sum(p.numel() * p.element_size() for p in waiting.module.parameters())
+    budget = memory if memory is not None else _free_bytes(dev)
+    if layerwise or reuse_identical or need > budget:
+        if not on_meta:
+            raise ProfileError(f"{ref.spec}: its factory cannot build it with parameters on the meta device, so it "
+                               "cannot be profiled one layer at a time; profile it whole (without --layerwise, with "
+                               "a --memory it fits)")
+        if method not in ("auto",) + TRACERS:
+            raise ProfileError(f"--method {method} times leaf modules of a whole model; profiling one layer at a time "
+                               "needs a traced graph: use --method auto, fx or export")
+        if not (layerwise or reuse_identical):
+            warn(f"profiling the whole of {ref.spec} would need about {format_bytes(need)}, more than the "
+                 f"{format_bytes(budget)} budget (--memory): profiling it one layer's weights at a time")
+        return _profile_layerwise(ref, waiting, batch_size, dev, repeats=repeats, warmup=warmup,
+                                  granularity=granularity, depth=depth, method=method, progress=progress, warn=warn,
+                                  reuse=reuse_identical)
+    del waiting
     bundle = load_model(ref, given=True)  # the caller names the model (pd profile -m): consented
     size, inputs, target = bundle.batch(batch_size, ref.spec)
-    dev = _device(device)
     module = bundle.module.to(dev).train()
     inputs = tuple(t.to(dev) for t in inputs)
     target = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, target)
@@ -106,6 +140,71 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
         layers=tuple(layers), edges=tuple(edges), update_ms=update_ms, data_ms=data_ms,
         reduce_ms=reduce_ms, message_ms_per_mib=message_ms,
     )
+
+
+def _profile_layerwise(ref: ModelRef, bundle, batch_size, dev: torch.device, *, repeats, warmup, granularity, depth,
+                       method, progress, warn, reuse: bool) -> Profile:
+    """`profile_model` one layer's weights at a time (`profiler.layerwise`)."""
+    from ..model.capture import all_on_meta
+    from .layerwise import measure_layerwise
+
+    size, inputs, target = bundle.batch(batch_size, ref.spec)
+    module = bundle.module.train()
+    clock = Clock(dev)
+    reasons = {}
+    for tracer in (TRACERS if method == "auto" else (method,)):
+        try:
+            with all_on_meta(module) as standins:
+                graph = capture(module, tuple(t.to("meta") for t in inputs), tracer, granularity, depth)
+        except Untraceable as exc:
+            reasons[tracer] = str(exc)
+            continue
+        break
+    else:
+        raise ProfileError(f"{ref.spec}: no tracer captures it ({'; '.join(f'{k}: {v}' for k, v in reasons.items())}), "
+                           "so it cannot be profiled one layer at a time; profile it whole (--method modules)")
+    try:
+        costs, same_as, update_ms = measure_layerwise(
+            graph, module, standins, tuple(t.to(dev) for t in inputs), 0, repeats=repeats, warmup=warmup, clock=clock,
+            reuse=reuse, progress=progress, device=dev)
+    except Exception as exc:  # noqa: BLE001 - as _profile_graph: one line
+        text = str(exc).strip()
+        raise ProfileError(f"{ref.spec}: timing its torch.{tracer} graph one layer at a time failed with "
+                           f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}; profile it whole "
+                           "(without --layerwise, with a --memory it fits; and please report it)") from None
+    if len(costs) != len(graph.groups):
+        raise ProfileError(f"the traced model ran {len(costs)} of its {len(graph.groups)} layers; profile it whole")
+    layers = [dataclasses.replace(_layer(i, g.name, g.kind, cost, _bytes(module, g.params), g.nodes),
+                                  same_as=same_as.get(i))
+              for i, (g, cost) in enumerate(zip(graph.groups, costs))]
+    planned = {name for group in graph.groups for name in group.params}
+    _warn_unused(module, planned, warn)
+    progress("timing all-reduce work, messages and data")
+    reduce_ms = measure_reduce(module, repeats=repeats, warmup=warmup, clock=clock)
+    message_ms = 0.0 if dev.type == "cuda" else measure_message(repeats=repeats, warmup=warmup)
+    data_ms = measure_data(lambda: bundle.batch(size, ref.spec), repeats=repeats, warmup=warmup, clock=clock)
+    return Profile(
+        model=ref, batch_size=size, inputs=tensor_specs(inputs), device=_device_name(dev),
+        torch_version=torch.__version__, fingerprint=fingerprint(module), method=tracer,
+        shared=tuple(sorted(graph.shared.items())), split="graph", granularity=granularity, depth=depth,
+        repeats=repeats, step_ms=sum(layer.fwd_ms + layer.bwd_ms for layer in layers), step_ms_spread=0.0,
+        layers=tuple(layers), edges=tuple(graph.edges), update_ms=update_ms, data_ms=data_ms, reduce_ms=reduce_ms,
+        message_ms_per_mib=message_ms, measured="layers",
+    )
+
+
+def _free_bytes(dev: torch.device) -> int:
+    """What the device has free: CUDA's free memory, or the host's MemAvailable."""
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 2 ** 62  # unknown: whole-model profiling, as before
 
 
 def _profile_graph(graph: LayerGraph, module, inputs, repeats, warmup, clock, progress):

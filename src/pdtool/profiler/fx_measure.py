@@ -56,7 +56,20 @@ def measure_split(split: fx.GraphModule, inputs: tuple[torch.Tensor, ...], *, re
     # model inputs and the model's own buffers (an exported graph passes them to the layer that
     # reads them) are data: no gradient flows to them
     originals = {id(t) for t in inputs} | {id(b) for b in split.buffers()}
+    costs = []
+    calls = sorted(recorder.calls, key=lambda call: int(call[0].removeprefix("submod_")))  # by layer id
+    for name, args, kwargs, out in calls:
+        progress(name)
+        costs.append(time_layer(split.get_submodule(name), args, kwargs, out, originals, repeats=repeats,
+                                warmup=warmup, clock=clock))
+    return costs
 
+
+def time_layer(sub: nn.Module, args, kwargs, out, originals: set[int], *, repeats: int, warmup: int,
+               clock: Clock) -> LayerCost:
+    """One layer's cost: `sub` run on the `args`/`kwargs` a real forward gave it (`out`: what it
+    returned), forward and backward timed `repeats` times after `warmup` rounds. `originals`: ids
+    of tensors that are data (model inputs, buffers), to which no gradient flows."""
     def as_leaf(value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
             return value
@@ -72,39 +85,33 @@ def measure_split(split: fx.GraphModule, inputs: tuple[torch.Tensor, ...], *, re
             return value
         return value.clone()
 
-    costs = []
-    calls = sorted(recorder.calls, key=lambda call: int(call[0].removeprefix("submod_")))  # by layer id
-    for name, args, kwargs, out in calls:
-        progress(name)
-        sub = split.get_submodule(name)
-        args, kwargs = tree_map(as_leaf, args), tree_map(as_leaf, kwargs)
-        leaves = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
-        splits = any(p.requires_grad for p in sub.parameters()) and bool(leaves)
-        fwd, bwd, inputs_only = [], [], []
-        for round_ in range(warmup + repeats):
-            sub.zero_grad(set_to_none=True)
-            for leaf in leaves:
-                leaf.grad = None
-            call_args, call_kwargs = tree_map(fresh, args), tree_map(fresh, kwargs)
-            start = clock()
-            result = sub(*call_args, **call_kwargs)
-            middle = clock()
-            backward_from(result)
-            end = clock()
-            if splits:  # the same layer's backward of the input gradients only (zb's B), right after
-                inputs_only.append(_input_gradients_s(sub(*tree_map(fresh, args), **tree_map(fresh, kwargs)), leaves,
-                                                      clock))
-            if round_ >= warmup:
-                fwd.append(middle - start)
-                bwd.append(end - middle)
-        fwd_ms, fwd_spread = summarize(fwd)
-        bwd_ms, bwd_spread = summarize(bwd)
-        if splits:
-            wgrad = min(max(0.0, bwd_ms - summarize(inputs_only[warmup:])[0]), bwd_ms)
-        else:  # no parameters: no weight gradients; inputs that need none: all of the backward is
-            wgrad = bwd_ms if any(p.requires_grad for p in sub.parameters()) else 0.0
-        costs.append(LayerCost(fwd_ms, fwd_spread, bwd_ms, bwd_spread, act_bytes=nbytes(out), wgrad_ms=wgrad))
-    return costs
+    args, kwargs = tree_map(as_leaf, args), tree_map(as_leaf, kwargs)
+    leaves = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+    splits = any(p.requires_grad for p in sub.parameters()) and bool(leaves)
+    fwd, bwd, inputs_only = [], [], []
+    for round_ in range(warmup + repeats):
+        sub.zero_grad(set_to_none=True)
+        for leaf in leaves:
+            leaf.grad = None
+        call_args, call_kwargs = tree_map(fresh, args), tree_map(fresh, kwargs)
+        start = clock()
+        result = sub(*call_args, **call_kwargs)
+        middle = clock()
+        backward_from(result)
+        end = clock()
+        if splits:  # the same layer's backward of the input gradients only (zb's B), right after
+            inputs_only.append(_input_gradients_s(sub(*tree_map(fresh, args), **tree_map(fresh, kwargs)), leaves,
+                                                  clock))
+        if round_ >= warmup:
+            fwd.append(middle - start)
+            bwd.append(end - middle)
+    fwd_ms, fwd_spread = summarize(fwd)
+    bwd_ms, bwd_spread = summarize(bwd)
+    if splits:
+        wgrad = min(max(0.0, bwd_ms - summarize(inputs_only[warmup:])[0]), bwd_ms)
+    else:  # no parameters: no weight gradients; inputs that need none: all of the backward is
+        wgrad = bwd_ms if any(p.requires_grad for p in sub.parameters()) else 0.0
+    return LayerCost(fwd_ms, fwd_spread, bwd_ms, bwd_spread, act_bytes=nbytes(out), wgrad_ms=wgrad)
 
 
 def _input_gradients_s(result, leaves: list[torch.Tensor], clock: Clock) -> float:

@@ -85,6 +85,16 @@ def measure_update(module: nn.Module, inputs: tuple[torch.Tensor, ...], target: 
     if all(p.grad is None for p in params):  # measure_step leaves its last gradients: no extra step
         module.zero_grad(set_to_none=True)
         loss_fn(module(*inputs), target).backward()
+    ms = time_sgd_steps(params, repeats=repeats, warmup=warmup, clock=clock)
+    with torch.no_grad():
+        for p, value in zip(params, saved):
+            p.copy_(value)
+    module.zero_grad(set_to_none=True)
+    return ms
+
+
+def time_sgd_steps(params: list[torch.Tensor], *, repeats: int, warmup: int, clock: Clock) -> float:
+    """Median ms of an SGD step with momentum over `params` (with their gradients); it changes them."""
     optimizer = torch.optim.SGD(params, lr=1e-6, momentum=0.9)
     samples = []
     for round_ in range(warmup + repeats):
@@ -93,10 +103,6 @@ def measure_update(module: nn.Module, inputs: tuple[torch.Tensor, ...], target: 
         end = clock()
         if round_ >= warmup:
             samples.append(end - start)
-    with torch.no_grad():
-        for p, value in zip(params, saved):
-            p.copy_(value)
-    module.zero_grad(set_to_none=True)
     return summarize(samples)[0]
 
 
@@ -109,7 +115,8 @@ def measure_reduce(module: nn.Module, *, repeats: int, warmup: int, clock: Clock
 
     Passes over memory, linear in the bytes: a large model is timed on its first parameters up
     to `REDUCE_SAMPLE_BYTES` and the time scaled to all of them. The parameters stand in for
-    their gradients (same shapes, nothing computed)."""
+    their gradients (same shapes, nothing computed); a parameter waiting on `meta` (a model
+    profiled layer by layer) is stood for by a tensor of ones, only within the sample."""
     params = [p.detach() for p in module.parameters() if p.requires_grad]
     total = sum(p.numel() * p.element_size() for p in params)
     if not total:
@@ -118,7 +125,7 @@ def measure_reduce(module: nn.Module, *, repeats: int, warmup: int, clock: Clock
     for p in params:
         if taken >= REDUCE_SAMPLE_BYTES:
             break
-        sample.append(p.reshape(-1))
+        sample.append((torch.ones(p.shape, dtype=p.dtype) if p.device.type == "meta" else p).reshape(-1))
         taken += p.numel() * p.element_size()
     flat = torch.empty(sum(p.numel() for p in sample), dtype=sample[0].dtype, device=sample[0].device)
     peer = torch.ones_like(flat)

@@ -43,8 +43,10 @@ def profile_table(profile: Profile, top: int = 15) -> str:
         f"parameters   {profile.param_bytes / MB:.3f} MB",
         f"layer sum    {profile.layer_sum_ms:.3f} ms (fwd {sum(l.fwd_ms for l in profile.layers):.3f} + "
         f"bwd {sum(l.bwd_ms for l in profile.layers):.3f})",
-        f"whole step   {profile.step_ms:.3f} ms (spread {profile.step_ms_spread:.3f}); layer sum / step = "
-        + (f"{ratio:.3f}" if ratio is not None else "n/a"),
+        (f"whole step   {profile.step_ms:.3f} ms (spread {profile.step_ms_spread:.3f}); layer sum / step = "
+         + (f"{ratio:.3f}" if ratio is not None else "n/a")) if profile.measured == "step" else
+        (f"whole step   not timed: profiled one layer's weights at a time (pd profile --memory); "
+         f"{sum(1 for l in profile.layers if l.same_as is not None)} layer(s) carry an identical earlier one's figures"),
         "",
         f"heaviest {min(top, len(profile.layers))} of {len(profile.layers)} layers:",
         table,

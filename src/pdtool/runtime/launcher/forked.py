@@ -105,4 +105,7 @@ def warm(device: str, local_workers: int, model) -> None:
     if start_method(device, local_workers, modules) == FORKSERVER:
         from multiprocessing import forkserver
 
-        forkserver.ensure_running()
+        try:
+            forkserver.ensure_running()
+        except OSError:  # e.g. a temp folder whose path is too long for a socket: the launch says so itself
+            pass

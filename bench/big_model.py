@@ -1,0 +1,158 @@
+"""Benchmark of memory: a model of about 1.9 GB of fp32 parameters on 4 pipeline stages, and what
+each process of pdtool holds of it (issue 23).
+
+The model is pdtool's zoo MLP made deep and wide (`pdtool.zoo:mlp`, 4096 inputs, 28 hidden layers
+of 4096, 10 classes: 470M parameters, 1.88 GB), profiled whole (`pd profile`) and one layer's
+weights at a time (`pd profile --memory` half the model's parameter bytes: the layer times of the
+two are compared), planned from the second as a straight
+4-stage pipeline for `4x10GB/s` (`pd plan --straight`) and trained 2 steps of `flush` with 4
+microbatches a step, plain SGD (no momentum: an optimizer state would add a copy of each stage,
+and `flush` stashes no weight versions), on 4 local CPU workers (`pd train`, in-process calls).
+Every process runs in a fresh Python process of its own; its peak resident set is VmHWM from
+/proc/self/status when it ends (a worker's is `WorkerReport.memory["peak"]`, the same figure).
+
+Printed: each process's peak RSS and its ratio to the model's parameter bytes (the target: every
+one below 1), and the first steps' losses of the pipeline against one process training the whole
+model, built by the same initialization rule (`model.build.initial_model`), with gradient
+accumulation over the same minibatches (`torch.testing.assert_close`, rtol 1e-5, atol 1e-6).
+
+    python bench/big_model.py              # the 1.9 GB model (about 4 minutes here)
+    python bench/big_model.py --hidden 512 --depth 6 --in-features 512   # a small run of the same
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def _peak() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _pd(args: list[str]) -> None:
+    """Run `pd args` in this process, then print this process's peak RSS as JSON."""
+    from pdtool.cli import cli
+
+    try:
+        cli.main(args, standalone_mode=False)
+    finally:
+        print(json.dumps({"peak": _peak()}))
+
+
+def _train(plan_path: str) -> None:
+    """pd train's checks and workers in this process (as the CLI calls them); prints the losses,
+    every worker's peak and this launcher's."""
+    import dataclasses
+
+    from pdtool.artifacts.plan import Plan
+    from pdtool.runtime.launcher.job import prepare
+    from pdtool.runtime.launcher.session import run
+    from pdtool.runtime.run import OptimizerConfig, RunConfig
+
+    plan = Plan.load(plan_path)
+    config = RunConfig(plan_path=plan_path, steps=2, mode="flush", group=4, progress=False, device="cpu",
+                       optimizer=OptimizerConfig("sgd", 0.01, 0.0, 0.0), timeout_s=300)
+    job = prepare(plan, config)
+    result = run(dataclasses.replace(job.config))
+    print(json.dumps({"losses": {str(b): loss for b, loss in sorted(result.losses.items())},
+                      "workers": {str(r): rep.memory["peak"] for r, rep in sorted(result.reports.items())},
+                      "stages": {str(r): rep.stage for r, rep in sorted(result.reports.items())},
+                      "launcher": _peak()}))
+
+
+def _reference(plan_path: str) -> None:
+    """One process, the whole model by the initialization rule, flush's steps as gradient
+    accumulation over the same minibatches; prints the losses."""
+    import torch
+
+    from pdtool.artifacts.plan import Plan
+    from pdtool.model.build import initial_model
+    from pdtool.model.data import synthetic_source
+
+    plan = Plan.load(plan_path)
+    bundle = initial_model(plan.profile.model, 0)
+    batch = synthetic_source(bundle, plan.profile.batch_size, 0).batch
+    optimizer = torch.optim.SGD(bundle.module.parameters(), lr=0.01)
+    losses = {}
+    for step in range(2):
+        optimizer.zero_grad()
+        for k in range(4):
+            b = step * 4 + k
+            inputs, target = batch(b)
+            loss = bundle.loss_fn(bundle.module(*inputs), target)
+            losses[str(b)] = float(loss.detach())
+            (loss / 4).backward()
+        optimizer.step()
+    print(json.dumps({"losses": losses, "peak": _peak()}))
+
+
+def _agreement(whole_path: str, layers_path: str) -> str:
+    """How the layer-by-layer profile's times compare with the whole-model profile's."""
+    whole, layers = (json.load(open(p))["layers"] for p in (whole_path, layers_path))
+    ratios = sorted((b["fwd_ms"] + b["bwd_ms"]) / (a["fwd_ms"] + a["bwd_ms"]) for a, b in zip(whole, layers)
+                    if a["fwd_ms"] + a["bwd_ms"] >= 1.0)
+    total = sum(b["fwd_ms"] + b["bwd_ms"] for b in layers) / sum(a["fwd_ms"] + a["bwd_ms"] for a in whole)
+    return (f"sum of layer times {total:.3f}x; per layer (those of 1 ms or more, {len(ratios)}) median "
+            f"{ratios[len(ratios) // 2]:.3f}x, range {ratios[0]:.3f}-{ratios[-1]:.3f}x") if ratios else f"sum {total:.3f}x"
+
+
+def _child(*args: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--as"]:  # one of the processes measured (_child)
+        role, rest = sys.argv[2], sys.argv[3:]
+        {"pd": lambda: _pd(rest), "train": lambda: _train(rest[0]), "reference": lambda: _reference(rest[0])}[role]()
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--in-features", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--depth", type=int, default=28)
+    args = parser.parse_args()
+    kwargs = dict(in_features=args.in_features, hidden=args.hidden, depth=args.depth, classes=10)
+    params = args.in_features * args.hidden + args.hidden + (args.depth - 1) * (args.hidden ** 2 + args.hidden) \
+        + args.hidden * 10 + 10
+    model_bytes = 4 * params
+    with tempfile.TemporaryDirectory() as folder:
+        profile, plan = os.path.join(folder, "big.profile.json"), os.path.join(folder, "big.plan.json")
+        model_args = [a for k, v in kwargs.items() for a in ("-a", f"{k}={v}")]
+        whole = os.path.join(folder, "whole.profile.json")
+        common = ["profile", "-m", "pdtool.zoo:mlp", *model_args, "-b", "8", "--repeats", "3", "--warmup", "1", "-q"]
+        profiled_whole = _child("--as", "pd", *common, "-o", whole)
+        budget = f"{max(1, model_bytes // 2 ** 21)}MiB"  # half the model's parameters
+        profiled = _child("--as", "pd", *common, "--memory", budget, "-o", profile)
+        agreement = _agreement(whole, profile)
+        planned = _child("--as", "pd", "plan", profile, "-c", "4x10GB/s", "--straight", "-o", plan)
+        trained = _child("--as", "train", plan)
+        reference = _child("--as", "reference", plan)
+    print(f"model: pdtool.zoo:mlp {kwargs}: {params / 1e6:.0f}M parameters, {model_bytes / 2 ** 30:.2f} GiB of fp32")
+    rows = [("pd profile (whole model)", profiled_whole["peak"]),
+            (f"pd profile --memory {budget} (by layer)", profiled["peak"]),
+            ("pd plan", planned["peak"]), ("pd train launcher", trained["launcher"])]
+    rows += [(f"worker rank {r} (stage {trained['stages'][r]})", peak) for r, peak in trained["workers"].items()]
+    rows += [("one-process reference (not pdtool)", reference["peak"])]
+    for name, peak in rows:
+        print(f"  {name:36} peak RSS {peak / 2 ** 20:8.0f} MiB  = {peak / model_bytes:.2f} x the model's parameters")
+    print(f"layer by layer against whole-model profiling: {agreement}")
+    got = [trained["losses"][b] for b in sorted(trained["losses"], key=int)]
+    want = [reference["losses"][b] for b in sorted(reference["losses"], key=int)]
+    import math
+
+    close = all(math.isclose(g, w, rel_tol=1e-5, abs_tol=1e-6) for g, w in zip(got, want)) and len(got) == len(want)
+    print(f"losses, pipeline:      {' '.join(f'{x:.6f}' for x in got)}")
+    print(f"losses, one process:   {' '.join(f'{x:.6f}' for x in want)}  ({'equal' if close else 'DIFFERENT'} "
+          "within rtol 1e-5)")
+
+
+if __name__ == "__main__":
+    main()
