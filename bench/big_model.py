@@ -4,7 +4,8 @@ each process of pdtool holds of it (issue 23).
 The model is pdtool's zoo MLP made deep and wide (`pdtool.zoo:mlp`, 4096 inputs, 28 hidden layers
 of 4096, 10 classes: 470M parameters, 1.88 GB), profiled whole (`pd profile`) and one layer's
 weights at a time (`pd profile --memory` half the model's parameter bytes: the layer times of the
-two are compared), planned from the second as a straight
+two are compared, and again on the same model 8 layers deep, which profiles whole with room to
+spare), planned from the second as a straight
 4-stage pipeline for `4x10GB/s` (`pd plan --straight`) and trained 2 steps of `flush` with 4
 microbatches a step, plain SGD (no momentum: an optimizer state would add a copy of each stage,
 and `flush` stashes no weight versions), on 4 local CPU workers (`pd train`, in-process calls).
@@ -132,6 +133,14 @@ def main() -> None:
         budget = f"{max(1, model_bytes // 2 ** 21)}MiB"  # half the model's parameters
         profiled = _child("--as", "pd", *common, "--memory", budget, "-o", profile)
         agreement = _agreement(whole, profile)
+        # the same comparison on a model of the same layers that profiles whole with room to spare
+        small_args = [a for k, v in dict(kwargs, depth=min(args.depth, 8)).items() for a in ("-a", f"{k}={v}")]
+        small = [os.path.join(folder, f"small-{how}.profile.json") for how in ("whole", "layers")]
+        small_common = ["profile", "-m", "pdtool.zoo:mlp", *small_args, "-b", "8", "--repeats", "3", "--warmup", "1",
+                        "-q"]
+        _child("--as", "pd", *small_common, "-o", small[0])
+        _child("--as", "pd", *small_common, "--layerwise", "-o", small[1])
+        small_agreement = _agreement(*small)
         planned = _child("--as", "pd", "plan", profile, "-c", "4x10GB/s", "--straight", "-o", plan)
         trained = _child("--as", "train", plan)
         reference = _child("--as", "reference", plan)
@@ -144,6 +153,7 @@ def main() -> None:
     for name, peak in rows:
         print(f"  {name:36} peak RSS {peak / 2 ** 20:8.0f} MiB  = {peak / model_bytes:.2f} x the model's parameters")
     print(f"layer by layer against whole-model profiling: {agreement}")
+    print(f"  the same with depth {min(args.depth, 8)} (whole profiling with room to spare): {small_agreement}")
     got = [trained["losses"][b] for b in sorted(trained["losses"], key=int)]
     want = [reference["losses"][b] for b in sorted(reference["losses"], key=int)]
     import math
