@@ -28,13 +28,12 @@ from ..worker import tied
 class Checked:
     """What the checks learnt that the launcher needs: minibatches in one epoch of the data
     (None for endless synthetic data), the whole-model names and shapes of the parameters
-    the stages hold (what a checkpoint to resume from must contain), the `capture` the workers
-    build their stages from, and whether the model waits on `meta` for the initialization rule."""
+    the stages hold (what a checkpoint to resume from must contain), and the `capture` the workers
+    build their stages from."""
 
     batches_per_epoch: int | None
     parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)
     capture: Capture | None = None
-    on_meta: bool = True
 
 
 def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model: str | None = None,
@@ -64,4 +63,4 @@ def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model
 
         WeightFiles.open(init_from).check(dict(capture.parameters),
                                           {b for info in capture.stages for b in info.buffer_names.values()})
-    return Checked(source.batches_per_epoch, dict(capture.parameters), capture, on_meta)
+    return Checked(source.batches_per_epoch, dict(capture.parameters), capture)
