@@ -35,6 +35,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ModelError
@@ -52,12 +53,28 @@ def _to_meta(module: nn.Module, name: str, param):
     return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
 
 
+class _SkipMetaInit(TorchFunctionMode):
+    """In-place ops on `meta` tensors (the init methods a factory runs on parameters waiting
+    there) return at once: they compute nothing, and their meta kernels would import
+    torch._dynamo (about a second) before `pd train` could start its workers' forkserver."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name.endswith("_") and not name.endswith("__"):
+            first = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+            if isinstance(first, torch.Tensor) and first.device.type == "meta":
+                return first
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def parameters_on_meta():
     """While it lasts, parameters registered by re-initialisable modules move to `meta`."""
     handle = nn.modules.module.register_module_parameter_registration_hook(_to_meta)
     try:
-        yield
+        with _SkipMetaInit():
+            yield
     finally:
         handle.remove()
 
