@@ -49,7 +49,7 @@ from pdtool.planner import make_plan
 from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
 from pdtool.runtime.launcher import session
-from pdtool.runtime.worker.executor import build_optimizer
+from pdtool.runtime.worker.optim import build_optimizer
 from pdtool.runtime.run import OptimizerConfig, RunConfig, checked_run
 from pdtool.schedule import rules
 
@@ -151,7 +151,7 @@ def single_process_curve(name: str, ref: ModelRef, optimizer: OptimizerConfig, b
     torch.manual_seed(SEED)  # the workers' initial weights
     bundle = load_model(ref)
     model = bundle.module
-    step = build_optimizer(optimizer, list(model.parameters()), 1.0)
+    step = build_optimizer(optimizer, list(model.named_parameters()))
     source = load_source("digits", bundle, batch, SEED)
     accuracy, seconds, elapsed = [], [], 0.0
     for epoch in range(epochs):

@@ -41,18 +41,23 @@ class ReferenceRun:
 
 def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
                   loss_fn: Callable[[Any, Any], torch.Tensor], batch: Callable[[int], tuple],
-                  prepare: Callable[[StageWorker], None] | None = None, seed: int = 0, first: int = 0) -> ReferenceRun:
+                  prepare: Callable[[StageWorker], None] | None = None, seed: int = 0, first: int = 0,
+                  no_decay: frozenset = frozenset(), model_parameters: int | None = None) -> ReferenceRun:
     """Run `schedule` on `stages` (from `model.stages.build_stages`); `batch(b)` gives
     minibatch b as (inputs tuple, target). The stages' modules are copied per replica;
     `prepare(worker)`, if given, runs on every worker before the first action (e.g. to
     restore a checkpoint, as a resumed run does). `seed` and `first` (the first minibatch of a
-    resumed run) seed every forward's random numbers as the runtime does (`StageWorker`)."""
+    resumed run) seed every forward's random numbers as the runtime does (`StageWorker`).
+    `no_decay` and `model_parameters` are the recipe's (`StageWorker`). With --clip-grad-norm in
+    a mode whose stages step together, every stage steps together, on the whole model's norm
+    (computed here from the parameters' gradients, each parameter once)."""
     workers: dict[int, StageWorker] = {}
     for s, stage in enumerate(stages):
         for i in range(schedule.replicas[s]):
             replica = copy.deepcopy(stage)
             workers[schedule.rank(s, i)] = StageWorker(replica, schedule, i, optimizer,
-                                                       loss_fn if s == len(stages) - 1 else None, seed, first)
+                                                       loss_fn if s == len(stages) - 1 else None, seed, first,
+                                                       no_decay, model_parameters)
             if prepare is not None:
                 prepare(workers[schedule.rank(s, i)])
     # stages whose steps happen together: a stage's replicas, joined with every stage it shares a
@@ -63,6 +68,9 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
             joined = set().union(*(together[u] for u in users))
             for u in joined:
                 together[u] = joined
+    whole_norm = (optimizer.clip_grad_norm is not None and not schedule.rules.per_round and len(stages) > 1)
+    if whole_norm:
+        together = {s: set(range(len(stages))) for s in range(len(stages))}
     steps_done = {rank: 0 for rank in workers}
     activations: dict[tuple[int, int], tuple[dict, Any]] = {}  # (stage, b) -> outputs of stage, target
     gradients: dict[tuple[int, int], dict] = {}                # (stage, b) -> gradients of stage's outputs
@@ -114,9 +122,10 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
                     for p in peers:
                         workers[p].mean_gradients(None if total is None else (lambda buffer, total=total: buffer.copy_(total)))
                 _add_tied_gradients([workers[schedule.rank(t, i)] for t in joined for i in range(schedule.replicas[t])])
+                norm = _norm([workers[schedule.rank(t, 0)] for t in joined]) if whole_norm else None
                 for t in joined:
                     for p in (schedule.rank(t, i) for i in range(schedule.replicas[t])):
-                        workers[p].finish_step()
+                        workers[p].finish_step(norm)
                         position[p] += 1
                         steps_done[p] += 1
             progressed = True
@@ -130,6 +139,16 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
             for name, p in worker.stage.module.named_parameters():
                 weights[worker.stage.param_names[name]] = p.detach().clone()
     return ReferenceRun(losses, weights, {rank: w.peak_versions for rank, w in workers.items()})
+
+
+def _norm(workers: list[StageWorker]) -> float:
+    """The gradient norm of the whole model: every parameter once (by its whole-model name)."""
+    grads = {}
+    for worker in workers:
+        for name, p in worker.stage.module.named_parameters():
+            if p.grad is not None:
+                grads.setdefault(worker.stage.param_names[name], p.grad)
+    return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
 
 
 def _add_tied_gradients(workers: list[StageWorker]) -> None:

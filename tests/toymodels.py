@@ -236,3 +236,8 @@ class _Callable:
 
 
 CALLABLE = _Callable()  # callable, but not a function: not a factory
+
+
+def not_an_optimizer(param_groups, lr):
+    """An --optimizer factory that returns something else (the launcher refuses it)."""
+    return param_groups

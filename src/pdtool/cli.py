@@ -18,7 +18,8 @@ from .errors import PdtoolError
 from .fields import check_schema
 from .jsonio import check_writable, read_json
 from .runtime.launcher.cluster_env import LAUNCHERS, detect, place
-from .runtime.run import DEVICES, INITS, OPTIMIZERS, TRANSPORTS
+from .runtime.recipe import LR_SCHEDULES, OPTIMIZERS
+from .runtime.run import DEVICES, INITS, TRANSPORTS
 from .schedule.modes import DEFAULT, DEFAULT_TIED, GROUP, MODES, ROUND, modes_where
 from .signals import Stopped, install as install_signal_handlers
 
@@ -348,11 +349,28 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
 @click.option("--group", "-g", type=Count(1, 65536),
               help=f"{PER_GROUP}: microbatches per optimizer step [default: the number of stages, or more].")
 @click.option("--seed", type=Count(0, 2**63 - 1), default=0, show_default=True, help="Seed of the initial weights and the data order.")
-@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", show_default=True)
+@click.option("--optimizer", default="sgd", show_default=True, metavar="|".join(OPTIMIZERS) + "|PKG.MODULE:FACTORY",
+              help="sgd (with momentum), adam, adamw (decoupled weight decay), or a factory called as "
+                   "factory(param_groups, lr=LR) that returns a torch optimizer (naming it here trusts it).")
 @click.option("--lr", type=Finite(0, 1e6, min_open=True), default=0.01, show_default=True,
-              help=f"Learning rate (a replicated stage in {PER_ROUND} uses lr * r_s / r_0, see the README).")
-@click.option("--momentum", type=Finite(0, 1, max_open=True), default=0.9, show_default=True, help="SGD momentum.")
-@click.option("--weight-decay", type=Finite(0, 1e6), default=0.0, show_default=True)
+              help=f"Peak learning rate (a replicated stage in {PER_ROUND} uses lr * r_s / r_0, see the README).")
+@click.option("--momentum", type=Finite(0, 1, max_open=True), help="SGD momentum [default: 0.9].")
+@click.option("--betas", type=(Finite(0, 1, max_open=True), Finite(0, 1, max_open=True)), default=None,
+              metavar="B1 B2", help="adam, adamw: the moments' decay rates [default: 0.9 0.999].")
+@click.option("--eps", type=Finite(0, 1, min_open=True), help="adam, adamw: added to the denominator [default: 1e-8].")
+@click.option("--weight-decay", type=Finite(0, 1e6), default=0.0, show_default=True,
+              help="Weight decay of every parameter but biases, norms and embeddings (see the README's recipe).")
+@click.option("--lr-schedule", type=click.Choice(LR_SCHEDULES), default="constant", show_default=True,
+              help="After the warm-up: keep --lr, or decay it linearly or along a cosine to --min-lr.")
+@click.option("--warmup-steps", type=Count(0, MAX_STEPS), default=0, show_default=True,
+              help="Steps whose learning rate rises linearly to --lr.")
+@click.option("--min-lr", type=Finite(0, 1e6), default=0.0, show_default=True,
+              help="Where linear and cosine decay end.")
+@click.option("--lr-decay-steps", type=Count(1, MAX_STEPS),
+              help="The step where the decay reaches --min-lr [default: --steps, the whole run's].")
+@click.option("--clip-grad-norm", type=Finite(0, 1e9, min_open=True), metavar="MAX",
+              help="Clip the gradients to this global norm before each step (the whole model's where stages step "
+                   f"together; in {PER_ROUND} each stage its share: see the README).")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints under this folder.")
 @click.option("--checkpoint-every", type=Count(0, MAX_STEPS), default=0, show_default=True,
               help="Steps between checkpoints (0: only at the end).")
@@ -416,7 +434,8 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
               help="After training, report top-1 accuracy on the data set's held-out split (digits' test "
                    "split, or a factory's dataset for train=False).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
-def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimizer, lr, momentum, weight_decay, checkpoint_dir,
+def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimizer, lr, momentum, betas, eps, weight_decay,
+          lr_schedule, warmup_steps, min_lr, lr_decay_steps, clip_grad_norm, checkpoint_dir,
           checkpoint_every, resume, init_from, max_restarts, metrics_path, trace_path, timeout_s, startup_timeout_s, threads, nnodes, node_rank, nproc_per_node,
           master_addr, master_port, rdzv_endpoint, rdzv_id, iface, device, transport, launcher, init, verbose, evaluate,
           quiet):
@@ -429,7 +448,8 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     """
     from .artifacts.plan import Plan
     from .runtime.launcher.launch import Nodes
-    from .runtime.run import OptimizerConfig, RunConfig
+    from .runtime.recipe import LrSchedule, OptimizerConfig
+    from .runtime.run import RunConfig
 
     where = place(detect(launcher))  # None: pd train starts the workers itself
     if where is not None:
@@ -443,6 +463,10 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     if max_restarts and (nnodes > 1 or rdzv_endpoint):
         raise click.UsageError("--max-restarts restarts the workers of one machine; across machines, restart the "
                                "job with --resume")
+    recipe = OptimizerConfig(optimizer, lr, momentum, weight_decay, betas, eps,
+                             LrSchedule(lr_schedule, warmup_steps, min_lr, lr_decay_steps), clip_grad_norm)
+    if recipe.problem():
+        raise click.UsageError(recipe.problem())
     plan = Plan.load(plan_path)
     if nnodes > 1 and master_port is None and not rdzv_endpoint:
         raise click.UsageError("--nnodes > 1 needs --master-port (the same on every machine) or --rdzv-endpoint")
@@ -452,7 +476,7 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
         if path and reporter:
             check_writable(path, (plan_path,) + tuple(p for p in (metrics_path, trace_path) if p and p != path))
     config = RunConfig(plan_path=os.path.abspath(plan_path), steps=steps, mode=mode, group=group, seed=seed,
-                       optimizer=OptimizerConfig(optimizer, lr, momentum, weight_decay), timeout_s=timeout_s,
+                       optimizer=recipe, timeout_s=timeout_s,
                        startup_timeout_s=startup_timeout_s,
                        threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                        progress=not quiet, return_weights=evaluate, device=device, transport=transport,

@@ -67,7 +67,7 @@ def planned_memory(plan: Plan, mode: str | None, group: int | None, optimizer: s
     from .simulate import simulate
 
     result = simulate(plan, mode=mode, group=group)
-    model = Memory(float("inf"), OPTIMIZER_SLOTS[optimizer])
+    model = Memory(float("inf"), OPTIMIZER_SLOTS.get(optimizer, 2))  # a factory: assumed Adam-like
     return {rank: {term: int(value) for term, value in model.terms(stage.param_bytes, stage.activation_bytes,
                                                                    result.peak_in_flight[rank],
                                                                    result.peak_versions[rank]).items()}

@@ -9,7 +9,7 @@ from pdtool.model.build import initial_model
 from pdtool.planner import make_plan, shared_parameters
 from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
-from pdtool.runtime.worker.executor import build_optimizer
+from pdtool.runtime.worker.optim import build_optimizer, no_decay
 from pdtool.model.stages import plan_stages, sample_inputs
 from pdtool.model.data import synthetic_source
 from pdtool.runtime.run import OptimizerConfig, RunConfig, make_schedule
@@ -53,18 +53,21 @@ def reference(plan, config, ref=MLP):
     source = synthetic_source(bundle, plan.profile.batch_size, config.seed)
     first = config.first_step * minibatches_per_step(schedule)
     prepare = (lambda worker: restore(worker, config.resume)) if config.resume else None
-    run = run_reference(stages, schedule, config.optimizer, bundle.loss_fn, lambda b: source.batch(first + b), prepare,
-                        config.seed, first)
+    run = run_reference(stages, schedule, config.recipe, bundle.loss_fn, lambda b: source.batch(first + b), prepare,
+                        config.seed, first, no_decay(bundle.module), sum(p.numel() for p in bundle.module.parameters()))
     run.losses = {first + b: loss for b, loss in run.losses.items()}
     return run
 
 
 def gradient_accumulation(plan, config, ref=MLP):
-    """One process, no pipeline: per step, the mean gradient of `group` microbatches."""
+    """One process, no pipeline: per step, the mean gradient of `group` microbatches, then the
+    recipe (torch's clip_grad_norm_, the schedule's learning rate for the step, the optimizer)."""
     schedule = make_schedule(plan, config)
+    recipe = config.recipe
     bundle = initial_model(ref, config.seed)
-    model = bundle.module
-    optimizer = build_optimizer(config.optimizer, list(model.parameters()), 1.0)
+    net = bundle.module
+    optimizer = build_optimizer(recipe, list(net.named_parameters()), 1.0, no_decay(net))
+    base = [g["lr"] for g in optimizer.param_groups]
     batch = synthetic_source(bundle, plan.profile.batch_size, config.seed).batch
     losses = {}
     for step in range(config.steps):
@@ -72,11 +75,15 @@ def gradient_accumulation(plan, config, ref=MLP):
         for k in range(schedule.group):
             b = step * schedule.group + k
             inputs, target = batch(b)
-            loss = bundle.loss_fn(model(*inputs), target)
+            loss = bundle.loss_fn(net(*inputs), target)
             losses[b] = float(loss.detach())
             (loss / schedule.group).backward()
+        if recipe.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), recipe.clip_grad_norm)
+        for group, lr in zip(optimizer.param_groups, base):
+            group["lr"] = lr * recipe.schedule.factor(recipe.lr, step)
         optimizer.step()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().clone() for n, p in net.named_parameters()}
 
 
 def config_for(path, **overrides):

@@ -6,7 +6,7 @@ from helpers import config_for, plan_with
 from pdtool.model.data import dataset_source, digits, evaluate
 from pdtool.model.build import initial_model
 from pdtool.artifacts.profile import ModelRef
-from pdtool.runtime.worker.executor import build_optimizer
+from pdtool.runtime.worker.optim import build_optimizer
 from pdtool.runtime.run import OptimizerConfig
 from pdtool.runtime.launcher.session import run
 
@@ -18,7 +18,7 @@ EPOCHS, BATCH, OPTIMIZER = 8, 64, OptimizerConfig("sgd", 0.03, 0.9, 0.0)
 def single_process_accuracy(seed=0):
     bundle = initial_model(MODEL, seed)
     source = dataset_source(digits(), BATCH, seed)
-    optimizer = build_optimizer(OPTIMIZER, list(bundle.module.parameters()), 1.0)
+    optimizer = build_optimizer(OPTIMIZER, list(bundle.module.named_parameters()))
     for b in range(EPOCHS * source.batches_per_epoch):
         inputs, target = source.batch(b)
         optimizer.zero_grad()

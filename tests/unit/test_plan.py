@@ -300,7 +300,7 @@ def test_a_measurement_far_from_the_prediction_is_explained_from_what_pdtool_kno
 
 def test_the_planner_counts_the_state_of_every_optimizer_the_workers_build():
     from pdtool.planner.costmodel import OPTIMIZER_SLOTS
-    from pdtool.runtime.run import OPTIMIZERS
+    from pdtool.runtime.recipe import OPTIMIZERS
 
     assert tuple(OPTIMIZER_SLOTS) == OPTIMIZERS
 

@@ -103,7 +103,7 @@ class ChainCosts:
 
 
 
-OPTIMIZER_SLOTS = {"sgd": 1, "adam": 2}  # buffers per parameter: SGD's momentum; Adam's two moments
+OPTIMIZER_SLOTS = {"sgd": 1, "adam": 2, "adamw": 2}  # buffers per parameter: SGD's momentum; Adam's two moments
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """What crosses from the launcher to the workers and back: the run's configuration
-(`RunConfig`, `OptimizerConfig`), the settings and schedule it resolves to (`resolved`,
+(`RunConfig`, with the recipe's `OptimizerConfig`), the settings and schedule it resolves to (`resolved`,
 `make_schedule`, `checked_run`), the checks of a job against its plan (`place`, `check_world`),
 and what a worker reports when it ends (`WorkerReport`).
 
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from ..artifacts.plan import Plan
 from ..errors import LaunchError
 from ..schedule import Run, Schedule, checkpoint_unit, generate, resolve, step_group
+from .recipe import OptimizerConfig
 
 if TYPE_CHECKING:
     import torch
@@ -24,20 +25,9 @@ if TYPE_CHECKING:
     from ..model.capture import Capture
 
 
-OPTIMIZERS = ("sgd", "adam")  # what `worker.executor.build_optimizer` builds (planner.costmodel.OPTIMIZER_SLOTS: their state)
 DEVICES = ("auto", "cpu", "cuda")  # where a worker computes (`runtime.device.choose`)
 INITS = ("rule", "factory")  # initial weights: `model.build`'s initialization rule, or the factory's own
 TRANSPORTS = ("auto", "shared-memory", "process-group")  # how neighbours' messages travel (`worker.shm.use_shared_memory`)
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Optimizer settings shared by every stage: `sgd` (with momentum) or `adam`."""
-
-    name: str = "sgd"
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +58,11 @@ class RunConfig:
     capture: Capture | None = None   # every stage's program and message specs (the launcher's preflight)
     init_from: str | None = None     # pd train --init-from: a safetensors file or Hugging Face folder (model.weights)
 
+    @property
+    def recipe(self) -> OptimizerConfig:
+        """The optimizer settings with the schedule's horizon: the whole run's steps unless set."""
+        return self.optimizer.with_horizon(self.first_step + self.steps)
+
 
 @dataclass
 class WorkerReport:
@@ -87,6 +82,7 @@ class WorkerReport:
     rings: int = 0  # directions of its links that went through shared memory (runtime.worker.shm)
     memory: dict[str, int] = field(default_factory=dict)  # bytes, as `worker.memory.measure` reports them
     step_memory: list[tuple[float, int]] = field(default_factory=list)  # (end of each step, bytes in use then)
+    step_log: list[tuple] = field(default_factory=list)  # (end, lr, norm clipped at or None, whole model's?) per step
     startup: dict[str, float] = field(default_factory=dict)  # epoch times: began, built (its stage), joined (the group)
 
 

@@ -49,6 +49,10 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
         checked = preflight(plan, config.plan_path, resolved(plan, config).name, config.data, config.seed, config.model,
                             config.init, warn, built, config.init_from)
     config = dataclasses.replace(config, capture=checked.capture)
+    if config.optimizer.is_factory:  # the user's optimizer factory, called once here rather than in every worker
+        from ..worker.optim import check_optimizer
+
+        check_optimizer(config.optimizer)
     check_memory(plan, config)
     if epochs:
         per_step = checked_run(plan, config).per_step
@@ -80,13 +84,13 @@ def check_memory(plan: Plan, config: RunConfig) -> None:
     limit = plan.cluster.memory
     if not limit:
         return
-    from ...planner.costmodel import OPTIMIZER_SLOTS, Memory
+    from ...planner.costmodel import Memory
     from ...simulate import simulate
     from ...units import format_bytes
 
     run = resolved(plan, config)
     result = simulate(plan, mode=run.name, group=config.group)
-    needs = Memory(limit, OPTIMIZER_SLOTS[config.optimizer.name]).per_worker(plan, result)
+    needs = Memory(limit, config.optimizer.state_slots).per_worker(plan, result)
     rank = max(needs, key=needs.get)
     if needs[rank] <= limit:
         return

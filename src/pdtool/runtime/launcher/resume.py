@@ -43,7 +43,7 @@ def settle(plan: Plan, config: RunConfig, nodes: "Nodes", resume: bool, warn, ne
     (`starting_point`), claiming the folder for this run. On any error the lock is released."""
     run = checked_run(plan, config)  # a schedule it cannot run: refused here
     config = dataclasses.replace(config, run_id=config.run_id or run_id(config, nodes))
-    meta = {"mode": run.name, "data": config.data, "seed": config.seed}
+    meta = {"mode": run.name, "data": config.data, "seed": config.seed, "recipe": config.recipe.summary()}
     lock = FolderLock.acquire(config.checkpoint_dir) if config.checkpoint_dir and hold else None
     try:
         config = starting_point(config, plan, resume, lock.previous if lock else None, warn, needs, say)
@@ -117,7 +117,19 @@ def starting_point(config: RunConfig, plan: Plan, resume: bool, previous: dict |
         say(f"--resume: no complete checkpoint in {root}, so the run starts from step 0")
         return config
     say(f"resuming from {folder} (step {done})")
+    _compare_recipes(read_manifest(folder).meta.get("recipe"), config.recipe.summary(), folder, warn)
     return dataclasses.replace(config, resume=str(folder), first_step=done, steps=config.steps - done)
+
+
+def _compare_recipes(saved, now: dict, folder, warn) -> None:
+    """Warn when the run resumed from was trained with another recipe (optimizer, schedule,
+    clipping): the learning rate goes on from the checkpoint's step by this run's settings."""
+    if not isinstance(saved, dict):
+        return
+    changed = [f"{key} {saved.get(key)} -> {value}" for key, value in now.items() if saved.get(key) != value]
+    if changed:
+        warn(f"{folder} was trained with another recipe ({'; '.join(changed)}); this run goes on from step "
+             f"{read_manifest(folder).step} with its own (the learning rate follows the new schedule)")
 
 
 def kept(checkpoint_dir: str | None) -> str:

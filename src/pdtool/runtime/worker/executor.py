@@ -28,6 +28,7 @@ accumulation over m microbatches (mean of the m losses' gradients).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -35,20 +36,11 @@ from torch.func import functional_call
 
 from ...model.data import derive_seed
 from ...errors import LaunchError
-from ...schedule import Action, Schedule
-from ..run import OPTIMIZERS, OptimizerConfig
+from ...schedule import Action, Schedule, step_group
+from ..run import OptimizerConfig
+from . import optim
 from .split_backward import ParameterNodes, input_gradients, weight_gradients
 
-
-
-def build_optimizer(config: OptimizerConfig, params: list[torch.nn.Parameter], lr_scale: float) -> torch.optim.Optimizer:
-    """The torch optimizer of `config` over `params`, its learning rate times `lr_scale`."""
-    lr = config.lr * lr_scale
-    if config.name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    if config.name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=config.weight_decay)
-    raise LaunchError(f"unknown optimizer {config.name!r}; use one of {', '.join(OPTIMIZERS)}")
 
 
 def lr_scale(schedule: Schedule, stage: int) -> float:
@@ -71,7 +63,8 @@ class StageWorker:
     """
 
     def __init__(self, stage, schedule: Schedule, replica: int, optimizer: OptimizerConfig,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, seed: int = 0, first: int = 0):
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, seed: int = 0, first: int = 0,
+                 no_decay: frozenset[str] = frozenset(), model_parameters: int | None = None):
         self.stage = stage
         self.seed, self.first = seed, first
         self.index = stage.index
@@ -83,7 +76,25 @@ class StageWorker:
         self.loss_fn = loss_fn
         self.names = [name for name, _ in stage.module.named_parameters()]
         self.live = [p for _, p in stage.module.named_parameters()]
-        self.optimizer = build_optimizer(optimizer, self.live, lr_scale(schedule, stage.index)) if self.live else None
+        self.recipe = optimizer
+        named = [(stage.param_names.get(n, n), p) for n, p in zip(self.names, self.live)]
+        self.optimizer = (optim.build_optimizer(optimizer, named, lr_scale(schedule, stage.index), no_decay)
+                          if self.live else None)
+        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
+        # the learning-rate clock: steps of stage 0 before this stage's next step (`runtime.recipe`)
+        per_step = step_group(schedule, 0)
+        self.clock = (first / per_step, step_group(schedule, stage.index) / per_step)
+        self.steps_taken = 0
+        ties = getattr(stage, "tied", {})
+        self.owned = [p for n, p in zip(self.names, self.live) if n not in ties or min(ties[n]) == stage.index]
+        # where stages step on their own (pipedream, vsync) each clips to its share of the budget (`worker.optim`)
+        self.clip_budget = None
+        if optimizer.clip_grad_norm is not None:
+            alone = schedule.rules.per_round or schedule.stages == 1
+            self.clip_budget = (optim.stage_budget(optimizer.clip_grad_norm, sum(p.numel() for p in self.owned),
+                                                   model_parameters) if alone else optimizer.clip_grad_norm)
+        self.whole_norm = optimizer.clip_grad_norm is not None and not schedule.rules.per_round and schedule.stages > 1
+        self.step_log: list[tuple[float, float | None, bool]] = []  # (lr, norm clipped at, whole model's?) per step
         version = schedule.versions()
         self.version_of = {(a.kind, a.minibatch): version[(a.kind, a.stage, a.minibatch)]
                            for a in self.actions if a.kind != "U"}
@@ -242,10 +253,40 @@ class StageWorker:
             self._keep_current_version()
             self._set_mean_gradients(buffer)
 
-    def finish_step(self) -> None:
-        """Second half of a step (between the halves, the `tie` ops of tied weights): the optimizer
-        applies `.grad`; the live weights become the next version."""
+    def finish_step(self, norm: float | None = None) -> None:
+        """Second half of a step (between the halves, the `tie` ops of tied weights): the gradients
+        clipped (`--clip-grad-norm`; `norm`: the whole model's gradient norm, which the caller
+        measures across stages where they step together, `whole_norm`), the learning rate of this
+        step set, the optimizer applies `.grad`; the live weights become the next version."""
+        lr = self._set_lr()
+        whole = norm is not None
+        if self.clip_budget is not None:
+            grads = [p.grad for p in self.live if p.grad is not None]
+            if norm is None:
+                norm = math.sqrt(self.squared_norm())
+            optim.clip(grads, self.clip_budget, norm)
+        self.step_log.append((lr, norm, whole or self.schedule.stages == 1))
         self._step_optimizer()
+        self.steps_taken += 1
+
+    def squared_norm(self) -> float:
+        """The squared norm of this stage's gradients (a tied parameter's only in its owner stage)."""
+        return optim.squared_norm([p.grad for p in self.owned if p.grad is not None])
+
+    def lr_now(self) -> float:
+        """The learning rate of this stage's next step (its first group's, with the mode's factor)."""
+        return self.base_lrs[0] * self._lr_factor() if self.base_lrs else 0.0
+
+    def _lr_factor(self) -> float:
+        start, per = self.clock
+        return self.recipe.schedule.factor(self.recipe.lr, start + self.steps_taken * per)
+
+    def _set_lr(self) -> float:
+        """Every parameter group's learning rate for the step about to be taken; the first's."""
+        factor = self._lr_factor()
+        for group, base in zip(self.optimizer.param_groups if self.optimizer else [], self.base_lrs):
+            group["lr"] = base * factor
+        return self.lr_now()
 
     def gradient_buffer(self) -> torch.Tensor:
         """This replica's gradients, flattened, followed by how many backwards they sum.

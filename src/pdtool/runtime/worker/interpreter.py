@@ -33,7 +33,9 @@ class Context:
     boundary `specs` (from the launcher's capture, `model.capture`), `batch` (minibatch -> (inputs, target) on the
     device, minibatches counted from `first`, the run's first), its `collectives` (by
     `collective_key`), its `link` to its neighbours, its checkpoint `saver` (None: none), and
-    whether it shows the progress line (`show_progress`, of `batch_size` samples a minibatch)."""
+    whether it shows the progress line (`show_progress`, of `batch_size` samples a minibatch), and
+    `norm`, which measures the whole model's gradient norm across the stages (`--clip-grad-norm`
+    in the modes whose stages step together; None: the worker clips on its own or not at all)."""
 
     schedule: Schedule
     ops: tuple[Op, ...]
@@ -45,6 +47,7 @@ class Context:
     first: int
     show_progress: bool
     batch_size: int
+    norm: Callable[[StageWorker], float] | None = None  # the whole model's gradient norm, where stages step together
 
 
 class Interpreter:
@@ -141,7 +144,7 @@ class Interpreter:
         if self.last:
             self.report.finished[first + b] = self.report.events[-1][2]
             if self.progress is not None:
-                self.progress.update(first + b, self.worker.losses.get(b))
+                self.progress.update(first + b, self.worker.losses.get(b), self.worker.lr_now())
         if s > 0:
             device = self.context.link.device
             self.outbox[(GRADIENT, b)] = [input_grads.get(t.name, torch.zeros(t.shape, dtype=t.dtype, device=device))
@@ -164,9 +167,11 @@ class Interpreter:
 
     def step(self, op: Op) -> None:  # noqa: ARG002 - every op's method takes its op
         """The optimizer step, then the checkpoint that falls after it (replica 0 saves)."""
-        self.worker.finish_step()
+        norm = self.context.norm
+        self.worker.finish_step(norm(self.worker) if norm is not None else None)
         self.report.events.append((f"{self.s}U", self.step_began, self.clock()))
         self.report.step_memory.append((self.report.events[-1][2], memory.in_use(self.context.link.device)))
+        self.report.step_log.append((self.report.events[-1][2],) + self.worker.step_log[-1])
         began = self.clock()
         saver = self.context.saver
         if saver is not None and saver.after_step():
@@ -204,12 +209,12 @@ class _TrainProgress:
         self.done = 0
         self.tty = sys.stderr.isatty()
 
-    def update(self, minibatch: int, loss: float | None) -> None:
+    def update(self, minibatch: int, loss: float | None, lr: float) -> None:
         self.done += 1
         now = time.monotonic()
         if now - self.last >= 1.0 or minibatch + 1 == self.total:
             rate = self.done * self.batch_size / max(now - self.began, 1e-9)
-            text = f"minibatch {minibatch + 1}/{self.total}  loss {loss:.4f}  {rate:.1f} samples/s"
+            text = f"minibatch {minibatch + 1}/{self.total}  loss {loss:.4f}  lr {lr:.3g}  {rate:.1f} samples/s"
             sys.stderr.write(f"\r\033[K{text}" if self.tty else text + "\n")
             sys.stderr.flush()
             self.last = now

@@ -24,7 +24,7 @@ from ...schedule import Schedule, lower, stash_depth
 from ...schedule.lower import Lowered, collective_key
 from .comm import BoundaryTensor, Link, layout, link_groups, message_specs
 from .. import peers
-from . import memory, shm, tied
+from . import memory, optim, shm, tied
 from ..device import Placement, choose
 from .executor import StageWorker
 from .interpreter import Context, Interpreter
@@ -49,10 +49,10 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
         startup["joined"] = time.time()
     # On an error, no orderly teardown: the launcher records this worker's error before its
     # connections close, so the job reports it rather than a peer's "connection closed".
-    ops, link, collectives = _connect(config, plan, built, rank, device, store)
+    ops, link, collectives, norm = _connect(config, plan, built, rank, device, store)
     worker, saver = _stage_worker(config, built, device)
     context = Context(built.schedule, ops, built.specs, _on_device(built.batch, device), collectives, link, saver,
-                      built.first, config.progress, plan.profile.batch_size)
+                      built.first, config.progress, plan.profile.batch_size, norm)
     try:
         report = Interpreter(worker, context).run()
     except peers.PeerTimeout as silent:
@@ -89,6 +89,8 @@ class _Built:
     first: int
     batch: Callable[[int], tuple]
     specs: list[list[BoundaryTensor]]
+    no_decay: frozenset = frozenset()  # whole-model names without weight decay (`worker.optim.no_decay`)
+    model_parameters: int = 0          # the whole model's parameter count (the clipping budget's share)
 
 
 def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _Built:
@@ -113,7 +115,8 @@ def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _B
     batch = lambda b: source.batch(first + b)  # noqa: E731
     specs = [[BoundaryTensor(name, tuple(shape), getattr(torch, dtype)) for name, shape, dtype in boundary]
              for boundary in capture.specs]
-    return _Built(stage_index, replica, stage, capture, schedule, bundle.loss_fn, first, batch, specs)
+    return _Built(stage_index, replica, stage, capture, schedule, bundle.loss_fn, first, batch, specs,
+                  optim.no_decay(bundle.module), sum(p.numel() for p in bundle.module.parameters()))
 
 
 def _capture_here(plan: Plan, bundle, source, config: RunConfig, on_meta: bool):
@@ -137,19 +140,39 @@ def _join_group(config: RunConfig, placement: Placement, store, rank: int, world
 
 
 def _connect(config: RunConfig, plan: Plan, built: _Built, rank: int, device: torch.device,
-             store) -> tuple[tuple, Link, dict]:
+             store) -> tuple[tuple, Link, dict, Callable | None]:
     """This worker's lowered ops, its link to its neighbours (process groups, shared-memory
-    rings) and its collectives. Every rank makes every process group, in one order."""
+    rings), its collectives and the whole model's gradient norm where the recipe clips it across
+    stages (else None). Every rank makes every process group, in one order."""
     ranks = [r for st in plan.stages for r in st.ranks]  # stage-major, as the schedule numbers its workers
     lowered = lower(built.schedule, tied.sets(built.capture.stages), ranks)
     ops = lowered.workers[lowered.index(rank)]
     groups = {s: dist.new_group(list(st.ranks)) for s, st in enumerate(plan.stages) if st.replicas > 1}
+    norm = _whole_norm(config, built, plan, device)
     links = link_groups(lowered, rank)
     ties = tied.make_ties(built.capture.stages, built.stage, [st.ranks for st in plan.stages])
     window = max(stash_depth(built.schedule, s) for s in range(built.schedule.stages))
     rings = _rings(config, lowered, ops, rank, built.specs, window, device, store)
     collectives = _collectives(ops, groups.get(built.stage_index), ties)
-    return ops, Link(device, window, links, config.timeout_s, rank, rings), collectives
+    return ops, Link(device, window, links, config.timeout_s, rank, rings), collectives, norm
+
+
+def _whole_norm(config: RunConfig, built: _Built, plan: Plan, device: torch.device) -> Callable | None:
+    """Where stages step together and the recipe clips (`worker.optim`): a function that
+    all-reduces the stages' squared gradient norms (each replica adds its share) and returns the
+    whole model's norm. Every rank makes its process group (or none), in one order."""
+    schedule = built.schedule
+    if config.optimizer.clip_grad_norm is None or schedule.rules.per_round or schedule.stages == 1:
+        return None
+    group = dist.new_group(sorted(plan.used_ranks))
+    replicas = plan.stages[built.stage_index].replicas
+
+    def norm(worker: StageWorker) -> float:
+        total = torch.tensor([worker.squared_norm() / replicas], dtype=torch.float64, device=device)
+        dist.all_reduce(total, group=group)
+        return float(total.clamp_min(0).sqrt())
+
+    return norm
 
 
 def _stage_worker(config: RunConfig, built: _Built, device: torch.device):
@@ -161,8 +184,8 @@ def _stage_worker(config: RunConfig, built: _Built, device: torch.device):
     loss_fn = built.loss_fn
     if last and isinstance(loss_fn, torch.nn.Module):
         loss_fn.to(device)  # e.g. class weights
-    worker = StageWorker(stage, built.schedule, built.replica, config.optimizer, loss_fn if last else None,
-                         config.seed, built.first)
+    worker = StageWorker(stage, built.schedule, built.replica, config.recipe, loss_fn if last else None,
+                         config.seed, built.first, built.no_decay, built.model_parameters)
     if config.resume:
         from .shards import restore
 

@@ -170,7 +170,8 @@ def _linear_weight_gradients(nodes: list, saved: dict, indices: list[int], accum
     if None in kinds:
         return None
     x = getattr(node, saved_input)
-    return {i: grad.t().mm(x) if kind == "weight" else grad.sum(0) for i, kind in zip(indices, kinds)}
+    with torch.no_grad():  # the saved input may require grad (a stage's received activation): no graph here
+        return {i: grad.t().mm(x) if kind == "weight" else grad.sum(0) for i, kind in zip(indices, kinds)}
 
 
 def _closure(starts, parents) -> set:

@@ -1,0 +1,78 @@
+"""The training recipe (AdamW with decay groups, warm-up and decay of the learning rate, clipping
+by the global norm) in every mode, against one process running the same recipe with gradient
+accumulation (torch's own `clip_grad_norm_`) or the reference executor, and across a resume."""
+import dataclasses
+
+import pytest
+import torch
+
+from helpers import assert_same_run, config_for, gradient_accumulation, merged, plan_with, reference
+
+from pdtool.runtime.launcher.launch import launch
+from pdtool.runtime.launcher.session import run
+from pdtool.runtime.recipe import LrSchedule, OptimizerConfig
+
+# clip 0.05: below the MLP's gradient norm at every step, so every step is clipped
+RECIPE = OptimizerConfig("adamw", 0.02, None, 0.1, (0.8, 0.95), 1e-7, LrSchedule("cosine", 2, 0.002), 0.05)
+SPLITS = {"2 stages": [((0, 1), 1), ((2, 3), 1)], "replicated 2-1": [((0, 1), 2), ((2, 3), 1)],
+          "3 stages": [((0, 0), 1), ((1, 2), 1), ((3, 3), 1)]}
+
+
+@pytest.mark.parametrize("mode, split", [("flush", "replicated 2-1"), ("gpipe", "3 stages"), ("zb", "3 stages")])
+def test_the_recipe_in_the_synchronous_modes_is_one_process_with_gradient_accumulation(tmp_path, mode, split):
+    plan, path = plan_with(tmp_path, SPLITS[split], mode=mode)
+    config = config_for(path, steps=5, optimizer=RECIPE)
+    result = reference(plan, config)
+    losses, weights = gradient_accumulation(plan, config)
+    assert_same_run(result.losses, result.weights, losses, weights, rel=1e-5, weight_tolerance=1e-5)
+    # each part of the recipe changes the result: the comparison above can fail
+    for part in ({"clip_grad_norm": None}, {"schedule": LrSchedule()}, {"weight_decay": 0.0}):
+        other = gradient_accumulation(plan, dataclasses.replace(config, optimizer=dataclasses.replace(RECIPE, **part)))
+        assert any(not torch.allclose(other[1][n], w) for n, w in weights.items()), part
+
+
+def test_clipping_where_stages_step_on_their_own_gives_each_its_share_of_the_budget(tmp_path):
+    # one stage: its share is the whole budget, so pipedream is one process clipping the whole model
+    plan, path = plan_with(tmp_path, [((0, 3), 1)], mode="pipedream")
+    config = config_for(path, steps=4, optimizer=RECIPE)
+    result = reference(plan, config)
+    losses, weights = gradient_accumulation(plan, config)
+    assert_same_run(result.losses, result.weights, losses, weights, rel=1e-5, weight_tolerance=1e-5)
+    from pdtool.runtime.worker.optim import stage_budget
+
+    assert stage_budget(1.0, 25, 100) == pytest.approx(0.5)  # sqrt(P_s / P): the shares' squares add up to MAX^2
+
+
+@pytest.mark.parametrize("mode, split", [("flush", "replicated 2-1"), ("2bw", "3 stages"),
+                                         ("pipedream", "replicated 2-1")])
+def test_workers_running_the_recipe_equal_their_oracle(tmp_path, mode, split):
+    plan, path = plan_with(tmp_path, SPLITS[split], mode=mode)
+    config = config_for(path, steps=4, optimizer=RECIPE)
+    reports = launch(config, len(plan.used_ranks))
+    losses, weights = merged(reports)
+    if mode == "flush":
+        expected_losses, expected_weights = gradient_accumulation(plan, config)
+    else:
+        expected = reference(plan, config)
+        expected_losses, expected_weights = expected.losses, expected.weights
+    assert_same_run(losses, weights, expected_losses, expected_weights, rel=1e-5, weight_tolerance=1e-5)
+    head = next(r for r in reports.values() if r.stage == 0 and r.replica == 0)
+    lrs = [lr for _, lr, _, _ in head.step_log]
+    assert lrs[:2] == pytest.approx([0.01, 0.02])  # warm-up: (t + 1) / 2 of the peak
+    assert all(norm is not None and norm > 0 for _, _, norm, _ in head.step_log)
+
+
+def test_a_run_resumed_in_its_warm_up_under_another_plan_continues_the_same_curve(tmp_path):
+    recipe = dataclasses.replace(RECIPE, schedule=LrSchedule("cosine", 3, 0.002, total_steps=5))
+    two_plan, two = plan_with(tmp_path, SPLITS["2 stages"], mode="flush", name="two.plan.json")
+    _, three = plan_with(tmp_path, SPLITS["3 stages"], mode="flush", name="three.plan.json")
+    whole_losses, expected = gradient_accumulation(two_plan, config_for(two, steps=5, group=2, optimizer=recipe))
+    root = tmp_path / "ckpt"
+    first = run(config_for(two, steps=2, group=2, optimizer=recipe, checkpoint_dir=str(root)))
+    resumed = run(config_for(three, steps=5, group=2, optimizer=recipe, checkpoint_dir=str(root)), resume=True)
+    assert resumed.first_step == 2
+    losses = {**first.losses, **resumed.losses}
+    weights = {n: t for r in resumed.reports.values() if r.replica == 0 for n, t in r.weights.items()}
+    assert_same_run(losses, weights, whole_losses, expected, rel=1e-5, weight_tolerance=1e-5)
+    head = next(r for r in resumed.reports.values() if r.stage == 0)
+    assert [lr for _, lr, _, _ in head.step_log][0] == pytest.approx(0.02)  # step 3 of the warm-up: the peak

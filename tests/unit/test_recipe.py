@@ -1,0 +1,93 @@
+"""The recipe's parts on their own: the learning-rate schedule, the checks of the options, the
+weight-decay groups and the optimizer factory (no worker processes)."""
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pdtool.cli import cli
+from pdtool.errors import LaunchError
+from pdtool.runtime.recipe import LrSchedule, OptimizerConfig
+from pdtool.runtime.worker.optim import build_optimizer, check_optimizer, clip, no_decay, squared_norm
+
+
+def test_warm_up_then_cosine_or_linear_decay_to_the_floor():
+    cosine = LrSchedule("cosine", warmup_steps=4, min_lr=0.1, total_steps=14)
+    assert [cosine.lr(1.0, t) for t in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert cosine.lr(1.0, 4) == pytest.approx(1.0)
+    assert cosine.lr(1.0, 9) == pytest.approx(0.55)  # half way: (1 + 0.1) / 2
+    assert cosine.lr(1.0, 14) == pytest.approx(0.1) and cosine.lr(1.0, 99) == pytest.approx(0.1)
+    linear = LrSchedule("linear", min_lr=0.0, total_steps=10)
+    assert [linear.lr(2.0, t) for t in (0, 5, 10)] == pytest.approx([2.0, 1.0, 0.0])
+    assert LrSchedule().lr(0.3, 1000) == 0.3
+    # fractional clocks (a stage that steps every other step of stage 0) lie on the same curve
+    assert cosine.lr(1.0, 6.5) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25)))
+
+
+@pytest.mark.parametrize("recipe, line", [
+    (OptimizerConfig("adam", momentum=0.9), "--momentum: adam has none; use --betas"),
+    (OptimizerConfig("sgd", betas=(0.9, 0.99)), "--betas is for adam and adamw, not sgd; use --momentum"),
+    (OptimizerConfig("sgd", eps=1e-6), "--eps is for adam and adamw"),
+    (OptimizerConfig("adamx"), "--optimizer 'adamx': use sgd, adam, adamw or a pkg.module:factory"),
+    (OptimizerConfig("sgd", lr=0.1, schedule=LrSchedule("cosine", min_lr=0.5)), "--min-lr 0.5 is above --lr 0.1"),
+    (OptimizerConfig("sgd", schedule=LrSchedule("constant", min_lr=0.001)), "--min-lr needs --lr-schedule"),
+    (OptimizerConfig("torch.optim:RMSprop", momentum=0.5), "--momentum: the factory sets its own"),
+])
+def test_options_that_do_not_fit_the_optimizer_are_one_line(recipe, line):
+    assert line in recipe.problem()
+
+
+def test_pd_train_refuses_them_before_reading_the_plan(tmp_path):
+    result = CliRunner().invoke(cli, ["train", str(tmp_path / "none.plan.json"), "--optimizer", "adamw",
+                                      "--momentum", "0.9"])
+    assert result.exit_code == 2 and "--momentum: adamw has none; use --betas" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_no_weight_decay_on_biases_norms_and_embeddings():
+    from pdtool.zoo import gpt
+
+    with torch.device("meta"):
+        bundle = gpt(vocab=50, seq_len=8, d_model=16, heads=2, layers=1)
+    skipped = no_decay(bundle.module)
+    names = dict(bundle.module.named_parameters())
+    assert "pos_emb" in skipped and "tok_emb.weight" in skipped  # a bare position embedding and nn.Embedding
+    assert all(n in skipped for n, p in names.items() if p.dim() < 2)  # biases, LayerNorm scales and shifts
+    decayed = sorted(set(names) - skipped)
+    assert decayed and all(names[n].dim() == 2 and ".ln" not in n for n in decayed)
+
+
+def test_the_groups_decay_only_what_the_rule_keeps():
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    optimizer = build_optimizer(OptimizerConfig("adamw", 0.1, weight_decay=0.5), list(model.named_parameters()),
+                                skip=no_decay(model))
+    assert isinstance(optimizer, torch.optim.AdamW)
+    decay, plain = optimizer.param_groups
+    assert decay["weight_decay"] == 0.5 and [p.shape for p in decay["params"]] == [torch.Size([2, 3])]
+    assert plain["weight_decay"] == 0.0 and len(plain["params"]) == 4
+
+
+def test_an_optimizer_factory_named_on_the_command_line_is_called_with_the_groups():
+    optimizer = build_optimizer(OptimizerConfig("torch.optim:RMSprop", 0.01, weight_decay=0.1),
+                                [("w", torch.nn.Parameter(torch.ones(2, 2))), ("b", torch.nn.Parameter(torch.ones(2)))],
+                                skip=frozenset({"b"}))
+    assert isinstance(optimizer, torch.optim.RMSprop) and [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0]
+    with pytest.raises(LaunchError, match="returned list, not a torch.optim.Optimizer"):
+        check_optimizer(OptimizerConfig("toymodels:not_an_optimizer"))
+    with pytest.raises(LaunchError, match=r"failed when called as factory\(param_groups, lr=0.01\): TypeError"):
+        check_optimizer(OptimizerConfig("torch:zeros_like"))
+    with pytest.raises(LaunchError, match="cannot import 'no_such_module'"):
+        check_optimizer(OptimizerConfig("no_such_module:make"))
+
+
+def test_clipping_scales_to_the_budget_like_torch():
+    grads = [torch.tensor([3.0, 0.0]), torch.tensor([[4.0]])]
+    norm = math.sqrt(squared_norm(grads))
+    assert norm == pytest.approx(5.0)
+    clip(grads, 1.0, norm)
+    mine = torch.cat([g.reshape(-1) for g in grads])
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1, 1))]
+    params[0].grad, params[1].grad = torch.tensor([3.0, 0.0]), torch.tensor([[4.0]])
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    torch.testing.assert_close(mine, torch.cat([p.grad.reshape(-1) for p in params]))
