@@ -42,22 +42,23 @@ class ReferenceRun:
 def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
                   loss_fn: Callable[[Any, Any], torch.Tensor], batch: Callable[[int], tuple],
                   prepare: Callable[[StageWorker], None] | None = None, seed: int = 0, first: int = 0,
-                  no_decay: frozenset = frozenset(), model_parameters: int | None = None) -> ReferenceRun:
+                  no_decay: frozenset = frozenset(), model_parameters: int | None = None,
+                  precision: str = "fp32") -> ReferenceRun:
     """Run `schedule` on `stages` (from `model.stages.build_stages`); `batch(b)` gives
     minibatch b as (inputs tuple, target). The stages' modules are copied per replica;
     `prepare(worker)`, if given, runs on every worker before the first action (e.g. to
     restore a checkpoint, as a resumed run does). `seed` and `first` (the first minibatch of a
     resumed run) seed every forward's random numbers as the runtime does (`StageWorker`).
-    `no_decay` and `model_parameters` are the recipe's (`StageWorker`). With --clip-grad-norm in
-    a mode whose stages step together, every stage steps together, on the whole model's norm
-    (computed here from the parameters' gradients, each parameter once)."""
+    `no_decay`, `model_parameters` and `precision` as `StageWorker` takes them. With
+    --clip-grad-norm or fp16 in a mode whose stages step together, every stage steps together, on
+    the whole model's norm (computed here from the parameters' gradients, each parameter once)."""
     workers: dict[int, StageWorker] = {}
     for s, stage in enumerate(stages):
         for i in range(schedule.replicas[s]):
             replica = copy.deepcopy(stage)
             workers[schedule.rank(s, i)] = StageWorker(replica, schedule, i, optimizer,
                                                        loss_fn if s == len(stages) - 1 else None, seed, first,
-                                                       no_decay, model_parameters)
+                                                       no_decay, model_parameters, precision)
             if prepare is not None:
                 prepare(workers[schedule.rank(s, i)])
     # stages whose steps happen together: a stage's replicas, joined with every stage it shares a
@@ -68,7 +69,8 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
             joined = set().union(*(together[u] for u in users))
             for u in joined:
                 together[u] = joined
-    whole_norm = (optimizer.clip_grad_norm is not None and not schedule.rules.per_round and len(stages) > 1)
+    whole_norm = ((optimizer.clip_grad_norm is not None or precision == "fp16") and not schedule.rules.per_round
+                  and len(stages) > 1)
     if whole_norm:
         together = {s: set(range(len(stages))) for s in range(len(stages))}
     steps_done = {rank: 0 for rank in workers}
@@ -145,6 +147,7 @@ def _norm(workers: list[StageWorker]) -> float:
     """The gradient norm of the whole model: every parameter once (by its whole-model name)."""
     grads = {}
     for worker in workers:
+        worker.unscale()  # fp16: the gradients without the loss scale
         for name, p in worker.stage.module.named_parameters():
             if p.grad is not None:
                 grads.setdefault(worker.stage.param_names[name], p.grad)

@@ -13,7 +13,7 @@ import click
 
 from . import __version__
 from .artifacts.plan import COST_MODELS
-from .artifacts.profile import GRANULARITIES, MEASURED
+from .artifacts.profile import GRANULARITIES, MEASURED, PRECISIONS
 from .errors import PdtoolError
 from .fields import check_schema
 from .jsonio import check_writable, read_json
@@ -156,9 +156,12 @@ def cli() -> None:
 @click.option("--reuse-identical", is_flag=True,
               help="Layer by layer, time a layer identical to an earlier one (kind, parameter and input shapes: "
                    "transformer blocks) only once; the profile says which layers carry another's figures.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
+              help="Time the layers under autocast in bf16 or fp16 (weights fp32) and count their outputs in it, as "
+                   "pd train --precision runs them; the plan and pd train take it from the profile.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, warmup, granularity, depth, method,
-            threads, memory, layerwise, reuse_identical, quiet):
+            threads, memory, layerwise, reuse_identical, precision, quiet):
     """Measure a model layer by layer and write its profile (pdtool.profile/1).
 
     Per layer: forward and backward time (ms, median of --repeats), output activation bytes,
@@ -198,7 +201,8 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
         result = profile_model(ref, batch_size=batch_size, device=device, repeats=repeats, warmup=warmup,
                                granularity=granularity, depth=depth, method=method, progress=progress,
                                warn=lambda message: (progress.done(), click.echo(f"pd: warning: {message}", err=True)),
-                               memory=budget, layerwise=layerwise, reuse_identical=reuse_identical)
+                               memory=budget, layerwise=layerwise, reuse_identical=reuse_identical,
+                               precision=precision)
     finally:
         progress.done()
     result.save(output)
@@ -368,6 +372,9 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
               help="Where linear and cosine decay end.")
 @click.option("--lr-decay-steps", type=Count(1, MAX_STEPS),
               help="The step where the decay reaches --min-lr [default: --steps, the whole run's].")
+@click.option("--precision", type=click.Choice(PRECISIONS),
+              help="Compute under autocast in bf16 or fp16 with fp32 master weights and optimizer state; messages "
+                   "between stages travel in it (fp16 also scales the loss) [default: the profile's].")
 @click.option("--clip-grad-norm", type=Finite(0, 1e9, min_open=True), metavar="MAX",
               help="Clip the gradients to this global norm before each step (the whole model's where stages step "
                    f"together; in {PER_ROUND} each stage its share: see the README).")
@@ -435,7 +442,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
                    "split, or a factory's dataset for train=False).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimizer, lr, momentum, betas, eps, weight_decay,
-          lr_schedule, warmup_steps, min_lr, lr_decay_steps, clip_grad_norm, checkpoint_dir,
+          lr_schedule, warmup_steps, min_lr, lr_decay_steps, precision, clip_grad_norm, checkpoint_dir,
           checkpoint_every, resume, init_from, max_restarts, metrics_path, trace_path, timeout_s, startup_timeout_s, threads, nnodes, node_rank, nproc_per_node,
           master_addr, master_port, rdzv_endpoint, rdzv_id, iface, device, transport, launcher, init, verbose, evaluate,
           quiet):
@@ -476,7 +483,7 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
         if path and reporter:
             check_writable(path, (plan_path,) + tuple(p for p in (metrics_path, trace_path) if p and p != path))
     config = RunConfig(plan_path=os.path.abspath(plan_path), steps=steps, mode=mode, group=group, seed=seed,
-                       optimizer=recipe, timeout_s=timeout_s,
+                       optimizer=recipe, precision=precision, timeout_s=timeout_s,
                        startup_timeout_s=startup_timeout_s,
                        threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                        progress=not quiet, return_weights=evaluate, device=device, transport=transport,

@@ -59,15 +59,16 @@ MEMORY_GAP = 1.25
 """Measured over planned memory of a worker beyond which (either way) pd train names the term most off."""
 
 
-def planned_memory(plan: Plan, mode: str | None, group: int | None, optimizer: str) -> dict[int, dict[str, int]]:
+def planned_memory(plan: Plan, mode: str | None, group: int | None, optimizer: str,
+                   precision: str = "fp32") -> dict[int, dict[str, int]]:
     """Per plan rank, the bytes the memory model gives each term (`Memory.terms`: weights and
     their versions, gradients, optimizer state, activations in flight) for the schedule of `mode`
-    and `group` (None: the plan's) with `optimizer`'s state."""
-    from .planner.costmodel import OPTIMIZER_SLOTS, Memory
+    and `group` (None: the plan's) with `optimizer`'s state, computing in `precision`."""
+    from .planner.costmodel import COMPUTE_COPY, OPTIMIZER_SLOTS, Memory
     from .simulate import simulate
 
     result = simulate(plan, mode=mode, group=group)
-    model = Memory(float("inf"), OPTIMIZER_SLOTS.get(optimizer, 2))  # a factory: assumed Adam-like
+    model = Memory(float("inf"), OPTIMIZER_SLOTS.get(optimizer, 2), COMPUTE_COPY[precision])  # a factory: as Adam
     return {rank: {term: int(value) for term, value in model.terms(stage.param_bytes, stage.activation_bytes,
                                                                    result.peak_in_flight[rank],
                                                                    result.peak_versions[rank]).items()}

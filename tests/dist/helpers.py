@@ -54,16 +54,22 @@ def reference(plan, config, ref=MLP):
     first = config.first_step * minibatches_per_step(schedule)
     prepare = (lambda worker: restore(worker, config.resume)) if config.resume else None
     run = run_reference(stages, schedule, config.recipe, bundle.loss_fn, lambda b: source.batch(first + b), prepare,
-                        config.seed, first, no_decay(bundle.module), sum(p.numel() for p in bundle.module.parameters()))
+                        config.seed, first, no_decay(bundle.module), sum(p.numel() for p in bundle.module.parameters()),
+                        config.precision or "fp32")
     run.losses = {first + b: loss for b, loss in run.losses.items()}
     return run
 
 
-def gradient_accumulation(plan, config, ref=MLP):
+def gradient_accumulation(plan, config, ref=MLP, skipped=None):
     """One process, no pipeline: per step, the mean gradient of `group` microbatches, then the
-    recipe (torch's clip_grad_norm_, the schedule's learning rate for the step, the optimizer)."""
+    recipe (torch's clip_grad_norm_, the schedule's learning rate for the step, the optimizer),
+    in `config.precision` with torch's own autocast (and GradScaler in fp16: the steps it skips are
+    appended to the list `skipped`)."""
     schedule = make_schedule(plan, config)
     recipe = config.recipe
+    precision = config.precision or "fp32"
+    scaler = torch.amp.GradScaler("cpu", init_scale=recipe.initial_loss_scale) if precision == "fp16" else None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     bundle = initial_model(ref, config.seed)
     net = bundle.module
     optimizer = build_optimizer(recipe, list(net.named_parameters()), 1.0, no_decay(net))
@@ -75,14 +81,24 @@ def gradient_accumulation(plan, config, ref=MLP):
         for k in range(schedule.group):
             b = step * schedule.group + k
             inputs, target = batch(b)
-            loss = bundle.loss_fn(net(*inputs), target)
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                loss = bundle.loss_fn(net(*inputs), target)
             losses[b] = float(loss.detach())
-            (loss / schedule.group).backward()
+            (loss / schedule.group if scaler is None else scaler.scale(loss / schedule.group)).backward()
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         if recipe.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(net.parameters(), recipe.clip_grad_norm)
         for group, lr in zip(optimizer.param_groups, base):
             group["lr"] = lr * recipe.schedule.factor(recipe.lr, step)
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+            continue
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        if skipped is not None and scaler.get_scale() < scale:
+            skipped.append(step)
     return losses, {n: p.detach().clone() for n, p in net.named_parameters()}
 
 

@@ -40,12 +40,16 @@ def test_a_second_run_on_a_folder_in_use_is_one_line_and_the_first_one_completes
                              text=True, start_new_session=True)
     try:
         record = _lock_record(ckpt, first.pid)
-        for extra in ([], ["--resume"]):  # a new run, and a --resume, beside the running one
-            second = CliRunner().invoke(cli, ["train", str(path), "--steps", "600", "--checkpoint-dir", str(ckpt),
-                                              *extra, "--quiet"])
-            lines = second.stderr.strip().splitlines()
-            assert second.exit_code == 1 and len(lines) == 1, second.stderr
-            assert f"is in use by another pd train (pid {first.pid} on " in lines[0], lines
+        os.killpg(first.pid, signal.SIGSTOP)  # paused while it holds the folder: it cannot finish meanwhile
+        try:
+            for extra in ([], ["--resume"]):  # a new run, and a --resume, beside the running one
+                second = CliRunner().invoke(cli, ["train", str(path), "--steps", "600", "--checkpoint-dir", str(ckpt),
+                                                  *extra, "--quiet"])
+                lines = second.stderr.strip().splitlines()
+                assert second.exit_code == 1 and len(lines) == 1, second.stderr
+                assert f"is in use by another pd train (pid {first.pid} on " in lines[0], lines
+        finally:
+            os.killpg(first.pid, signal.SIGCONT)
         _, err = first.communicate(timeout=120)
     finally:
         if first.poll() is None:

@@ -135,11 +135,18 @@ def test_pd_train_optimizer_mode_and_checkpoint_flags(tmp_path):
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="pipedream")
     ckpt = tmp_path / "ckpt"
     result = CliRunner().invoke(cli, ["train", str(path), "--steps", "3", "--mode", "flush", "--group", "2",
-                                      "--optimizer", "adam", "--lr", "0.001", "--weight-decay", "0.01",
-                                      "--momentum", "0.0", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
+                                      "--optimizer", "adamw", "--lr", "0.001", "--weight-decay", "0.01",
+                                      "--betas", "0.8", "0.99", "--lr-schedule", "cosine", "--warmup-steps", "2",
+                                      "--min-lr", "0.0001", "--clip-grad-norm", "0.5", "--metrics", str(tmp_path / "m.csv"),
+                                      "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
                                       "--threads", "1", "--timeout", "20", "--seed", "3", "--quiet", "--verbose"],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
+    import pandas
+
+    metrics = pandas.read_csv(tmp_path / "m.csv")
+    assert list(metrics["lr"]) == pytest.approx([0.0005, 0.001, 0.001])  # warm-up, then the cosine from its top
+    assert (metrics["grad_norm"] > 0).all()
     assert "trained steps 1-3 (6 minibatches)" in result.stdout  # flush: 2 microbatches per step
     from pdtool.artifacts.plan import Plan
     from pdtool.simulate import simulate

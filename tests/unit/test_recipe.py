@@ -91,3 +91,41 @@ def test_clipping_scales_to_the_budget_like_torch():
     params[0].grad, params[1].grad = torch.tensor([3.0, 0.0]), torch.tensor([[4.0]])
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     torch.testing.assert_close(mine, torch.cat([p.grad.reshape(-1) for p in params]))
+
+
+def test_a_bf16_profile_counts_messages_in_bf16_and_plans_carry_it(tmp_path):
+    from pdtool.artifacts.cluster import parse_cluster
+    from pdtool.artifacts.profile import ModelRef
+    from pdtool.planner import make_plan
+    from pdtool.planner.costmodel import Memory
+    from pdtool.profiler import profile_model
+
+    ref = ModelRef("pdtool.zoo:mlp", {"in_features": 12, "hidden": 8, "depth": 3, "classes": 3})
+    fp32, bf16 = (profile_model(ref, batch_size=4, repeats=1, warmup=0, precision=p) for p in ("fp32", "bf16"))
+    assert bf16.precision == "bf16" and "precision" not in fp32.to_json()
+    assert [layer.act_bytes * 2 for layer in bf16.layers] == [layer.act_bytes for layer in fp32.layers]
+    assert [layer.param_bytes for layer in bf16.layers] == [layer.param_bytes for layer in fp32.layers]  # fp32 masters
+    plan = make_plan(bf16, parse_cluster("2x1GB/s"), straight=True, simulate=False)
+    assert plan.profile.precision == "bf16"
+    terms = Memory(float("inf"), 1, 0.5).terms(1000, 10, in_flight=2)
+    assert terms["compute copies"] == 1000  # a half-size copy of the weights for each of 2 minibatches in flight
+
+
+def test_fp16_where_stages_step_on_their_own_is_refused_before_any_worker(tmp_path):
+    import dataclasses
+
+    from pdtool.artifacts.cluster import parse_cluster
+    from pdtool.artifacts.profile import ModelRef
+    from pdtool.planner import make_plan
+    from pdtool.profiler import profile_model
+    from pdtool.runtime.launcher.job import prepare
+    from pdtool.runtime.run import RunConfig
+
+    profile = profile_model(ModelRef("pdtool.zoo:mlp", {"in_features": 12, "hidden": 8, "depth": 3, "classes": 3}),
+                            batch_size=4, repeats=1, warmup=0)
+    plan = dataclasses.replace(make_plan(profile, parse_cluster("2x1GB/s"), straight=True, simulate=False),
+                               mode="pipedream")
+    path = tmp_path / "p.plan.json"
+    plan.save(path)
+    with pytest.raises(LaunchError, match="--precision fp16 skips a step .* mode pipedream .* use --precision bf16"):
+        prepare(plan, RunConfig(plan_path=str(path), steps=2, precision="fp16"))

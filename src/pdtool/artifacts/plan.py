@@ -21,7 +21,7 @@ from ..errors import ArtifactError, PdtoolError
 from ..fields import At, check_schema
 from ..jsonio import canonical_json, round_float_fields
 from ..schedule.modes import MODES, ties_refusal
-from .profile import METHODS, SPLITS, ModelRef, Profile, default_split, estimate_wgrad_ms
+from .profile import METHODS, PRECISIONS, SPLITS, ModelRef, Profile, default_split, estimate_wgrad_ms
 from .record import Artifact, Bool, Const, Int, ListOf, Num, Record, Records, Shared, Str, derived, field
 
 SCHEMA = "pdtool.plan/1"
@@ -231,6 +231,8 @@ class ProfileRef:
                                               doc="the profile's summed layer times over a measured step")
     message_ms_per_mib: float = field(Num(), 0.0, omit=0.0, doc="CPU ms that one MiB of a message costs its "
                                       "sender and, again, its receiver (the profile's)")
+    precision: str = field(Str(PRECISIONS), "fp32", omit="fp32", doc="what the profile computed in: pd train's "
+                           "default --precision")
 
     def __post_init__(self) -> None:
         round_float_fields(self)

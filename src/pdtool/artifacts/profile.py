@@ -19,6 +19,10 @@ from ..jsonio import round_float_fields
 from .record import (Artifact, Const, Int, ListOf, Num, Obj, Pair, Record, Records, Shared, Str, derived,
                      field)
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""What layers compute in (autocast, `pd profile --precision`) and messages between stages travel
+in; the weights (master weights) and the optimizer state stay fp32."""
+
 SCHEMA = "pdtool.profile/1"
 MEASURED = ("fx", "export", "modules")  # how pd profile finds layers (`profiler`)
 METHODS = MEASURED + ("pipedream",)       # ... or a profile converted from PipeDream's graph.txt
@@ -135,6 +139,8 @@ class Profile(Artifact):
     data_ms: float = field(Num(), 0.0)
     reduce_ms: float = field(Num(), 0.0)
     message_ms_per_mib: float = field(Num(), 0.0, omit=0.0)
+    precision: str = field(Str(PRECISIONS), "fp32", omit="fp32", doc="what the layers computed in (autocast; "
+                           "weights fp32) and the messages' floating dtype: act_bytes count that")
     measured: str = field(Str(("step", "layers")), "step", omit="step", doc="step: step_ms is a timed whole "
                           "training step; layers: the model was profiled one layer's weights at a time (pd profile "
                           "--memory, --layerwise), step_ms and update_ms are the sums of its layers'")

@@ -104,6 +104,7 @@ class ChainCosts:
 
 
 OPTIMIZER_SLOTS = {"sgd": 1, "adam": 2, "adamw": 2}  # buffers per parameter: SGD's momentum; Adam's two moments
+COMPUTE_COPY = {"fp32": 0.0, "bf16": 0.5, "fp16": 0.5}  # bytes of autocast's weight copy per fp32 weight byte
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class Memory:
 
     limit: float
     optimizer_slots: int = 1  # SGD with momentum; Adam keeps 2
+    copies: float = 0.0       # mixed precision: autocast's half-size weight copy, saved by every minibatch in flight
 
     @staticmethod
     def in_flight(workers: int, before: int, replicas: int) -> int:
@@ -124,10 +126,15 @@ class Memory:
         return sum(self.terms(params, stashed, in_flight, versions).values())
 
     def terms(self, params, stashed, in_flight: int, versions: int | None = None) -> dict:
-        """`need` by term: `weights` (its versions), `gradients`, `optimizer` (its state) and
-        `activations` (what the minibatches in flight stash)."""
-        return {"weights": params * (in_flight if versions is None else versions), "gradients": params,
-                "optimizer": params * self.optimizer_slots, "activations": in_flight * stashed}
+        """`need` by term: `weights` (its fp32 versions: the master weights), `gradients`,
+        `optimizer` (its state), `activations` (what the minibatches in flight stash) and, in
+        mixed precision, `compute copies` (the bf16/fp16 weights autocast makes in each forward,
+        which its backward keeps)."""
+        terms = {"weights": params * (in_flight if versions is None else versions), "gradients": params,
+                 "optimizer": params * self.optimizer_slots, "activations": in_flight * stashed}
+        if self.copies:
+            terms["compute copies"] = params * self.copies * in_flight
+        return terms
 
     def per_worker(self, plan: "Plan", result: "SimResult") -> dict[int, int]:
         """Bytes each worker (plan rank) needs for the schedule a simulation ran: its peak weight

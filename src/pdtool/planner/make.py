@@ -21,7 +21,7 @@ from ..artifacts.profile import Profile
 from ..errors import PlanError
 from ..schedule.modes import DEFAULT, DEFAULT_TIED, MODES, listed, modes_where, resolve, rules
 from ..units import format_bytes
-from .costmodel import MODELS, ChainCosts, CostModel, Memory
+from .costmodel import COMPUTE_COPY, MODELS, ChainCosts, CostModel, Memory
 from .partition import Pipeline, PipelineStage, Solver
 from .states import States, build_states
 
@@ -73,7 +73,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     costs = ChainCosts.from_profile(profile)
     counts = [level.count for level in cluster.levels]
     bandwidths = [level.bandwidth for level in cluster.levels]
-    memory = Memory(float(cluster.memory), optimizer_slots) if cluster.memory else None
+    memory = Memory(float(cluster.memory), optimizer_slots, COMPUTE_COPY[profile.precision]) if cluster.memory else None
     # zero-time layers follow their producers only where that is safe (states.py, `_followers`)
     states = _splittable(build_states(costs, followers=not model.exact_workers and memory is None), profile, say)
     if data_parallel:
@@ -145,7 +145,8 @@ def _data_parallel_excess(profile, costs, states, counts, bandwidths, model, mem
     free = solver.solve()
     if free is None:
         return None
-    stages, _ = _describe(free, profile, costs, model, solver, Memory(float("inf"), optimizer_slots))
+    stages, _ = _describe(free, profile, costs, model, solver,
+                          Memory(float("inf"), optimizer_slots, COMPUTE_COPY[profile.precision]))
     return int(max(s.memory_bytes for s in stages) - memory.limit)
 
 
@@ -161,7 +162,8 @@ def _as_plan(pipeline: Pipeline, solver: Solver, profile: Profile, cluster: Clus
              model: CostModel, memory: Memory | None, optimizer_slots: int, cost_model: str, straight: bool,
              mode: str | None, command: str, profile_file: str | None) -> Plan:
     """The plan of one of the dynamic program's pipelines, with the cost model's figures."""
-    stages, groups = _describe(pipeline, profile, costs, model, solver, memory or Memory(float("inf"), optimizer_slots))
+    stages, groups = _describe(pipeline, profile, costs, model, solver,
+                               memory or Memory(float("inf"), optimizer_slots, COMPUTE_COPY[profile.precision]))
     stages = with_boundaries(profile, stages)
     items = [(s.time_ms, f"stage {i} {_dominant(s.compute_ms, s.allreduce_ms, s.transfer_ms)}")
              for i, s in enumerate(stages)]
@@ -177,7 +179,8 @@ def _as_plan(pipeline: Pipeline, solver: Solver, profile: Profile, cluster: Clus
     ref = ProfileRef(profile_sha256(profile), profile.fingerprint,
                      None if profile.model is None else {"spec": profile.model.spec, "kwargs": dict(profile.model.kwargs)},
                      profile.batch_size, len(profile.layers), profile.method, profile.granularity, profile.depth,
-                     profile.split, profile.device, profile.layer_sum_over_step, profile.message_ms_per_mib)
+                     profile.split, profile.device, profile.layer_sum_over_step, profile.message_ms_per_mib,
+                     profile.precision)
     plan = Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=mode or DEFAULT,
                 stages=tuple(stages), groups=tuple(groups), predicted=prediction, command=command,
                 profile_file=profile_file,
@@ -307,7 +310,7 @@ def _no_plan_reason(profile: Profile, costs: ChainCosts, states: States, counts,
         solver = Solver(states, counts, bandwidths, model, straight=straight)
         free = solver.solve()
         if free is not None:
-            fake = Memory(float("inf"), memory.optimizer_slots)
+            fake = dataclasses.replace(memory, limit=float("inf"))
             stages, _ = _describe(free, profile, costs, model, solver, fake)
             worst_index, worst = max(enumerate(stages), key=lambda item: item[1].memory_bytes)
             over = worst.memory_bytes - memory.limit

@@ -26,7 +26,7 @@ from ..artifacts.profile import Layer, ModelRef, Profile
 from .fx_measure import LayerCost, measure_split
 from ..model.layergraph import TRACERS, LayerGraph, Untraceable, capture
 from .modules import measure_modules
-from .timing import Clock, measure_data, measure_message, measure_reduce, measure_step, measure_update
+from .timing import Clock, computing_in, measure_data, measure_message, measure_reduce, measure_step, measure_update
 
 METHODS = ("auto",) + TRACERS + ("modules",)
 
@@ -46,13 +46,14 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
                   warmup: int = 2, granularity: str = "module", depth: int | None = None,
                   method: str = "auto", progress: Callable[[str], None] = _no_progress,
                   warn: Callable[[str], None] = _no_progress, memory: int | None = None, layerwise: bool = False,
-                  reuse_identical: bool = False) -> Profile:
+                  reuse_identical: bool = False, precision: str = "fp32") -> Profile:
     """Profile the model `ref` names; `progress` receives one short line per unit of work,
     `warn` what the user should know about the result (a fallback, modules never called).
     `memory`: the profiler's budget in bytes (default: what the device has free): a model whose
     whole-model profiling would need more (`WHOLE_MODEL_FACTOR`), or any with `layerwise`, is
     profiled one layer's weights at a time (`profiler.layerwise`); `reuse_identical` times a layer
-    identical to an earlier one only once."""
+    identical to an earlier one only once. `precision`: what the layers compute in (autocast, weights
+    fp32), and the floating dtype of the messages their outputs become (`pdtool.precision`)."""
     keep_freed_memory()  # as the workers do, so that the profile measures what they run
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup}); fix the flags")
@@ -73,9 +74,10 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
         if not (layerwise or reuse_identical):
             warn(f"profiling the whole of {ref.spec} would need about {format_bytes(need)}, more than the "
                  f"{format_bytes(budget)} budget (--memory): profiling it one layer's weights at a time")
-        return _profile_layerwise(ref, waiting, batch_size, dev, repeats=repeats, warmup=warmup,
-                                  granularity=granularity, depth=depth, method=method, progress=progress, warn=warn,
-                                  reuse=reuse_identical)
+        found = _profile_layerwise(ref, waiting, batch_size, dev, repeats=repeats, warmup=warmup,
+                                   granularity=granularity, depth=depth, method=method, progress=progress, warn=warn,
+                                   reuse=reuse_identical, precision=precision)
+        return dataclasses.replace(found, precision=precision)
     del waiting
     bundle = load_model(ref, given=True)  # the caller names the model (pd profile -m): consented
     size, inputs, target = bundle.batch(batch_size, ref.spec)
@@ -93,7 +95,8 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
             reasons[tracer] = str(exc)
             continue
         try:
-            layers, edges = _profile_graph(graph, module, inputs, repeats, warmup, clock, progress)
+            with computing_in(dev, precision):
+                layers, edges = _profile_graph(graph, module, inputs, repeats, warmup, clock, progress)
         except ProfileError:
             raise
         except Exception as exc:  # a graph that captured but does not run layer by layer
@@ -114,9 +117,10 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
                  "profiling its leaf modules in execution order: plans of it train as one stage (data parallel)"
                  + (", or split between the children of its nn.Sequential" if isinstance(module, nn.Sequential) else ""))
         used = "modules"
-        found = measure_modules(module, inputs, target, bundle.loss_fn, depth=depth, repeats=repeats,
-                                warmup=warmup, clock=clock, progress=progress,
-                                fold=granularity == "module")
+        with computing_in(dev, precision):
+            found = measure_modules(module, inputs, target, bundle.loss_fn, depth=depth, repeats=repeats,
+                                    warmup=warmup, clock=clock, progress=progress,
+                                    fold=granularity == "module")
         layers = [_layer(i, name, kind, cost, pb, ops) for i, (name, kind, cost, pb, ops) in
                   enumerate(zip(found.names, found.kinds, found.costs, found.param_bytes, found.ops))]
         edges = found.edges
@@ -125,8 +129,9 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
         planned = {names[id(p)] for owned in found.params for p in owned if id(p) in names}
     _warn_unused(module, planned, warn)
     progress("timing whole training steps, optimizer steps, all-reduce work, messages and data")
-    step_ms, step_spread = measure_step(module, inputs, target, bundle.loss_fn, repeats=repeats,
-                                        warmup=warmup, clock=clock)
+    with computing_in(dev, precision):
+        step_ms, step_spread = measure_step(module, inputs, target, bundle.loss_fn, repeats=repeats,
+                                            warmup=warmup, clock=clock)
     update_ms = measure_update(module, inputs, target, bundle.loss_fn, repeats=repeats, warmup=warmup, clock=clock)
     reduce_ms = measure_reduce(module, repeats=repeats, warmup=warmup, clock=clock)
     # GPU workers' messages go through NCCL, device to device: no host copies to charge
@@ -138,12 +143,12 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
         split="graph" if used in TRACERS else "children" if isinstance(module, nn.Sequential) else "none",
         granularity=granularity, depth=depth, repeats=repeats, step_ms=step_ms, step_ms_spread=step_spread,
         layers=tuple(layers), edges=tuple(edges), update_ms=update_ms, data_ms=data_ms,
-        reduce_ms=reduce_ms, message_ms_per_mib=message_ms,
+        reduce_ms=reduce_ms, message_ms_per_mib=message_ms, precision=precision,
     )
 
 
 def _profile_layerwise(ref: ModelRef, bundle, batch_size, dev: torch.device, *, repeats, warmup, granularity, depth,
-                       method, progress, warn, reuse: bool) -> Profile:
+                       method, progress, warn, reuse: bool, precision: str) -> Profile:
     """`profile_model` one layer's weights at a time (`profiler.layerwise`)."""
     from ..model.capture import all_on_meta
     from .layerwise import measure_layerwise
@@ -164,9 +169,10 @@ def _profile_layerwise(ref: ModelRef, bundle, batch_size, dev: torch.device, *, 
         raise ProfileError(f"{ref.spec}: no tracer captures it ({'; '.join(f'{k}: {v}' for k, v in reasons.items())}), "
                            "so it cannot be profiled one layer at a time; profile it whole (--method modules)")
     try:
-        costs, same_as, update_ms = measure_layerwise(
-            graph, module, standins, tuple(t.to(dev) for t in inputs), 0, repeats=repeats, warmup=warmup, clock=clock,
-            reuse=reuse, progress=progress, device=dev)
+        with computing_in(dev, precision):
+            costs, same_as, update_ms = measure_layerwise(
+                graph, module, standins, tuple(t.to(dev) for t in inputs), 0, repeats=repeats, warmup=warmup,
+                clock=clock, reuse=reuse, progress=progress, device=dev)
     except Exception as exc:  # noqa: BLE001 - as _profile_graph: one line
         text = str(exc).strip()
         raise ProfileError(f"{ref.spec}: timing its torch.{tracer} graph one layer at a time failed with "

@@ -6,6 +6,7 @@ interquartile range (the spread), both in milliseconds.
 """
 from __future__ import annotations
 
+import contextlib
 import socket
 import statistics
 import threading
@@ -15,6 +16,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
+
+from ..precision import autocast, message_dtype
 
 
 class Clock:
@@ -44,9 +47,26 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     return (leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
 
+_MESSAGE_PRECISION = "fp32"  # what floating messages travel in while `computing_in` a mixed precision
+
+
+@contextlib.contextmanager
+def computing_in(device: torch.device, precision: str) -> Iterator[None]:
+    """Time the work inside as the workers run it in `precision` (`pdtool.precision`): under
+    autocast, with `nbytes` counting floating tensors in the compute dtype (messages travel so)."""
+    global _MESSAGE_PRECISION
+    saved, _MESSAGE_PRECISION = _MESSAGE_PRECISION, precision
+    try:
+        with autocast(device, precision):
+            yield
+    finally:
+        _MESSAGE_PRECISION = saved
+
+
 def nbytes(value: Any) -> int:
-    """Bytes of all tensors inside `value` (the whole minibatch)."""
-    return sum(t.numel() * t.element_size() for t in tensors_in(value))
+    """Bytes of all tensors inside `value` (the whole minibatch), floating ones in the dtype they
+    travel in between stages (`computing_in`)."""
+    return sum(t.numel() * message_dtype(t.dtype, _MESSAGE_PRECISION).itemsize for t in tensors_in(value))
 
 
 def backward_from(output: Any) -> None:

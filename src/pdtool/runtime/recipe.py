@@ -80,6 +80,7 @@ class OptimizerConfig:
     eps: float | None = None
     schedule: LrSchedule = field(default_factory=LrSchedule)
     clip_grad_norm: float | None = None
+    initial_loss_scale: float = 2.0 ** 16  # fp16's first loss scale (torch.amp.GradScaler's default)
 
     @property
     def is_factory(self) -> bool:

@@ -57,6 +57,7 @@ class RunConfig:
     init: str = "rule"               # pd train --init: the initialization rule, or the factory's values (model.build)
     capture: Capture | None = None   # every stage's program and message specs (the launcher's preflight)
     init_from: str | None = None     # pd train --init-from: a safetensors file or Hugging Face folder (model.weights)
+    precision: str | None = None     # pd train --precision: fp32, bf16 or fp16 (None: the plan's profile's)
 
     @property
     def recipe(self) -> OptimizerConfig:
@@ -82,7 +83,7 @@ class WorkerReport:
     rings: int = 0  # directions of its links that went through shared memory (runtime.worker.shm)
     memory: dict[str, int] = field(default_factory=dict)  # bytes, as `worker.memory.measure` reports them
     step_memory: list[tuple[float, int]] = field(default_factory=list)  # (end of each step, bytes in use then)
-    step_log: list[tuple] = field(default_factory=list)  # (end, lr, norm clipped at or None, whole model's?) per step
+    step_log: list[tuple] = field(default_factory=list)  # (end, lr, norm clipped at or None, whole model's?, skipped?)
     startup: dict[str, float] = field(default_factory=dict)  # epoch times: began, built (its stage), joined (the group)
 
 

@@ -46,7 +46,7 @@ def _recipe(result, k: int) -> tuple[float, float | None]:
     head = next((r for r in firsts if r.stage == 0), None)
     if head is None or k >= len(head.step_log):
         return 0.0, None
-    end, lr, norm, whole = head.step_log[k]
+    end, lr, norm, whole = head.step_log[k][:4]
     if norm is None or whole:
         return lr, norm
     nearest = [min(r.step_log, key=lambda entry: abs(entry[0] - end))[2] for r in firsts if r.step_log]

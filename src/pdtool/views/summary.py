@@ -47,7 +47,8 @@ def memory_lines(result, plan: Plan, config: RunConfig) -> list[str]:
     reports = [r for r in result.reports.values() if r.memory]
     if not reports:
         return []
-    planned = planned_memory(plan, config.mode, config.group, config.optimizer.name)
+    planned = planned_memory(plan, config.mode, config.group, config.optimizer.name,
+                             config.precision or plan.profile.precision)
     busiest = {}
     for report in reports:
         if report.stage not in busiest or _beyond(report) > _beyond(busiest[report.stage]):

@@ -21,6 +21,7 @@ from ...errors import LaunchError
 from ...signals import deadline
 from ..worker import shm
 from .preflight import Checked, preflight
+from ...schedule.modes import GROUP, listed, modes_where
 from ..run import RunConfig, checked_run, resolved
 
 
@@ -48,7 +49,12 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
     with deadline(config.startup_timeout_s, overdue):
         checked = preflight(plan, config.plan_path, resolved(plan, config).name, config.data, config.seed, config.model,
                             config.init, warn, built, config.init_from)
-    config = dataclasses.replace(config, capture=checked.capture)
+    config = dataclasses.replace(config, capture=checked.capture, precision=config.precision or plan.profile.precision)
+    run = resolved(plan, config)
+    if config.precision == "fp16" and run.mode.per_round and len(plan.stages) > 1:
+        raise LaunchError(f"--precision fp16 skips a step whose gradients overflow on every stage at once, and in mode "
+                          f"{run.name} the stages step after different minibatches; use --precision bf16 (no loss "
+                          f"scaling) or a mode whose stages step together ({listed(modes_where(steps=GROUP))})")
     if config.optimizer.is_factory:  # the user's optimizer factory, called once here rather than in every worker
         from ..worker.optim import check_optimizer
 
@@ -84,13 +90,14 @@ def check_memory(plan: Plan, config: RunConfig) -> None:
     limit = plan.cluster.memory
     if not limit:
         return
-    from ...planner.costmodel import Memory
+    from ...planner.costmodel import COMPUTE_COPY, Memory
     from ...simulate import simulate
     from ...units import format_bytes
 
     run = resolved(plan, config)
     result = simulate(plan, mode=run.name, group=config.group)
-    needs = Memory(limit, config.optimizer.state_slots).per_worker(plan, result)
+    needs = Memory(limit, config.optimizer.state_slots, COMPUTE_COPY[config.precision or plan.profile.precision]
+                   ).per_worker(plan, result)
     rank = max(needs, key=needs.get)
     if needs[rank] <= limit:
         return

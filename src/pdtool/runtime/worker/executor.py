@@ -35,6 +35,7 @@ import torch
 from torch.func import functional_call
 
 from ...model.data import derive_seed
+from ...precision import autocast, message_dtype
 from ...errors import LaunchError
 from ...schedule import Action, Schedule, step_group
 from ..run import OptimizerConfig
@@ -64,7 +65,8 @@ class StageWorker:
 
     def __init__(self, stage, schedule: Schedule, replica: int, optimizer: OptimizerConfig,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, seed: int = 0, first: int = 0,
-                 no_decay: frozenset[str] = frozenset(), model_parameters: int | None = None):
+                 no_decay: frozenset[str] = frozenset(), model_parameters: int | None = None,
+                 precision: str = "fp32"):
         self.stage = stage
         self.seed, self.first = seed, first
         self.index = stage.index
@@ -77,6 +79,12 @@ class StageWorker:
         self.names = [name for name, _ in stage.module.named_parameters()]
         self.live = [p for _, p in stage.module.named_parameters()]
         self.recipe = optimizer
+        self.precision = precision
+        self.loss_scale = optim.LossScale(optimizer.initial_loss_scale) if precision == "fp16" else None
+        self.unscaled = False  # this step's gradients were divided by the loss scale already
+        # fp16: the last stage seeds each backward with scale / (minibatches per step), as one process scales
+        # loss / m; the mean over the step's backwards then leaves the gradients scale / m times the true mean
+        self.per_step_last = step_group(schedule, schedule.stages - 1)
         named = [(stage.param_names.get(n, n), p) for n, p in zip(self.names, self.live)]
         self.optimizer = (optim.build_optimizer(optimizer, named, lr_scale(schedule, stage.index), no_decay)
                           if self.live else None)
@@ -93,8 +101,10 @@ class StageWorker:
             alone = schedule.rules.per_round or schedule.stages == 1
             self.clip_budget = (optim.stage_budget(optimizer.clip_grad_norm, sum(p.numel() for p in self.owned),
                                                    model_parameters) if alone else optimizer.clip_grad_norm)
-        self.whole_norm = optimizer.clip_grad_norm is not None and not schedule.rules.per_round and schedule.stages > 1
-        self.step_log: list[tuple[float, float | None, bool]] = []  # (lr, norm clipped at, whole model's?) per step
+        # the whole model's gradient norm, measured across the stages by the caller: for clipping and for fp16's
+        # skipped steps, where every stage steps after the same minibatches (fp16 needs that: `job.prepare`)
+        self.whole_norm = optim.norm_across_stages(optimizer, precision, schedule)
+        self.step_log: list[tuple] = []  # (lr, norm clipped at or None, whole model's?, skipped?) per step
         version = schedule.versions()
         self.version_of = {(a.kind, a.minibatch): version[(a.kind, a.stage, a.minibatch)]
                            for a in self.actions if a.kind != "U"}
@@ -160,13 +170,17 @@ class StageWorker:
         wants_grad = self.index > 0
         leaves = {k: (t.detach().requires_grad_(True) if wants_grad and t.is_floating_point() else t)
                   for k, t in inputs.items()}
-        with torch.enable_grad():
+        device = next(iter(leaves.values())).device if leaves else torch.device("cpu")
+        with torch.enable_grad(), autocast(device, self.precision):
             if self._is_live(v):  # the module as it is (no parameter swap)
                 outputs = self.stage.module(leaves)
             else:
                 outputs = functional_call(self.stage.module, params, (leaves,))
             if self.last:
                 outputs = self.loss_fn(outputs["output"], target)
+            else:  # messages travel in the compute dtype (the cast is part of the graph: its gradient comes back so)
+                outputs = {k: o.to(message_dtype(o.dtype, self.precision)) if isinstance(o, torch.Tensor) else o
+                           for k, o in outputs.items()}
         self._used(v)
         self.stash[b] = (leaves, outputs, v, params)
         if self.last:
@@ -196,7 +210,8 @@ class StageWorker:
             raise LaunchError(f"worker {self.rank}: minibatch {b} ran forward on version {v} but the schedule "
                               f"puts its backward on version {self.version_of[('B', b)]}")
         if self.last:
-            roots, seeds = [outputs], [None]
+            scaled = outputs if self.loss_scale is None else outputs * (self.loss_scale.value / self.per_step_last)
+            roots, seeds = [scaled], [None]
         else:
             pairs = [(outputs[k], grads[k]) for k in outputs if outputs[k].requires_grad and grads.get(k) is not None]
             roots, seeds = [p[0] for p in pairs], [p[1] for p in pairs]
@@ -259,18 +274,32 @@ class StageWorker:
         measures across stages where they step together, `whole_norm`), the learning rate of this
         step set, the optimizer applies `.grad`; the live weights become the next version."""
         lr = self._set_lr()
+        self.unscale()
         whole = norm is not None
-        if self.clip_budget is not None:
-            grads = [p.grad for p in self.live if p.grad is not None]
-            if norm is None:
-                norm = math.sqrt(self.squared_norm())
-            optim.clip(grads, self.clip_budget, norm)
-        self.step_log.append((lr, norm, whole or self.schedule.stages == 1))
-        self._step_optimizer()
+        if norm is None and (self.clip_budget is not None or self.loss_scale is not None):
+            norm = math.sqrt(self.squared_norm())
+        skipped = self.loss_scale is not None and not math.isfinite(norm)  # fp16: an overflow skips the step
+        if self.loss_scale is not None:
+            self.loss_scale.update(skipped)
+        if self.clip_budget is not None and not skipped:
+            optim.clip([p.grad for p in self.live if p.grad is not None], self.clip_budget, norm)
+        self.step_log.append((lr, norm if self.clip_budget is not None else None,
+                              whole or self.schedule.stages == 1, skipped))
+        self._step_optimizer(skipped)
         self.steps_taken += 1
 
+    def unscale(self) -> None:
+        """fp16: divide this step's gradients by the loss scale (once per step)."""
+        if self.loss_scale is not None and not self.unscaled:
+            grads = [p.grad for p in self.live if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, self.per_step_last / self.loss_scale.value)
+            self.unscaled = True
+
     def squared_norm(self) -> float:
-        """The squared norm of this stage's gradients (a tied parameter's only in its owner stage)."""
+        """The squared norm of this stage's gradients (a tied parameter's only in its owner stage),
+        unscaled; not finite when one overflowed."""
+        self.unscale()
         return optim.squared_norm([p.grad for p in self.owned if p.grad is not None])
 
     def lr_now(self) -> float:
@@ -316,10 +345,12 @@ class StageWorker:
             self.versions[self.current] = self._snapshot()  # a later action still needs this version
             self.peak_versions = max(self.peak_versions, len(self.versions))
 
-    def _step_optimizer(self) -> None:
+    def _step_optimizer(self, skip: bool = False) -> None:
         if self.optimizer is not None:
-            self.optimizer.step()
+            if not skip:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        self.unscaled = False
         self.backwards = 0
         self.current += 1
         if self.uses.get(self.current - 1, 0) == 0:

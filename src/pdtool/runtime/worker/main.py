@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ...allocator import keep_freed_memory
 from ...artifacts.plan import Plan
+from ...precision import message_dtype
 from ...schedule import Schedule, lower, stash_depth
 from ...schedule.lower import Lowered, collective_key
 from .comm import BoundaryTensor, Link, layout, link_groups, message_specs
@@ -91,6 +92,7 @@ class _Built:
     specs: list[list[BoundaryTensor]]
     no_decay: frozenset = frozenset()  # whole-model names without weight decay (`worker.optim.no_decay`)
     model_parameters: int = 0          # the whole model's parameter count (the clipping budget's share)
+    precision: str = "fp32"            # what the stage computes in and its messages travel in (`pdtool.precision`)
 
 
 def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _Built:
@@ -113,10 +115,11 @@ def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _B
     tied.check_mode(capture.stages, schedule.mode)
     first = config.first_step * minibatches_per_step(schedule)
     batch = lambda b: source.batch(first + b)  # noqa: E731
-    specs = [[BoundaryTensor(name, tuple(shape), getattr(torch, dtype)) for name, shape, dtype in boundary]
-             for boundary in capture.specs]
+    precision = config.precision or plan.profile.precision
+    specs = [[BoundaryTensor(name, tuple(shape), message_dtype(getattr(torch, dtype), precision))
+              for name, shape, dtype in boundary] for boundary in capture.specs]
     return _Built(stage_index, replica, stage, capture, schedule, bundle.loss_fn, first, batch, specs,
-                  optim.no_decay(bundle.module), sum(p.numel() for p in bundle.module.parameters()))
+                  optim.no_decay(bundle.module), sum(p.numel() for p in bundle.module.parameters()), precision)
 
 
 def _capture_here(plan: Plan, bundle, source, config: RunConfig, on_meta: bool):
@@ -158,11 +161,10 @@ def _connect(config: RunConfig, plan: Plan, built: _Built, rank: int, device: to
 
 
 def _whole_norm(config: RunConfig, built: _Built, plan: Plan, device: torch.device) -> Callable | None:
-    """Where stages step together and the recipe clips (`worker.optim`): a function that
+    """Where stages step together and clip or scale the loss (`worker.optim`): a function that
     all-reduces the stages' squared gradient norms (each replica adds its share) and returns the
     whole model's norm. Every rank makes its process group (or none), in one order."""
-    schedule = built.schedule
-    if config.optimizer.clip_grad_norm is None or schedule.rules.per_round or schedule.stages == 1:
+    if not optim.norm_across_stages(config.optimizer, built.precision, built.schedule):
         return None
     group = dist.new_group(sorted(plan.used_ranks))
     replicas = plan.stages[built.stage_index].replicas
@@ -185,7 +187,7 @@ def _stage_worker(config: RunConfig, built: _Built, device: torch.device):
     if last and isinstance(loss_fn, torch.nn.Module):
         loss_fn.to(device)  # e.g. class weights
     worker = StageWorker(stage, built.schedule, built.replica, config.recipe, loss_fn if last else None,
-                         config.seed, built.first, built.no_decay, built.model_parameters)
+                         config.seed, built.first, built.no_decay, built.model_parameters, built.precision)
     if config.resume:
         from .shards import restore
 

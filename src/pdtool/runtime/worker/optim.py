@@ -113,6 +113,35 @@ def clip(grads: list[torch.Tensor], max_norm: float, norm: float) -> None:
         torch._foreach_mul_(grads, coef)
 
 
+def norm_across_stages(recipe: OptimizerConfig, precision: str, schedule) -> bool:
+    """Whether the stages measure the whole model's gradient norm together before each step: to
+    clip it, or (fp16) to skip an overflowing step on every stage; only where they all step after
+    the same minibatches and there are several."""
+    return ((recipe.clip_grad_norm is not None or precision == "fp16") and not schedule.rules.per_round
+            and schedule.stages > 1)
+
+
+class LossScale:
+    """fp16's dynamic loss scale, by `torch.amp.GradScaler`'s rule: the last stage's backward starts
+    from loss * `value`; a step whose gradients overflowed (not finite, anywhere in the model
+    where stages step together) is skipped and halves the scale; 2000 steps in a row without one
+    double it. Every stage keeps its own copy and updates it from the same outcome, so all agree."""
+
+    def __init__(self, initial: float = 2.0 ** 16, growth: float = 2.0, backoff: float = 0.5, interval: int = 2000):
+        self.value, self.growth, self.backoff, self.interval = float(initial), growth, backoff, interval
+        self.good = 0  # steps since the last overflow or growth
+
+    def update(self, overflowed: bool) -> None:
+        if overflowed:
+            self.value *= self.backoff
+            self.good = 0
+            return
+        self.good += 1
+        if self.good == self.interval:
+            self.value *= self.growth
+            self.good = 0
+
+
 def stage_budget(max_norm: float, stage_parameters: int, model_parameters: int | None) -> float:
     """A stage's share of the clipping budget where stages clip on their own: MAX * sqrt(P_s / P)."""
     if not model_parameters:
