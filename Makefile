@@ -1,7 +1,7 @@
 # pdtool: `make demo` sets everything up and runs the main job; `make test` runs the tests
 # (`make test-fast`: those that start no worker process).
 # Both create (or reuse) a virtual environment in .venv, install pdtool with torch 2.13.0 (CPU) and
-# the test and hf extras (pytest, transformers), and install Debian's graphviz where they can.
+# the test, hf and plot extras (pytest, transformers, matplotlib), and install Debian's graphviz where they can.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c  # `pd train ... | tee` fails when pd train does
@@ -19,7 +19,7 @@ install: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,hf]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,hf,plot]'
 	touch $@
 
 # Rendering falls back to .dot files with a warning when `dot` is missing, so failing here is not fatal.
@@ -53,6 +53,7 @@ demo: install graphviz
 	$(PD) train $(OUT)/demo.plan.json --data digits --epochs $(DEMO_EPOCHS) --lr 0.1 --momentum 0.5 --threads 1 \
 	    --evaluate --metrics $(OUT)/demo.metrics.csv --trace $(OUT)/demo.train-trace.json \
 	    --checkpoint-dir $(OUT)/demo.checkpoints | tee $(OUT)/demo.train.log
+	$(PD) plot $(OUT)/demo.metrics.csv -o $(OUT)/demo.loss.png
 	@echo
 	@echo "== demo summary =="
 	@grep -E "^(held-out|time per minibatch)" $(OUT)/demo.train.log | sed 's/^/  /'
@@ -62,6 +63,7 @@ demo: install graphviz
 	@echo "  simulated trace   $(OUT)/demo.trace.json   (open traces in https://ui.perfetto.dev)"
 	@echo "  measured trace    $(OUT)/demo.train-trace.json"
 	@echo "  metrics           $(OUT)/demo.metrics.csv"
+	@echo "  loss curve        $(OUT)/demo.loss.png"
 	@echo "  checkpoint        $$(ls -d $(OUT)/demo.checkpoints/step-* | tail -1)"
 
 test: install graphviz

@@ -31,11 +31,18 @@ with weight stashing): the epochs each needs are found on
 loopback (training is deterministic, so the link does not change the weights), then that many
 epochs are timed on the slow link (wall time of `pd train`, start-up included).
 
+Then **bf16 messages** on the slowest link: the `conv` model profiled with `--precision fp32` and
+`--precision bf16`, each planned as the 2-stage pipeline and trained on the link: bf16 halves the
+bytes between the stages (and, on a CPU without bf16 instructions, slows the layers, which its
+profile measures); the row sets the measured bf16 / fp32 ratio of the time per minibatch beside
+the one the simulator predicts from the two profiles.
+
 Prints the table and whether each target is met, and writes bench/results/real_links.png (time
 per minibatch against bandwidth: predicted lines, measured points) and real_links.csv.
 
     python bench/real_links.py                        # about 30 minutes here; needs root (namespaces)
     python bench/real_links.py --out /tmp/links       # where profiles, plans and the plot go
+    python bench/real_links.py --only precision       # the bf16 row alone (a few minutes)
 """
 from __future__ import annotations
 
@@ -166,6 +173,35 @@ def speed_rows_at(out: Path, machines, bandwidth: str, measured: str) -> list[di
     return rows
 
 
+def precision_rows(out: Path, machines, link: str) -> list[dict]:
+    """The conv model's 2-stage pipeline on `link` in fp32 and in bf16: predicted and measured."""
+    spec, kwargs, batch = MODELS["conv"]
+    rows = []
+    for precision in ("fp32", "bf16"):
+        profiled = out / f"conv-{precision}.profile.json"
+        pd("profile", "-m", spec, *[x for kw in kwargs for x in ("-a", kw)], "-b", str(batch), "--threads", "1",
+           "--repeats", "20", "--precision", precision, "-q", "-o", str(profiled))
+        path = out / f"conv-{precision}.plan.json"
+        data, printed = plan(profiled, link, CONFIGS["straight"], path)
+        steps = max(int(min(max(6000 / max(printed, 1e-3), 16), 64)) // per_step(data), 4)
+        runs = [measured_ms(train_on(machines, path, workers(data), ["--steps", str(steps), *TRAIN]))
+                for _ in range(RUNS)]
+        rows.append({"precision": precision, "plan": describe(data), "predicted_ms": printed, "measured_ms": min(runs),
+                     "slowest_ms": max(runs)})
+        print(f"conv {BANDWIDTHS[-1]} straight {precision}: predicted {printed:9.2f} ms  measured {min(runs):9.2f} ms "
+              f"(slowest run {max(runs):.2f})", flush=True)
+    return rows
+
+
+def precision_verdict(rows: list[dict]) -> tuple[bool, str]:
+    fp32, bf16 = rows
+    predicted = bf16["predicted_ms"] / fp32["predicted_ms"]
+    measured = bf16["measured_ms"] / fp32["measured_ms"]
+    return (abs(measured / predicted - 1) <= 0.15,
+            f"conv on {BANDWIDTHS[-1]}: bf16 / fp32 time per minibatch measured {measured:.2f}, predicted "
+            f"{predicted:.2f} (within 15%)")
+
+
 def epochs_to_target(path: Path, max_epochs: int = 30) -> tuple[int, float]:
     """The fewest epochs after which the plan reaches TARGET_ACCURACY held out, on loopback."""
     for epochs in range(1, max_epochs + 1):
@@ -254,12 +290,17 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-out/real_links"),
                         help="where the profiles, plans and the CSV go")
     parser.add_argument("--plot", type=Path, default=Path(__file__).resolve().parent / "results" / "real_links.png")
+    parser.add_argument("--only", choices=("precision",), help="run only these rows")
     args = parser.parse_args()
     why = links.available()
     if why:
         print(f"real_links: skipped, cannot emulate machines here: {why}")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.only == "precision":
+        ok, text = precision_verdict(_precision(args.out))
+        print(f"[{'met' if ok else 'NOT met'}] {text}")
+        return 0
     rows = []
     for bandwidth in BANDWIDTHS:  # a switch of that speed for each
         with links.machines(2, bandwidth) as machines:
@@ -278,10 +319,17 @@ def main() -> int:
         writer.writerows(rows)
     print(plot(rows, args.plot))
     print()
-    results = verdicts(rows, accuracy)
+    results = verdicts(rows, accuracy) + [precision_verdict(_precision(args.out))]
     for ok, text in results:
         print(f"[{'met' if ok else 'NOT met'}] {text}")
     return 0
+
+
+def _precision(out: Path) -> list[dict]:
+    with links.machines(2, BANDWIDTHS[-1]) as machines:
+        rate = links.throughput(machines[0], machines[1], seconds=3, bandwidth=BANDWIDTHS[-1], both_ways=True)
+        latency = links.collective_latency(machines[0], machines[1])
+        return precision_rows(out, machines, f"{rate / 1e6:.0f}Mbit/s+{latency * 1e6:.0f}us")
 
 
 if __name__ == "__main__":

@@ -390,7 +390,11 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
               help="When a worker fails, start the job again from the newest complete checkpoint, up to this many "
                    "times (needs --checkpoint-dir; one machine).")
 @click.option("--metrics", "metrics_path", type=click.Path(dir_okay=False),
-              help="CSV, one row per step: step, loss, samples/s, each worker's busy share (pandas reads it as is).")
+              help="CSV, one row per step, written as the run goes (tail -f works): step, loss, samples/s, lr, "
+                   "gradient norm, each worker's busy share and memory (pandas reads it as is).")
+@click.option("--tensorboard", "tensorboard_dir", type=click.Path(file_okay=False), metavar="DIR",
+              help="Also write loss, lr, gradient norm and samples/s as TensorBoard scalars into DIR as the run goes "
+                   "(needs the tensorboard package).")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
               help="Chrome trace of the measured run, one track per worker (compare with pd simulate --trace).")
 @click.option("--timeout", "timeout_s", type=Finite(1, 86400), default=60.0, show_default=True,
@@ -443,7 +447,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimizer, lr, momentum, betas, eps, weight_decay,
           lr_schedule, warmup_steps, min_lr, lr_decay_steps, precision, clip_grad_norm, checkpoint_dir,
-          checkpoint_every, resume, init_from, max_restarts, metrics_path, trace_path, timeout_s, startup_timeout_s, threads, nnodes, node_rank, nproc_per_node,
+          checkpoint_every, resume, init_from, max_restarts, metrics_path, tensorboard_dir, trace_path, timeout_s, startup_timeout_s, threads, nnodes, node_rank, nproc_per_node,
           master_addr, master_port, rdzv_endpoint, rdzv_id, iface, device, transport, launcher, init, verbose, evaluate,
           quiet):
     """Train a plan on torch.distributed workers (gloo on CPU, NCCL on GPUs), one process per rank.
@@ -487,7 +491,14 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
                        startup_timeout_s=startup_timeout_s,
                        threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                        progress=not quiet, return_weights=evaluate, device=device, transport=transport,
-                       model=model_spec, init=init, init_from=os.path.abspath(init_from) if init_from else None)
+                       model=model_spec, init=init, init_from=os.path.abspath(init_from) if init_from else None,
+                       metrics=os.path.abspath(metrics_path) if metrics_path and where is None else None,
+                       tensorboard=os.path.abspath(tensorboard_dir) if tensorboard_dir else None)
+    if tensorboard_dir:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:  # torch.utils.tensorboard writes with it
+            raise click.UsageError("--tensorboard needs the tensorboard package: pip install tensorboard")
     if evaluate:
         from .model.data import held_out
 
@@ -536,7 +547,7 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
 
 
 _LOCAL_LAUNCHER = ("nnodes", "node_rank", "nproc_per_node", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id",
-                   "max_restarts")
+                   "max_restarts", "tensorboard_dir")
 """pd train's options that only its own launcher uses (a cluster's launcher places the workers itself)."""
 
 
@@ -574,6 +585,21 @@ def export_checkpoint(checkpoint, output, config_from):
 
     files, size = export(checkpoint, output, config_from)
     click.echo(f"wrote {output}: {_count(files, 'file')} of safetensors, {size / 2 ** 20:.1f} MiB, and its index")
+
+
+@cli.command(short_help="draw a metrics CSV's curves -> PICTURE",
+             epilog=_examples("pd plot m.csv -o loss.png", "pd plot m.csv -o curves.svg --column loss --column samples_per_s"))
+@click.argument("metrics_path", metavar="METRICS.csv", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The picture: .png, .svg or .pdf.")
+@click.option("--column", "columns", multiple=True, metavar="NAME",
+              help="A column to draw, one panel each [default: loss, lr and grad_norm where recorded].")
+def plot(metrics_path, output, columns):
+    """Draw the curves of pd train --metrics against the step (also of a run still writing it)."""
+    from .views.plot import plot_metrics
+
+    check_writable(output, (metrics_path,))
+    drawn = plot_metrics(metrics_path, output, tuple(columns) or None)
+    click.echo(f"wrote {output}: {', '.join(drawn)} by step", err=True)
 
 
 @cli.command(short_help="print a summary of a profile or plan; draw a plan",

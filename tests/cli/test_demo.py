@@ -27,7 +27,7 @@ def test_make_demo_profiles_plans_draws_simulates_trains_and_summarises(tmp_path
     assert re.search(r"time per minibatch: measured [\d.]+ ms \(\d+ samples/s\), predicted [\d.]+ ms", summary)
     picture = tmp_path / ("demo.svg" if shutil.which("dot") else "demo.dot")
     for path in (tmp_path / "demo.profile.json", tmp_path / "demo.plan.json", picture, tmp_path / "demo.trace.json",
-                 tmp_path / "demo.train-trace.json", tmp_path / "demo.metrics.csv"):
+                 tmp_path / "demo.train-trace.json", tmp_path / "demo.metrics.csv", tmp_path / "demo.loss.png"):
         assert path.is_file() and path.stat().st_size > 0, path
         assert str(path) in summary
     plan = json.loads((tmp_path / "demo.plan.json").read_text())

@@ -69,10 +69,35 @@ def join(rank: int, world: int, timeout_s: float):
         raise LaunchError(f"rank {rank} cannot join the job's rendezvous at {where} within {timeout_s:g} s "
                           f"({_first_line(exc)}); check the launcher's address and port") from None
     store.set_timeout(timedelta(seconds=timeout_s))
-    # torchrun keeps its store across restarts of the workers (--max-restarts): each attempt's keys apart
-    store = dist.PrefixStore(f"default_pg/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    store = attempt_store(store, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     store.set(f"pdtool/process/{rank}", f"{socket.gethostname()} {os.getpid()} {os.environ.get(NODE_ENV) or '-'}")
     return store
+
+
+LIVE_KEY = "pdtool/live/{rank}/{n}"
+"""Where a worker publishes the n-th record of its live metrics (`launcher.live` reads them)."""
+
+
+def publisher(store, rank: int):
+    """A worker's publisher of live metrics: each call stores the next record (JSON values)."""
+    import json
+
+    count = [0]
+
+    def publish(record: dict) -> None:
+        store.set(LIVE_KEY.format(rank=rank, n=count[0]), json.dumps(record))
+        count[0] += 1
+
+    return publish
+
+
+def attempt_store(store, attempt: str = "0"):
+    """The keys of one attempt of the job in `store` (the rendezvous store, as the launcher holds it
+    or a worker joined it): torchrun keeps its store across restarts of the workers (--max-restarts),
+    so each attempt's keys stay apart."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"default_pg/attempt-{attempt}", store)
 
 
 def process_of(store, rank: int) -> tuple[str, int, str]:

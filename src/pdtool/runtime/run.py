@@ -58,6 +58,13 @@ class RunConfig:
     capture: Capture | None = None   # every stage's program and message specs (the launcher's preflight)
     init_from: str | None = None     # pd train --init-from: a safetensors file or Hugging Face folder (model.weights)
     precision: str | None = None     # pd train --precision: fp32, bf16 or fp16 (None: the plan's profile's)
+    metrics: str | None = None       # pd train --metrics: the CSV the launcher writes as the run goes (launcher.live)
+    tensorboard: str | None = None   # pd train --tensorboard: the folder of its TensorBoard events
+
+    @property
+    def live(self) -> bool:
+        """Workers publish each step's figures for the launcher's live metrics."""
+        return bool(self.metrics or self.tensorboard)
 
     @property
     def recipe(self) -> OptimizerConfig:

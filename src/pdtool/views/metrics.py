@@ -1,4 +1,5 @@
-"""The metrics CSV of a `pd train` run: one row per optimizer step of stage 0."""
+"""The metrics CSV of a `pd train` run: one row per optimizer step of stage 0, written as the run
+goes (`runtime.launcher.live`) and once more, whole, at its end."""
 from __future__ import annotations
 
 import math
@@ -6,36 +7,57 @@ import math
 from ..jsonio import write_text_atomic
 
 
+COLUMNS = ("step", "minibatches", "loss", "samples_per_s", "lr", "grad_norm")
+
+
 def write_metrics(path: str, result) -> None:
-    """One row per optimizer step of stage 0 of `result` (`session.TrainResult`): step, mean
-    loss, samples/s, stage 0's learning rate and the gradient norm (`_recipe`), per worker the share of that step's wall time it spent computing (busy;
-    the rest is idle or waiting), and per worker the memory it held (MB: its resident set, or on
-    a GPU what torch allocated there) at the end of its own step nearest in time to the end of
-    this one (empty for a worker that never stepped)."""
+    """The whole metrics CSV of `result` (`session.TrainResult`), written atomically (`metric_rows`)."""
+    write_text_atomic(path, "\n".join([header(sorted(result.reports))] + [row for row, _ in metric_rows(result)]) + "\n")
+
+
+def header(ranks: list[int]) -> str:
+    return ",".join(list(COLUMNS) + [f"busy_rank{r}" for r in ranks] + [f"memory_mb_rank{r}" for r in ranks])
+
+
+def metric_rows(result, start: int = 0, known: dict[int, float] | None = None):
+    """(row, values) per optimizer step of stage 0 of `result`, from its `start`-th step on: step,
+    mean loss, samples/s, stage 0's learning rate and the gradient norm (`_recipe`), per worker the
+    share of that step's wall time it spent computing (busy; the rest is idle or waiting), and per
+    worker the memory it held (MB: its resident set, or on a GPU what torch allocated there) at the
+    end of its own step nearest in time to the end of this one (empty for a worker that never
+    stepped). `values` holds the named columns as numbers. While a run goes on (`known`: per rank,
+    the time up to which its work is known), the rows stop at the first step not yet known on
+    every worker."""
     losses, finished = result.losses, result.finished
     ranks = sorted(result.reports)
-    header = (["step", "minibatches", "loss", "samples_per_s", "lr", "grad_norm"] + [f"busy_rank{r}" for r in ranks]
-              + [f"memory_mb_rank{r}" for r in ranks])
-    rows = [",".join(header)]
     batch = result.plan.profile.batch_size
     previous = min((began for r in result.reports.values() for _, began, _ in r.events), default=0.0)
     for k in range(result.steps):
         ids = range((result.first_step + k) * result.per_step, (result.first_step + k + 1) * result.per_step)
-        if not all(b in finished for b in ids):
-            break
+        if not all(b in finished and b in losses for b in ids):
+            return
         end = max(finished[b] for b in ids)
+        if known is not None and (any(known.get(r, 0.0) < end for r in ranks) or not _stepped(result, k)):
+            return
         window = max(end - previous, 1e-9)
-        loss = sum(losses[b] for b in ids) / len(ids)
-        busy = [sum(max(0.0, min(e, end) - max(s, previous)) for _, s, e in result.reports[r].events) / window
-                for r in ranks]
-        held = [_held(result.reports[r].step_memory, end) for r in ranks]
-        lr, norm = _recipe(result, k)
-        rows.append(",".join([str(result.first_step + k + 1), str(len(ids)), f"{loss:.6g}",
-                              f"{batch * len(ids) / window:.6g}", f"{lr:.6g}", "" if norm is None else f"{norm:.6g}"]
-                             + [f"{x:.4f}" for x in busy]
-                             + ["" if x is None else f"{x / 1e6:.1f}" for x in held]))
+        if k >= start:
+            loss = sum(losses[b] for b in ids) / len(ids)
+            busy = [sum(max(0.0, min(e, end) - max(s, previous)) for _, s, e in result.reports[r].events) / window
+                    for r in ranks]
+            held = [_held(result.reports[r].step_memory, end) for r in ranks]
+            lr, norm = _recipe(result, k)
+            values = {"step": result.first_step + k + 1, "loss": loss, "samples_per_s": batch * len(ids) / window,
+                      "lr": lr, "grad_norm": norm}
+            yield (",".join([str(result.first_step + k + 1), str(len(ids)), f"{loss:.6g}",
+                             f"{values['samples_per_s']:.6g}", f"{lr:.6g}", "" if norm is None else f"{norm:.6g}"]
+                            + [f"{x:.4f}" for x in busy]
+                            + ["" if x is None else f"{x / 1e6:.1f}" for x in held]), values)
         previous = end
-    write_text_atomic(path, "\n".join(rows) + "\n")
+
+
+def _stepped(result, k: int) -> bool:
+    """Whether stage 0's first replica has reported its k-th step of the run."""
+    return any(r.stage == 0 and r.replica == 0 and len(r.step_log) > k for r in result.reports.values())
 
 
 def _recipe(result, k: int) -> tuple[float, float | None]:

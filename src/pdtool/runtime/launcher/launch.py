@@ -101,6 +101,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     handlers = {signum: signal.getsignal(signum) for signum in SIGNALS}  # torch's launcher replaces them
     reaper = _Reaper(logs)
     reaper.start()
+    live = _live(store, config, nodes)
     try:
         results = elastic_launch(settings, entry)(config, LaunchState() if method == forked.FORKSERVER else None)
     except ChildFailedError as failure:
@@ -111,6 +112,8 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
         raise Interrupted(f"interrupted by {name}: every worker was stopped", int(stop.sigval)) from None
     finally:
         reaper.stop()
+        if live is not None:
+            live.stop()
         for signum, handler in handlers.items():
             if handler is not None:
                 signal.signal(signum, handler)
@@ -125,6 +128,20 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
         shutil.rmtree(logs, ignore_errors=True)
         shm.remove_node(node)  # rings of workers that were killed before they removed their files
     return {report.rank: report for report in results.values()}
+
+
+def _live(store, config: RunConfig, nodes: Nodes):
+    """The live metrics writer of this launcher's job (`launcher.live`): where it holds the store."""
+    if not config.live or store is None or nodes.node_rank != 0:
+        return None
+    from ...artifacts.plan import Plan
+    from ..run import resolved
+    from .live import LiveMetrics
+
+    plan = Plan.load(config.plan_path)
+    live = LiveMetrics(peers.attempt_store(store), plan, config, resolved(plan, config).per_step)  # the workers' keys
+    live.start()
+    return live
 
 
 class _Reaper(threading.Thread):

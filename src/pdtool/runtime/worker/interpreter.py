@@ -35,7 +35,8 @@ class Context:
     `collective_key`), its `link` to its neighbours, its checkpoint `saver` (None: none), and
     whether it shows the progress line (`show_progress`, of `batch_size` samples a minibatch), and
     `norm`, which measures the whole model's gradient norm across the stages (`--clip-grad-norm`
-    in the modes whose stages step together; None: the worker clips on its own or not at all)."""
+    in the modes whose stages step together; None: the worker clips on its own or not at all), and
+    `publish`, which sends the launcher what each of its steps adds to the report (live metrics)."""
 
     schedule: Schedule
     ops: tuple[Op, ...]
@@ -48,6 +49,7 @@ class Context:
     show_progress: bool
     batch_size: int
     norm: Callable[[StageWorker], float] | None = None  # the whole model's gradient norm, where stages step together
+    publish: Callable[[dict], None] | None = None  # live metrics: sends what each step adds (`launcher.live`)
 
 
 class Interpreter:
@@ -73,6 +75,7 @@ class Interpreter:
         self.outbox: dict[tuple[int, int], list] = {}  # (direction, minibatch) -> tensors to send
         self.prefetch = Prefetch(context.ops, context.link.window)
         self.step_began = 0.0
+        self.sent = (0, 0, set(), set())  # published so far: events, steps, losses, finished minibatches
         self.at = 0  # index of the op being run
         self.kinds = {"recv": self.recv, "send": self.send, "F": self.forward, "B": self.backward,
                       "W": self.weight_backward, "allreduce": self.allreduce, "tie": self.tie, "step": self.step}
@@ -176,10 +179,25 @@ class Interpreter:
         saver = self.context.saver
         if saver is not None and saver.after_step():
             self.report.events.append(("checkpoint", began, self.clock()))  # shows in the trace, counts as busy
+        if self.context.publish is not None:
+            self.publish(done=False)
+
+    def publish(self, done: bool) -> None:
+        """What the report gained since the last call, to the launcher's live metrics."""
+        report, first = self.report, self.context.first
+        events, steps, losses, finished = self.sent
+        fresh = {first + b: loss for b, loss in self.worker.losses.items() if first + b not in losses}
+        ended = {b: t for b, t in report.finished.items() if b not in finished}
+        self.context.publish({
+            "events": [(s, e) for _, s, e in report.events[events:]], "memory": report.step_memory[steps:],
+            "log": report.step_log[steps:], "losses": fresh, "finished": ended, "done": done})
+        self.sent = (len(report.events), len(report.step_log), losses | set(fresh), finished | set(ended))
 
     def finish(self) -> WorkerReport:
         """Wait for the last sends; the losses, busy and wall time into the report."""
         self.context.link.flush()
+        if self.context.publish is not None:
+            self.publish(done=True)
         if self.progress is not None:
             self.progress.close()
         report, first = self.report, self.context.first

@@ -52,8 +52,9 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
     # connections close, so the job reports it rather than a peer's "connection closed".
     ops, link, collectives, norm = _connect(config, plan, built, rank, device, store)
     worker, saver = _stage_worker(config, built, device)
+    publish = peers.publisher(store, rank) if config.live else None
     context = Context(built.schedule, ops, built.specs, _on_device(built.batch, device), collectives, link, saver,
-                      built.first, config.progress, plan.profile.batch_size, norm)
+                      built.first, config.progress, plan.profile.batch_size, norm, publish)
     try:
         report = Interpreter(worker, context).run()
     except peers.PeerTimeout as silent:

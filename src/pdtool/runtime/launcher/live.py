@@ -1,0 +1,100 @@
+"""Live metrics: `--metrics` rows (and `--tensorboard` scalars) written while the run goes on.
+
+After each of its optimizer steps a worker publishes, in the job's store, what its report gained
+since the last time (`Interpreter.publish`: its events, step records, the losses and finish times
+of its minibatches), under `pdtool/live/<rank>/<n>` (`peers.publisher`). `LiveMetrics`, a thread of the launcher
+that holds the store, collects them twice a second into reports like the workers' own and
+appends every row of `views.metrics.metric_rows` whose step every worker has got past, flushed
+at once: `tail -f m.csv` and a plot work during the run, and a run that fails keeps the rows of
+the steps it finished. At the end `pd train` writes the whole file again from the final reports
+(the same rows). Across machines it runs where the store is (node rank 0); under torchrun or
+srun, and with `--rdzv-endpoint`, the file is written at the end only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+from ...artifacts.plan import Plan
+from ...views.metrics import header, metric_rows
+from ..peers import LIVE_KEY as KEY
+from ..run import RunConfig, WorkerReport
+
+POLL_S = 0.5
+
+
+class LiveMetrics(threading.Thread):
+    """The launcher's thread that writes the rows of a running job (see the module docstring)."""
+
+    def __init__(self, store, plan: Plan, config: RunConfig, per_step: int):
+        super().__init__(name="pdtool-live-metrics", daemon=True)
+        self.store, self.config = store, config
+        places = {r: (s, st.ranks.index(r)) for s, st in enumerate(plan.stages) for r in st.ranks}
+        from .session import TrainResult  # what metric_rows reads, filled as the records arrive
+
+        self.result = TrainResult(plan, {r: WorkerReport(rank=r, stage=s, replica=i) for r, (s, i) in places.items()},
+                                  0.0, config.first_step, config.steps, per_step)
+        self.next = dict.fromkeys(places, 0)
+        self.known = dict.fromkeys(places, 0.0)
+        self.rows = 0
+        self.halt = threading.Event()
+        self.file = None
+        self.board = None
+        if config.metrics:
+            self.file = open(config.metrics, "w", encoding="utf-8")  # noqa: SIM115 - held for the run's length
+            self.file.write(header(sorted(places)) + "\n")
+            self.file.flush()
+        if config.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(config.tensorboard)
+
+    def run(self) -> None:
+        while not self.halt.wait(POLL_S):
+            self.poll()
+
+    def stop(self) -> None:
+        """Collect what is left, write its rows, close the file (the job ended, or failed)."""
+        self.halt.set()
+        if self.is_alive():
+            self.join()
+        try:
+            self.poll()
+        finally:
+            if self.file is not None:
+                self.file.close()
+            if self.board is not None:
+                self.board.close()
+
+    def poll(self) -> None:
+        try:
+            for rank in self.next:
+                while self.store.check([KEY.format(rank=rank, n=self.next[rank])]):
+                    key = KEY.format(rank=rank, n=self.next[rank])
+                    self._add(rank, json.loads(self.store.get(key)))
+                    self.store.delete_key(key)
+                    self.next[rank] += 1
+        except Exception:  # noqa: BLE001 - the store went away with the job: the final write has everything
+            return
+        for row, values in metric_rows(self.result, self.rows, self.known):
+            self.rows += 1
+            if self.file is not None:
+                self.file.write(row + "\n")
+                self.file.flush()
+                os.fsync(self.file.fileno())
+            if self.board is not None:
+                for name in ("loss", "lr", "grad_norm", "samples_per_s"):
+                    if values[name] is not None:
+                        self.board.add_scalar(f"train/{name}", values[name], values["step"])
+                self.board.flush()
+
+    def _add(self, rank: int, record: dict) -> None:
+        report = self.result.reports[rank]
+        report.events.extend(("", s, e) for s, e in record["events"])
+        report.step_memory.extend(tuple(m) for m in record["memory"])
+        report.step_log.extend(tuple(entry) for entry in record["log"])
+        report.losses.update({int(b): loss for b, loss in record["losses"].items()})
+        report.finished.update({int(b): t for b, t in record["finished"].items()})
+        ends = [e for _, e in record["events"]] + [entry[0] for entry in record["log"]]
+        self.known[rank] = float("inf") if record["done"] else max([self.known[rank]] + ends)
