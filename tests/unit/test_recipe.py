@@ -129,3 +129,19 @@ def test_fp16_where_stages_step_on_their_own_is_refused_before_any_worker(tmp_pa
     plan.save(path)
     with pytest.raises(LaunchError, match="--precision fp16 skips a step .* mode pipedream .* use --precision bf16"):
         prepare(plan, RunConfig(plan_path=str(path), steps=2, precision="fp16"))
+
+
+def test_pd_train_says_its_recipe_in_one_line():
+    from types import SimpleNamespace
+
+    from pdtool.runtime.run import RunConfig
+    from pdtool.views.summary import recipe_line
+
+    recipe = OptimizerConfig("adamw", 0.003, weight_decay=0.05, schedule=LrSchedule("cosine", 2, 0.0003),
+                             clip_grad_norm=1.0)
+    config = RunConfig(plan_path="p.plan.json", steps=10, optimizer=recipe, precision="fp16")
+    plan = SimpleNamespace(profile=SimpleNamespace(precision="fp32"))
+    head = SimpleNamespace(stage=0, replica=0, step_log=[(0.0, 0.001, 5.0, True, True), (1.0, 0.002, 1.0, True, False)])
+    assert recipe_line(config, plan, SimpleNamespace(reports={0: head})) == (
+        "adamw lr 0.003, weight decay 0.05, cosine, 2 warm-up steps, to 0.0003 at step 10, gradients clipped to norm 1, "
+        "fp16, 1 step(s) skipped on overflow (loss scaling)")

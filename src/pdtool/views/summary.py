@@ -25,6 +25,7 @@ def train_summary(result, plan: Plan, config: RunConfig, shared: tuple) -> list[
     lines.append(f"trained steps {result.first_step + 1}-{result.first_step + result.steps} ({len(losses)} minibatches) "
                  f"on {workers} in {result.wall_s:.1f} s; loss {first:.4f} -> {last:.4f}"
                  + (f"; {rings} link direction(s) over shared memory" if rings else ""))
+    lines.append(f"recipe: {recipe_line(config, plan, result)}")
     measured = result.time_per_minibatch_ms()
     rate = lambda ms: f"{ms:.3f} ms" + (f" ({plan.profile.batch_size / ms * 1e3:.0f} samples/s)" if ms > 0 else "")  # noqa: E731
     simulated, cost_model = expected_ms(plan, config.mode, config.group)
@@ -39,6 +40,25 @@ def train_summary(result, plan: Plan, config: RunConfig, shared: tuple) -> list[
             lines.append(f"measured {measured / expected:.1f}x the prediction, because:")
             lines += [f"  - {reason}" for reason in reasons]
     return lines + memory_lines(result, plan, config)
+
+
+def recipe_line(config: RunConfig, plan: Plan, result) -> str:
+    """The run's optimizer, schedule, clipping and precision in a few words."""
+    recipe = config.recipe
+    parts = [f"{recipe.name} lr {recipe.lr:g}"]
+    if recipe.weight_decay:
+        parts.append(f"weight decay {recipe.weight_decay:g}")
+    if recipe.schedule.name != "constant" or recipe.schedule.warmup_steps:
+        parts.append(recipe.schedule.describe())
+    if recipe.clip_grad_norm is not None:
+        parts.append(f"gradients clipped to norm {recipe.clip_grad_norm:g}")
+    precision = config.precision or plan.profile.precision
+    parts.append(precision)
+    if precision == "fp16":
+        head = next((r for r in result.reports.values() if r.stage == 0 and r.replica == 0), None)
+        skipped = sum(1 for entry in head.step_log if entry[4]) if head else 0
+        parts.append(f"{skipped} step(s) skipped on overflow (loss scaling)")
+    return ", ".join(parts)
 
 
 def memory_lines(result, plan: Plan, config: RunConfig) -> list[str]:
