@@ -539,7 +539,7 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
         from .model.data import held_out_accuracy
 
         scored = held_out_accuracy(result.weights(), plan.profile.model, config.data, config.seed, config.model)
-        click.echo(f"held-out accuracy: {scored[0]:.1%} of {scored[1]} samples" if scored else
+        click.echo(f"held-out accuracy: {scored[0]:.1%} of {scored[1]} samples, loss {scored[2]:.4f}" if scored else
                    "accuracy: not measured here (the stages' weights are on other machines)")
     for label, path in (("checkpoints", checkpoint_dir), ("metrics", metrics_path), ("trace", trace_path)):
         if path:

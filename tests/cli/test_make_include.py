@@ -78,4 +78,4 @@ def test_the_gpt2_example_copied_elsewhere_trains_its_own_model(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "uses mode 2bw" in result.stderr  # the tied head: pd plan chose the mode and said why
     assert "loss " in result.stdout and " at step 3 " in result.stdout
-    assert (tmp_path / "gpt2.svg").exists()
+    assert (tmp_path / "gpt2.svg").exists() and (tmp_path / "gpt2.loss.png").exists()

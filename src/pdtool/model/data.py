@@ -286,8 +286,9 @@ def digits(train: bool = True, image: bool = False) -> torch.utils.data.TensorDa
 
 
 def held_out_accuracy(weights: dict[str, torch.Tensor], model_ref: dict, data: str, seed: int,
-                      spec: str | None = None) -> tuple[float, int] | None:
-    """Top-1 accuracy on the held-out split of `data`, and its size, of the model that `model_ref`
+                      spec: str | None = None) -> tuple[float, int, float] | None:
+    """Top-1 accuracy on the held-out split of `data`, its size and the mean loss (the model's own
+    loss function, over its samples) of the model that `model_ref`
     (a plan's; `spec`: the user's own, pd train -m) builds, holding `weights` (by qualified name);
     None when the data set has no held-out split or `weights` lack a parameter (its stage ran on
     another machine)."""
@@ -295,15 +296,23 @@ def held_out_accuracy(weights: dict[str, torch.Tensor], model_ref: dict, data: s
     if dataset is None:
         return None
     torch.manual_seed(seed)
-    module = file_model(model_ref, spec).module
+    bundle = file_model(model_ref, spec)
+    module = bundle.module
     if {name for name, _ in module.named_parameters()} - set(weights):
         return None
     module.load_state_dict(weights, strict=False)
-    return evaluate(module, dataset), len(dataset)
+    accuracy, loss = score(module, dataset, bundle.loss_fn)
+    return accuracy, len(dataset), loss
 
 
 def evaluate(module: torch.nn.Module, data: Any, batch_size: int = 256) -> float:
-    """Top-1 accuracy (fraction in [0, 1]) of a classifier on a dataset or a finite source.
+    """Top-1 accuracy (fraction in [0, 1]) of a classifier on a dataset or a finite source (`score`)."""
+    return score(module, data, None, batch_size)[0]
+
+
+def score(module: torch.nn.Module, data: Any, loss_fn=None, batch_size: int = 256) -> tuple[float, float | None]:
+    """Top-1 accuracy (fraction in [0, 1]) of a classifier on a dataset or a finite source, and
+    with `loss_fn` its mean loss (each minibatch's weighted by its samples; else None).
 
     A dataset is read once in order; a `BatchSource` for one epoch (its first
     `batches_per_epoch` minibatches). The module runs in eval mode without gradients and is
@@ -321,11 +330,16 @@ def evaluate(module: torch.nn.Module, data: Any, batch_size: int = 256) -> float
                    for start in range(0, size, batch_size))
     was_training = module.training
     module.eval()
-    correct = total = 0
+    correct = total = samples = 0
+    loss_sum = 0.0
     try:
         with torch.no_grad():
             for inputs, target in batches:
                 output = module(*inputs)
+                if loss_fn is not None:
+                    count = target.shape[0] if isinstance(target, torch.Tensor) and target.dim() else 1
+                    loss_sum += float(loss_fn(output, target)) * count
+                    samples += count
                 logits = getattr(output, "logits", output)  # a Hugging Face ModelOutput carries its logits
                 predicted = logits.argmax(dim=-1)
                 correct += int((predicted == target).sum())
@@ -334,4 +348,4 @@ def evaluate(module: torch.nn.Module, data: Any, batch_size: int = 256) -> float
         module.train(was_training)
     if total == 0:
         raise DataError("cannot evaluate on no data; give a dataset with at least one item")
-    return correct / total
+    return correct / total, (loss_sum / samples if loss_fn is not None else None)
