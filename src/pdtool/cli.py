@@ -335,6 +335,8 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
 
 @cli.command(short_help="run a plan on torch.distributed workers",
              epilog=_examples("pd train mlp.plan.json --data digits --epochs 10 --lr 0.1 --momentum 0.5 --evaluate",
+                                "pd train gpt.plan.json --optimizer adamw --lr 3e-4 --weight-decay 0.1 --lr-schedule cosine "
+                                "--warmup-steps 100 --clip-grad-norm 1.0 --precision bf16 --metrics m.csv",
                                 "pd train resnet.plan.json --steps 200 --checkpoint-dir ckpt --checkpoint-every 50 --metrics m.csv --trace t.json",
                                 "pd train resnet.plan.json --steps 400 --checkpoint-dir ckpt --resume"))
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
@@ -442,7 +444,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
                    "under any plan) or factory (every process builds the whole model with the factory's own values).")
 @click.option("--verbose", "-v", is_flag=True, help="Show the launcher's log and a failing worker's traceback.")
 @click.option("--evaluate", is_flag=True,
-              help="After training, report top-1 accuracy on the data set's held-out split (digits' test "
+              help="After training, report top-1 accuracy and the mean loss on the data set's held-out split (digits' test "
                    "split, or a factory's dataset for train=False).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimizer, lr, momentum, betas, eps, weight_decay,
