@@ -43,13 +43,14 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
                   loss_fn: Callable[[Any, Any], torch.Tensor], batch: Callable[[int], tuple],
                   prepare: Callable[[StageWorker], None] | None = None, seed: int = 0, first: int = 0,
                   no_decay: frozenset = frozenset(), model_parameters: int | None = None,
-                  precision: str = "fp32") -> ReferenceRun:
+                  precision: str = "fp32", recompute: tuple[bool, ...] = ()) -> ReferenceRun:
     """Run `schedule` on `stages` (from `model.stages.build_stages`); `batch(b)` gives
     minibatch b as (inputs tuple, target). The stages' modules are copied per replica;
     `prepare(worker)`, if given, runs on every worker before the first action (e.g. to
     restore a checkpoint, as a resumed run does). `seed` and `first` (the first minibatch of a
     resumed run) seed every forward's random numbers as the runtime does (`StageWorker`).
-    `no_decay`, `model_parameters` and `precision` as `StageWorker` takes them. With
+    `no_decay`, `model_parameters` and `precision` as `StageWorker` takes them; `recompute[s]`, stage
+    s's activation recomputation (the plan's). With
     --clip-grad-norm or fp16 in a mode whose stages step together, every stage steps together, on
     the whole model's norm (computed here from the parameters' gradients, each parameter once)."""
     workers: dict[int, StageWorker] = {}
@@ -58,7 +59,8 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
             replica = copy.deepcopy(stage)
             workers[schedule.rank(s, i)] = StageWorker(replica, schedule, i, optimizer,
                                                        loss_fn if s == len(stages) - 1 else None, seed, first,
-                                                       no_decay, model_parameters, precision)
+                                                       no_decay, model_parameters, precision,
+                                                       s < len(recompute) and recompute[s])
             if prepare is not None:
                 prepare(workers[schedule.rank(s, i)])
     # stages whose steps happen together: a stage's replicas, joined with every stage it shares a

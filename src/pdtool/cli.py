@@ -12,7 +12,7 @@ import time
 import click
 
 from . import __version__
-from .artifacts.plan import COST_MODELS
+from .artifacts.plan import COST_MODELS, RECOMPUTE
 from .artifacts.profile import GRANULARITIES, MEASURED, PRECISIONS
 from .errors import PdtoolError
 from .fields import check_schema
@@ -233,9 +233,13 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
                    f"share a parameter (tied weights), which {DEFAULT} cannot train].")
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", show_default=True,
               help="Optimizer state counted in the memory model (sgd with momentum: 1 buffer, adam: 2).")
+@click.option("--recompute", type=click.Choice(RECOMPUTE), default="auto", show_default=True,
+              help="Activation recomputation: a recomputing stage keeps only its input per minibatch in flight and "
+                   "runs its forward again before each backward. auto: the stages that fit --memory only so; "
+                   "all: every stage; none: no stage.")
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
               help="Plan JSON to write ('-' for stdout). Written atomically.")
-def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model, mode, optimizer, output):
+def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model, mode, optimizer, recompute, output):
     """Partition a profiled model over a cluster with PipeDream's optimizer (pdtool.plan/1).
 
     Chooses stage boundaries and replicas per stage to minimise the time per minibatch of the
@@ -254,9 +258,10 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
     command = " ".join(["pd plan", os.path.basename(profile_path), "--cluster", cluster_spec]
                        + (["--memory", memory] if memory else []) + (["--straight"] if straight else [])
                        + (["--data-parallel"] if data_parallel else [])
-                       + ["--cost-model", cost_model] + (["--mode", mode] if mode else []) + ["--optimizer", optimizer])
+                       + ["--cost-model", cost_model] + (["--mode", mode] if mode else []) + ["--optimizer", optimizer]
+                       + (["--recompute", recompute] if recompute != "auto" else []))
     result = make_plan(profile, cluster, cost_model=cost_model, straight=straight, data_parallel=data_parallel, mode=mode,
-                       optimizer_slots=OPTIMIZER_SLOTS[optimizer], command=command,
+                       optimizer_slots=OPTIMIZER_SLOTS[optimizer], command=command, recompute=recompute,
                        profile_file=None if profile_path == "-" else os.path.basename(profile_path),
                        say=lambda message: click.echo(f"pd: note: {message}", err=True))
     result.save(output)

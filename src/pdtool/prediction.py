@@ -69,10 +69,15 @@ def planned_memory(plan: Plan, mode: str | None, group: int | None, optimizer: s
 
     result = simulate(plan, mode=mode, group=group)
     model = Memory(float("inf"), OPTIMIZER_SLOTS.get(optimizer, 2), COMPUTE_COPY[precision])  # a factory: as Adam
-    return {rank: {term: int(value) for term, value in model.terms(stage.param_bytes, stage.activation_bytes,
-                                                                   result.peak_in_flight[rank],
-                                                                   result.peak_versions[rank]).items()}
+    return {rank: {term: int(value) for term, value in model.stage_terms(stage, result.peak_in_flight[rank],
+                                                                         result.peak_versions[rank]).items()}
             for stage in plan.stages for rank in stage.ranks}
+
+
+def measured_beyond(measured: dict[str, int]) -> int:
+    """Training's peak beyond the worker's start (`worker.memory.measure`): what the plan's memory
+    model predicts (a report without `training` has the process's peak only)."""
+    return measured.get("training", measured["peak"]) - measured["base"]
 
 
 def memory_gap(measured: dict[str, int], planned: dict[str, int]) -> str | None:
@@ -80,7 +85,7 @@ def memory_gap(measured: dict[str, int], planned: dict[str, int]) -> str | None:
     `MEMORY_GAP` times off the plan's (`planned_memory`), naming the term most off; None within it."""
     from .units import format_bytes
 
-    beyond, total = measured["peak"] - measured["base"], sum(planned.values())
+    beyond, total = measured_beyond(measured), sum(planned.values())
     if total <= 0 or 1 / MEMORY_GAP <= beyond / total <= MEMORY_GAP:
         return None
     term = max(planned, key=lambda name: abs(measured.get(name, 0) - planned[name]))

@@ -9,7 +9,8 @@ The model (all times in ms):
   in order, one action at a time, each as soon as its worker is free and its input is there.
 - Compute. `F` of stage s takes the stage's `fwd_ms`, `B` its `bwd_ms` (in mode `zb`, B its
   `bwd_ms - wgrad_ms` and W its `wgrad_ms`) (one minibatch on one
-  worker, as profiled); `F` on stage 0 also makes its minibatch (`data_ms`). Within a worker,
+  worker, as profiled; a stage that recomputes, `plan.stages[s].recompute`, runs its forward again
+  in each B: `fwd_ms` more); `F` on stage 0 also makes its minibatch (`data_ms`). Within a worker,
   `B` of b follows `F` of b by the schedule's order.
 - Transfers. `F` of b on stage s > 0 needs `F` of b on stage s-1 and then its activations,
   `out_bytes` of stage s-1, sent to it; `B` of b on stage s < last needs `B` of b on stage s+1
@@ -224,7 +225,8 @@ def _compute_ms(op: Op, s) -> float:
         return s.fwd_ms + s.data_ms
     if op.kind == "W":
         return s.wgrad_ms
-    return s.bwd_ms - (0.0 if op.weights else s.wgrad_ms)
+    again = s.fwd_ms if s.recompute else 0.0  # a recomputing stage runs its forward again first
+    return again + s.bwd_ms - (0.0 if op.weights else s.wgrad_ms)
 
 
 def _message_bytes(op: Op, s) -> int:

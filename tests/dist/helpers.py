@@ -55,7 +55,7 @@ def reference(plan, config, ref=MLP):
     prepare = (lambda worker: restore(worker, config.resume)) if config.resume else None
     run = run_reference(stages, schedule, config.recipe, bundle.loss_fn, lambda b: source.batch(first + b), prepare,
                         config.seed, first, no_decay(bundle.module), sum(p.numel() for p in bundle.module.parameters()),
-                        config.precision or "fp32")
+                        config.precision or "fp32", tuple(s.recompute for s in plan.stages))
     run.losses = {first + b: loss for b, loss in run.losses.items()}
     return run
 

@@ -20,7 +20,7 @@ def test_pd_train_runs_a_plan_and_reports_loss_and_time(tmp_path):
     assert result.exit_code == 0, result.output
     assert "trained steps 1-5 (5 minibatches) on 2 workers" in result.stdout
     assert "time per minibatch: measured" in result.stdout and "predicted" in result.stdout
-    assert re.search(r"peak memory per worker: stage 0 [\d.]+ [kKMGT]?B measured \(rank \d+, beyond [\d.]+ [kKMGT]?B at its start\), [\d.]+ [kKMGT]?B planned", result.stdout), result.stdout
+    assert re.search(r"peak memory per worker: stage 0 [\d.]+ (?:[kKMGT]i?)?B measured \(rank \d+, beyond [\d.]+ (?:[kKMGT]i?)?B at its start\), [\d.]+ (?:[kKMGT]i?)?B planned", result.stdout), result.stdout
     if shm.use_shared_memory("auto", torch.device("cpu"), 2):  # x86, /dev/shm and 2 cores: the default's rings
         assert "; 2 link direction(s) over shared memory" in result.stdout
     rows = list(csv.DictReader(metrics.open()))

@@ -7,7 +7,6 @@ import copy
 import json
 import os
 import tempfile
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner

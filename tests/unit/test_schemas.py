@@ -23,7 +23,8 @@ def written(profile_path, message_ms_per_mib=None):
         first = dataclasses.replace(profile.layers[0], same_as=0)
         profile = dataclasses.replace(profile, message_ms_per_mib=message_ms_per_mib, measured="layers", precision="bf16",
                                       layers=(first,) + profile.layers[1:])
-    plan = make_plan(profile, parse_cluster("cluster-a:2", memory="16GiB"), simulate=True)
+    plan = make_plan(profile, parse_cluster("cluster-a:2", memory="16GiB"), simulate=True,
+                     recompute="all" if message_ms_per_mib is not None else "auto")  # a stage's `recompute` is written when true
     return profile.to_json(), plan.to_json()
 
 

@@ -29,6 +29,7 @@ MS_PER_S = 1e3  # the planner works in seconds, plans and the simulator in ms
 
 
 COST_MODELS = ("pdtool", "pipedream")  # the planner's cost models (`planner.costmodel`), by name
+RECOMPUTE = ("auto", "none", "all")  # pd plan --recompute: which stages recompute their forward in the backward
 DOWN_SETS, PREFIXES = "down-sets", "prefixes"  # the planner's state spaces (`planner.states`)
 
 
@@ -64,7 +65,9 @@ class PlanStage(LayerSet):
     both from the profile; the simulator charges them, the cost model does not. `reduce_ms` is
     the worker's own work in one all-reduce of its gradients (the profile's share, charged by the
     simulator on replicated stages beside the link's time). `wgrad_ms` is the part of `bwd_ms`
-    that computes the weight gradients (the W of mode `zb`).
+    that computes the weight gradients (the W of mode `zb`). `recompute`: the stage runs its forward
+    again before each backward instead of keeping its activations (`fwd_ms`/`bwd_ms` stay the
+    profile's; `compute_ms` and the simulator count the forward twice).
 
     `receives` are the ids of the layers of earlier stages whose outputs its layers read, `sends`
     the ids of its own layers whose outputs later stages read (both ascending; from the profile's
@@ -101,6 +104,9 @@ class PlanStage(LayerSet):
                                       "outputs this stage's layers read, ascending.")
     sends: tuple[int, ...] = field(LAYER_IDS, (), required=True, doc="Ids of this stage's layers whose outputs "
                                    "later stages read, ascending.")
+    recompute: bool = field(Bool(), False, omit=False, doc="The stage recomputes its forward during each backward "
+                            "(on the same weight version) instead of keeping its activations: a minibatch in flight "
+                            "stashes only its input (pd plan --recompute).")
 
     @classmethod
     def _read_check(cls, at: At, values: dict[str, Any], figures: dict[str, Any], index: int) -> None:

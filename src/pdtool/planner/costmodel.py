@@ -42,6 +42,16 @@ output):
 Under 1F1B with round-robin replication, a stage with `R` replicas after `before` workers of
 earlier stages, in a pipeline of `W` workers, has `k = floor((W - 1 - before) / R) + 1`
 (stage s of a straight d-stage pipeline: d - s).
+
+**Recomputation** (`pd plan --recompute`): a stage that recomputes runs its forward without
+keeping activations and again, keeping them, just before each backward (on the same weight
+version). Its minibatches in flight stash only their inputs, and one holds its whole set:
+
+    param_bytes * (k + 1 + optimizer_slots) + (k - 1) * in_bytes + (in_bytes + sum of act_bytes)
+
+and its compute per minibatch is forward + backward + forward again. With `auto` the planner
+recomputes a stage only where it would not fit otherwise (so never without a memory limit);
+`all` recomputes every stage, `none` no stage.
 """
 from __future__ import annotations
 
@@ -74,16 +84,18 @@ class ChainCosts:
     acts: np.ndarray
     cut: np.ndarray
     edges: tuple[tuple[int, int], ...] | None = None
+    forward: np.ndarray | None = None  # the forward part of `compute` (what recomputation runs again); None: 0
 
     @classmethod
     def from_profile(cls, profile: Profile) -> "ChainCosts":
         return cls.from_layers(np.array([l.total_ms * SECONDS_PER_MS for l in profile.layers], dtype=float),
                                np.array([l.param_bytes for l in profile.layers], dtype=float),
-                               np.array([l.act_bytes for l in profile.layers], dtype=float), profile.edges)
+                               np.array([l.act_bytes for l in profile.layers], dtype=float), profile.edges,
+                               forward=np.array([l.fwd_ms * SECONDS_PER_MS for l in profile.layers], dtype=float))
 
     @classmethod
     def from_layers(cls, compute: np.ndarray, params: np.ndarray, acts: np.ndarray,
-                    edges: tuple[tuple[int, int], ...]) -> "ChainCosts":
+                    edges: tuple[tuple[int, int], ...], forward: np.ndarray | None = None) -> "ChainCosts":
         """Costs of a layer graph: per-layer arrays in topological order and its edges."""
         n = len(compute)
         last_use = list(range(n))
@@ -95,7 +107,12 @@ class ChainCosts:
                 alive[layer] += acts[layer]
                 alive[last_use[layer]] -= acts[layer]
         return cls(compute=compute, params=params, acts=acts, cut=np.cumsum(alive)[:n],
-                   edges=tuple(sorted({(int(s), int(d)) for s, d in edges})))
+                   edges=tuple(sorted({(int(s), int(d)) for s, d in edges})), forward=forward)
+
+    @property
+    def forwards(self) -> np.ndarray:
+        """Per-layer forward seconds (zeros where the costs carry none)."""
+        return np.zeros(self.n) if self.forward is None else self.forward
 
     @property
     def n(self) -> int:
@@ -120,29 +137,41 @@ class Memory:
         """Minibatches a replica holds at once under 1F1B-RR (the README's "Schedules" table)."""
         return (workers - 1 - before) // replicas + 1
 
-    def need(self, params: np.ndarray | float, stashed: np.ndarray | float, in_flight: int, versions: int | None = None):
+    def need(self, params: np.ndarray | float, stashed: np.ndarray | float, in_flight: int, versions: int | None = None,
+             recompute: np.ndarray | float | None = None):
         """Bytes one worker needs: weight versions (under 1F1B as many as minibatches in flight),
         gradient and optimizer state, plus stashed activations (the sum of `terms`)."""
-        return sum(self.terms(params, stashed, in_flight, versions).values())
+        return sum(self.terms(params, stashed, in_flight, versions, recompute).values())
 
-    def terms(self, params, stashed, in_flight: int, versions: int | None = None) -> dict:
+    def terms(self, params, stashed, in_flight: int, versions: int | None = None, recompute=None) -> dict:
         """`need` by term: `weights` (its fp32 versions: the master weights), `gradients`,
         `optimizer` (its state), `activations` (what the minibatches in flight stash) and, in
         mixed precision, `compute copies` (the bf16/fp16 weights autocast makes in each forward,
-        which its backward keeps)."""
-        terms = {"weights": params * (in_flight if versions is None else versions), "gradients": params,
-                 "optimizer": params * self.optimizer_slots, "activations": in_flight * stashed}
+        which its backward keeps).
+
+        `recompute` (the stage's input bytes) says the stage recomputes its forward during the
+        backward (`pd plan --recompute`): each minibatch in flight then stashes only its input,
+        and the one whose backward runs holds its whole set again (and its compute copy) while it does."""
+        versions = in_flight if versions is None else versions
+        held = in_flight if recompute is None else 1
+        activations = in_flight * stashed if recompute is None else (in_flight - 1) * recompute + stashed
+        terms = {"weights": params * versions, "gradients": params, "optimizer": params * self.optimizer_slots,
+                 "activations": activations}
         if self.copies:
-            terms["compute copies"] = params * self.copies * in_flight
+            terms["compute copies"] = params * self.copies * held
         return terms
 
     def per_worker(self, plan: "Plan", result: "SimResult") -> dict[int, int]:
         """Bytes each worker (plan rank) needs for the schedule a simulation ran: its peak weight
         versions and minibatches in flight, as that mode and group hold them (the planner's own
         counts are 1F1B's)."""
-        return {rank: int(self.need(stage.param_bytes, stage.activation_bytes, result.peak_in_flight[rank],
-                                    result.peak_versions[rank]))
+        return {rank: int(sum(self.stage_terms(stage, result.peak_in_flight[rank], result.peak_versions[rank]).values()))
                 for stage in plan.stages for rank in stage.ranks}
+
+    def stage_terms(self, stage, in_flight: int, versions: int) -> dict:
+        """`terms` of a worker of plan stage `stage` (recomputing as the plan says)."""
+        return self.terms(stage.param_bytes, stage.activation_bytes, in_flight, versions,
+                          stage.in_bytes if stage.recompute else None)
 
 
 class CostModel:

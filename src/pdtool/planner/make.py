@@ -44,7 +44,8 @@ FINALISTS = 3
 
 def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool", straight: bool = False,
               mode: str | None = None, optimizer_slots: int = 1, command: str = "", simulate: bool = True,
-              data_parallel: bool = False, profile_file: str | None = None, say=lambda message: None) -> Plan:
+              data_parallel: bool = False, profile_file: str | None = None, recompute: str = "auto",
+              say=lambda message: None) -> Plan:
     """Run PipeDream's optimizer on `profile` for `cluster` and describe the result as a Plan.
 
     Trainability is decided here, not by the workers: the stages only cut where the model can
@@ -52,7 +53,9 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     mode that trains them. `mode` None means `pipedream`, or `2bw` when stages share a parameter
     (`say` is told why); a mode given explicitly that cannot train the plan is a `PlanError`.
     `data_parallel` allows no cut: one stage replicated on every worker (the baseline, as a plan).
-    `command` and `profile_file` (the profile's file name) are the plan's provenance.
+    `command` and `profile_file` (the profile's file name) are the plan's provenance. `recompute`
+    (`artifacts.plan.RECOMPUTE`) says which stages recompute their forward in the backward: with `auto`
+    those that fit the cluster's memory only so.
 
     With `simulate` (what `pd plan` does), the dynamic program's candidates (its best plan for
     each number of workers it may use, and data parallelism) are run through the simulator,
@@ -78,10 +81,12 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     states = _splittable(build_states(costs, followers=not model.exact_workers and memory is None), profile, say)
     if data_parallel:
         states = states.restricted(lambda mask: False)
-    solver = Solver(states, counts, bandwidths, model, straight=straight, memory=memory, every_worker=data_parallel)
+    solver = Solver(states, counts, bandwidths, model, straight=straight, memory=memory, every_worker=data_parallel,
+                    recompute=recompute)
     pipelines = solver.candidates(CANDIDATES) if simulate else [solver.solve()]
     if not pipelines or pipelines[0] is None:
-        raise PlanError(_no_plan_reason(profile, costs, states, counts, bandwidths, model, straight, memory, cluster))
+        raise PlanError(_no_plan_reason(profile, costs, states, counts, bandwidths, model, straight, memory, cluster,
+                                        recompute))
     describe = lambda pipeline, s: _as_plan(pipeline, s, profile, cluster, costs, model, memory,  # noqa: E731
                                             optimizer_slots, cost_model, straight, mode, command, profile_file)
     plans = [describe(p, solver) for p in pipelines]
@@ -89,9 +94,9 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
         return _trainable(plans[0], mode, say)
     ranking = cluster.workers <= RANKED_WORKERS
     if ranking and not straight and not data_parallel:  # straight pipelines: the cost model undervalues them most
-        lined = Solver(states, counts, bandwidths, model, straight=True, memory=memory)
+        lined = Solver(states, counts, bandwidths, model, straight=True, memory=memory, recompute=recompute)
         plans += [describe(p, lined) for p in lined.candidates(CANDIDATES) if p is not None]
-    dp_solver = None if data_parallel else _data_parallel_solver(states, counts, bandwidths, model, memory)
+    dp_solver = None if data_parallel else _data_parallel_solver(states, counts, bandwidths, model, memory, recompute)
     dp = dp_solver.solve() if dp_solver is not None else None
     baseline = describe(dp, dp_solver) if dp is not None else None
     if ranking and baseline is not None and not straight:
@@ -132,9 +137,11 @@ def _ranked(plans: list[Plan], workers: int) -> list[Plan]:
     return finalists + ranked[FINALISTS:]
 
 
-def _data_parallel_solver(states: States, counts, bandwidths, model: CostModel, memory: Memory | None) -> Solver:
+def _data_parallel_solver(states: States, counts, bandwidths, model: CostModel, memory: Memory | None,
+                          recompute: str = "none") -> Solver:
     """The solver whose only plan is one stage of all layers on every worker."""
-    return Solver(states.restricted(lambda mask: False), counts, bandwidths, model, memory=memory, every_worker=True)
+    return Solver(states.restricted(lambda mask: False), counts, bandwidths, model, memory=memory, every_worker=True,
+                  recompute=recompute)
 
 
 def _data_parallel_excess(profile, costs, states, counts, bandwidths, model, memory, optimizer_slots) -> int | None:
@@ -263,7 +270,8 @@ def _describe(pipeline: Pipeline, profile: Profile, costs: ChainCosts, model: Co
             charge = True if not last_in_pipeline else bool(np.asarray(final).reshape(-1)[stage.end]
                                                              if np.ndim(final) else final)
             members = list(stage.layers)
-            unit = stage.inner.time if stage.inner is not None else float(costs.compute[members].sum())
+            unit = stage.inner.time if stage.inner is not None else float(
+                costs.compute[members].sum() + (costs.forwards[members].sum() if stage.recompute else 0.0))
             terms = model.terms(unit, float(costs.params[members].sum()),
                                 float(cut[stage.start]), float(cut[stage.end]), stage.replicas,
                                 solver.bandwidths[p.level], size, index == 0, charge)
@@ -291,7 +299,8 @@ def _leaf(stage: PipelineStage, terms: dict, outer: int, ranks: list[int], profi
     before = sum(s.replicas for s in earlier)
     k = Memory.in_flight(solver.workers, before, len(ranks))
     a, b = stage.start, stage.end
-    need = memory.need(float(solver.params[a, b]), float(solver.stashed[a, b]), k)
+    need = memory.need(float(solver.params[a, b]), float(solver.stashed[a, b]), k,
+                       recompute=float(solver.states.cut[a]) if stage.recompute else None)
     layers = [profile.layers[i] for i in stage.layers]
     params = sum(l.param_bytes for l in layers)
     share = params / profile.param_bytes if profile.param_bytes else 0.0
@@ -300,11 +309,12 @@ def _leaf(stage: PipelineStage, terms: dict, outer: int, ranks: list[int], profi
                      int(solver.states.cut[a]), int(solver.states.cut[b]), int(solver.stashed[a, b]),
                      *_term_ms(terms, outer), int(round(need)),
                      update_ms=profile.update_ms * share, data_ms=profile.data_ms if not earlier else 0.0,
-                     wgrad_ms=sum(l.weight_gradient_ms for l in layers), reduce_ms=profile.reduce_ms * share)
+                     wgrad_ms=sum(l.weight_gradient_ms for l in layers), reduce_ms=profile.reduce_ms * share,
+                     recompute=stage.recompute)
 
 
 def _no_plan_reason(profile: Profile, costs: ChainCosts, states: States, counts, bandwidths, model, straight, memory,
-                    cluster) -> str:
+                    cluster, recompute: str = "none") -> str:
     """Why no plan exists: name the stage that does not fit and by how much, when memory is why."""
     if memory is not None:
         solver = Solver(states, counts, bandwidths, model, straight=straight)
@@ -317,7 +327,9 @@ def _no_plan_reason(profile: Profile, costs: ChainCosts, states: States, counts,
             return (f"no plan fits in {format_bytes(memory.limit)} per worker: the fastest plan's stage {worst_index} "
                     f"(layers {compact_ranges(worst.layers)}, {worst.first_name}..{worst.last_name}) needs "
                     f"{worst.memory_bytes / 2**30:.3f} GiB per worker, {over / 2**30:.3f} GiB over, and no other "
-                    "partition fits either; raise --memory, add workers or profile a smaller batch")
+                    "partition fits either" + (" (even recomputing activations)" if recompute != "none" else "")
+                    + "; raise --memory, add workers" + (", recompute (--recompute auto)" if recompute == "none" else "")
+                    + " or profile a smaller batch")
     if model.exact_workers:
         return (f"the pipedream cost model uses exactly every worker and no partition of {len(profile.layers)} layers "
                 f"does on {cluster.workers} workers{' with --straight' if straight else ''}; "

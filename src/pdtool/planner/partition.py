@@ -39,7 +39,7 @@ from math import prod
 import numpy as np
 
 from .costmodel import ChainCosts, CostModel, Memory
-from ..artifacts.plan import LayerSet
+from ..artifacts.plan import RECOMPUTE, LayerSet
 from ..errors import PlanError
 from .states import States, build_states
 
@@ -65,6 +65,7 @@ class PipelineStage(LayerSet):
     time: float
     units_before: int
     inner: "Pipeline | None" = None
+    recompute: bool = False  # recomputes its forward during the backward (worker level only)
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,16 @@ class Solver:
     ready-made `States`. `counts`/`bandwidths` describe the levels innermost first (bandwidth
     in bytes/s). `straight` forbids replication. `memory` (optional) prunes stages that do
     not fit. `every_worker` uses every unit of every level (the pipedream cost model always does).
+    `recompute` (`RECOMPUTE`) says which stages recompute their forward during the backward: `none`,
+    `all`, or `auto`: those that fit the memory limit only so (`costmodel` module doc); a stage of
+    the answer says whether it does (`PipelineStage.recompute`).
     """
 
     def __init__(self, costs: ChainCosts | States, counts: list[int], bandwidths: list[float], model: CostModel,
-                 straight: bool = False, memory: Memory | None = None, every_worker: bool = False):
+                 straight: bool = False, memory: Memory | None = None, every_worker: bool = False,
+                 recompute: str = "none"):
+        if recompute not in RECOMPUTE:
+            raise PlanError(f"unknown --recompute {recompute!r}; use one of {', '.join(RECOMPUTE)}")
         if not counts or min(counts) < 1:
             raise PlanError(f"every cluster level needs at least one unit, got counts {counts}")
         self.exact = every_worker or model.exact_workers
@@ -109,6 +116,12 @@ class Solver:
         self.params = states.stage_sums(states.params)
         self.stashed = states.stage_sums(states.acts) + states.cut[:, None]
         self.compute = states.stage_sums(states.compute, empty=INF)  # +inf: no such stage
+        self.recompute = recompute
+        self.again = None  # a recomputing stage's compute: its forward runs twice
+        if recompute != "none":
+            self.again = self.compute + states.stage_sums(states.forward if states.forward is not None
+                                                          else np.zeros(self.S))
+        self._recomputing: dict[tuple, np.ndarray | bool] = {}  # per stage key: a matrix, or one answer for all
         self.final = model.final_charge(self.S)
         self._params_sorted = states.params_sorted
         self._tables: dict[tuple[int, Context | None], np.ndarray] = {}
@@ -152,8 +165,7 @@ class Solver:
 
     def _stage(self, level: int, context: Context | None, r: int, before: int, first: bool, final: bool) -> np.ndarray:
         """Matrix of stage times for every (k, j) as one stage of r units after `before` units."""
-        memory_key = before if self.memory else 0
-        key = (level, context, r, memory_key, first, final)
+        key = self._stage_key(level, context, r, before, first, final)
         if key not in self._stages:
             inner_context = None
             if self.memory:
@@ -163,13 +175,43 @@ class Solver:
             charge = self.final if final else True
             times = self.model.stage_times(self.states.cut, unit, self.params, r, self.bandwidths[level],
                                            self.inner[level], first, charge)
-            if self.memory and level == 0:
-                outer_before, outer = context
-                k = Memory.in_flight(self.workers, outer_before + outer * before, outer * r)
-                fits = self.memory.need(self.params, self.stashed, k) <= self.memory.limit
-                times = np.where(fits, times, INF)
+            if level == 0:
+                times = self._with_recomputation(key, times, context, r, before, first, charge)
             self._stages[key] = times
         return self._stages[key]
+
+    def _stage_key(self, level: int, context: Context | None, r: int, before: int, first: bool, final: bool) -> tuple:
+        return (level, context, r, before if self.memory else 0, first, final)
+
+    def _with_recomputation(self, key, times, context, r, before, first, charge) -> np.ndarray:
+        """Worker-level stage times with the memory limit and `recompute` applied: +inf where a
+        stage does not fit; the recomputing time where it recomputes (recorded under `key`)."""
+        def again():
+            return self.model.stage_times(self.states.cut, self.again, self.params, r, self.bandwidths[0],
+                                          self.inner[0], first, charge)
+
+        if not self.memory:
+            self._recomputing[key] = self.recompute == "all"
+            return again() if self.recompute == "all" else times
+        outer_before, outer = context
+        k = Memory.in_flight(self.workers, outer_before + outer * before, outer * r)
+        fits = self.memory.need(self.params, self.stashed, k) <= self.memory.limit
+        recomputing = False
+        if self.recompute != "none":
+            fits_again = self.memory.need(self.params, self.stashed, k, recompute=self.states.cut[:, None]) \
+                <= self.memory.limit
+            recomputing = fits_again if self.recompute == "all" else fits_again & ~fits
+            times = np.where(recomputing, again(), times)
+            fits = fits_again if self.recompute == "all" else fits | fits_again
+        self._recomputing[key] = recomputing
+        return np.where(fits, times, INF)
+
+    def recomputes(self, level: int, context: Context | None, r: int, before: int, first: bool, final: bool,
+                   k: int, j: int) -> bool:
+        """Whether the worker-level stage (k, j) recomputes in that place of the pipeline."""
+        self._stage(level, context, r, before, first, final)
+        recomputing = self._recomputing[self._stage_key(level, context, r, before, first, final)]
+        return bool(recomputing if np.ndim(recomputing) == 0 else recomputing[k, j])
 
     def _replica_choices(self, m: int) -> range:
         return range(1, min(2, m)) if self.straight else range(1, m)
@@ -302,7 +344,8 @@ class Solver:
                     outer_before, outer = context
                     inner_context = (outer_before + outer * (m - r) * self.inner[level], outer * r)
                 inner = self._reconstruct(level - 1, inner_context, k, j)
-            stages.append(PipelineStage(k, j, self.states.layers(k, j), r, float(time), m - r, inner))
+            recompute = level == 0 and self.recomputes(level, context, r, m - r, k == a, table is T, k, j)
+            stages.append(PipelineStage(k, j, self.states.layers(k, j), r, float(time), m - r, inner, recompute))
             if k == a:
                 break
             table, choices, j, m = F, choice_F, k, m - r

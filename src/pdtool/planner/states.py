@@ -67,6 +67,7 @@ class States:
     acts: np.ndarray
     cut: np.ndarray
     subset: np.ndarray
+    forward: np.ndarray | None = None  # per-state totals of the layers' forward seconds (recomputation's cost)
 
     def __len__(self) -> int:
         return len(self.masks)
@@ -89,7 +90,8 @@ class States:
         rows = [s for s, mask in enumerate(self.masks) if s in (0, last) or keep(mask)]
         return States(space=self.space, n=self.n, masks=tuple(self.masks[s] for s in rows),
                       compute=self.compute[rows], params=self.params[rows], acts=self.acts[rows],
-                      cut=self.cut[rows], subset=self.subset[np.ix_(rows, rows)])
+                      cut=self.cut[rows], subset=self.subset[np.ix_(rows, rows)],
+                      forward=None if self.forward is None else self.forward[rows])
 
     def stage_sums(self, totals: np.ndarray, empty: float = 0.0) -> np.ndarray:
         """Matrix `S[k, j]` = totals[j] - totals[k] where state k is a strict subset of state j
@@ -121,7 +123,8 @@ def build_states(costs: ChainCosts, max_states: int = MAX_STATES, followers: boo
         consumed_outside[:, src] = bits[:, src] & ~bits[:, dsts].all(axis=1)
     return States(space=DOWN_SETS, n=n, masks=tuple(masks), compute=compute[order],
                   params=_totals(bits, costs.params), acts=_totals(bits, costs.acts),
-                  cut=_totals(consumed_outside, costs.acts), subset=_strict_subsets(masks, n))
+                  cut=_totals(consumed_outside, costs.acts), subset=_strict_subsets(masks, n),
+                  forward=_totals(bits, costs.forwards))
 
 
 def prefix_states(costs: ChainCosts, space: str = PREFIXES) -> States:
@@ -134,7 +137,7 @@ def prefix_states(costs: ChainCosts, space: str = PREFIXES) -> States:
 
     return States(space=space, n=n, masks=tuple((1 << k) - 1 for k in range(n + 1)), compute=prefix(costs.compute),
                   params=prefix(costs.params), acts=prefix(costs.acts), cut=np.concatenate([[0.0], costs.cut]),
-                  subset=np.triu(np.ones((n + 1, n + 1), dtype=bool), 1))
+                  subset=np.triu(np.ones((n + 1, n + 1), dtype=bool), 1), forward=prefix(costs.forwards))
 
 
 # ----- pieces ----------------------------------------------------------------------------------

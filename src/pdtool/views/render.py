@@ -196,11 +196,13 @@ def _ms(value: float) -> str:
 
 
 def _stage_label(index: int, stage: PlanStage, plan: Plan, is_bottleneck: bool) -> str:
-    """'stage S: layers a-b, R replicas (ranks ...), T ms', plus the bottleneck mark."""
+    """'stage S: layers a-b, R replicas (ranks ...), T ms', plus the recomputation and bottleneck marks."""
     replicas = f"{stage.replicas} replica{'s' if stage.replicas != 1 else ''}"
     rank_word = "ranks" if stage.replicas != 1 else "rank"
     label = (f"stage {index}: layers {compact_ranges(stage.layers)}, {replicas} ({rank_word} {compact_ranges(stage.ranks)}), "
              f"{_ms(stage.time_ms)} ms\\l")
+    if stage.recompute:
+        label += "recomputes its activations (keeps only its input per minibatch in flight)\\l"
     if is_bottleneck:
         label += f"BOTTLENECK: {plan.predicted.bottleneck}\\l"
     for name, stages in plan.shared:

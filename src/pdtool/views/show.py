@@ -57,6 +57,7 @@ def profile_table(profile: Profile, top: int = 15) -> str:
 def plan_table(plan: Plan) -> str:
     """Per-stage table of a plan (layers, replicas, ranks, times, memory) and its predictions."""
     pred = plan.predicted
+    recomputing = any(s.recompute for s in plan.stages)
     rows = []
     for index, s in enumerate(plan.stages):
         rows.append({
@@ -71,6 +72,7 @@ def plan_table(plan: Plan) -> str:
             "time ms": s.time_ms,
             "in flight": s.in_flight,
             "memory GiB": s.memory_bytes / 2**30,
+            **({"recompute": "yes" if s.recompute else "no"} if recomputing else {}),
             "": "<- bottleneck" if pred.bottleneck.startswith(f"stage {index} ") else "",
         })
     table = pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.3f}")
@@ -82,6 +84,8 @@ def plan_table(plan: Plan) -> str:
         f"batch {plan.profile.batch_size}, {plan.profile.layers} layers ({plan.profile.method})",
         *[f"tied         {name} is used by stages {', '.join(map(str, stages))}: each holds a copy, and the copies' "
           "gradients are added before every step" for name, stages in plan.shared],
+        *(["recompute    a stage marked so runs its forward again before each backward: a minibatch in flight "
+           "keeps only its input (its compute ms counts the forward twice)"] if recomputing else []),
         "",
         table,
     ]

@@ -3,7 +3,7 @@ minibatch beside the plan's predictions, with the reasons for a gap. Pure: no to
 from __future__ import annotations
 
 from ..artifacts.plan import Plan
-from ..prediction import expected_ms, gap_reasons, memory_gap, planned_memory
+from ..prediction import expected_ms, gap_reasons, measured_beyond, memory_gap, planned_memory
 from ..units import format_bytes
 from ..runtime.run import RunConfig, resolved
 
@@ -85,4 +85,4 @@ def memory_lines(result, plan: Plan, config: RunConfig) -> list[str]:
 
 
 def _beyond(report) -> int:
-    return report.memory["peak"] - report.memory["base"]
+    return measured_beyond(report.memory)

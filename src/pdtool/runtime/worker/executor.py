@@ -66,7 +66,7 @@ class StageWorker:
     def __init__(self, stage, schedule: Schedule, replica: int, optimizer: OptimizerConfig,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, seed: int = 0, first: int = 0,
                  no_decay: frozenset[str] = frozenset(), model_parameters: int | None = None,
-                 precision: str = "fp32"):
+                 precision: str = "fp32", recompute: bool = False):
         self.stage = stage
         self.seed, self.first = seed, first
         self.index = stage.index
@@ -80,6 +80,7 @@ class StageWorker:
         self.live = [p for _, p in stage.module.named_parameters()]
         self.recipe = optimizer
         self.precision = precision
+        self.recompute = recompute
         self.loss_scale = optim.LossScale(optimizer.initial_loss_scale) if precision == "fp16" else None
         self.unscaled = False  # this step's gradients were divided by the loss scale already
         # fp16: the last stage seeds each backward with scale / (minibatches per step), as one process scales
@@ -115,7 +116,9 @@ class StageWorker:
         self.current = 0          # version of the live weights
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.peak_versions = 0    # most stashed versions held at once (live weights not counted)
-        self.stash: dict[int, tuple[dict, Any, int, dict]] = {}  # minibatch -> (input leaves, outputs, version, weights)
+        # minibatch -> (input leaves, outputs, version, weights); recomputing, (inputs, target, version, weights)
+        self.stash: dict[int, tuple[dict, Any, int, dict]] = {}
+        self._unchanged: dict[int, dict[str, int]] = {}  # recomputing: each stashed input's version counter
         self.split: dict[int, tuple[Any, int]] = {}  # minibatch -> (what its W needs, version) between B and W
         self.parameter_nodes = ParameterNodes()  # zb, zb2: the live weights' gradient accumulators, found once
         self.backwards = 0        # backwards since the last step
@@ -162,32 +165,59 @@ class StageWorker:
     # ----- actions -------------------------------------------------------------------------
     def forward(self, b: int, inputs: dict[str, torch.Tensor], target: Any = None):
         """Forward of minibatch b on its version; returns the outputs to send (detached),
-        or on the last stage the loss (a float)."""
+        or on the last stage the loss (a float). A stage that recomputes runs it without
+        recording anything for the backward and stashes only its inputs (and target)."""
         v = self.version_of[("F", b)]
         params = self._version(v)
-        self._seed_random(b)
-        # stage 0's inputs are data: no gradient is sent anywhere, so none is computed
-        wants_grad = self.index > 0
-        leaves = {k: (t.detach().requires_grad_(True) if wants_grad and t.is_floating_point() else t)
-                  for k, t in inputs.items()}
-        device = next(iter(leaves.values())).device if leaves else torch.device("cpu")
-        with torch.enable_grad(), autocast(device, self.precision):
-            if self._is_live(v):  # the module as it is (no parameter swap)
-                outputs = self.stage.module(leaves)
-            else:
-                outputs = functional_call(self.stage.module, params, (leaves,))
-            if self.last:
-                outputs = self.loss_fn(outputs["output"], target)
-            else:  # messages travel in the compute dtype (the cast is part of the graph: its gradient comes back so)
-                outputs = {k: o.to(message_dtype(o.dtype, self.precision)) if isinstance(o, torch.Tensor) else o
-                           for k, o in outputs.items()}
+        if self.recompute:
+            with torch.no_grad():
+                outputs = self._run(b, inputs, target, v, params)
+            self.stash[b] = (inputs, target, v, params)
+            self._unchanged[b] = {k: t._version for k, t in inputs.items() if isinstance(t, torch.Tensor)}
+        else:
+            # stage 0's inputs are data: no gradient is sent anywhere, so none is computed
+            wants_grad = self.index > 0
+            leaves = {k: (t.detach().requires_grad_(True) if wants_grad and t.is_floating_point() else t)
+                      for k, t in inputs.items()}
+            with torch.enable_grad():
+                outputs = self._run(b, leaves, target, v, params)
+            self.stash[b] = (leaves, outputs, v, params)
         self._used(v)
-        self.stash[b] = (leaves, outputs, v, params)
         if self.last:
             loss = float(outputs.detach())
             self.losses[b] = loss
             return loss
         return {k: o.detach() for k, o in outputs.items()}
+
+    def _run(self, b: int, leaves: dict, target: Any, v: int, params: dict):
+        """The stage's computation of minibatch b on version v (`params`) under the run's precision,
+        with b's random numbers: its outputs in the message dtype, or on the last stage the loss."""
+        self._seed_random(b)
+        device = next(iter(leaves.values())).device if leaves else torch.device("cpu")
+        with autocast(device, self.precision):
+            if not params or next(iter(params.values())) is self.live[0]:
+                outputs = self.stage.module(leaves)  # the live weights: the module as it is (no parameter swap)
+            else:
+                outputs = functional_call(self.stage.module, params, (leaves,))
+            if self.last:
+                return self.loss_fn(outputs["output"], target)
+            # messages travel in the compute dtype (the cast is part of the graph: its gradient comes back so)
+            return {k: o.to(message_dtype(o.dtype, self.precision)) if isinstance(o, torch.Tensor) else o
+                    for k, o in outputs.items()}
+
+    def _recomputed(self, b: int) -> tuple[dict, Any, int, dict]:
+        """A recomputing stage's stash entry of minibatch b made whole again: its forward run once
+        more, recording the graph, on the same inputs, weight version and random numbers."""
+        inputs, target, v, params = self.stash.pop(b)
+        if any(inputs[k]._version != version for k, version in self._unchanged.pop(b).items()):
+            raise LaunchError(f"worker {self.rank}: stage {self.index} changed its input in place during the forward "
+                              f"of minibatch {b}, so its forward cannot be recomputed; plan it with --recompute none "
+                              "or make the first operation on the input out of place")
+        wants_grad = self.index > 0
+        leaves = {k: (t.detach().requires_grad_(True) if wants_grad and t.is_floating_point() else t)
+                  for k, t in inputs.items()}
+        with torch.enable_grad():
+            return leaves, self._run(b, leaves, target, v, params), v, params
 
     def _seed_random(self, b: int) -> None:
         """Seed torch's CPU generator, and the current GPU's once CUDA is in use, for the forward of
@@ -205,7 +235,7 @@ class StageWorker:
         `weight_backward(b)` does that later."""
         if weights is None:
             weights = ("W", b) not in self.version_of
-        leaves, outputs, v, params = self.stash.pop(b)
+        leaves, outputs, v, params = self._recomputed(b) if self.recompute else self.stash.pop(b)
         if self.version_of[("B", b)] != v:
             raise LaunchError(f"worker {self.rank}: minibatch {b} ran forward on version {v} but the schedule "
                               f"puts its backward on version {self.version_of[('B', b)]}")

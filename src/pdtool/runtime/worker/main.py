@@ -55,13 +55,14 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
     publish = peers.publisher(store, rank) if config.live else None
     context = Context(built.schedule, ops, built.specs, _on_device(built.batch, device), collectives, link, saver,
                       built.first, config.progress, plan.profile.batch_size, norm, publish)
+    startup_peak = memory.training_starts(device)
     try:
         report = Interpreter(worker, context).run()
     except peers.PeerTimeout as silent:
         silent.store = silent.store or store  # where the silent peer's process is published (peers.stop_silent)
         raise
     report.startup = startup
-    return _end(config, report, worker, link, memory.measure(worker, device, base))
+    return _end(config, report, worker, link, memory.measure(worker, device, base, startup_peak))
 
 
 def _environment(config: RunConfig) -> tuple[int, int, Placement]:
@@ -94,6 +95,7 @@ class _Built:
     no_decay: frozenset = frozenset()  # whole-model names without weight decay (`worker.optim.no_decay`)
     model_parameters: int = 0          # the whole model's parameter count (the clipping budget's share)
     precision: str = "fp32"            # what the stage computes in and its messages travel in (`pdtool.precision`)
+    recompute: bool = False            # the plan's stage recomputes its forward in each backward
 
 
 def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _Built:
@@ -120,7 +122,8 @@ def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _B
     specs = [[BoundaryTensor(name, tuple(shape), message_dtype(getattr(torch, dtype), precision))
               for name, shape, dtype in boundary] for boundary in capture.specs]
     return _Built(stage_index, replica, stage, capture, schedule, bundle.loss_fn, first, batch, specs,
-                  optim.no_decay(bundle.module), sum(p.numel() for p in bundle.module.parameters()), precision)
+                  optim.no_decay(bundle.module), sum(p.numel() for p in bundle.module.parameters()), precision,
+                  plan.stages[stage_index].recompute)
 
 
 def _capture_here(plan: Plan, bundle, source, config: RunConfig, on_meta: bool):
@@ -188,7 +191,8 @@ def _stage_worker(config: RunConfig, built: _Built, device: torch.device):
     if last and isinstance(loss_fn, torch.nn.Module):
         loss_fn.to(device)  # e.g. class weights
     worker = StageWorker(stage, built.schedule, built.replica, config.recipe, loss_fn if last else None,
-                         config.seed, built.first, built.no_decay, built.model_parameters, built.precision)
+                         config.seed, built.first, built.no_decay, built.model_parameters, built.precision,
+                         built.recompute)
     if config.resume:
         from .shards import restore
 

@@ -47,17 +47,37 @@ def start(device: torch.device) -> int:
     return in_use(device)
 
 
-def measure(worker, device: torch.device, base: int) -> dict[str, int]:
-    """`base`, `peak`, and the peak beyond `base` by term (`TERMS`), for a `StageWorker` whose run
-    is done: its weights and the most versions it stashed, one gradient per parameter (as every
-    backward has), its optimizer's state tensors; `activations` is what remains of the peak."""
+def training_starts(device: torch.device) -> int:
+    """The peak so far (start-up's: building the stage, joining the group), and the peak counter
+    reset, so that `measure` sees the peak of training alone (CPU: writing 5 to
+    /proc/self/clear_refs resets VmHWM, Linux 4.0 and later; where it cannot, the peak stays the
+    whole process's)."""
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+    peak = peak_resident_bytes()
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass
+    return peak
+
+
+def measure(worker, device: torch.device, base: int, startup: int = 0) -> dict[str, int]:
+    """`base`, `peak` (the whole process's), `training` (the peak since `training_starts`, which
+    returned `startup`, start-up's peak) and training's peak beyond `base` by term (`TERMS`), for a
+    `StageWorker` whose run is done: its weights and the most versions it stashed, one gradient per
+    parameter (as every backward has), its optimizer's state tensors; `activations` is what
+    remains of the peak."""
+    if device.type == "cuda":
+        training = torch.cuda.max_memory_allocated(device)
     else:
-        peak = peak_resident_bytes()
+        training = peak_resident_bytes()
     params = sum(p.numel() * p.element_size() for p in worker.live)
     state = worker.optimizer.state.values() if worker.optimizer is not None else ()
     optimizer = sum(t.numel() * t.element_size() for entry in state for t in entry.values() if torch.is_tensor(t))
     exact = {"weights": params * (1 + worker.peak_versions), "gradients": params, "optimizer": optimizer}
-    rest = max(peak - base - sum(exact.values()), 0)
-    return {"base": base, "peak": peak, **exact, "activations": rest}
+    rest = max(training - base - sum(exact.values()), 0)
+    return {"base": base, "peak": max(training, startup), "training": training, **exact, "activations": rest}
