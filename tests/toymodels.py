@@ -241,3 +241,12 @@ CALLABLE = _Callable()  # callable, but not a function: not a factory
 def not_an_optimizer(param_groups, lr):
     """An --optimizer factory that returns something else (the launcher refuses it)."""
     return param_groups
+
+
+@pdtool.factory
+def dropout_classifier(hidden=32, dropout=0.5):
+    """A classifier of the digits (64 features, 10 classes) with dropout after each hidden layer:
+    what it scores in eval mode differs from training mode."""
+    model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, hidden), nn.ReLU(),
+                          nn.Dropout(dropout), nn.Linear(hidden, 10))
+    return model, (lambda n: (torch.randn(n, 64), torch.randint(0, 10, (n,)))), F.cross_entropy

@@ -449,14 +449,17 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
                    "under any plan) or factory (every process builds the whole model with the factory's own values).")
 @click.option("--verbose", "-v", is_flag=True, help="Show the launcher's log and a failing worker's traceback.")
 @click.option("--evaluate", is_flag=True,
-              help="After training, report top-1 accuracy and the mean loss on the data set's held-out split (digits' test "
-                   "split, or a factory's dataset for train=False).")
+              help="After training, run the data set's held-out split (digits' test split, or a factory's dataset for "
+                   "train=False) through the pipeline and report its mean loss and top-1 accuracy.")
+@click.option("--eval-every", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Every N steps, drain the pipeline and run the held-out split through it (forward only, eval mode): "
+                   "its loss and accuracy go to the progress output, --metrics and --tensorboard.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
 def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimizer, lr, momentum, betas, eps, weight_decay,
           lr_schedule, warmup_steps, min_lr, lr_decay_steps, precision, clip_grad_norm, checkpoint_dir,
           checkpoint_every, resume, init_from, max_restarts, metrics_path, tensorboard_dir, trace_path, timeout_s, startup_timeout_s, threads, nnodes, node_rank, nproc_per_node,
           master_addr, master_port, rdzv_endpoint, rdzv_id, iface, device, transport, launcher, init, verbose, evaluate,
-          quiet):
+          eval_every, quiet):
     """Train a plan on torch.distributed workers (gloo on CPU, NCCL on GPUs), one process per rank.
 
     Every worker builds its stage from the model the plan names, checks the plan against the
@@ -471,7 +474,7 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
 
     where = place(detect(launcher))  # None: pd train starts the workers itself
     if where is not None:
-        _refuse_local_options(where.launcher, transport, evaluate)
+        _refuse_local_options(where.launcher, transport)
     reporter = where is None or where.rank == 0  # the process that writes the outputs and prints the summary
     if init_from and resume:
         raise click.UsageError("--init-from starts a run from pretrained weights and --resume continues one from its "
@@ -497,7 +500,7 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
                        optimizer=recipe, precision=precision, timeout_s=timeout_s,
                        startup_timeout_s=startup_timeout_s,
                        threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                       progress=not quiet, return_weights=evaluate, device=device, transport=transport,
+                       progress=not quiet, evaluate=evaluate, eval_every=eval_every, device=device, transport=transport,
                        model=model_spec, init=init, init_from=os.path.abspath(init_from) if init_from else None,
                        metrics=os.path.abspath(metrics_path) if metrics_path and where is None else None,
                        tensorboard=os.path.abspath(tensorboard_dir) if tensorboard_dir else None)
@@ -506,12 +509,6 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
 
         if importlib.util.find_spec("tensorboard") is None:  # torch.utils.tensorboard writes with it
             raise click.UsageError("--tensorboard needs the tensorboard package: pip install tensorboard")
-    if evaluate:
-        from .model.data import held_out
-
-        if held_out(data) is None:
-            raise click.UsageError("--evaluate needs a data set with a held-out split: --data digits, or a factory "
-                                   "that takes train=False")
     from .model.spec import local_origin
     from .runtime.launcher.train import train as run_training
 
@@ -543,11 +540,13 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     for line in train_summary(result, plan, config, shared):
         click.echo(line)
     if evaluate:
-        from .model.data import held_out_accuracy
-
-        scored = held_out_accuracy(result.weights(), plan.profile.model, config.data, config.seed, config.model)
-        click.echo(f"held-out accuracy: {scored[0]:.1%} of {scored[1]} samples, loss {scored[2]:.4f}" if scored else
-                   "accuracy: not measured here (the stages' weights are on other machines)")
+        evals = result.evals
+        if evals:
+            held_loss, accuracy, samples = evals[max(evals)][:3]
+            click.echo((f"held-out accuracy: {accuracy:.1%} of {samples} samples, " if accuracy is not None else
+                        f"held-out: {samples} samples, ") + f"loss {held_loss:.4f}")
+        else:
+            click.echo("held-out: not measured here (the last stage runs on another machine)")
     for label, path in (("checkpoints", checkpoint_dir), ("metrics", metrics_path), ("trace", trace_path)):
         if path:
             click.echo(f"{label}: {path}", err=True)
@@ -558,7 +557,7 @@ _LOCAL_LAUNCHER = ("nnodes", "node_rank", "nproc_per_node", "master_addr", "mast
 """pd train's options that only its own launcher uses (a cluster's launcher places the workers itself)."""
 
 
-def _refuse_local_options(launcher: str, transport: str, evaluate: bool) -> None:
+def _refuse_local_options(launcher: str, transport: str) -> None:
     """Usage errors for what a worker started by torchrun or srun cannot do."""
     ctx = click.get_current_context()
     given = [name for name in _LOCAL_LAUNCHER
@@ -569,9 +568,6 @@ def _refuse_local_options(launcher: str, transport: str, evaluate: bool) -> None
     if transport == "shared-memory":
         raise click.UsageError(f"--transport shared-memory needs pd train's own launcher (it removes the rings of "
                                f"workers that die); under {launcher} the workers talk through the process group")
-    if evaluate:
-        raise click.UsageError(f"--evaluate is not supported under {launcher}: every stage's weights stay in its own "
-                               "worker (the final checkpoint holds them all)")
 
 
 @cli.command(name="export", short_help="write a checkpoint as safetensors -> DIR",

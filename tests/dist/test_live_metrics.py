@@ -31,7 +31,7 @@ def test_metric_rows_appear_during_the_run_and_equal_the_final_file(tmp_path):
         watcher.join()
     assert any(0 < rows < 200 for rows in seen), seen  # rows while the workers were still training
     rows = live.read_text().splitlines()
-    assert len(rows) == 201 and rows[0].startswith("step,minibatches,loss,samples_per_s,lr,grad_norm,busy_rank0")
+    assert len(rows) == 201 and rows[0].startswith("step,minibatches,loss,samples_per_s,lr,grad_norm,eval_loss,eval_accuracy,busy_rank0")
     final = tmp_path / "final.csv"
     write_metrics(str(final), result)
     assert final.read_text().splitlines() == rows

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import PdtoolError
-from .spec import ModelBundle, file_model, resolve_factory
+from .spec import ModelBundle, resolve_factory
 
 DIGITS_TRAIN_SIZE = 1437
 """The digits train set is the first 1437 of the 1797 samples; the test set the last 360."""
@@ -283,26 +283,6 @@ def digits(train: bool = True, image: bool = False) -> torch.utils.data.TensorDa
     if image:
         pixels = pixels.reshape(-1, 1, 8, 8)
     return torch.utils.data.TensorDataset(pixels, torch.from_numpy(labels[part].astype(np.int64)))
-
-
-def held_out_accuracy(weights: dict[str, torch.Tensor], model_ref: dict, data: str, seed: int,
-                      spec: str | None = None) -> tuple[float, int, float] | None:
-    """Top-1 accuracy on the held-out split of `data`, its size and the mean loss (the model's own
-    loss function, over its samples) of the model that `model_ref`
-    (a plan's; `spec`: the user's own, pd train -m) builds, holding `weights` (by qualified name);
-    None when the data set has no held-out split or `weights` lack a parameter (its stage ran on
-    another machine)."""
-    dataset = held_out(data)
-    if dataset is None:
-        return None
-    torch.manual_seed(seed)
-    bundle = file_model(model_ref, spec)
-    module = bundle.module
-    if {name for name, _ in module.named_parameters()} - set(weights):
-        return None
-    module.load_state_dict(weights, strict=False)
-    accuracy, loss = score(module, dataset, bundle.loss_fn)
-    return accuracy, len(dataset), loss
 
 
 def evaluate(module: torch.nn.Module, data: Any, batch_size: int = 256) -> float:

@@ -60,6 +60,9 @@ class RunConfig:
     precision: str | None = None     # pd train --precision: fp32, bf16 or fp16 (None: the plan's profile's)
     metrics: str | None = None       # pd train --metrics: the CSV the launcher writes as the run goes (launcher.live)
     tensorboard: str | None = None   # pd train --tensorboard: the folder of its TensorBoard events
+    eval_every: int | None = None    # pd train --eval-every: steps between evaluations through the pipeline
+    evaluate: bool = False           # pd train --evaluate: an evaluation through the pipeline at the end
+    eval_batches: int = 0            # held-out minibatches a round (the launcher counts them: `worker.evaluation`)
 
     @property
     def live(self) -> bool:
@@ -92,15 +95,16 @@ class WorkerReport:
     step_memory: list[tuple[float, int]] = field(default_factory=list)  # (end of each step, bytes in use then)
     step_log: list[tuple] = field(default_factory=list)  # (end, lr, norm clipped at or None, whole model's?, skipped?)
     startup: dict[str, float] = field(default_factory=dict)  # epoch times: began, built (its stage), joined (the group)
+    evals: list[tuple] = field(default_factory=list)  # last stage: (step, loss, accuracy or None, samples, began, end)
 
 
 def make_schedule(plan: Plan, config: RunConfig) -> Schedule:
     """The schedule the plan runs: its mode (or --mode), config.steps steps of stage 0, its
-    pipeline drained at every periodic checkpoint (`checkpoint_drain`)."""
+    pipeline drained at every periodic checkpoint and evaluation (`drain_every`)."""
     run = resolved(plan, config)
     replicas = [s.replicas for s in plan.stages]
     return generate(run.name, replicas, config.steps * run.per_step, run.group,
-                    drain_every=checkpoint_drain(run, replicas, config))
+                    drain_every=drain_every(run, replicas, config))
 
 
 def resolved(plan: Plan, config: RunConfig) -> Run:
@@ -110,9 +114,39 @@ def resolved(plan: Plan, config: RunConfig) -> Run:
 
 def checked_run(plan: Plan, config: RunConfig) -> Run:
     """The run's settings (`resolved`), after making its schedule for one drain's worth of steps
-    (cheap): a mode, group or --checkpoint-every that cannot run is refused here, in one line."""
-    make_schedule(plan, dataclasses.replace(config, steps=max(config.checkpoint_every, 1)))
+    (cheap): a mode, group, --checkpoint-every or --eval-every that cannot run is refused here, in one line."""
+    make_schedule(plan, dataclasses.replace(config, steps=max(config.checkpoint_every, config.eval_every or 0, 1)))
     return resolved(plan, config)
+
+
+def eval_steps(config: RunConfig, per_step: int) -> tuple[int, ...]:
+    """The steps (counted over the whole training, as the metrics do) after which the run
+    evaluates through the pipeline (`evaluation_points`)."""
+    if not (config.eval_every or config.evaluate) or not config.eval_batches:
+        return ()
+    return tuple(config.first_step + p // per_step
+                 for p in evaluation_points(config.steps * per_step, per_step, config.eval_every, config.evaluate))
+
+
+def evaluation_points(minibatches: int, per_step: int, every: int | None, at_end: bool) -> tuple[int, ...]:
+    """The minibatches of a run after which it evaluates through the pipeline (`worker.evaluation`):
+    every `every` steps of `per_step` minibatches (None: never) and, with `at_end`, after the last."""
+    found = list(range(every * per_step, minibatches + 1, every * per_step)) if every else []
+    if at_end and minibatches not in found:
+        found.append(minibatches)
+    return tuple(found)
+
+
+def drain_every(run: Run, replicas: list[int], config: RunConfig) -> int | None:
+    """Minibatches between the points where the run's schedule drains the pipeline: its periodic
+    checkpoints (`checkpoint_drain`) and its evaluations through the pipeline (`--eval-every N`:
+    every N steps; the same rule on N), both when given (every multiple of their gcd)."""
+    drains = [d for d in (checkpoint_drain(run, replicas, config), _eval_drain(run, replicas, config)) if d]
+    return math.gcd(*drains) if drains else None
+
+
+def _eval_drain(run: Run, replicas: list[int], config: RunConfig) -> int | None:
+    return _drain(run, replicas, "--eval-every", config.eval_every, "an evaluation must")
 
 
 def checkpoint_drain(run: Run, replicas: list[int], config: RunConfig) -> int | None:
@@ -122,16 +156,23 @@ def checkpoint_drain(run: Run, replicas: list[int], config: RunConfig) -> int | 
     nothing after, and a run resumed from it with the same K is the uninterrupted run, bit for
     bit. In the modes that step a replicated stage once per round of its r_s replicas (pipedream,
     vsync), K * per_step must be a multiple of every r_s (a one-line LaunchError says which K do)."""
-    if not (config.checkpoint_dir and config.checkpoint_every):
+    return _drain(run, replicas, "--checkpoint-every", config.checkpoint_every if config.checkpoint_dir else 0,
+                  "a checkpoint that resumes exactly must")
+
+
+def _drain(run: Run, replicas: list[int], option: str, steps: int | None, what: str) -> int | None:
+    """Minibatches of `steps` steps of stage 0 (None for none), where a drain falls between two
+    steps of every stage (`checkpoint_unit`); else a one-line LaunchError naming the `option`
+    values that do."""
+    if not steps:
         return None
     unit = checkpoint_unit(run.name, replicas, run.per_step)
-    if config.checkpoint_every % unit:
+    if steps % unit:
         raise LaunchError(
-            f"--checkpoint-every {config.checkpoint_every}: in mode {run.name} the stages, replicated "
-            f"{'-'.join(map(str, replicas))}, step once per round of their replicas, so a checkpoint that resumes "
-            f"exactly must fall after a multiple of {math.lcm(*replicas)} minibatches ({unit} steps); use "
-            f"--checkpoint-every {unit * -(-config.checkpoint_every // unit)}")
-    return config.checkpoint_every * run.per_step
+            f"{option} {steps}: in mode {run.name} the stages, replicated {'-'.join(map(str, replicas))}, step once "
+            f"per round of their replicas, so {what} fall after a multiple of {math.lcm(*replicas)} minibatches "
+            f"({unit} steps); use {option} {unit * -(-steps // unit)}")
+    return steps * run.per_step
 
 
 def place(plan: Plan, rank: int) -> tuple[int, int]:

@@ -58,7 +58,7 @@ class Op:
     at: int = 0  # index of the schedule action (F, B or U) this op belongs to, in the worker's list
 
     def __str__(self) -> str:
-        if self.kind in COMPUTE:
+        if self.kind in COMPUTE or self.kind == "E":  # E: a held-out minibatch's forward (`runtime.worker.evaluation`)
             return f"{self.stage}{self.kind}{self.minibatch}"
         if self.kind in ("send", "recv"):
             return f"{self.kind}{'>' if self.kind == 'send' else '<'}{self.peer}"

@@ -7,7 +7,7 @@ import math
 from ..jsonio import write_text_atomic
 
 
-COLUMNS = ("step", "minibatches", "loss", "samples_per_s", "lr", "grad_norm")
+COLUMNS = ("step", "minibatches", "loss", "samples_per_s", "lr", "grad_norm", "eval_loss", "eval_accuracy")
 
 
 def write_metrics(path: str, result) -> None:
@@ -25,10 +25,12 @@ def metric_rows(result, start: int = 0, known: dict[int, float] | None = None):
     share of that step's wall time it spent computing (busy; the rest is idle or waiting), and per
     worker the memory it held (MB: its resident set, or on a GPU what torch allocated there) at the
     end of its own step nearest in time to the end of this one (empty for a worker that never
-    stepped). `values` holds the named columns as numbers. While a run goes on (`known`: per rank,
-    the time up to which its work is known), the rows stop at the first step not yet known on
-    every worker."""
-    losses, finished = result.losses, result.finished
+    stepped). `eval_loss` and `eval_accuracy` are the held-out split's, on the rows of the steps after
+    which the run evaluated through the pipeline (`--eval-every`, `--evaluate`; else empty). `values`
+    holds the named columns as numbers. While a run goes on (`known`: per rank, the time up to which
+    its work is known), the rows stop at the first step not yet known on every worker, or whose
+    evaluation has not ended."""
+    losses, finished, evals = result.losses, result.finished, result.evals
     ranks = sorted(result.reports)
     batch = result.plan.profile.batch_size
     previous = min((began for r in result.reports.values() for _, began, _ in r.events), default=0.0)
@@ -37,7 +39,9 @@ def metric_rows(result, start: int = 0, known: dict[int, float] | None = None):
         if not all(b in finished and b in losses for b in ids):
             return
         end = max(finished[b] for b in ids)
-        if known is not None and (any(known.get(r, 0.0) < end for r in ranks) or not _stepped(result, k)):
+        step = result.first_step + k + 1
+        if known is not None and (any(known.get(r, 0.0) < end for r in ranks) or not _stepped(result, k)
+                                  or (step in result.eval_steps and step not in evals)):
             return
         window = max(end - previous, 1e-9)
         if k >= start:
@@ -46,13 +50,15 @@ def metric_rows(result, start: int = 0, known: dict[int, float] | None = None):
                     for r in ranks]
             held = [_held(result.reports[r].step_memory, end) for r in ranks]
             lr, norm = _recipe(result, k)
-            values = {"step": result.first_step + k + 1, "loss": loss, "samples_per_s": batch * len(ids) / window,
-                      "lr": lr, "grad_norm": norm}
-            yield (",".join([str(result.first_step + k + 1), str(len(ids)), f"{loss:.6g}",
-                             f"{values['samples_per_s']:.6g}", f"{lr:.6g}", "" if norm is None else f"{norm:.6g}"]
+            held_loss, accuracy = evals[step][:2] if step in evals else (None, None)
+            values = {"step": step, "loss": loss, "samples_per_s": batch * len(ids) / window,
+                      "lr": lr, "grad_norm": norm, "eval_loss": held_loss, "eval_accuracy": accuracy}
+            yield (",".join([str(step), str(len(ids)), f"{loss:.6g}", f"{values['samples_per_s']:.6g}", f"{lr:.6g}"]
+                            + ["" if values[name] is None else f"{values[name]:.6g}"
+                               for name in ("grad_norm", "eval_loss", "eval_accuracy")]
                             + [f"{x:.4f}" for x in busy]
                             + ["" if x is None else f"{x / 1e6:.1f}" for x in held]), values)
-        previous = end
+        previous = max(end, evals[step][4]) if step in evals else end  # an evaluation's time is not the next step's
 
 
 def _stepped(result, k: int) -> bool:

@@ -1,7 +1,8 @@
 """`pd plot`: the curves of a `pd train --metrics` CSV as a picture (matplotlib, when installed).
 
-One panel per column, against the step, sharing the step axis: by default the loss, and the
-learning rate and the gradient norm where the run recorded them. It reads a file that a run is
+One panel per column, against the step, sharing the step axis: by default the loss (with the
+held-out loss of `--eval-every` as points on it), and the held-out accuracy, the learning rate
+and the gradient norm where the run recorded them. It reads a file that a run is
 still writing (the rows so far), so it also draws a run in progress.
 """
 from __future__ import annotations
@@ -12,7 +13,8 @@ from ..errors import PdtoolError
 from ..jsonio import write_bytes_atomic
 
 FORMATS = (".png", ".svg", ".pdf")
-DEFAULT = ("loss", "lr", "grad_norm")
+DEFAULT = ("loss", "eval_accuracy", "lr", "grad_norm")
+SPARSE = ("eval_loss", "eval_accuracy")  # columns with values on the evaluated steps only: drawn as points
 
 
 def plot_metrics(path: str, output: str, columns: tuple[str, ...] | None = None) -> list[str]:
@@ -47,7 +49,10 @@ def plot_metrics(path: str, output: str, columns: tuple[str, ...] | None = None)
 
     figure, axes = plt.subplots(len(wanted), 1, sharex=True, figsize=(7, 2.2 * len(wanted) + 0.6), squeeze=False)
     for axis, column in zip(axes[:, 0], wanted):
-        axis.plot(frame["step"], frame[column], linewidth=1.2)
+        _draw(axis, frame, column)
+        if column == "loss" and "eval_loss" in frame.columns and frame["eval_loss"].notna().any():
+            _draw(axis, frame, "eval_loss")
+            axis.legend(["training", "held-out"], fontsize=8)
         axis.set_ylabel(column)
         axis.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
@@ -58,3 +63,12 @@ def plot_metrics(path: str, output: str, columns: tuple[str, ...] | None = None)
     plt.close(figure)
     write_bytes_atomic(output, buffer.getvalue())
     return list(wanted)
+
+
+def _draw(axis, frame, column: str) -> None:
+    """One column against the step: a line, or points for a column of the evaluated steps only."""
+    if column in SPARSE:
+        held = frame[["step", column]].dropna()
+        axis.plot(held["step"], held[column], marker="o", linewidth=1.0)
+    else:
+        axis.plot(frame["step"], frame[column], linewidth=1.2)

@@ -128,7 +128,7 @@ def train(where: Place, plan, config, *, epochs: int | None = None, resume: bool
     from .. import peers
     from .session import TrainResult
     from ..worker.main import worker_main
-    from ..run import check_world
+    from ..run import check_world, eval_steps
 
     ending = Ending(where.rank)
     ending.answer_signals()
@@ -162,7 +162,8 @@ def train(where: Place, plan, config, *, epochs: int | None = None, resume: bool
     finally:
         if folder is not None:
             folder.close()
-    return TrainResult(plan, reports, wall_s, config.first_step, config.steps, per_step), job
+    return TrainResult(plan, reports, wall_s, config.first_step, config.steps, per_step,
+                       eval_steps(config, per_step)), job
 
 
 def _use_interface(where: Place, named: str | None) -> None:

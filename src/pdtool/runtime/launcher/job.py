@@ -60,6 +60,7 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
 
         check_optimizer(config.optimizer)
     check_memory(plan, config)
+    config = dataclasses.replace(config, eval_batches=held_out_batches(plan, config))
     if epochs:
         per_step = checked_run(plan, config).per_step
         config = dataclasses.replace(config, steps=steps_for_epochs(epochs, checked.batches_per_epoch, per_step))
@@ -81,6 +82,27 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
         warn("--transport shared-memory needs CPU workers on x86 and a writable /dev/shm, which this machine's "
              "workers lack: their messages go through the process group")
     return Job(config, checked, local, cores, on_cpu)
+
+
+def held_out_batches(plan: Plan, config: RunConfig) -> int:
+    """Minibatches of the held-out split a run evaluates on through the pipeline (`--eval-every`,
+    `--evaluate`; 0 without): whole minibatches of the plan's size, the rest left out. A data set
+    without a held-out split, or with less than one minibatch of it, is refused here in one line."""
+    if not (config.eval_every or config.evaluate):
+        return 0
+    from ...model.data import held_out
+
+    option = "--eval-every" if config.eval_every else "--evaluate"
+    dataset = held_out(config.data)
+    if dataset is None:
+        raise LaunchError(f"{option} needs a data set with a held-out split: --data digits, or a factory that takes "
+                          "train=False")
+    batches = len(dataset) // plan.profile.batch_size
+    if batches == 0:
+        raise LaunchError(f"{option}: the held-out split of {config.data} has {len(dataset)} samples, fewer than one "
+                          f"minibatch of {plan.profile.batch_size} (the plan's); the pipeline evaluates whole "
+                          "minibatches: give a larger split or profile a smaller batch")
+    return batches
 
 
 def check_memory(plan: Plan, config: RunConfig) -> None:

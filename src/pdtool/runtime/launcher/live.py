@@ -19,7 +19,7 @@ import threading
 from ...artifacts.plan import Plan
 from ...views.metrics import header, metric_rows
 from ..peers import LIVE_KEY as KEY
-from ..run import RunConfig, WorkerReport
+from ..run import RunConfig, WorkerReport, eval_steps
 
 POLL_S = 0.5
 
@@ -34,7 +34,7 @@ class LiveMetrics(threading.Thread):
         from .session import TrainResult  # what metric_rows reads, filled as the records arrive
 
         self.result = TrainResult(plan, {r: WorkerReport(rank=r, stage=s, replica=i) for r, (s, i) in places.items()},
-                                  0.0, config.first_step, config.steps, per_step)
+                                  0.0, config.first_step, config.steps, per_step, eval_steps(config, per_step))
         self.next = dict.fromkeys(places, 0)
         self.known = dict.fromkeys(places, 0.0)
         self.rows = 0
@@ -87,6 +87,9 @@ class LiveMetrics(threading.Thread):
                 for name in ("loss", "lr", "grad_norm", "samples_per_s"):
                     if values[name] is not None:
                         self.board.add_scalar(f"train/{name}", values[name], values["step"])
+                for name in ("eval_loss", "eval_accuracy"):
+                    if values.get(name) is not None:
+                        self.board.add_scalar(f"eval/{name[5:]}", values[name], values["step"])
                 self.board.flush()
 
     def _add(self, rank: int, record: dict) -> None:
@@ -96,5 +99,6 @@ class LiveMetrics(threading.Thread):
         report.step_log.extend(tuple(entry) for entry in record["log"])
         report.losses.update({int(b): loss for b, loss in record["losses"].items()})
         report.finished.update({int(b): t for b, t in record["finished"].items()})
+        report.evals.extend(tuple(entry) for entry in record.get("evals", ()))
         ends = [e for _, e in record["events"]] + [entry[0] for entry in record["log"]]
         self.known[rank] = float("inf") if record["done"] else max([self.known[rank]] + ends)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ...artifacts.plan import Plan
 from ...errors import Interrupted, LaunchError
-from ..run import RunConfig, WorkerReport
+from ..run import RunConfig, WorkerReport, eval_steps
 from .launch import Nodes, launch
 from .manifests import ManifestWriter
 from .resume import kept, plan_sha256, restart_point, settle
@@ -27,6 +27,12 @@ class TrainResult:
     first_step: int
     steps: int
     per_step: int
+    eval_steps: tuple[int, ...] = ()  # the steps after which the run evaluates through the pipeline
+
+    @property
+    def evals(self) -> dict[int, tuple]:
+        """Step -> (held-out loss, accuracy or None, samples, began, end) of every evaluation round."""
+        return {e[0]: tuple(e[1:]) for r in self.reports.values() for e in r.evals}
 
     @property
     def losses(self) -> dict[int, float]:
@@ -55,6 +61,8 @@ class TrainResult:
             return None
         k = max(rounds // 2, 1) * here
         span = times[-1] - times[-1 - k]
+        # an evaluation round between those completions is not training time (its drain is)
+        span -= sum(end - began for _, _, _, began, end in self.evals.values() if times[-1 - k] <= began <= times[-1])
         return span / k * here / self.plan.stages[-1].replicas * 1000 if span > 0 else None
 
 
@@ -112,6 +120,7 @@ def _run_from(config: RunConfig, plan: Plan, per_step: int, nodes: Nodes, verbos
             writer.stop()
     if writer is not None and writer.error is not None:  # e.g. a full disk after the workers' last shard
         raise writer.error
-    return TrainResult(plan, reports, time.perf_counter() - began, config.first_step, config.steps, per_step)
+    return TrainResult(plan, reports, time.perf_counter() - began, config.first_step, config.steps, per_step,
+                       eval_steps(config, per_step))
 
 

@@ -189,6 +189,31 @@ class StageWorker:
             return loss
         return {k: o.detach() for k, o in outputs.items()}
 
+    def evaluate(self, inputs: dict[str, torch.Tensor], target: Any = None):
+        """A held-out minibatch through this stage on the live weights, in eval mode and without
+        gradients (`worker.evaluation`): the outputs to send on, or on the last stage (loss,
+        correct predictions or None, predictions, samples)."""
+        module = self.stage.module
+        training = module.training
+        device = next(iter(inputs.values())).device if inputs else torch.device("cpu")
+        module.eval()
+        try:
+            with torch.no_grad(), autocast(device, self.precision):
+                outputs = module(inputs)
+                if not self.last:
+                    return {k: o.to(message_dtype(o.dtype, self.precision)) if isinstance(o, torch.Tensor) else o
+                            for k, o in outputs.items()}
+                output = outputs["output"]
+                loss = float(self.loss_fn(output, target))
+        finally:
+            module.train(training)
+        samples = target.shape[0] if isinstance(target, torch.Tensor) and target.dim() else 1
+        logits = getattr(output, "logits", output)  # a Hugging Face ModelOutput carries its logits
+        if (isinstance(target, torch.Tensor) and isinstance(logits, torch.Tensor) and not target.is_floating_point()
+                and logits.shape[:-1] == target.shape):
+            return loss, int((logits.argmax(dim=-1) == target).sum()), target.numel(), samples
+        return loss, None, 0, samples
+
     def _run(self, b: int, leaves: dict, target: Any, v: int, params: dict):
         """The stage's computation of minibatch b on version v (`params`) under the run's precision,
         with b's random numbers: its outputs in the message dtype, or on the last stage the loss."""

@@ -24,6 +24,7 @@ from ..device import synchronizer
 from ..run import WorkerReport, minibatches_per_step
 from . import memory
 from .comm import BoundaryTensor, Link, Prefetch, incoming_specs
+from .evaluation import Evaluation, Scores
 from .executor import StageWorker
 
 
@@ -36,7 +37,8 @@ class Context:
     whether it shows the progress line (`show_progress`, of `batch_size` samples a minibatch), and
     `norm`, which measures the whole model's gradient norm across the stages (`--clip-grad-norm`
     in the modes whose stages step together; None: the worker clips on its own or not at all), and
-    `publish`, which sends the launcher what each of its steps adds to the report (live metrics)."""
+    `publish`, which sends the launcher what each of its steps adds to the report (live metrics), and
+    its `evaluation` (with stage 0's `held_out` minibatches), the rounds of `E` ops among its ops."""
 
     schedule: Schedule
     ops: tuple[Op, ...]
@@ -50,6 +52,8 @@ class Context:
     batch_size: int
     norm: Callable[[StageWorker], float] | None = None  # the whole model's gradient norm, where stages step together
     publish: Callable[[dict], None] | None = None  # live metrics: sends what each step adds (`launcher.live`)
+    evaluation: Evaluation | None = None  # where the run evaluates through the pipeline (`worker.evaluation`)
+    held_out: Callable[[int], tuple] | None = None  # stage 0: held-out minibatch -> (inputs, target) on the device
 
 
 class Interpreter:
@@ -75,10 +79,12 @@ class Interpreter:
         self.outbox: dict[tuple[int, int], list] = {}  # (direction, minibatch) -> tensors to send
         self.prefetch = Prefetch(context.ops, context.link.window)
         self.step_began = 0.0
-        self.sent = (0, 0, set(), set())  # published so far: events, steps, losses, finished minibatches
+        self.sent = (0, 0, set(), set(), 0)  # published so far: events, steps, losses, finished minibatches, evals
         self.at = 0  # index of the op being run
         self.kinds = {"recv": self.recv, "send": self.send, "F": self.forward, "B": self.backward,
-                      "W": self.weight_backward, "allreduce": self.allreduce, "tie": self.tie, "step": self.step}
+                      "W": self.weight_backward, "allreduce": self.allreduce, "tie": self.tie, "step": self.step,
+                      "E": self.evaluate}
+        self.scores: Scores | None = None  # the last stage's sums of the evaluation round under way
 
     def run(self) -> WorkerReport:
         """Execute the ops in order; the report once the last message is sent."""
@@ -127,6 +133,36 @@ class Interpreter:
             self.diverged(b, out)
         if not self.last:
             self.outbox[(ACTIVATION, b)] = [out[t.name] for t in specs[s]] + [target]
+
+    def evaluate(self, op: Op) -> None:
+        """E: a held-out minibatch through this stage (`worker.evaluation`); the last stage adds up
+        the round's loss and accuracy and, after its last minibatch, reports the round."""
+        evaluation, s, specs = self.context.evaluation, self.s, self.context.specs
+        r, i = evaluation.round_of(op.minibatch)
+        if s == 0:
+            inputs, target = self.context.held_out(i)
+            values = dict(zip(self.worker.stage.inputs, inputs))
+        else:
+            received = self.inbox.pop((ACTIVATION, op.minibatch))
+            values = {t.name: x for t, x in zip(specs[s - 1], received)}
+            target = received[-1]
+        began = self.clock()
+        out = self.worker.evaluate(values, target)
+        self.report.events.append((f"{s}E{i}", began, self.clock()))
+        if not self.last:
+            self.outbox[(ACTIVATION, op.minibatch)] = [out[t.name] for t in specs[s]] + [target]
+            return
+        if i == 0:
+            self.scores = Scores()
+            self.scores.began = began
+        self.scores.add(*out)
+        if i == evaluation.batches - 1:
+            loss, accuracy, samples = self.scores.result()
+            step = self.context.first // minibatches_per_step(self.context.schedule) + \
+                evaluation.points[r] // minibatches_per_step(self.context.schedule)
+            self.report.evals.append((step, loss, accuracy, samples, self.scores.began, self.clock()))
+            if self.progress is not None:
+                self.progress.evaluated(step, loss, accuracy, samples)
 
     def diverged(self, b: int, loss: float) -> None:
         first = self.context.first
@@ -185,13 +221,15 @@ class Interpreter:
     def publish(self, done: bool) -> None:
         """What the report gained since the last call, to the launcher's live metrics."""
         report, first = self.report, self.context.first
-        events, steps, losses, finished = self.sent
+        events, steps, losses, finished, evals = self.sent
         fresh = {first + b: loss for b, loss in self.worker.losses.items() if first + b not in losses}
         ended = {b: t for b, t in report.finished.items() if b not in finished}
         self.context.publish({
             "events": [(s, e) for _, s, e in report.events[events:]], "memory": report.step_memory[steps:],
-            "log": report.step_log[steps:], "losses": fresh, "finished": ended, "done": done})
-        self.sent = (len(report.events), len(report.step_log), losses | set(fresh), finished | set(ended))
+            "log": report.step_log[steps:], "losses": fresh, "finished": ended, "evals": report.evals[evals:],
+            "done": done})
+        self.sent = (len(report.events), len(report.step_log), losses | set(fresh), finished | set(ended),
+                     len(report.evals))
 
     def finish(self) -> WorkerReport:
         """Wait for the last sends; the losses, busy and wall time into the report."""
@@ -236,6 +274,13 @@ class _TrainProgress:
             sys.stderr.write(f"\r\033[K{text}" if self.tty else text + "\n")
             sys.stderr.flush()
             self.last = now
+
+    def evaluated(self, step: int, loss: float, accuracy: float | None, samples: int) -> None:
+        """A line of its own for an evaluation round's result."""
+        text = (f"step {step}: held-out loss {loss:.4f}" + (f", accuracy {accuracy:.1%}" if accuracy is not None else "")
+                + f" ({samples} samples)")
+        sys.stderr.write(f"\r\033[K{text}\n" if self.tty else text + "\n")
+        sys.stderr.flush()
 
     def close(self) -> None:
         if self.tty:

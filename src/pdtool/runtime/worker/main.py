@@ -25,7 +25,7 @@ from ...schedule import Schedule, lower, stash_depth
 from ...schedule.lower import Lowered, collective_key
 from .comm import BoundaryTensor, Link, layout, link_groups, message_specs
 from .. import peers
-from . import memory, optim, shm, tied
+from . import evaluation, memory, optim, shm, tied
 from ..device import Placement, choose
 from .executor import StageWorker
 from .interpreter import Context, Interpreter
@@ -54,7 +54,9 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
     worker, saver = _stage_worker(config, built, device)
     publish = peers.publisher(store, rank) if config.live else None
     context = Context(built.schedule, ops, built.specs, _on_device(built.batch, device), collectives, link, saver,
-                      built.first, config.progress, plan.profile.batch_size, norm, publish)
+                      built.first, config.progress, plan.profile.batch_size, norm, publish, built.evaluation,
+                      _on_device(built.evaluation.source.batch, device)
+                      if built.evaluation is not None and built.evaluation.source is not None else None)
     startup_peak = memory.training_starts(device)
     try:
         report = Interpreter(worker, context).run()
@@ -96,6 +98,7 @@ class _Built:
     model_parameters: int = 0          # the whole model's parameter count (the clipping budget's share)
     precision: str = "fp32"            # what the stage computes in and its messages travel in (`pdtool.precision`)
     recompute: bool = False            # the plan's stage recomputes its forward in each backward
+    evaluation: object | None = None   # where the run evaluates through the pipeline (`worker.evaluation`)
 
 
 def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _Built:
@@ -123,7 +126,21 @@ def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _B
               for name, shape, dtype in boundary] for boundary in capture.specs]
     return _Built(stage_index, replica, stage, capture, schedule, bundle.loss_fn, first, batch, specs,
                   optim.no_decay(bundle.module), sum(p.numel() for p in bundle.module.parameters()), precision,
-                  plan.stages[stage_index].recompute)
+                  plan.stages[stage_index].recompute, _evaluation(config, plan, schedule, bundle, stage_index))
+
+
+def _evaluation(config: RunConfig, plan: Plan, schedule, bundle, stage_index: int):
+    """Where this run evaluates through the pipeline (None: nowhere); stage 0 reads the held-out split."""
+    if not (config.eval_every or config.evaluate) or not config.eval_batches:
+        return None
+    found = evaluation.points(schedule.minibatches, minibatches_per_step(schedule), config.eval_every,
+                              config.evaluate)
+    source = None
+    if stage_index == 0:
+        from ...model.data import dataset_source, held_out
+
+        source = dataset_source(held_out(config.data), plan.profile.batch_size, config.seed, name="the held-out split")
+    return evaluation.Evaluation(found, config.eval_batches, schedule.minibatches, source)
 
 
 def _capture_here(plan: Plan, bundle, source, config: RunConfig, on_meta: bool):
@@ -154,6 +171,12 @@ def _connect(config: RunConfig, plan: Plan, built: _Built, rank: int, device: to
     ranks = [r for st in plan.stages for r in st.ranks]  # stage-major, as the schedule numbers its workers
     lowered = lower(built.schedule, tied.sets(built.capture.stages), ranks)
     ops = lowered.workers[lowered.index(rank)]
+    if built.evaluation is not None:
+        s = built.stage_index
+        ops = evaluation.with_evaluations(ops, s, built.replica, len(plan.stages),
+                                          plan.stages[s - 1].ranks[0] if s > 0 else None,
+                                          plan.stages[s + 1].ranks[0] if s + 1 < len(plan.stages) else None,
+                                          built.evaluation)
     groups = {s: dist.new_group(list(st.ranks)) for s, st in enumerate(plan.stages) if st.replicas > 1}
     norm = _whole_norm(config, built, plan, device)
     links = link_groups(lowered, rank)
