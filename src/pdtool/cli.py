@@ -213,6 +213,12 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
                "layer(s) carrying an identical earlier one's figures")
         click.echo(f"wrote {output}: {len(result.layers)} layers ({result.method}), step {result.step_ms:.3f} ms, "
                    f"{how}", err=True)
+        noisy = [layer.name for layer in result.layers if layer.noisy]
+        if noisy:
+            click.echo(f"pd: warning: the repeats of {_count(len(noisy), 'layer')} kept disagreeing after being measured "
+                       f"again (spread over a quarter of the median): {', '.join(noisy[:5])}"
+                       + (f" and {len(noisy) - 5} more" if len(noisy) > 5 else "")
+                       + "; something else used the machine: profile again when it is quiet", err=True)
 
 
 @cli.command(short_help="partition it over a cluster -> PLAN.json",

@@ -29,24 +29,34 @@ def gap_reasons(measured_ms: float, predicted_ms: float, plan: Plan, threads: in
                 cores: int, on_cpu: bool) -> list[str]:
     """Why the measured time per minibatch is more than `GAP` times off the prediction, from what
     pdtool knows (none when it is not): cores shared by the workers, a profile measured with
-    other threads than the workers have, a profile whose layer times do not add up to a step."""
+    other threads than the workers have, a profile whose layer times do not add up to a step; each
+    only where it points the way the measurement went."""
     if not (measured_ms > 0 and predicted_ms > 0) or 1 / GAP <= measured_ms / predicted_ms <= GAP:
         return []
     reasons, explained = [], 1.0
+    slow = measured_ms > predicted_ms
+
+    def cite(factor: float, text: str) -> None:
+        """A cause that makes the workers `factor` times slower than predicted, cited only where it
+        points the way the measurement went (a cause of a faster run cannot explain a slower one)."""
+        nonlocal explained
+        if factor != 1.0 and (factor > 1.0) == slow:
+            explained *= factor
+            reasons.append(text)
+
     if on_cpu and threads and local_workers * threads > cores:
-        explained *= local_workers * threads / cores
-        reasons.append(f"{local_workers} workers x {threads} thread(s) share {cores} cores "
-                       f"({local_workers * threads / cores:.1f}x oversubscribed; the prediction gives each worker its own)")
+        cite(local_workers * threads / cores,
+             f"{local_workers} workers x {threads} thread(s) share {cores} cores "
+             f"({local_workers * threads / cores:.1f}x oversubscribed; the prediction gives each worker its own)")
     profiled = re.match(r"cpu \((\d+) threads?\)", plan.profile.device or "")
     if on_cpu and threads and profiled and int(profiled.group(1)) != threads:
-        explained *= max(int(profiled.group(1)) / threads, 1.0)
-        reasons.append(f"the profile was measured with {profiled.group(1)} thread(s), the workers have {threads} "
-                       "(profile with pd profile --threads to match)")
+        cite(int(profiled.group(1)) / threads,
+             f"the profile was measured with {profiled.group(1)} thread(s), the workers have {threads} "
+             "(profile with pd profile --threads to match)")
     ratio = plan.profile.layer_sum_over_step
     if ratio is not None and not 0.8 <= ratio <= 1.25:
-        explained *= 1 / ratio
-        reasons.append(f"the profile's layer times sum to {ratio:.2f} of a measured step, so its costs are off by "
-                       "that much")
+        cite(1 / ratio, f"the profile's layer times sum to {ratio:.2f} of a measured step, so its costs are off by "
+                        "that much")
     rest = measured_ms / predicted_ms / explained
     if not 1 / GAP <= rest <= GAP:
         reasons.append(("about " + f"{rest:.1f}x " if reasons else "") + "outside what pdtool models: the runtime's "

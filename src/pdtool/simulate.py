@@ -229,6 +229,14 @@ def _compute_ms(op: Op, s) -> float:
     return again + s.bwd_ms - (0.0 if op.weights else s.wgrad_ms)
 
 
+def _stashed(stage, held: int) -> int:
+    """Activation bytes a worker of `stage` holds with `held` minibatches in flight: a whole set
+    each, or where the stage recomputes its forward, their inputs and one whole set."""
+    if stage.recompute and held:
+        return (held - 1) * stage.in_bytes + stage.activation_bytes
+    return held * stage.activation_bytes
+
+
 def _message_bytes(op: Op, s) -> int:
     """The bytes of the message a send or recv op of stage `s` moves: activations leave a stage
     at its output and enter at its input; gradients go the other way."""
@@ -373,8 +381,7 @@ class _Run:
         per_minibatch = steady_state_ms(completions, schedule.minibatches, step_group(schedule, 0), tail, first)
         versions = peak_versions(schedule)
         in_flight = {self.ranks[w]: self.peak_held[w] for w in range(workers)}
-        activations = {self.ranks[w]: self.peak_held[w] * plan.stages[s].activation_bytes
-                       for w, (s, _) in enumerate(self.positions)}
+        activations = {self.ranks[w]: _stashed(plan.stages[s], self.peak_held[w]) for w, (s, _) in enumerate(self.positions)}
         return SimResult(
             mode=schedule.mode, minibatches=schedule.minibatches, group=schedule.group, makespan_ms=makespan,
             time_per_minibatch_ms=per_minibatch,

@@ -193,3 +193,29 @@ def test_all_reduce_work_of_a_large_model_is_timed_on_a_sample_and_scaled_to_all
     monkeypatch.setattr(timing, "REDUCE_SAMPLE_BYTES", 10 ** 9)
     assert timing.measure_reduce(model, repeats=3, warmup=1, clock=clock) == pytest.approx(1.0)
     assert timing.measure_reduce(nn.ReLU(), repeats=3, warmup=1, clock=clock) == 0.0
+
+
+def test_a_layer_whose_repeats_disagree_is_measured_again_until_they_agree():
+    """A clock that makes the first 5 forwards jump between 1 and 9 ms, then settles at 1 ms: the
+    layer is measured again, 5 rounds at a time, until the quartiles of all its repeats agree
+    (10 repeats still spread 1-7 ms; 15 do not), and the median of all is the settled time."""
+    import torch
+
+    from pdtool.profiler.fx_measure import time_layer
+
+    forwards = iter([1, 9, 1, 9, 9] + [1] * 100)
+    ticks = {"now": 0.0, "calls": 0}
+
+    def clock():  # start, middle (after the forward), end (after the backward) of each round
+        phase = ticks["calls"] % 3
+        ticks["calls"] += 1
+        if phase == 1:
+            ticks["now"] += next(forwards) / 1000
+        elif phase == 2:
+            ticks["now"] += 0.002
+        return ticks["now"]
+
+    x = torch.randn(4, 8)
+    cost = time_layer(torch.nn.Linear(8, 8), (x,), {}, torch.zeros(4, 8), {id(x)}, repeats=5, warmup=0, clock=clock)
+    assert ticks["calls"] == 3 * 15  # the first 5 rounds, then twice 5 more
+    assert cost.fwd_ms == pytest.approx(1.0) and cost.fwd_ms_spread == pytest.approx(0.0)

@@ -1,5 +1,6 @@
 """Where the evaluation rounds go among a worker's lowered ops (`runtime.worker.evaluation`)."""
-from pdtool.runtime.worker.evaluation import Evaluation, points, with_evaluations
+from pdtool.runtime.run import evaluation_points as points
+from pdtool.runtime.worker.evaluation import Evaluation, with_evaluations
 from pdtool.schedule import generate, lower
 
 

@@ -86,7 +86,7 @@ def test_torchrun_variables_place_the_process():
 
 
 @pytest.mark.parametrize("option", [["--nnodes", "2"], ["--master-port", "29500"], ["--rdzv-endpoint", "h:1"],
-                                    ["--max-restarts", "1"], ["--transport", "shared-memory"], ["--evaluate"]])
+                                    ["--max-restarts", "1"], ["--transport", "shared-memory"]])  # --evaluate works: through the pipeline
 def test_options_of_the_own_launcher_are_usage_errors_under_srun(option):
     result = CliRunner().invoke(cli, ["train", "never-read.plan.json", *option], env={**SRUN, "SLURM_PROCID": "0"})
     assert result.exit_code == 2 and "under slurm" in result.stderr, result.output

@@ -71,6 +71,17 @@ def test_the_simulator_runs_a_recomputing_stages_forward_again_in_each_backward(
     assert redone.time_per_minibatch_ms == pytest.approx(kept.time_per_minibatch_ms + forward)
 
 
+def test_the_simulator_counts_a_recomputing_stages_stash_as_inputs_and_one_whole_set():
+    profile = chain_profile([3.0] * 4, [1000] * 4, [100] * 4)
+    plan = make_plan(profile, parse_cluster("2x1GB/s"), recompute="none", straight=True, simulate=False)
+    again = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, recompute=True) for s in plan.stages))
+    kept, redone = simulate(plan), simulate(again)
+    first = plan.stages[0]
+    held = kept.peak_in_flight[first.ranks[0]]
+    assert held == 2 and kept.peak_activation_bytes[first.ranks[0]] == 2 * first.activation_bytes
+    assert redone.peak_activation_bytes[first.ranks[0]] == first.in_bytes + first.activation_bytes
+
+
 def test_show_and_the_picture_mark_recomputing_stages():
     profile = Profile.load(GPT)
     plan = make_plan(profile, parse_cluster("4x12GB/s", f"{int(_limits(profile, '4x12GB/s') * 0.4)}B"))

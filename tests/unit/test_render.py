@@ -257,3 +257,15 @@ def test_plans_whose_stages_interleave_are_drawn(seed, tied, tmp_path, capfd):
     titles = [t.text for t in ET.parse(written).iter("{http://www.w3.org/2000/svg}title")]
     assert [t for t in titles if t.startswith("cluster_stage_")] == [f"cluster_stage_{i}" for i in range(len(plan.stages))]
     assert capfd.readouterr().err == ""
+
+
+def test_the_title_gives_the_prediction_pd_show_gives(planned):
+    """One prediction everywhere: the simulated time where the plan has one, the cost model's beside it."""
+    from pdtool.views.render import _ms
+
+    plan, profile = planned
+    pred = dataclasses.replace(plan.predicted, simulated_ms=plan.predicted.time_ms * 1.04)  # as on a T5 plan
+    source = plan_graph(dataclasses.replace(plan, predicted=pred), profile).source
+    assert f"predicted {_ms(pred.simulated_ms)} ms per minibatch (simulated; cost model {_ms(pred.time_ms)} ms)" in source
+    bare = dataclasses.replace(plan, predicted=dataclasses.replace(pred, simulated_ms=None))
+    assert f"predicted {_ms(pred.time_ms)} ms per minibatch, bottleneck" in plan_graph(bare, profile).source

@@ -32,6 +32,20 @@ SPLITS = ("graph", "children", "none")
 GRANULARITIES = ("module", "op")
 
 
+NOISY = 0.25
+"""Interquartile range over median above which a layer's repeats disagree. In the shipped profiles
+(made on a 2-core VM whose speed drifts) 90% of the layers of 0.05 ms or more have a spread of at
+most 0.22 of their median (0.09-0.22 by profile); beyond a quarter, something else ran meanwhile
+for a good part of the repeats, and a median of a few repeats can be off by more than the
+difference between two stage boundaries."""
+NOISY_FLOOR_MS = 0.05  # below this a layer's time moves no boundary, however it jitters
+
+
+def noisy(median_ms: float, spread_ms: float) -> bool:
+    """Whether repeats with this median and interquartile range disagree (`NOISY`)."""
+    return median_ms >= NOISY_FLOOR_MS and spread_ms > NOISY * median_ms
+
+
 @dataclass(frozen=True)
 class ModelRef:
     """How to rebuild the model: a `pkg.module:factory` string and the factory's kwargs."""
@@ -74,6 +88,12 @@ class Layer:
     @property
     def total_ms(self) -> float:
         return self.fwd_ms + self.bwd_ms
+
+    @property
+    def noisy(self) -> bool:
+        """Whether its forward's or backward's repeats disagree (`NOISY`), after `pd profile` measured
+        it again (`profiler.timing.EXTRA_ROUNDS`)."""
+        return noisy(self.fwd_ms, self.fwd_ms_spread) or noisy(self.bwd_ms, self.bwd_ms_spread)
 
     @property
     def weight_gradient_ms(self) -> float:

@@ -109,6 +109,14 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
         baseline = next((p for p in ranked[:FINALISTS] if _key(p) == _key(baseline)), None) or _with_simulation(baseline)
     if not ranking:
         why = f"the cost model's optimum (clusters over {RANKED_WORKERS} workers are not ranked by simulation)"
+        if baseline is not None and not data_parallel and baseline.predicted.simulated_ms < best.predicted.simulated_ms:
+            # never an answer that its own simulation puts behind data parallelism
+            why = (f"data parallelism: the cost model's optimum ({_shape(best)}) simulates slower, "
+                   f"{best.predicted.simulated_ms:.3f} ms per minibatch against {baseline.predicted.simulated_ms:.3f} "
+                   f"(clusters over {RANKED_WORKERS} workers are not ranked by simulation)")
+            ranked, best = [baseline, best], baseline
+        elif baseline is not None and not data_parallel:
+            ranked = [best, baseline]  # both simulated: the candidates compared
     else:
         why = f"fastest of {len(ranked)} candidate plans in simulation" + (
             f"; next: {_shape(ranked[1])}" if len(ranked) > 1 else "")
@@ -117,7 +125,27 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     best = dataclasses.replace(best, predicted=dataclasses.replace(
         best.predicted, candidates=len(ranked), why=why, data_parallel_over_bytes=over,
         simulated_data_parallel_ms=baseline.predicted.simulated_ms if baseline is not None else None))
+    _warn_noisy(profile, best, say)
     return _trainable(best, mode, say)
+
+
+def _warn_noisy(profile: Profile, plan: Plan, say) -> None:
+    """Say which layers whose profiled repeats disagree (`Layer.noisy`) decide the plan: a layer at
+    a stage boundary (the first or last of a stage) or in the bottleneck stage."""
+    noisy = {layer.id for layer in profile.layers if layer.noisy}
+    if not noisy:
+        return
+    deciding = {stage.layers[0] for stage in plan.stages[1:]} | {stage.layers[-1] for stage in plan.stages[:-1]}
+    bottleneck = next((stage for index, stage in enumerate(plan.stages)
+                       if plan.predicted.bottleneck.startswith(f"stage {index} ")), None)
+    if bottleneck is not None:
+        deciding |= set(bottleneck.layers)
+    hit = sorted(noisy & deciding)
+    if hit:
+        names = ", ".join(profile.layers[i].name for i in hit[:5]) + (f" and {len(hit) - 5} more" if len(hit) > 5 else "")
+        say(f"{len(hit)} layer(s) whose profiled repeats disagree (spread over a quarter of the median) decide this "
+            f"plan's stage boundaries or lie in its bottleneck stage: {names}; profile again on a quiet machine "
+            "(or with more --repeats) before trusting the plan")
 
 
 def _key(plan: Plan) -> tuple:

@@ -17,7 +17,8 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_map
 
-from .timing import Clock, backward_from, nbytes, summarize, tensors_in
+from ..artifacts.profile import noisy
+from .timing import EXTRA_ROUNDS, MIN_EXTRA, Clock, backward_from, nbytes, summarize, tensors_in
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,9 @@ def measure_split(split: fx.GraphModule, inputs: tuple[torch.Tensor, ...], *, re
 def time_layer(sub: nn.Module, args, kwargs, out, originals: set[int], *, repeats: int, warmup: int,
                clock: Clock) -> LayerCost:
     """One layer's cost: `sub` run on the `args`/`kwargs` a real forward gave it (`out`: what it
-    returned), forward and backward timed `repeats` times after `warmup` rounds. `originals`: ids
-    of tensors that are data (model inputs, buffers), to which no gradient flows."""
+    returned), forward and backward timed `repeats` times after `warmup` rounds, and as many again
+    (at least `MIN_EXTRA`), up to `EXTRA_ROUNDS` times, while the repeats disagree (`noisy`).
+    `originals`: ids of tensors that are data (model inputs, buffers), to which no gradient flows."""
     def as_leaf(value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
             return value
@@ -89,26 +91,36 @@ def time_layer(sub: nn.Module, args, kwargs, out, originals: set[int], *, repeat
     leaves = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
     splits = any(p.requires_grad for p in sub.parameters()) and bool(leaves)
     fwd, bwd, inputs_only = [], [], []
-    for round_ in range(warmup + repeats):
-        sub.zero_grad(set_to_none=True)
-        for leaf in leaves:
-            leaf.grad = None
-        call_args, call_kwargs = tree_map(fresh, args), tree_map(fresh, kwargs)
-        start = clock()
-        result = sub(*call_args, **call_kwargs)
-        middle = clock()
-        backward_from(result)
-        end = clock()
-        if splits:  # the same layer's backward of the input gradients only (zb's B), right after
-            inputs_only.append(_input_gradients_s(sub(*tree_map(fresh, args), **tree_map(fresh, kwargs)), leaves,
-                                                  clock))
-        if round_ >= warmup:
-            fwd.append(middle - start)
-            bwd.append(end - middle)
+
+    def rounds(count: int, timed: bool) -> None:
+        for _ in range(count):
+            sub.zero_grad(set_to_none=True)
+            for leaf in leaves:
+                leaf.grad = None
+            call_args, call_kwargs = tree_map(fresh, args), tree_map(fresh, kwargs)
+            start = clock()
+            result = sub(*call_args, **call_kwargs)
+            middle = clock()
+            backward_from(result)
+            end = clock()
+            if splits:  # the same layer's backward of the input gradients only (zb's B), right after
+                seconds = _input_gradients_s(sub(*tree_map(fresh, args), **tree_map(fresh, kwargs)), leaves, clock)
+                if timed:
+                    inputs_only.append(seconds)
+            if timed:
+                fwd.append(middle - start)
+                bwd.append(end - middle)
+
+    rounds(warmup, False)
+    rounds(repeats, True)
+    for _ in range(EXTRA_ROUNDS):  # repeats that disagree: measure as many again, the median of all
+        if not (noisy(*summarize(fwd)) or noisy(*summarize(bwd))):
+            break
+        rounds(max(repeats, MIN_EXTRA), True)
     fwd_ms, fwd_spread = summarize(fwd)
     bwd_ms, bwd_spread = summarize(bwd)
     if splits:
-        wgrad = min(max(0.0, bwd_ms - summarize(inputs_only[warmup:])[0]), bwd_ms)
+        wgrad = min(max(0.0, bwd_ms - summarize(inputs_only)[0]), bwd_ms)
     else:  # no parameters: no weight gradients; inputs that need none: all of the backward is
         wgrad = bwd_ms if any(p.requires_grad for p in sub.parameters()) else 0.0
     return LayerCost(fwd_ms, fwd_spread, bwd_ms, bwd_spread, act_bytes=nbytes(out), wgrad_ms=wgrad)

@@ -41,6 +41,10 @@ def summarize(seconds: list[float]) -> tuple[float, float]:
     return statistics.median(ms), q3 - q1
 
 
+EXTRA_ROUNDS = 3       # a noisy layer (`artifacts.profile.noisy`) is measured again up to this many times
+MIN_EXTRA = 5          # repeats of each extra round, at least
+
+
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     """Every tensor inside a nested structure of tuples, lists and dicts."""
     leaves, _ = tree_flatten(value)

@@ -237,15 +237,17 @@ def _tooltip(layer: Layer) -> str:
 
 
 def _title(plan: Plan, profile: Profile) -> str:
-    """The picture's heading: model, plan shape and the prediction."""
+    """The picture's heading: model, plan shape and the prediction (the simulated one, as `pd show`
+    and `pd plan` print it, with the cost model's beside it)."""
     pred = plan.predicted
     model = _text(profile.model.spec) if profile.model else "imported profile"
     lines = [
         f"{model}: {len(profile.layers)} layers, batch {profile.batch_size}, {len(plan.stages)} "
         f"stage{'s' if len(plan.stages) != 1 else ''} on "
         f"{plan.workers} workers ({plan.cluster.describe()}), mode {plan.mode}",
-        f"predicted {_ms(pred.time_ms)} ms per minibatch, bottleneck: {pred.bottleneck}; "
-        f"edge labels: bytes sent per minibatch",
+        f"predicted {_ms(pred.expected_ms)} ms per minibatch"
+        + (f" (simulated; cost model {_ms(pred.time_ms)} ms)" if pred.simulated_ms is not None else "")
+        + f", bottleneck: {pred.bottleneck}; edge labels: bytes sent per minibatch",
     ]
     lines += [f"level-{g.level} group: layers {compact_ranges(g.layers)} on {g.units} units, {_ms(g.time_ms)} ms"
               for g in plan.groups]

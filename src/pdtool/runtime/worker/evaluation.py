@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 from ...schedule import ACTIVATION
 from ...schedule.lower import Op
-from ..run import evaluation_points as points  # noqa: F401 - where the rounds fall, with the rest of the run's settings
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from . import evaluation, memory, optim, shm, tied
 from ..device import Placement, choose
 from .executor import StageWorker
 from .interpreter import Context, Interpreter
-from ..run import RunConfig, WorkerReport, check_world, make_schedule, minibatches_per_step, place
+from ..run import RunConfig, WorkerReport, check_world, evaluation_points, make_schedule, minibatches_per_step, place
 
 
 def worker_main(config: RunConfig, store=None) -> WorkerReport:
@@ -133,7 +133,7 @@ def _evaluation(config: RunConfig, plan: Plan, schedule, bundle, stage_index: in
     """Where this run evaluates through the pipeline (None: nowhere); stage 0 reads the held-out split."""
     if not (config.eval_every or config.evaluate) or not config.eval_batches:
         return None
-    found = evaluation.points(schedule.minibatches, minibatches_per_step(schedule), config.eval_every,
+    found = evaluation_points(schedule.minibatches, minibatches_per_step(schedule), config.eval_every,
                               config.evaluate)
     source = None
     if stage_index == 0:
