@@ -136,6 +136,22 @@ def _parting_level(plan: Plan, x: int, y: int):
     return plan.cluster.levels[level]
 
 
+def _parting_levels(plan: Plan, ranks) -> list:
+    """The cluster levels at which some two of `ranks` part (`_parting_level` of every pair, found
+    without visiting the pairs: level k is one where ranks in one unit of level k + 1 lie in
+    different units of level k)."""
+    found, size = [], 1
+    for k, lvl in enumerate(plan.cluster.levels):
+        outer = size * lvl.count
+        units: dict[int, set[int]] = {}
+        for rank in ranks:
+            units.setdefault(rank // outer if k + 1 < len(plan.cluster.levels) else 0, set()).add(rank // size)
+        if any(len(inner) > 1 for inner in units.values()):
+            found.append(lvl)
+        size = outer
+    return found
+
+
 def link_bandwidth(plan: Plan, x: int, y: int) -> float:
     """Bytes/s between plan ranks x and y: the bandwidth of the level at which they part
     (`_parting_level`). Infinite for x == y."""
@@ -157,8 +173,9 @@ def allreduce_ms(plan: Plan, stage: int) -> float:
     r = s.replicas
     if r == 1 or s.param_bytes == 0:
         return 0.0
-    slowest = min(link_bandwidth(plan, x, y) for x in s.ranks for y in s.ranks if x != y)
-    latency = max(link_latency(plan, x, y) for x in s.ranks for y in s.ranks if x != y)
+    levels = _parting_levels(plan, s.ranks)
+    slowest = min(level.bandwidth for level in levels)
+    latency = max(level.latency for level in levels)
     return (2 * (r - 1) / r * s.param_bytes / slowest + 2 * (r - 1) * latency) * MS_PER_S + s.reduce_ms
 
 
@@ -263,6 +280,7 @@ class _Run:
         self.peak_held = [0] * n
         self.arrived: dict[tuple, float] = {}                 # message key (lower.message): at its receiver
         self.link_free: dict[tuple[int, int], float] = {}     # (src, dst) schedule ranks: link idle from
+        self.links: dict[tuple[int, int], tuple[float, float]] = {}  # (src, dst) plan ranks: `_link`
         self.waiting: dict[tuple, dict[int, float]] = {}      # (collective key, k): worker -> arrival
         self.events: list[tuple[float, int, int, SimEvent]] = []
         self.transfers: list[SimTransfer] = []
@@ -331,13 +349,22 @@ class _Run:
         written = self.free[worker] + self._copy_ms(size)
         self.free[worker] = written
         src, to = self.ranks[worker], self.ranks[dst]
-        end = max(start + (size / link_bandwidth(self.plan, src, to) * MS_PER_S if size else 0.0), written)
+        ms_per_byte, latency_ms = self._link(src, to)
+        end = max(start + size * ms_per_byte, written)
         self.link_free[link] = end
         if size:
             name = str(self.schedule.workers[worker][op.at])
             self.transfers.append(SimTransfer(src, to, name, size, start, end))
-        self.arrived[message(op, worker)] = end + link_latency(self.plan, src, to) * MS_PER_S
+        self.arrived[message(op, worker)] = end + latency_ms
         self._wake(dst)
+
+    def _link(self, src: int, to: int) -> tuple[float, float]:
+        """(ms per byte, latency ms) of the link between plan ranks src and to, found once per pair."""
+        found = self.links.get((src, to))
+        if found is None:
+            found = self.links[(src, to)] = (MS_PER_S / link_bandwidth(self.plan, src, to),
+                                             link_latency(self.plan, src, to) * MS_PER_S)
+        return found
 
     def _collective(self, worker: int, op: Op) -> bool:
         """The k-th op of a collective: every member starts when the last arrives. A replicas'

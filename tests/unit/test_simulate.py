@@ -321,3 +321,17 @@ def test_optimizer_steps_and_data_making_are_charged():
     assert result.time_per_minibatch_ms == pytest.approx(3.0 + 0.5 + 0.25)  # stage 0 is the slower one now
     steps = [e for e in result.events if e.kind == "U"]
     assert steps and all(e.end_ms - e.start_ms == pytest.approx(0.5) for e in steps)
+
+
+def test_the_parting_levels_of_a_rank_set_are_those_of_its_pairs():
+    import random
+
+    from pdtool.simulate import _parting_level, _parting_levels
+
+    rng = random.Random(0)
+    plan = make_plan(chain_profile([1.0] * 4, [1000] * 4, [10] * 4), parse_cluster("4x10GB/s,3x1GB/s,2x100MB/s"),
+                     simulate=False)
+    for _ in range(200):
+        ranks = rng.sample(range(24), rng.randint(2, 6))
+        pairs = {id(_parting_level(plan, x, y)) for x in ranks for y in ranks if x != y}
+        assert {id(level) for level in _parting_levels(plan, ranks)} == pairs, ranks
