@@ -1,0 +1,74 @@
+"""`pd plan`: PipeDream's optimizer over a cluster -> PLAN.json."""
+from __future__ import annotations
+
+import click
+
+from ..artifacts.plan import COST_MODELS, RECOMPUTE
+from ..jsonio import check_writable
+from ..runtime.recipe import OPTIMIZERS
+from ..schedule.modes import DEFAULT, DEFAULT_TIED, MODES
+from .group import _count, _examples, cli
+
+
+@cli.command(short_help="partition it over a cluster -> PLAN.json",
+             epilog=_examples("pd plan resnet.profile.json --cluster 4x12GB/s,4x10Gbit/s -o resnet.plan.json",
+                                "pd plan resnet.profile.json --cluster cluster-a:2 --memory 16GiB --straight -o straight.plan.json"))
+@click.argument("profile_path", metavar="PROFILE.json", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--cluster", "-c", "cluster_spec", required=True, metavar="SPEC",
+              help="Levels innermost first, COUNTxBANDWIDTH[+LATENCY],... (e.g. 4x12GB/s,4x10Gbit/s or "
+                   "2x10Gbit/s+100us), a JSON file, or a preset (cluster-a[:SERVERS], cluster-b[:SERVERS]).")
+@click.option("--memory", metavar="SIZE", help="Memory per worker, e.g. 16GiB; stages that do not fit are ruled out.")
+@click.option("--straight", is_flag=True, help="No replicated stages: every stage runs on one unit of each level.")
+@click.option("--data-parallel", is_flag=True, help="No cuts: one stage replicated on every worker (to compare a "
+              "pipeline with data parallelism, e.g. in pd train).")
+@click.option("--cost-model", type=click.Choice(COST_MODELS), default="pdtool", show_default=True,
+              help="pdtool: max(compute, all-reduce, transfer) per stage; pipedream: the original optimizer's formulas.")
+@click.option("--mode", type=click.Choice(MODES), default=None,
+              help=f"Schedule mode the plan is to be trained with [default: {DEFAULT}, or {DEFAULT_TIED} when stages "
+                   f"share a parameter (tied weights), which {DEFAULT} cannot train].")
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", show_default=True,
+              help="Optimizer state counted in the memory model (sgd with momentum: 1 buffer, adam: 2).")
+@click.option("--recompute", type=click.Choice(RECOMPUTE), default="auto", show_default=True,
+              help="Activation recomputation: a recomputing stage keeps only its input per minibatch in flight and "
+                   "runs its forward again before each backward. auto: the stages that fit --memory only so; "
+                   "all: every stage; none: no stage.")
+@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
+              help="Plan JSON to write ('-' for stdout). Written atomically.")
+def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model, mode, optimizer, recompute, output):
+    """Partition a profiled model over a cluster with PipeDream's optimizer (pdtool.plan/1).
+
+    Chooses stage boundaries and replicas per stage to minimise the time per minibatch of the
+    slowest stage, level by level over the cluster, and records the prediction.
+    """
+    import os
+
+    from ..artifacts.cluster import parse_cluster
+    from ..planner import make_plan
+    from ..planner.costmodel import OPTIMIZER_SLOTS
+    from ..artifacts.profile import Profile
+
+    check_writable(output, (profile_path,) + ((cluster_spec,) if os.path.isfile(cluster_spec) else ()))
+    cluster = parse_cluster(cluster_spec, memory)
+    profile = Profile.load(profile_path)
+    command = " ".join(["pd plan", os.path.basename(profile_path), "--cluster", cluster_spec]
+                       + (["--memory", memory] if memory else []) + (["--straight"] if straight else [])
+                       + (["--data-parallel"] if data_parallel else [])
+                       + ["--cost-model", cost_model] + (["--mode", mode] if mode else []) + ["--optimizer", optimizer]
+                       + (["--recompute", recompute] if recompute != "auto" else []))
+    result = make_plan(profile, cluster, cost_model=cost_model, straight=straight, data_parallel=data_parallel, mode=mode,
+                       optimizer_slots=OPTIMIZER_SLOTS[optimizer], command=command, recompute=recompute,
+                       profile_file=None if profile_path == "-" else os.path.basename(profile_path),
+                       say=lambda message: click.echo(f"pd: note: {message}", err=True))
+    result.save(output)
+    if output != "-":
+        pred = result.predicted
+        model_single, model_dp = pred.cost_model_speedups
+        idle = result.workers - len(result.used_ranks)
+        click.echo(f"wrote {output}: {_count(len(result.stages), 'stage')} ({result.mode}"
+                   f"{f', {idle} of {result.workers} workers idle' if idle else ''}), {pred.expected_ms:.3f} ms per "
+                   f"minibatch{' (simulated)' if pred.simulated_ms is not None else ''}, "
+                   f"{pred.speedup_over_single:.2f}x over one worker, "
+                   + (f"{pred.speedup_over_data_parallel:.2f}x over data parallel" if pred.data_parallel_over_bytes is None
+                      else "data parallel does not fit in memory")
+                   + (f"; cost model {pred.time_ms:.3f} ms, {model_single:.2f}x, {model_dp:.2f}x"
+                      if pred.simulated_ms is not None else ""), err=True)

@@ -1,0 +1,69 @@
+"""`pd simulate`: a plan's schedule in simulated time."""
+from __future__ import annotations
+
+import click
+
+from ..fields import check_schema
+from ..jsonio import check_writable, read_json
+from ..schedule.modes import MODES
+from .group import MAX_SIMULATED, PER_GROUP, Count, _examples, cli
+from .show import _plan_profile
+
+
+@cli.command(short_help="run a plan's schedule in simulated time",
+             epilog=_examples("pd simulate resnet.plan.json --trace resnet.trace.json",
+                                "pd simulate resnet.plan.json --mode flush --group 8"))
+@click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--mode", type=click.Choice(MODES), default=None,
+              help="Schedule mode to simulate [default: the plan's].")
+@click.option("--minibatches", "-n", type=Count(1, MAX_SIMULATED), default=None,
+              help=f"Minibatches (microbatches in {PER_GROUP}) to run [default: 16 per worker, "
+                   "a multiple of --group].")
+@click.option("--group", "-g", type=Count(1, 65536), default=None,
+              help=f"{PER_GROUP}: microbatches per optimizer step [default: the number of stages, "
+                   "or more for replicated stages].")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, allow_dash=True), metavar="OUT.json",
+              help="Also write the simulated run as a Chrome trace (open it in Perfetto); '-' for stdout.")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False), metavar="PROFILE.json",
+              help="The profile the plan was made from, to check the stages' data-flow order [default: found by "
+                   "its sha256 beside the plan or here; unchecked when none is found].")
+@click.option("--quiet", "-q", is_flag=True, help="No talk on stderr (the summary still goes to stdout).")
+def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quiet):
+    """Run a plan's schedule in simulated time with the profile's costs.
+
+    Every worker runs its actions in order; transfers take bytes / bandwidth of the link and
+    queue on it; replicated stages all-reduce at every step. Prints the steady-state time per
+    minibatch beside the plan's cost-model figure, the bubble fraction and, per worker, its
+    busy share, weight versions, in-flight minibatches and stashed activations.
+    """
+    from ..errors import ArtifactError
+    from ..artifacts.plan import SCHEMA as PLAN_SCHEMA, Plan
+    from ..artifacts.profile import SCHEMA as PROFILE_SCHEMA
+    from ..views.show import simulation_table
+    from ..simulate import simulate as run_simulation
+    from ..views.trace import chrome_trace, write_trace
+
+    if trace_path is not None:
+        check_writable(trace_path, (plan_path,))
+    data = read_json(plan_path)
+    if isinstance(data, dict) and data.get("schema") == PROFILE_SCHEMA:
+        raise ArtifactError(f"{plan_path} is a profile ({PROFILE_SCHEMA}), not a plan; make a plan from it first: "
+                            f"pd plan {plan_path} --cluster SPEC -o PLAN.json")
+    check_schema(data, PLAN_SCHEMA, plan_path)
+    the_plan = Plan.from_json(data, plan_path)
+    _plan_profile(plan_path, the_plan, profile_path, needed=False)
+    result = run_simulation(the_plan, mode=mode, minibatches=minibatches, group=group)
+    summary = simulation_table(result, the_plan)
+    if trace_path is None:
+        click.echo(summary, nl=False)
+        return
+    trace = chrome_trace(result, the_plan)
+    write_trace(trace_path, trace)
+    if trace_path == "-":  # stdout carries the trace: the summary goes to stderr
+        if not quiet:
+            click.echo(summary, err=True, nl=False)
+        return
+    click.echo(summary, nl=False)
+    if not quiet:
+        click.echo(f"wrote {trace_path}: {len(result.events)} actions and {len(result.transfers)} transfers on "
+               f"{len(result.busy_ms)} workers; open it in https://ui.perfetto.dev", err=True)
