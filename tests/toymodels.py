@@ -250,3 +250,23 @@ def dropout_classifier(hidden=32, dropout=0.5):
     model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, hidden), nn.ReLU(),
                           nn.Dropout(dropout), nn.Linear(hidden, 10))
     return model, (lambda n: (torch.randn(n, 64), torch.randint(0, 10, (n,)))), F.cross_entropy
+
+
+class _Decay(nn.Module):
+    """A block that computes a value from its own parameter alone (as Mamba's A = -exp(A_log))."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.A_log = nn.Parameter(torch.zeros(8))
+
+    def forward(self, x):
+        return self.lin(x) * -torch.exp(self.A_log.float())
+
+
+@pdtool.factory
+def parameter_only(blocks=3):
+    """Blocks whose parameters are read only by their own block, one of them through `.float()`
+    (torch.export checks the tensor it converts with a node that has no consumer)."""
+    model = nn.Sequential(*[_Decay() for _ in range(blocks)], nn.Linear(8, 4))
+    return model, (lambda n: (torch.randn(n, 8), torch.randint(0, 4, (n,)))), F.cross_entropy

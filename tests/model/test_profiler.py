@@ -219,3 +219,11 @@ def test_a_layer_whose_repeats_disagree_is_measured_again_until_they_agree():
     cost = time_layer(torch.nn.Linear(8, 8), (x,), {}, torch.zeros(4, 8), {id(x)}, repeats=5, warmup=0, clock=clock)
     assert ticks["calls"] == 3 * 15  # the first 5 rounds, then twice 5 more
     assert cost.fwd_ms == pytest.approx(1.0) and cost.fwd_ms_spread == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_a_value_computed_from_a_parameter_alone_belongs_to_its_layer_and_ties_nothing(method):
+    """Mamba's A = -exp(A_log.float()): torch.export checks the tensor `.float()` reads with a node no
+    other node consumes; it must go with the layer that reads the parameter, not to layer 0."""
+    profile = profile_model(ModelRef("toymodels:parameter_only"), batch_size=4, method=method, **FAST)
+    assert profile.shared == ()  # each A_log is read by its own block's layer only

@@ -294,6 +294,8 @@ def assign_groups(gm: fx.GraphModule, granularity: str = "module", unit=None) ->
             pending.append(node)
     for node in reversed(pending):  # reads only inputs/parameters: join its first consumer
         consumers = [group[u] for u in node.users if u in group]
+        if not consumers:  # consumes nothing (torch.export's check of a tensor a .to() reads): beside that read
+            consumers = [group[u] for p in node.all_input_nodes for u in p.users if u in group]
         group[node] = min(consumers) if consumers else 0
     return anchors, group
 
