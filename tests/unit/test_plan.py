@@ -379,3 +379,21 @@ def test_unranked_clusters_never_get_a_plan_slower_than_data_parallelism_in_simu
     assert plan.predicted.candidates == 2
     pipelined = make_plan(chain_profile([1.0] * 8, [2e7] * 8, [1e5] * 8), cluster)  # big weights: the pipeline wins
     assert len(pipelined.stages) > 1 and pipelined.predicted.simulated_ms < pipelined.predicted.simulated_data_parallel_ms
+
+
+def test_a_plan_without_a_replicated_stage_inside_its_pipeline_names_the_best_one_considered():
+    from pdtool.artifacts.profile import Profile
+    from pdtool.views.show import plan_table
+
+    profile = Profile.load(Path(__file__).resolve().parents[2] / "profiles" / "mlp.profile.json")
+    plan = make_plan(profile, parse_cluster("4x1GB/s"))
+    assert all(s.replicas == 1 for s in plan.stages) and len(plan.stages) > 1
+    hybrid = plan.predicted.hybrid
+    assert hybrid and "replicas 1x2x1" in hybrid and "ms per minibatch simulated" in hybrid
+    simulated = float(hybrid.split(": ")[1].split(" ms")[0])
+    assert simulated >= plan.predicted.simulated_ms  # it lost in simulation
+    assert f"hybrid       the fastest candidate with a replicated stage inside a pipeline: {hybrid}" in plan_table(plan)
+    again = Plan.from_json(json.loads(canonical_json(plan.to_json())), "p.json")
+    assert again.predicted.hybrid == hybrid
+    replicated = make_plan(profile, parse_cluster("4x100MB/s"))
+    assert replicated.predicted.hybrid is None and "hybrid" not in plan_table(replicated)

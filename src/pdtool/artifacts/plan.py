@@ -187,6 +187,9 @@ class Prediction:
     data_parallel_over_bytes: int | None = field(Int(), None, null=True, doc="How much more memory per worker data "
                                                  "parallelism on every worker needs than the cluster's limit; null "
                                                  "when it fits or no limit was given.")
+    hybrid: str | None = field(Str(), None, key="simulated.hybrid", null=True, omit=None,
+                               doc="When the plan has no replicated stage inside a pipeline: the fastest candidate "
+                               "that has one and its simulated time (absent when none was compared).")
 
     def __post_init__(self) -> None:
         round_float_fields(self)

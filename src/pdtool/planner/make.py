@@ -120,10 +120,15 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     else:
         why = f"fastest of {len(ranked)} candidate plans in simulation" + (
             f"; next: {_shape(ranked[1])}" if len(ranked) > 1 else "")
+    hybrid = None if _hybrid(best) else next((p for p in ranked if _hybrid(p)), None)
+    if hybrid is not None:
+        full = any(_key(p) == _key(hybrid) for p in ranked[:FINALISTS])
+        hybrid = (f"{_shape(hybrid)}: {hybrid.predicted.simulated_ms:.3f} ms per minibatch simulated"
+                  + ("" if full else f" (on a run of {hybrid.predicted.simulated_minibatches} minibatches)"))
     over = None if baseline is not None else _data_parallel_excess(profile, costs, states, counts, bandwidths, model,
                                                                     memory, optimizer_slots)
     best = dataclasses.replace(best, predicted=dataclasses.replace(
-        best.predicted, candidates=len(ranked), why=why, data_parallel_over_bytes=over,
+        best.predicted, candidates=len(ranked), why=why, data_parallel_over_bytes=over, hybrid=hybrid,
         simulated_data_parallel_ms=baseline.predicted.simulated_ms if baseline is not None else None))
     _warn_noisy(profile, best, say)
     return _trainable(best, mode, say)
@@ -148,6 +153,11 @@ def _warn_noisy(profile: Profile, plan: Plan, say) -> None:
             "(or with more --repeats) before trusting the plan")
 
 
+def _hybrid(plan: Plan) -> bool:
+    """Whether a plan replicates a stage inside a pipeline (the PipeDream paper's hybrid plans)."""
+    return len(plan.stages) > 1 and any(stage.replicas > 1 for stage in plan.stages)
+
+
 def _key(plan: Plan) -> tuple:
     """What makes two candidate plans the same: each stage's layers and ranks."""
     return tuple((s.layers, s.ranks) for s in plan.stages)
@@ -155,12 +165,14 @@ def _key(plan: Plan) -> tuple:
 
 def _ranked(plans: list[Plan], workers: int) -> list[Plan]:
     """The distinct plans, fastest first in simulation: compared on short runs, then the best
-    `FINALISTS` simulated in full (those come first, with their full figures)."""
+    `FINALISTS` simulated in full (those come first, with their full figures; the rest carry their
+    short run's)."""
     unique = list({_key(p): p for p in reversed(plans)}.values())
     if len(unique) == 1:
         return [_with_simulation(unique[0])]
     short = RANKING_MINIBATCHES_PER_WORKER * workers
-    ranked = sorted(unique, key=lambda p: (_with_simulation(p, short).predicted.simulated_ms, p.predicted.time_ms))
+    ranked = sorted((_with_simulation(p, short) for p in unique),  # the rest keep their short run's figures
+                    key=lambda p: (p.predicted.simulated_ms, p.predicted.time_ms))
     finalists = sorted((_with_simulation(p) for p in ranked[:FINALISTS]), key=lambda p: p.predicted.simulated_ms)
     return finalists + ranked[FINALISTS:]
 

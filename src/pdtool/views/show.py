@@ -106,6 +106,8 @@ def plan_table(plan: Plan) -> str:
            f"{pred.simulated_bubble:.1%}); " if pred.simulated_ms is not None else "")
         + f"cost model {pred.time_ms:.3f} ms, bottleneck: {pred.bottleneck}",
         *([f"chosen       {pred.why}"] if pred.why else []),
+        *([f"hybrid       the fastest candidate with a replicated stage inside a pipeline: {pred.hybrid}"]
+          if pred.hybrid else []),
         *([f"idle         {plan.workers - used} of {plan.workers} workers: more stages or replicas would be slower "
            "(their transfers or all-reduces cost more than the compute they share)"] if used < plan.workers else []),
         f"one worker   {pred.single_worker_ms:.3f} ms -> speedup {pred.speedup_over_single:.2f}x"
