@@ -227,3 +227,17 @@ def test_a_value_computed_from_a_parameter_alone_belongs_to_its_layer_and_ties_n
     other node consumes; it must go with the layer that reads the parameter, not to layer 0."""
     profile = profile_model(ModelRef("toymodels:parameter_only"), batch_size=4, method=method, **FAST)
     assert profile.shared == ()  # each A_log is read by its own block's layer only
+
+
+def test_the_module_hook_profiler_takes_more_steps_while_a_layers_repeats_disagree(monkeypatch):
+    """Untraceable models are timed during whole steps: while some layer's repeats disagree, as many
+    steps again are timed (here the first check finds one noisy, the second none)."""
+    from pdtool.profiler import modules
+
+    checks = []
+    monkeypatch.setattr(modules, "noisy", lambda median, spread: not checks.append(1) and len(checks) == 1)
+    lines = []
+    profile_model(ModelRef("toymodels:dynamic"), batch_size=4, method="modules", progress=lines.append,
+                  repeats=2, warmup=1)
+    extra = [line for line in lines if line.startswith("noisy layers")]
+    assert len(extra) == 5  # max(repeats, 5) more steps, once

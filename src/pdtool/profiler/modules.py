@@ -25,7 +25,8 @@ from torch.overrides import TorchFunctionMode
 
 from .fx_measure import LayerCost
 from ..model.layergraph import TRIVIAL_MODULES
-from .timing import Clock, nbytes, summarize, tensors_in
+from ..artifacts.profile import noisy
+from .timing import EXTRA_ROUNDS, MIN_EXTRA, Clock, nbytes, summarize, tensors_in
 
 
 @dataclass
@@ -174,18 +175,28 @@ def _fold(events: list[_Event], fold: bool) -> None:
 def measure_modules(module: nn.Module, inputs: tuple[torch.Tensor, ...], target: Any,
                     loss_fn: Callable[[Any, Any], torch.Tensor], *, depth: int | None, repeats: int,
                     warmup: int, clock: Clock, progress: Callable[[str], None], fold: bool = True) -> ModuleLayers:
-    """Find the layers of `module` by its leaf-module calls and time them during real steps."""
+    """Find the layers of `module` by its leaf-module calls and time them during real steps (as many
+    steps again, up to `EXTRA_ROUNDS` times, while some layer's repeats disagree: `artifacts.profile.noisy`)."""
     events, leaves = discover(module, inputs, depth, fold)
     count = events[-1].layer + 1 if events else 0
     fwd: list[list[float]] = [[] for _ in range(count)]
     bwd: list[list[float]] = [[] for _ in range(count)]
+
+    def step(timed: bool) -> None:
+        f_times, b_times = _timed_step(module, inputs, target, loss_fn, leaves, events, clock)
+        for layer in range(count if timed else 0):
+            fwd[layer].append(f_times[layer])
+            bwd[layer].append(b_times[layer])
+
     for round_ in range(warmup + repeats):
         progress(f"step {round_ + 1}/{warmup + repeats}")
-        f_times, b_times = _timed_step(module, inputs, target, loss_fn, leaves, events, clock)
-        if round_ >= warmup:
-            for layer in range(count):
-                fwd[layer].append(f_times[layer])
-                bwd[layer].append(b_times[layer])
+        step(round_ >= warmup)
+    for extra in range(EXTRA_ROUNDS):  # some layer's repeats disagree: as many steps again, the median of all
+        if not any(noisy(*summarize(fwd[i])) or noisy(*summarize(bwd[i])) for i in range(count)):
+            break
+        for round_ in range(max(repeats, MIN_EXTRA)):
+            progress(f"noisy layers: step {round_ + 1}/{max(repeats, MIN_EXTRA)} of repeat {extra + 1}")
+            step(True)
     names, kinds, ops, params, act = [], [], [], [], []
     for layer in range(count):
         members = [e for e in events if e.layer == layer]
