@@ -10,7 +10,8 @@ is trained 8 steps of `pipedream` with plain SGD on 4 local CPU workers. Per sta
 worker's measured peak beyond its start (`WorkerReport.memory`: training's peak RSS, VmHWM reset
 when training starts, less the RSS before its stage was built; the workers run with `PDTOOL_MALLOC=release`, so that freed blocks go
 back to the kernel and the resident set follows the tensors held, `pdtool.allocator`) with its `activations` term (what remains of the peak beyond weights,
-their stashed versions, gradients and optimizer state), beside the plan's figures for the same
+their stashed versions, gradients and optimizer state), beside the plan's activations and message
+buffers (`messages`: what the runtime's links keep, `planner.costmodel.Memory.terms`) for the same
 (`prediction.planned_memory`, the figures `pd train` prints), then what recomputation saved
 measured against what the plans say it saves, and each run's time per minibatch against the
 simulator's.
@@ -72,7 +73,7 @@ def main() -> None:
               f"pipedream, {args.steps} steps, SGD; cuts {cuts['none']}"
               + ("" if cuts["none"] == cuts["all"] else f" (recomputing: {cuts['all']})"))
         print(f"{'stage':>5} {'recompute':>9} {'in flight':>9} {'measured MiB':>12} {'planned MiB':>11} "
-              f"{'measured act MiB':>16} {'planned act MiB':>15}")
+              f"{'measured/planned':>16} {'measured rest MiB':>17} {'planned act MiB':>15} {'planned msg MiB':>15}")
         saved = {}
         for how in ("none", "all"):
             planned = planned_memory(plans[how], None, None, "sgd")
@@ -84,13 +85,13 @@ def main() -> None:
                 act, act_plan = report.memory["activations"], planned[rank]["activations"]
                 saved.setdefault(stage, {})[how] = (beyond, total)
                 print(f"{stage:>5} {how:>9} {spec.in_flight:>9} {beyond / MiB:>12.1f} {total / MiB:>11.1f} "
-                      f"{act / MiB:>16.1f} {act_plan / MiB:>15.1f}")
-        print("saved by recomputing, per worker (measured / planned):")
+                      f"{beyond / total:>16.2f} {act / MiB:>17.1f} {act_plan / MiB:>15.1f} {planned[rank]['messages'] / MiB:>15.1f}")
+        print("saved by recomputing, per worker:")
         for stage, figures in saved.items():
             measured = figures["none"][0] - figures["all"][0]
             planned = figures["none"][1] - figures["all"][1]
             print(f"  stage {stage}: {measured / MiB:.1f} MiB measured, {planned / MiB:.1f} MiB planned "
-                  f"({measured / planned:.2f}x)" if planned else f"  stage {stage}: {measured / MiB:.1f} MiB measured")
+                  f"(difference {(measured - planned) / MiB:+.1f} MiB)")
         times = {how: results[how].time_per_minibatch_ms() for how in plans}
         predicted = {how: simulate(plan).time_per_minibatch_ms for how, plan in plans.items()}
         print(f"time per minibatch: keeping {times['none']:.1f} ms, recomputing {times['all']:.1f} ms measured "

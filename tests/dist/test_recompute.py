@@ -81,7 +81,7 @@ def test_a_limit_only_a_recomputing_plan_meets_gives_a_plan_that_trains(tmp_path
     runner = CliRunner()
     profile_path, plan_path = tmp_path / "m.profile.json", tmp_path / "m.plan.json"
     result = runner.invoke(cli, ["profile", "-m", "pdtool.zoo:mlp", "-a", "in_features=64", "-a", "hidden=128",
-                                 "-a", "depth=6", "-a", "classes=4", "--batch-size", "1024", "--repeats", "1",
+                                 "-a", "depth=12", "-a", "classes=4", "--batch-size", "1024", "--repeats", "1",
                                  "-o", str(profile_path)])
     assert result.exit_code == 0, result.output
     limit = _limit_only_recomputation_meets(Profile.load(profile_path), "2x1GB/s")

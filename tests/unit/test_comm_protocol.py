@@ -29,9 +29,13 @@ class JustInTime:
         return [self.ops[i]] if self.ops[i].kind == "recv" else []
 
 
+LINKS = "links"  # replay's window: each direction of each link its own, as the runtime sets them (`Lowered.windows`)
+
+
 def replay(schedule, window, ties=(), posting=Prefetch):
     """None when every worker finishes, else {worker label: what it waits for}. `posting`: which
-    receives a worker posts before each op (the runtime's `Prefetch`, or `JustInTime`)."""
+    receives a worker posts before each op (the runtime's `Prefetch`, or `JustInTime`); `window`:
+    one number for every link, or `LINKS`."""
     low = lower(schedule, ties)
     workers = len(low.workers)
     posted, sent = set(), set()
@@ -55,7 +59,8 @@ def replay(schedule, window, ties=(), posting=Prefetch):
             while len(arrived) < len(group):
                 yield ("collective", key[0], count)
 
-        prefetch = posting(ops, window)
+        windows = low.windows(rank) if window == LINKS else None
+        prefetch = posting(ops, windows or window)
         for i, op in enumerate(ops):
             for ahead in prefetch.before(i):
                 posted.add(message(ahead, rank))
@@ -67,7 +72,7 @@ def replay(schedule, window, ties=(), posting=Prefetch):
                 sent.add(key)
                 queue = queues.setdefault((op.peer, op.direction), deque())
                 queue.append(key)
-                yield from confirm(queue, window)
+                yield from confirm(queue, windows[(op.peer, op.direction)] if windows else window)
             elif op.kind in ("allreduce", "tie"):
                 yield from collective(collective_key(op), op.group)
         for queue in queues.values():
@@ -102,24 +107,23 @@ def schedules():
 
 
 @pytest.mark.parametrize("schedule", list(schedules()), ids=lambda s: f"{s.mode} {s.replicas} g{s.group}")
-def test_no_generated_schedule_deadlocks_with_the_runtimes_window_or_a_window_of_one(schedule):
-    runtime_window = max(stash_depth(schedule, s) for s in range(schedule.stages))
-    for window in sorted({1, runtime_window}):
+def test_no_generated_schedule_deadlocks_with_the_runtimes_windows_the_largest_or_a_window_of_one(schedule):
+    largest = max(stash_depth(schedule, s) for s in range(schedule.stages))
+    for window in [LINKS] + sorted({1, largest}):
         assert replay(schedule, window) is None, (window, replay(schedule, window))
     if schedule.mode in FLUSH_MODES and schedule.stages > 1:
         ties = ((0, schedule.stages - 1),)  # an embedding tied to the output head
-        assert replay(schedule, runtime_window, ties) is None
+        assert replay(schedule, LINKS, ties) is None
 
 
 @pytest.mark.parametrize("schedule", list(schedules()), ids=lambda s: f"{s.mode} {s.replicas} g{s.group}")
 def test_no_generated_schedule_deadlocks_over_shared_memory_rings(schedule):
     """A ring (`runtime.worker.shm`) frees a slot only when the receiver takes the message, at its recv
-    op: receives posted just in time, with the runtime's window as the ring's slots (or 1)."""
-    runtime_window = max(stash_depth(schedule, s) for s in range(schedule.stages))
-    for window in sorted({1, runtime_window}):
+    op: receives posted just in time, with the runtime's windows as the rings' slots (or 1)."""
+    for window in (LINKS, 1):
         assert replay(schedule, window, posting=JustInTime) is None
     if schedule.mode in FLUSH_MODES and schedule.stages > 1:
-        assert replay(schedule, runtime_window, ((0, schedule.stages - 1),), posting=JustInTime) is None
+        assert replay(schedule, LINKS, ((0, schedule.stages - 1),), posting=JustInTime) is None
 
 
 def test_the_replay_finds_a_deadlock_when_sends_wait_for_their_receive():
@@ -159,3 +163,13 @@ def test_what_the_worker_posts_before_each_op_covers_the_window_and_posts_each_r
             assert all(any(p is op for p in posted) for op in ahead.before(i))  # the whole window is posted
         receives = [op for op in ops if op.kind == "recv"]
         assert len(posted) == len(receives) and all(any(p is op for p in posted) for op in receives)
+
+
+def test_each_direction_of_a_link_keeps_as_many_messages_as_its_deeper_end_holds_in_flight():
+    low = lower(generate("pipedream", (1, 1, 1, 1), 12))
+    assert low.windows(0) == {(1, ACTIVATION): 4, (1, GRADIENT): 4}
+    assert low.windows(2) == {(1, ACTIVATION): 3, (1, GRADIENT): 3, (3, ACTIVATION): 2, (3, GRADIENT): 2}
+    ahead = Prefetch(low.workers[3], low.windows(3))
+    assert ahead.counts == {ACTIVATION: 3}  # the last stage posts its next 2 + 1 receives of activations
+    replicated = lower(generate("pipedream", (2, 1), 12))
+    assert replicated.windows(2) == {(0, ACTIVATION): 2, (0, GRADIENT): 2, (1, ACTIVATION): 2, (1, GRADIENT): 2}

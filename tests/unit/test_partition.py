@@ -136,7 +136,8 @@ class BruteForce:
         k = Memory.in_flight(self.workers, outer_before + outer * before, outer * r)
         stage = b - a
         stashed = self.space.sum(self.c.acts, stage) + self.space.cut(a)
-        return self.memory.need(self.space.sum(self.c.params, stage), stashed, k) <= self.memory.limit
+        return self.memory.need(self.space.sum(self.c.params, stage), stashed, k,
+                                cut=(self.space.cut(a), self.space.cut(b))) <= self.memory.limit
 
     def best(self, level, a, b, context=(0, 1)):
         key = (level, a, b, context)

@@ -332,7 +332,10 @@ def test_a_workers_memory_far_from_the_plan_names_the_term_most_off():
     assert terms["gradients"] == stage.param_bytes and terms["optimizer"] == 2 * stage.param_bytes
     assert sum(terms.values()) == int(Memory(float("inf"), 2).need(stage.param_bytes, stage.activation_bytes,
                                                                  terms["activations"] // stage.activation_bytes,
-                                                                 terms["weights"] // stage.param_bytes))
+                                                                 terms["weights"] // stage.param_bytes,
+                                                                 cut=(stage.in_bytes, stage.out_bytes)))
+    k = stage.in_flight
+    assert terms["messages"] == 2 * ((k + 1) * stage.in_bytes + k * stage.out_bytes)
     close = {"base": 100, "peak": 100 + int(sum(terms.values()) * 1.2), **terms}
     assert memory_gap(close, terms) is None  # within 25%: nothing to say
     far = {**close, "peak": 100 + 3 * sum(terms.values()), "activations": terms["activations"] + 2 * sum(terms.values())}

@@ -34,10 +34,12 @@ antichain" counts some outputs that stay inside the state too, so it charges at 
 
 **Memory** (both models): a worker of a stage holding `k` minibatches in flight keeps
 `k` weight versions (weight stashing), one gradient and `optimizer_slots` optimizer buffers
-of its parameters, and `k` sets of stashed activations (the cut bytes it receives plus every layer
-output):
+of its parameters, `k` sets of stashed activations (the cut bytes it receives plus every layer
+output), and the messages its links keep (activations and gradients both ways, as many as the
+deeper worker of each link holds in flight: `Memory.terms`):
 
     param_bytes * (k + 1 + optimizer_slots) + k * (in_bytes + sum of its layers' act_bytes)
+        + 2 * ((k + 1) * in_bytes + k * out_bytes)
 
 Under 1F1B with round-robin replication, a stage with `R` replicas after `before` workers of
 earlier stages, in a pipeline of `W` workers, has `k = floor((W - 1 - before) / R) + 1`
@@ -48,6 +50,7 @@ keeping activations and again, keeping them, just before each backward (on the s
 version). Its minibatches in flight stash only their inputs, and one holds its whole set:
 
     param_bytes * (k + 1 + optimizer_slots) + (k - 1) * in_bytes + (in_bytes + sum of act_bytes)
+        + messages + k * out_bytes (its sends in flight no longer share their outputs with a stash)
 
 and its compute per minibatch is forward + backward + forward again. With `auto` the planner
 recomputes a stage only where it would not fit otherwise (so never without a memory limit);
@@ -138,25 +141,39 @@ class Memory:
         return (workers - 1 - before) // replicas + 1
 
     def need(self, params: np.ndarray | float, stashed: np.ndarray | float, in_flight: int, versions: int | None = None,
-             recompute: np.ndarray | float | None = None):
+             recompute: np.ndarray | float | None = None, cut: tuple | None = None):
         """Bytes one worker needs: weight versions (under 1F1B as many as minibatches in flight),
-        gradient and optimizer state, plus stashed activations (the sum of `terms`)."""
-        return sum(self.terms(params, stashed, in_flight, versions, recompute).values())
+        gradient and optimizer state, stashed activations and messages (the sum of `terms`)."""
+        return sum(self.terms(params, stashed, in_flight, versions, recompute, cut).values())
 
-    def terms(self, params, stashed, in_flight: int, versions: int | None = None, recompute=None) -> dict:
+    def terms(self, params, stashed, in_flight: int, versions: int | None = None, recompute=None,
+              cut: tuple | None = None) -> dict:
         """`need` by term: `weights` (its fp32 versions: the master weights), `gradients`,
-        `optimizer` (its state), `activations` (what the minibatches in flight stash) and, in
-        mixed precision, `compute copies` (the bf16/fp16 weights autocast makes in each forward,
-        which its backward keeps).
+        `optimizer` (its state), `activations` (what the minibatches in flight stash), `messages`
+        (see below) and, in mixed precision, `compute copies` (the bf16/fp16 weights autocast
+        makes in each forward, which its backward keeps).
 
         `recompute` (the stage's input bytes) says the stage recomputes its forward during the
         backward (`pd plan --recompute`): each minibatch in flight then stashes only its input,
-        and the one whose backward runs holds its whole set again (and its compute copy) while it does."""
+        and the one whose backward runs holds its whole set again (and its compute copy) while it does.
+
+        `cut` = (in_bytes, out_bytes), what a minibatch's message brings the stage and what it
+        sends on: the runtime's message buffers (`runtime.worker.comm`). Each direction of a link
+        keeps as many messages as the deeper of its two workers holds in flight (`Lowered.windows`),
+        in a ring both workers map or, over a process group, in unconfirmed sends and posted
+        receives: activations and gradients both ways, `2 * ((k + 1) * in_bytes + k * out_bytes)`
+        (the stage before holds one minibatch more under 1F1B; exact for a straight pipeline). A
+        recomputing stage also holds the outputs of its sends in flight, which its stash no longer
+        shares: `k * out_bytes` more."""
         versions = in_flight if versions is None else versions
         held = in_flight if recompute is None else 1
         activations = in_flight * stashed if recompute is None else (in_flight - 1) * recompute + stashed
         terms = {"weights": params * versions, "gradients": params, "optimizer": params * self.optimizer_slots,
                  "activations": activations}
+        if cut is not None:
+            received, sent = cut
+            terms["messages"] = 2 * ((in_flight + 1) * received + in_flight * sent) + \
+                (0 if recompute is None else in_flight * sent)
         if self.copies:
             terms["compute copies"] = params * self.copies * held
         return terms
@@ -171,7 +188,7 @@ class Memory:
     def stage_terms(self, stage, in_flight: int, versions: int) -> dict:
         """`terms` of a worker of plan stage `stage` (recomputing as the plan says)."""
         return self.terms(stage.param_bytes, stage.activation_bytes, in_flight, versions,
-                          stage.in_bytes if stage.recompute else None)
+                          stage.in_bytes if stage.recompute else None, (stage.in_bytes, stage.out_bytes))
 
 
 class CostModel:

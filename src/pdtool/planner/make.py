@@ -340,7 +340,8 @@ def _leaf(stage: PipelineStage, terms: dict, outer: int, ranks: list[int], profi
     k = Memory.in_flight(solver.workers, before, len(ranks))
     a, b = stage.start, stage.end
     need = memory.need(float(solver.params[a, b]), float(solver.stashed[a, b]), k,
-                       recompute=float(solver.states.cut[a]) if stage.recompute else None)
+                       recompute=float(solver.states.cut[a]) if stage.recompute else None,
+                       cut=(float(solver.states.cut[a]), float(solver.states.cut[b])))
     layers = [profile.layers[i] for i in stage.layers]
     params = sum(l.param_bytes for l in layers)
     share = params / profile.param_bytes if profile.param_bytes else 0.0

@@ -195,10 +195,11 @@ class Solver:
             return again() if self.recompute == "all" else times
         outer_before, outer = context
         k = Memory.in_flight(self.workers, outer_before + outer * before, outer * r)
-        fits = self.memory.need(self.params, self.stashed, k) <= self.memory.limit
+        cut = (self.states.cut[:, None], self.states.cut[None, :])
+        fits = self.memory.need(self.params, self.stashed, k, cut=cut) <= self.memory.limit
         recomputing = False
         if self.recompute != "none":
-            fits_again = self.memory.need(self.params, self.stashed, k, recompute=self.states.cut[:, None]) \
+            fits_again = self.memory.need(self.params, self.stashed, k, recompute=self.states.cut[:, None], cut=cut) \
                 <= self.memory.limit
             recomputing = fits_again if self.recompute == "all" else fits_again & ~fits
             times = np.where(recomputing, again(), times)

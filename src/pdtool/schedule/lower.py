@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .core import Schedule
+from .core import Schedule, stash_depth
 
 ACTIVATION, GRADIENT = 0, 1  # what a message carries: a forward's outputs, or a backward's input gradients
 COMPUTE = ("F", "B", "W")
@@ -86,6 +86,15 @@ class Lowered:
         on every worker that lowers the same schedule."""
         return sorted({message(op, rank)[:3] for rank, ops in zip(self.ranks, self.workers)
                        for op in ops if op.kind == "send"})
+
+    def windows(self, rank: int) -> dict[tuple[int, int], int]:
+        """For each direction of a link of worker `rank`, keyed (peer, direction): how many of its
+        messages may be unconfirmed at once (`runtime.worker.comm`): the most minibatches either end
+        of the link holds in flight (`stash_depth`). Never more travel on it at once, and a worker's
+        buffers then grow with its own depth, not with the deepest worker of the pipeline."""
+        own = stash_depth(self.schedule, self.stage_of(rank))
+        return {(op.peer, op.direction): max(own, stash_depth(self.schedule, self.stage_of(op.peer)))
+                for op in self.workers[self.index(rank)] if op.kind in ("send", "recv")}
 
     def receiver_stage(self, op: Op) -> int:
         """The stage that receives the message of a `send`/`recv` op."""

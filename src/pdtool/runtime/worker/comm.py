@@ -19,14 +19,15 @@ minibatches in one order (rule 8).
 
 A send is known to be complete only once waited on (gloo never reports one complete before),
 so a link keeps at most `window` unconfirmed messages per direction and then waits for its
-oldest; the worker uses the most minibatches any of its schedule's workers holds in flight
-(`schedule.stash_depth`), which bounds the tensors kept alive by what the stages stash
-anyway. Such a wait ends without this worker doing anything more: each direction of a link
+oldest; each direction of a link uses the most minibatches either of its two workers holds in
+flight (`schedule.stash_depth`, `Lowered.windows`): never more of its messages travel at once, and
+a worker's message buffers grow with its own depth, not with the deepest worker of the pipeline
+(the memory model's `messages` term, `planner.costmodel`). Such a wait ends without this worker doing anything more: each direction of a link
 carries its messages in one order (schedule rule 8) and the peer posts the receives of its
 next messages of a direction in that order (`Prefetch`), before it needs them.
 tests/unit/test_comm_protocol.py replays the generated schedules of every mode under these
-rules (replicated stages, their all-reduces and tied weights included): no deadlock with this
-window or with a window of 1; a window of 0 (each send waiting for its own receive) deadlocks.
+rules (replicated stages, their all-reduces and tied weights included): no deadlock with these
+windows, with the schedule's largest depth everywhere, or with a window of 1; a window of 0 (each send waiting for its own receive) deadlocks.
 
 Between two workers of one launcher a direction of a link may instead be a shared-memory ring
 (`runtime.worker.shm`, `Link.rings`): its messages are written into and taken out of the ring, with
@@ -74,7 +75,9 @@ def message_specs(specs, lowered: Lowered, op) -> list[BoundaryTensor]:
 
 class Prefetch:
     """Which receives a worker posts before it runs each of its lowered ops (`schedule.lower`):
-    for each direction, its next `window + 1` recv ops (the current one included), in order.
+    for each direction, its next `window + 1` recv ops (the current one included), in order;
+    `window` is one number for every direction, or the worker's windows by (peer, direction)
+    (`Lowered.windows`), of which a direction takes its largest.
 
     A transfer can only run while its receive is posted (gloo reads a message into the buffer
     of its receive; the kernel's socket buffers hold only the start of a large one), so posting
@@ -83,22 +86,24 @@ class Prefetch:
     bounded like the sends: `window` is the most minibatches any worker of the schedule holds
     in flight."""
 
-    def __init__(self, ops, window: int):
+    def __init__(self, ops, window: int | dict[tuple[int, int], int]):
         self.ops = ops
-        self.count = window + 1
         self.waiting: dict[int, list[int]] = {}  # direction -> indices of the recv ops of that direction
         for j, op in enumerate(ops):
             if op.kind == "recv":
                 self.waiting.setdefault(op.direction, []).append(j)
+        self.counts = {d: 1 + (window if isinstance(window, int) else
+                               max((w for (_, direction), w in window.items() if direction == d), default=1))
+                       for d in self.waiting}
         # fresh[i]: the recv ops that enter the window before op i (posted there, once each): what
         # the worker posts, so that no op pays for walking a window it posted before (~30 us an op)
         self.fresh: list[list] = [[] for _ in ops]
-        for indices in self.waiting.values():
+        for direction, indices in self.waiting.items():
             k = end = 0
             for i in range(len(ops)):
                 while k < len(indices) and indices[k] < i:
                     k += 1
-                stop = min(k + self.count, len(indices))
+                stop = min(k + self.counts[direction], len(indices))
                 if stop > end:
                     self.fresh[i].extend(ops[j] for j in indices[end:stop])
                     end = stop
@@ -106,9 +111,9 @@ class Prefetch:
     def before(self, i: int) -> list:
         """The recv ops that are posted (if not yet) before op i runs."""
         found = []
-        for indices in self.waiting.values():
+        for direction, indices in self.waiting.items():
             k = bisect.bisect_left(indices, i)
-            found.extend(self.ops[j] for j in indices[k:k + self.count])
+            found.extend(self.ops[j] for j in indices[k:k + self.counts[direction]])
         return found
 
 
@@ -176,17 +181,25 @@ class Link:
     """Messages of one worker: activations from the previous stage and to the next one,
     gradients from the next stage and to the previous one."""
 
-    def __init__(self, device: torch.device, window: int, groups: dict[tuple[int, int], object] | None = None,
+    def __init__(self, device: torch.device, window: int | dict[tuple[int, int], int],
+                 groups: dict[tuple[int, int], object] | None = None,
                  timeout_s: float | None = None, rank: int | None = None, rings: dict | None = None):
         self.device = device
         self.rings = rings or {}  # (peer, direction) -> shm.Ring: that direction goes through shared memory
-        self.window = window  # unconfirmed messages per link and direction (module docstring)
+        # unconfirmed messages per link and direction (module docstring): one number for all, or by (peer, direction)
+        self.window = window
         self.groups = groups or {}  # (peer, direction) -> process group; the default group if absent
         self.pending: dict[tuple[int, int], tuple[list, tuple, int]] = {}  # key -> (works, buffers, peer)
         self.sends: dict[tuple[int, int], deque] = {}  # (peer, direction) -> (works, tensors, minibatch), oldest first
         self.timeout_s = timeout_s  # how long one message may take before its peer counts as gone (None: forever)
         self.rank = rank
         self.routes: dict[tuple[int, int], tuple[object, int]] = {}
+
+    def window_of(self, peer: int, direction: int) -> int:
+        """The unconfirmed messages one direction of a link keeps (a link no window names: the largest)."""
+        if isinstance(self.window, int):
+            return self.window
+        return self.window.get((peer, direction)) or max(self.window.values(), default=1)
 
     def route(self, peer: int, direction: int) -> tuple[object, int]:
         """(process group, the peer's rank in it) of one direction of a link, resolved once.
@@ -241,7 +254,7 @@ class Link:
         works = [group.send([_wire(t)], destination, tag(minibatch, i, direction)) for i, t in zip(positions, tensors)]
         queue = self.sends.setdefault((peer, direction), deque())
         queue.append((works, tensors, minibatch))
-        while len(queue) > self.window:
+        while len(queue) > self.window_of(peer, direction):
             self._confirm_oldest(queue, peer, direction)
 
     def flush(self) -> None:

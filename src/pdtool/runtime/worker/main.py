@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ...allocator import keep_freed_memory
 from ...artifacts.plan import Plan
 from ...precision import message_dtype
-from ...schedule import Schedule, lower, stash_depth
+from ...schedule import Schedule, lower
 from ...schedule.lower import Lowered, collective_key
 from .comm import BoundaryTensor, Link, layout, link_groups, message_specs
 from .. import peers
@@ -181,10 +181,10 @@ def _connect(config: RunConfig, plan: Plan, built: _Built, rank: int, device: to
     norm = _whole_norm(config, built, plan, device)
     links = link_groups(lowered, rank)
     ties = tied.make_ties(built.capture.stages, built.stage, [st.ranks for st in plan.stages])
-    window = max(stash_depth(built.schedule, s) for s in range(built.schedule.stages))
-    rings = _rings(config, lowered, ops, rank, built.specs, window, device, store)
+    windows = lowered.windows(rank)
+    rings = _rings(config, lowered, ops, rank, built.specs, windows, device, store)
     collectives = _collectives(ops, groups.get(built.stage_index), ties)
-    return ops, Link(device, window, links, config.timeout_s, rank, rings), collectives, norm
+    return ops, Link(device, windows, links, config.timeout_s, rank, rings), collectives, norm
 
 
 def _whole_norm(config: RunConfig, built: _Built, plan: Plan, device: torch.device) -> Callable | None:
@@ -247,7 +247,7 @@ def _on_device(batch: Callable[[int], tuple], device: torch.device) -> Callable[
     return lambda b: tuple(_to(x, device) for x in batch(b))
 
 
-def _rings(config: RunConfig, lowered: Lowered, ops, rank: int, specs, window: int, device: torch.device,
+def _rings(config: RunConfig, lowered: Lowered, ops, rank: int, specs, windows: dict, device: torch.device,
            store) -> dict:
     """Shared-memory rings (`runtime.worker.shm`) for the directions of this worker's links (its send
     and recv ops) whose peer the same launcher started (`--transport`); the rest go through the
@@ -264,9 +264,10 @@ def _rings(config: RunConfig, lowered: Lowered, ops, rank: int, specs, window: i
             continue
         message = message_specs(specs, lowered, op)
         directions.append(shm.Direction(peer, direction, op.kind == "recv",
-                                        layout([(t.shape, t.dtype) for t in message], pack_all=True).size))
+                                        layout([(t.shape, t.dtype) for t in message], pack_all=True).size,
+                                        windows[(peer, direction)]))
     rings, made = shm.open_rings(
-        store, node, rank, directions, window,
+        store, node, rank, directions,
         lambda peer: shm.Waiter(spin, config.timeout_s, rank, peer, pids[peer][1]))
     dist.barrier()  # every ring is mapped: its file can go
     shm.remove(made)

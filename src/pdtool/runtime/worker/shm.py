@@ -19,7 +19,7 @@ transfer would.
 
 The counters are plain 8-byte stores and loads, ordered by the hardware only on x86 (TSO:
 the slot's bytes are visible before the count that follows them); elsewhere links use the
-process group. The ring has `window` slots: a sender blocks once `window` messages are
+process group. The ring has the link's `window` slots (`Lowered.windows`): a sender blocks once `window` messages are
 untaken, as `Link.send` waits for its oldest unconfirmed transfer, and the receiver takes in
 the link's one order (schedule rule 8; tests/unit/test_comm_protocol.py replays every
 generated schedule with receives taken only when needed: no deadlock)."""
@@ -188,10 +188,10 @@ class Direction:
     direction: int
     receiving: bool
     nbytes: int  # a message's bytes in a ring slot (`Layout.size` with every tensor packed)
+    slots: int   # messages the ring holds: the link's window for this direction (`Lowered.windows`)
 
 
-def open_rings(store, node: str, rank: int, directions: Sequence[Direction], window: int,
-               waiter_for) -> tuple[dict[tuple[int, int], Ring], list[str]]:
+def open_rings(store, node: str, rank: int, directions: Sequence[Direction], waiter_for) -> tuple[dict[tuple[int, int], Ring], list[str]]:
     """The rings of this worker's same-machine links, keyed (peer, direction) as `Link` keys them,
     and the files it made.
 
@@ -199,19 +199,18 @@ def open_rings(store, node: str, rank: int, directions: Sequence[Direction], win
     could ("ok") or not ("no": that direction stays on the process group); the sender then
     maps it. The caller removes the files (`remove`) once every worker has mapped its rings
     (a barrier), so nothing is left in /dev/shm whatever way the job ends after that."""
-    slots = max(window, 1)
     rings, made = {}, []
     for d in directions:
         if d.receiving:
             path = ring_path(node, d.peer, rank, d.direction)
-            ok = create(path, ring_bytes(slots, d.nbytes))
+            ok = create(path, ring_bytes(max(d.slots, 1), d.nbytes))
             store.set(_key(d.peer, rank, d.direction), "ok" if ok else "no")
             if ok:
                 made.append(path)
-                rings[(d.peer, d.direction)] = Ring(path, slots, d.nbytes, waiter_for(d.peer))
+                rings[(d.peer, d.direction)] = Ring(path, max(d.slots, 1), d.nbytes, waiter_for(d.peer))
     for d in directions:
         if not d.receiving and store.get(_key(rank, d.peer, d.direction)) == b"ok":
-            rings[(d.peer, d.direction)] = Ring(ring_path(node, rank, d.peer, d.direction), slots, d.nbytes,
+            rings[(d.peer, d.direction)] = Ring(ring_path(node, rank, d.peer, d.direction), max(d.slots, 1), d.nbytes,
                                                 waiter_for(d.peer))
     return rings, made
 
