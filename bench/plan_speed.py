@@ -9,8 +9,17 @@ takes with the pdtool cost model: the optimizer, then the simulation of its cand
 best plan per number of workers, straight pipelines, data parallelism) to keep the fastest;
 "candidates" how many it simulated. All measured here, in one run.
 
+Then the scale table (issue 25): chains shaped like transformer blocks (100, 300 and 1000
+layers, each 1-2 ms forward, twice that backward, 28 MB of parameters, 4 MB of activations,
+batch 8) on clusters of 16, 256, 1024 and 4096 workers on 2 and 3 levels (8 per server at
+300 GB/s; servers at 25 GB/s; racks at 10 GB/s): `pd plan`'s wall time, its pick's simulated
+time per minibatch (the steady state from one period, `pdtool.steady`, as pd plan ranks), data
+parallelism's and the cost model's optimum's (`make_plan(simulate=False)`, the same figure), and
+whether the pick is no slower than either. Target: 1000 layers on 4096 workers in at most 60 s.
+
     python bench/plan_speed.py              # everything
     python bench/plan_speed.py --quick      # skip the 1000-layer rows
+    python bench/plan_speed.py --scale      # the scale table only
 """
 from __future__ import annotations
 
@@ -25,6 +34,8 @@ from pdtool.planner import make_plan
 from pdtool.artifacts.profile import Layer, Profile
 
 ROOT = Path(__file__).resolve().parents[1]
+SCALE_CLUSTERS = [("16 (8x2)", "8x300GB/s,2x25GB/s"), ("256 (8x32)", "8x300GB/s,32x25GB/s"),
+                  ("1024 (8x8x16)", "8x300GB/s,8x25GB/s,16x10GB/s"), ("4096 (8x16x32)", "8x300GB/s,16x25GB/s,32x10GB/s")]
 CLUSTERS = [("4", "4x12GB/s"), ("16 (4x4)", "4x12GB/s,4x10Gbit/s"), ("64 (8x8)", "8x25GB/s,8x25Gbit/s"),
             ("1024 (8x8x16)", "8x25GB/s,8x25Gbit/s,16x10Gbit/s")]
 
@@ -41,10 +52,53 @@ def synthetic(n: int, seed: int = 0) -> Profile:
                    layers=layers, edges=tuple(sorted(edges)))
 
 
+def transformer(n: int, seed: int = 0) -> Profile:
+    """A chain of n transformer-like blocks: 1-2 ms forward, twice that backward, 28 MB of
+    parameters and 4 MB of activations each (no skip edges: a block's residual stays inside it)."""
+    rng = random.Random(seed)
+    layers = []
+    for i in range(n):
+        fwd = rng.uniform(1, 2)
+        layers.append(Layer(id=i, name=f"block{i}", kind="Block", fwd_ms=fwd, bwd_ms=2 * fwd, act_bytes=4_000_000,
+                            param_bytes=28_000_000))
+    return Profile(model=None, batch_size=8, inputs=(), device="synthetic", torch_version="", fingerprint="0" * 64,
+                   method="pipedream", granularity="module", depth=None, repeats=0, step_ms=0.0, step_ms_spread=0.0,
+                   layers=tuple(layers), edges=tuple((i, i + 1) for i in range(n - 1)))
+
+
+def scale_table(sizes) -> None:
+    from pdtool.steady import steady_state
+
+    print("| layers | workers | pd plan s | pick ms | data parallel ms | cost model optimum ms | pick | "
+          "pick <= both |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in sizes:
+        profile = transformer(n)
+        for workers, spec in SCALE_CLUSTERS:
+            cluster = parse_cluster(spec)
+            start = time.perf_counter()
+            chosen = make_plan(profile, cluster)
+            whole = time.perf_counter() - start
+            optimum = make_plan(profile, cluster, simulate=False)
+            found = steady_state(optimum)
+            optimum_ms = found.time_per_minibatch_ms if found is not None else float("nan")
+            pick = chosen.predicted.simulated_ms
+            dp = chosen.predicted.simulated_data_parallel_ms
+            shape = f"{len(chosen.stages)} stages x{max(s.replicas for s in chosen.stages)}"
+            ok = pick <= dp * (1 + 1e-5) and pick <= optimum_ms * (1 + 1e-5)  # plans keep 6 digits
+            print(f"| {n} | {workers} | {whole:.1f} | {pick:.4f} | {dp:.4f} | {optimum_ms:.4f} | {shape} | "
+                  f"{'yes' if ok else 'NO'} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="skip the 1000-layer rows")
+    parser.add_argument("--scale", action="store_true", help="the scale table only")
     args = parser.parse_args()
+    sizes = (100, 300) + (() if args.quick else (1000,))
+    if args.scale:
+        scale_table(sizes)
+        return
     cases = [(f"pipedream {m}", load_pipedream_graph(ROOT / "profiles" / "pipedream" / f"{m}.graph.txt",
                                                      64 if m == "gnmt" else None))
              for m in ("alexnet", "vgg16", "resnet18", "gnmt")]
@@ -64,6 +118,8 @@ def main() -> None:
             whole = time.perf_counter() - start
             print(f"| {label} | {len(profile.layers)} | {workers} | {seconds[0]:.3f} | {seconds[1]:.3f} | "
                   f"{whole:.3f} | {chosen.predicted.candidates} | {len(chosen.stages)} |", flush=True)
+    print()
+    scale_table(sizes)
 
 
 if __name__ == "__main__":

@@ -365,12 +365,15 @@ def test_pd_plan_says_which_noisy_layers_decide_the_plan():
 
 
 def test_unranked_clusters_never_get_a_plan_slower_than_data_parallelism_in_simulation(monkeypatch):
-    """Beyond the ranked sizes (here every size: the bound lowered to 1 worker), the cost model's
-    optimum is simulated beside data parallelism and loses where it simulates slower: on links
-    with a 1 ms latency (which the cost model leaves out) a 3-stage pipeline of small weights."""
+    """Beyond the ranked sizes (here every size: the bound lowered to 1 worker), for a schedule
+    whose steady state is not computed from one period (here: none is), the cost model's optimum
+    is simulated beside data parallelism and loses where it simulates slower: on links with a 1 ms
+    latency (which the cost model leaves out) a 3-stage pipeline of small weights."""
     from pdtool.planner import make
 
     monkeypatch.setattr(make, "RANKED_WORKERS", 1)
+    monkeypatch.setattr(make, "steady_applies", lambda plan: False)
+    monkeypatch.setattr(make, "steady_state", lambda plan: None)
     profile = chain_profile([1.0] * 8, [1e6] * 8, [1e5] * 8)
     cluster = parse_cluster("4x1GB/s+1ms")
     optimum = make_plan(profile, cluster, simulate=False)
@@ -379,9 +382,27 @@ def test_unranked_clusters_never_get_a_plan_slower_than_data_parallelism_in_simu
     assert len(plan.stages) == 1 and plan.stages[0].replicas == 4
     assert plan.predicted.why.startswith("data parallelism: the cost model's optimum (3 stages")
     assert plan.predicted.simulated_ms == plan.predicted.simulated_data_parallel_ms
-    assert plan.predicted.candidates == 2
+    assert plan.predicted.candidates == 2 and not plan.predicted.simulated_steady
     pipelined = make_plan(chain_profile([1.0] * 8, [2e7] * 8, [1e5] * 8), cluster)  # big weights: the pipeline wins
     assert len(pipelined.stages) > 1 and pipelined.predicted.simulated_ms < pipelined.predicted.simulated_data_parallel_ms
+
+
+def test_beyond_the_ranked_sizes_pipedream_candidates_are_ranked_by_their_steady_states(monkeypatch):
+    """The bound lowered to 1 worker: every candidate (the cost model's best per number of workers,
+    straight pipelines, data parallelism) gets its steady state from one period, and the pick is
+    the fastest of them, never slower than data parallelism or the cost model's optimum."""
+    from pdtool.planner import make
+    from pdtool.steady import steady_state
+
+    monkeypatch.setattr(make, "RANKED_WORKERS", 1)
+    profile = chain_profile([1.0] * 8, [1e6] * 8, [1e5] * 8)
+    cluster = parse_cluster("4x1GB/s+1ms")
+    plan = make_plan(profile, cluster)
+    assert plan.predicted.simulated_steady and plan.predicted.candidates > 2
+    assert "steady states" in plan.predicted.why
+    optimum = steady_state(make_plan(profile, cluster, simulate=False)).time_per_minibatch_ms
+    assert plan.predicted.simulated_ms <= min(optimum, plan.predicted.simulated_data_parallel_ms)
+    assert plan.predicted.simulated_ms == pytest.approx(steady_state(plan).time_per_minibatch_ms, rel=1e-5)
 
 
 def test_a_plan_without_a_replicated_stage_inside_its_pipeline_names_the_best_one_considered():

@@ -178,6 +178,10 @@ class Prediction:
     simulated_ms: float | None = field(Num(), None, key="simulated.time_per_minibatch_ms", required=True)
     simulated_bubble: float | None = field(Num(), None, key="simulated.bubble_fraction", required=True)
     simulated_minibatches: int | None = field(Int(1), None, key="simulated.minibatches", required=True)
+    simulated_steady: bool = field(Bool(), False, key="simulated.steady", omit=False,
+                                   doc="The simulated figures are the schedule's steady state, computed from one "
+                                   "period of `simulated.minibatches` minibatches (pdtool.steady), not a run of "
+                                   "that many (absent: a run).")
     candidates: int | None = field(Int(1), None, key="simulated.candidates", null=True,
                                    doc="Plans pd plan compared in simulation (null: not compared).")
     why: str | None = field(Str(), None, key="simulated.why", null=True, doc="Why this plan won among them.")
@@ -392,8 +396,13 @@ def _check_data_flow(plan: Plan, owner: dict[int, int], top: At) -> None:
                 computer = "it computes it itself" if owner[layer] == index else f"stages[{owner[layer]}] computes it later"
                 top.fail(f"receives layer {layer} from an earlier stage, but {computer}: {OUT_OF_ORDER}",
                          "regenerate the plan with pd plan", f"stages[{index}]")
+    received: dict[int, set[int]] = {}  # stage -> its layers that later stages receive
+    for later, stage in enumerate(plan.stages):
+        for layer in stage.receives:
+            if layer in owner and owner[layer] < later:
+                received.setdefault(owner[layer], set()).add(layer)
     for index, stage in enumerate(plan.stages):
-        read = sorted({layer for later in plan.stages[index + 1:] for layer in later.receives if owner[layer] == index})
+        read = sorted(received.get(index, ()))
         if list(stage.sends) != read:
             top.fail(f"sends layers [{compact_ranges(stage.sends)}], but the later stages receive "
                      f"[{compact_ranges(read)}] of its layers: the stages' records disagree (edited by hand?)",

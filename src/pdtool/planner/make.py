@@ -19,6 +19,7 @@ from ..artifacts.plan import (
 )
 from ..artifacts.profile import Profile
 from ..errors import PlanError
+from ..steady import applies as steady_applies, steady_state
 from ..schedule.modes import DEFAULT, DEFAULT_TIED, MODES, listed, modes_where, resolve, rules
 from ..units import format_bytes
 from .costmodel import COMPUTE_COPY, MODELS, ChainCosts, CostModel, Memory
@@ -34,9 +35,11 @@ CANDIDATES = 4
 (fastest first, at most this many), as many straight pipelines, and data parallelism on every
 worker."""
 RANKED_WORKERS = 64
-"""Clusters up to this many workers are ranked by simulation. Beyond, a simulation short enough
-to plan quickly is mostly pipeline fill and drain, so it cannot rank plans: the cost model's
-optimum is kept (and simulated alone), and the plan says so."""
+"""Up to this many workers, candidates are ranked by event simulation (their steady state where
+`steady.steady_state` computes it, else a short run) and the finalists simulated in full. Beyond,
+a simulation short enough to plan quickly is mostly pipeline fill and drain: where the plan's mode
+has a computed steady state, that figure ranks every candidate and is the prediction; otherwise
+the cost model's optimum is kept (and simulated alone), and the plan says so."""
 RANKING_MINIBATCHES_PER_WORKER = 8
 """Candidates are compared on runs this long (per worker); the best `FINALISTS` in full."""
 FINALISTS = 3
@@ -92,7 +95,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     plans = [describe(p, solver) for p in pipelines]
     if not simulate:
         return _trainable(plans[0], mode, say)
-    ranking = cluster.workers <= RANKED_WORKERS
+    ranking = cluster.workers <= RANKED_WORKERS or steady_applies(plans[0])  # the candidates share a mode
     if ranking and not straight and not data_parallel:  # straight pipelines: the cost model undervalues them most
         lined = Solver(states, counts, bandwidths, model, straight=True, memory=memory, recompute=recompute)
         plans += [describe(p, lined) for p in lined.candidates(CANDIDATES) if p is not None]
@@ -102,11 +105,13 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     if ranking and baseline is not None and not straight:
         plans.append(baseline)
     ranked = _ranked(plans, cluster.workers) if ranking else [_with_simulation(plans[0])]
+    in_full = cluster.workers <= RANKED_WORKERS  # finalists simulated in full; beyond, their steady state
     best = ranked[0]
     if data_parallel:
         baseline = best
     elif baseline is not None:  # simulated already if it was a finalist
-        baseline = next((p for p in ranked[:FINALISTS] if _key(p) == _key(baseline)), None) or _with_simulation(baseline)
+        baseline = next((p for p in ranked[:FINALISTS] if _key(p) == _key(baseline)), None) or \
+            _with_simulation(baseline, steady=not in_full)
     if not ranking:
         why = f"the cost model's optimum (clusters over {RANKED_WORKERS} workers are not ranked by simulation)"
         if baseline is not None and not data_parallel and baseline.predicted.simulated_ms < best.predicted.simulated_ms:
@@ -119,10 +124,11 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
             ranked = [best, baseline]  # both simulated: the candidates compared
     else:
         why = f"fastest of {len(ranked)} candidate plans in simulation" + (
+            "" if in_full else " (their steady states, computed from one period of their schedules)") + (
             f"; next: {_shape(ranked[1])}" if len(ranked) > 1 else "")
     hybrid = None if _hybrid(best) else next((p for p in ranked if _hybrid(p)), None)
     if hybrid is not None:
-        full = any(_key(p) == _key(hybrid) for p in ranked[:FINALISTS])
+        full = hybrid.predicted.simulated_steady or any(_key(p) == _key(hybrid) for p in ranked[:FINALISTS])
         hybrid = (f"{_shape(hybrid)}: {hybrid.predicted.simulated_ms:.3f} ms per minibatch simulated"
                   + ("" if full else f" (on a run of {hybrid.predicted.simulated_minibatches} minibatches)"))
     over = None if baseline is not None else _data_parallel_excess(profile, costs, states, counts, bandwidths, model,
@@ -167,12 +173,15 @@ def _ranked(plans: list[Plan], workers: int) -> list[Plan]:
     """The distinct plans, fastest first in simulation: compared on short runs, then the best
     `FINALISTS` simulated in full (those come first, with their full figures; the rest carry their
     short run's)."""
+    full = workers <= RANKED_WORKERS
     unique = list({_key(p): p for p in reversed(plans)}.values())
     if len(unique) == 1:
-        return [_with_simulation(unique[0])]
+        return [_with_simulation(unique[0], steady=not full)]
     short = RANKING_MINIBATCHES_PER_WORKER * workers
-    ranked = sorted((_with_simulation(p, short) for p in unique),  # the rest keep their short run's figures
+    ranked = sorted((_with_simulation(p, short, steady=True) for p in unique),  # the rest keep these figures
                     key=lambda p: (p.predicted.simulated_ms, p.predicted.time_ms))
+    if not full:
+        return ranked
     finalists = sorted((_with_simulation(p) for p in ranked[:FINALISTS]), key=lambda p: p.predicted.simulated_ms)
     return finalists + ranked[FINALISTS:]
 
@@ -277,9 +286,15 @@ def shared_parameters(profile: Profile, stages) -> tuple[tuple[str, tuple[int, .
     return tuple(found)
 
 
-def _with_simulation(plan: Plan, most: int = SIMULATED_MINIBATCHES) -> Plan:
-    """The plan with the simulator's figures for its own schedule recorded in `predicted`, from a
-    run of at most `most` minibatches."""
+def _with_simulation(plan: Plan, most: int = SIMULATED_MINIBATCHES, steady: bool = False) -> Plan:
+    """The plan with the simulator's figures for its own schedule recorded in `predicted`: with
+    `steady`, its steady state computed from one period where that applies (`steady.steady_state`);
+    otherwise from an event simulation of at most `most` minibatches."""
+    found = steady_state(plan) if steady else None
+    if found is not None:
+        return dataclasses.replace(plan, predicted=dataclasses.replace(
+            plan.predicted, simulated_ms=found.time_per_minibatch_ms, simulated_bubble=found.bubble_fraction,
+            simulated_minibatches=found.period_minibatches, simulated_steady=True))
     group = resolve(None, plan.mode, [s.replicas for s in plan.stages]).group
     most = min(most, SIMULATED_MINIBATCHES)
     minibatches = min(simulator.default_minibatches(plan.workers, group), max(most // group, 1) * group)
@@ -302,6 +317,8 @@ def _describe(pipeline: Pipeline, profile: Profile, costs: ChainCosts, model: Co
     groups: list[PlanGroup] = []
     final = solver.final
     cut = solver.states.cut
+    total_params = profile.param_bytes
+    placed = [0]  # workers of the stages described so far
 
     def walk(p: Pipeline, bases: list[int], outer: int) -> None:
         size = solver.inner[p.level]
@@ -318,7 +335,9 @@ def _describe(pipeline: Pipeline, profile: Profile, costs: ChainCosts, model: Co
             units = range(stage.units_before, stage.units_before + stage.replicas)
             here = [base + u * size for base in bases for u in units]
             if stage.inner is None:
-                stages.append(_leaf(stage, terms, outer, sorted(here), profile, costs, solver, memory, stages))
+                stages.append(_leaf(stage, terms, outer, sorted(here), profile, costs, solver, memory, stages,
+                                    placed[0], total_params))
+                placed[0] += len(here)
             else:
                 groups.append(PlanGroup(p.level, stage.layers, stage.replicas,
                                         *_term_ms(terms, outer)))
@@ -335,8 +354,8 @@ def _term_ms(terms: dict, outer: int) -> tuple[float, float, float, float]:
 
 
 def _leaf(stage: PipelineStage, terms: dict, outer: int, ranks: list[int], profile: Profile, costs: ChainCosts,
-          solver: Solver, memory: Memory, earlier: list[PlanStage]) -> PlanStage:
-    before = sum(s.replicas for s in earlier)
+          solver: Solver, memory: Memory, earlier: list[PlanStage], before: int, total_params: int) -> PlanStage:
+    """One plan stage: `before` workers run the `earlier` stages; `total_params` is the profile's."""
     k = Memory.in_flight(solver.workers, before, len(ranks))
     a, b = stage.start, stage.end
     need = memory.need(float(solver.params[a, b]), float(solver.stashed[a, b]), k,
@@ -344,7 +363,7 @@ def _leaf(stage: PipelineStage, terms: dict, outer: int, ranks: list[int], profi
                        cut=(float(solver.states.cut[a]), float(solver.states.cut[b])))
     layers = [profile.layers[i] for i in stage.layers]
     params = sum(l.param_bytes for l in layers)
-    share = params / profile.param_bytes if profile.param_bytes else 0.0
+    share = params / total_params if total_params else 0.0
     return PlanStage(stage.layers, layers[0].name, layers[-1].name, tuple(ranks), k,
                      sum(l.fwd_ms for l in layers), sum(l.bwd_ms for l in layers), params,
                      int(solver.states.cut[a]), int(solver.states.cut[b]), int(solver.stashed[a, b]),

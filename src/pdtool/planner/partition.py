@@ -45,6 +45,7 @@ from .states import States, build_states
 
 INF = float("inf")
 _GUESS_WIDTH = 16  # mean band width per j above which `_relax` tries even splits first
+_AROUND = np.array([[-1], [0], [1]])  # the even split's state and its two neighbours (`_relax_guesses`)
 Context = tuple[int, int]  # (workers before, replication of the enclosing stages)
 
 
@@ -126,6 +127,9 @@ class Solver:
         self._params_sorted = states.params_sorted
         self._tables: dict[tuple[int, Context | None], np.ndarray] = {}
         self._stages: dict[tuple, np.ndarray] = {}
+        self._bounds: dict[tuple[int, int], tuple] = {}  # `CostModel.stage_bound` by (replicas, level)
+        self._top_rows: dict[tuple, tuple] = {}  # `_tracked_row` of the top level
+        self._pipelines: dict[tuple, Pipeline | None] = {}  # `_reconstruct`'s answers: candidates share stages
 
     # ----- public --------------------------------------------------------------------------
     def solve(self) -> Pipeline | None:
@@ -140,7 +144,7 @@ class Solver:
         plans the planner compares in simulation."""
         top = len(self.counts) - 1
         context = (0, 1) if self.memory else None
-        _, _, T, _, _ = self._row(top, context, 0, track=True)
+        _, _, T, _, _ = self._tracked_row(top, context, 0)
         b = self.S - 1
         counts = [self.counts[top]] if self.exact else range(1, self.counts[top] + 1)
         finite = sorted((float(T[m, b]), m) for m in counts if np.isfinite(T[m, b]))
@@ -228,6 +232,7 @@ class Solver:
         T = np.full((M + 1, S), INF)
         choice_F = np.zeros((M + 1, S, 2), dtype=np.int64) if track else None
         choice_T = np.zeros((M + 1, S, 2), dtype=np.int64) if track else None
+        suffixes: dict[int, np.ndarray] = {}
         for m in range(1, M + 1):
             if not self.straight or m == 1:
                 F[m, a + 1:] = self._stage(level, context, m, 0, True, False)[a, a + 1:]
@@ -238,16 +243,18 @@ class Solver:
             if a + 2 >= S:
                 continue
             for r in self._replica_choices(m):
+                if m - r not in suffixes:  # F[m - r] is final: its suffix minima, once for every r that reads it
+                    suffixes[m - r] = np.minimum.accumulate(F[m - r][a + 1:S - 1][::-1])[::-1]
                 for table, choices, final in ((F, choice_F, False), (T, choice_T, True)):
                     stage = self._stage(level, context, r, m - r, False, final)
-                    self._relax(table, choices, F[m - r], stage, level, a, m, r)
+                    self._relax(table, choices, F[m - r], stage, level, a, m, r, suffixes[m - r])
         if self.exact:
             best = T[M]
         else:
             best = T[1:].min(axis=0)
         return (best, F, T, choice_F, choice_T) if track else (best,)
 
-    def _relax(self, table, choices, prev, stage, level, a, m, r) -> None:
+    def _relax(self, table, choices, prev, stage, level, a, m, r, suffix_min) -> None:
         """table[m][j] = min(table[m][j], min over a < k < j of max(prev[k], stage[k, j])).
 
         Only a band of states k is evaluated for each j: the cost model's lower bound on the
@@ -263,19 +270,20 @@ class Solver:
         if a + 2 >= S:
             return
         j = np.arange(a + 2, S)
-        lo, hi = self._band(table, prev, level, a, m, r, j)
+        lo, hi = self._band(table, suffix_min, level, a, m, r, j)
         if np.maximum(hi - lo + 1, 0).sum() > _GUESS_WIDTH * len(j):
             # wide bands: the time known so far is poor; try the even splits first, then narrow
             self._relax_guesses(table, choices, prev, stage, a, m, r, j)
-            lo, hi = self._band(table, prev, level, a, m, r, j)
+            lo, hi = self._band(table, suffix_min, level, a, m, r, j)
         width = np.maximum(hi - lo + 1, 0)
         keep = np.nonzero(width > 0)[0]
         if len(keep) == 0:
             return
         j, lo, width = j[keep], lo[keep], width[keep]
-        starts = np.concatenate([[0], np.cumsum(width)[:-1]])
-        k = np.repeat(lo - starts, width) + np.arange(int(width.sum()))
-        values = np.maximum(prev[k], stage[k, np.repeat(j, width)])
+        cumulative = width.cumsum()
+        starts = cumulative - width
+        k = (lo - starts).repeat(width) + np.arange(int(cumulative[-1]))
+        values = np.maximum(prev[k], stage[k, j.repeat(width)])
         best = np.minimum.reduceat(values, starts)
         better = best < table[m, j]
         table[m, j] = np.where(better, best, table[m, j])
@@ -287,25 +295,28 @@ class Solver:
             choices[m, j[chosen], 0] = k[first_hit[chosen]]
             choices[m, j[chosen], 1] = r
 
-    def _band(self, table, prev, level, a, m, r, j) -> tuple[np.ndarray, np.ndarray]:
+    def _band(self, table, suffix_min, level, a, m, r, j) -> tuple[np.ndarray, np.ndarray]:
         """For every j, the first and last state k whose lower bounds stay below the best
-        time known for j (see `_relax`)."""
-        S = len(prev)
+        time known for j (see `_relax`). `suffix_min`: the prefix times' suffix minima over
+        k = a + 1 .. S - 2 (they do not decrease with k)."""
         known = table[m, a + 2:] * (1.0 + 1e-9)  # a little slack against rounding in the bounds
-        # the prefix side: k runs over a + 1 .. S - 2; its suffix minimum does not decrease with k
-        suffix_min = np.minimum.accumulate(prev[a + 1:S - 1][::-1])[::-1]
-        hi = np.minimum(a + np.searchsorted(suffix_min, known, side="left"), j - 1)
+        hi = np.minimum(a + suffix_min.searchsorted(known, side="left"), j - 1)
         # the stage side: alpha * C(k, j) (+ or max) beta * P(k, j) < known, solved on the totals
         # (the params part only when the params totals are sorted too; it is only pruning)
-        alpha, beta, additive = self.model.stage_bound(r, self.bandwidths[level], self.inner[level])
+        bound = (r, level)
+        if bound not in self._bounds:
+            alpha, beta, additive = self.model.stage_bound(r, self.bandwidths[level], self.inner[level])
+            mixed = alpha * self.states.compute + beta * self.states.params \
+                if additive and self._params_sorted else None
+            self._bounds[bound] = (alpha, beta, additive, mixed)
+        alpha, beta, additive, mixed = self._bounds[bound]
         compute, params = self.states.compute, self.states.params
-        if additive and self._params_sorted:
-            mixed = alpha * compute + beta * params
-            lo = np.searchsorted(mixed, mixed[j] - known, side="right")
+        if mixed is not None:
+            lo = mixed.searchsorted(mixed[j] - known, side="right")
         else:
-            lo = np.searchsorted(compute, compute[j] - known / alpha, side="right")
+            lo = compute.searchsorted(compute[j] - known / alpha, side="right")
             if beta > 0 and not additive and self._params_sorted:
-                lo = np.maximum(lo, np.searchsorted(params, params[j] - known / beta, side="right"))
+                lo = np.maximum(lo, params.searchsorted(params[j] - known / beta, side="right"))
         return np.maximum(lo, a + 1), hi
 
     def _relax_guesses(self, table, choices, prev, stage, a, m, r, j) -> None:
@@ -313,8 +324,8 @@ class Solver:
         prefix's m - r units and the stage's r units: a good time found this way narrows the
         bands `_relax` has to search."""
         compute = self.states.compute
-        even = np.searchsorted(compute, (r * compute[a] + (m - r) * compute[j]) / m)
-        k = np.clip(even[None, :] + np.array([[-1], [0], [1]]), a + 1, j[None, :] - 1)
+        even = compute.searchsorted((r * compute[a] + (m - r) * compute[j]) / m)
+        k = np.minimum(np.maximum(even[None, :] + _AROUND, a + 1), j[None, :] - 1)
         values = np.maximum(prev[k], stage[k, j[None, :]])
         pick = values.argmin(axis=0)
         columns = np.arange(len(j))
@@ -326,9 +337,26 @@ class Solver:
             choices[m, j[better], 1] = r
 
     # ----- reconstruction ------------------------------------------------------------------
+    def _tracked_row(self, level: int, context: Context | None, a: int):
+        """`_row(..., track=True)`; the top level's (one row, which `candidates` and every candidate's
+        reconstruction read) is kept, the others are made again where needed (they are many)."""
+        if level < len(self.counts) - 1:
+            return self._row(level, context, a, track=True)
+        key = (level, context, a)
+        if key not in self._top_rows:
+            self._top_rows[key] = self._row(level, context, a, track=True)
+        return self._top_rows[key]
+
     def _reconstruct(self, level: int, context: Context | None, a: int, b: int,
                      units: int | None = None) -> Pipeline | None:
-        best, F, T, choice_F, choice_T = self._row(level, context, a, track=True)
+        key = (level, context, a, b, units)
+        if key not in self._pipelines:
+            self._pipelines[key] = self._reconstructed(level, context, a, b, units)
+        return self._pipelines[key]
+
+    def _reconstructed(self, level: int, context: Context | None, a: int, b: int,
+                       units: int | None = None) -> Pipeline | None:
+        best, F, T, choice_F, choice_T = self._tracked_row(level, context, a)
         if not np.isfinite(best[b]):
             return None
         M = self.counts[level]

@@ -102,8 +102,10 @@ def plan_table(plan: Plan) -> str:
     lines += [
         "",
         f"predicted    {pred.expected_ms:.3f} ms per minibatch ({plan.samples_per_s:.1f} samples/s), "
-        + (f"simulated ({plan.mode} schedule, {pred.simulated_minibatches} minibatches, bubble "
-           f"{pred.simulated_bubble:.1%}); " if pred.simulated_ms is not None else "")
+        + (f"simulated ({plan.mode} schedule, "
+           + (f"steady state of its {pred.simulated_minibatches}-minibatch period" if pred.simulated_steady
+              else f"{pred.simulated_minibatches} minibatches")
+           + f", bubble {pred.simulated_bubble:.1%}); " if pred.simulated_ms is not None else "")
         + f"cost model {pred.time_ms:.3f} ms, bottleneck: {pred.bottleneck}",
         *([f"chosen       {pred.why}"] if pred.why else []),
         *([f"hybrid       the fastest candidate with a replicated stage inside a pipeline: {pred.hybrid}"]

@@ -1,0 +1,304 @@
+"""A plan's steady state, computed from one period of its schedule instead of simulated.
+
+The simulator (`simulate`) runs every op of a long schedule; planning a cluster of thousands of
+workers needs its figure for many candidates in seconds. Every rule of the simulator is a
+maximum of sums: an op ends at the latest of its inputs (its worker free, its message arrived,
+its link free, every member of its collective arrived) plus a duration. Once a schedule repeats
+(after its warm-up, pipedream and vsync run, on every worker, the backward of its m-th minibatch,
+the step, the forward of its (m + k)-th: `B(m) U F(m + k)` with k its minibatches in flight), the
+simulation is a timed event graph: one node per op of one period, one arc per input, carrying
+the input's duration and how many periods back the input lies (its tokens). Its time per period
+is the graph's largest cycle ratio, a cycle's durations over its tokens (Baccelli, Cohen, Olsder
+and Quadrat, "Synchronization and Linearity", 1992), which Howard's policy iteration finds in a
+few passes over the arcs (Cochet-Terrasson, Cohen, Gaubert, McGettrick and Quadrat, 1998). The
+graph's nodes follow `_Run` rule for rule (`simulate`'s module doc): receives pay their copy
+unless the message came later, sends pay theirs and occupy their link in the order sent, a
+replicated stage's step starts when its last replica arrives and lasts `allreduce_ms`.
+
+One period covers L minibatches, L the least common multiple of the stages' replicas (each
+worker of stage s runs L / r_s of them). Replicas that share a factor g (g divides every stage's
+replicas) split the pipeline into g identical sub-pipelines, each taking every g-th minibatch on
+its own workers and links, which meet only in the all-reduces, which they reach together: the
+period is computed on one of them (stage s's ranks `ranks[::g]`, its all-reduce as long as the
+whole stage's) and stands for g times as many minibatches.
+
+`steady_state` returns None where this does not apply (modes that step per group, periods over
+`MAX_NODES` nodes, a period whose arcs would point forward in time); `pd plan` then simulates.
+tests/unit/test_steady.py checks the figure against the event simulation on every shipped
+profile and cluster. Pure: numpy and pdtool's own modules.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import reduce
+
+import numpy as np
+
+from .artifacts.plan import MS_PER_S, Plan
+from .schedule.modes import ONE_F_ONE_B, rules, warmup_forwards
+from .simulate import MIB, allreduce_ms, link_bandwidth, link_latency
+
+MAX_NODES = 400_000
+"""Largest period graph computed (about 2 s here); beyond, the planner simulates instead."""
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class SteadyState:
+    """Time per minibatch (ms) in the steady state, its bubble (the share of worker time idle),
+    and the period it was computed from (minibatches, graph nodes)."""
+
+    time_per_minibatch_ms: float
+    bubble_fraction: float
+    period_minibatches: int
+    nodes: int
+
+
+def applies(plan: Plan, mode: str | None = None) -> bool:
+    """Whether `steady_state` computes the steady state of `plan` under `mode` (default: the
+    plan's) from one period: modes that step once per round of replicas, in 1F1B order (pipedream,
+    vsync), without tied weights (their all-reduces join stages)."""
+    row = rules(mode or plan.mode)
+    return row.per_round and not row.split and row.order == ONE_F_ONE_B and not plan.shared
+
+
+def steady_state(plan: Plan, mode: str | None = None) -> SteadyState | None:
+    """The steady state of `plan` under `mode` (default: the plan's); None where it cannot be
+    computed from one period (see the module doc)."""
+    if not applies(plan, mode):
+        return None
+    replicas = [s.replicas for s in plan.stages]
+    g = reduce(math.gcd, replicas)
+    reduced = [r // g for r in replicas]
+    period = reduce(lambda a, b: a * b // math.gcd(a, b), reduced)
+    if len(replicas) * period * 12 > MAX_NODES:
+        return None
+    graph = _Graph()
+    acting = _build(plan, g, reduced, period, graph)
+    if acting is None:
+        return None
+    ratio = graph.max_cycle_ratio()
+    if ratio is None or ratio <= 0:
+        return None
+    workers = sum(reduced)
+    return SteadyState(time_per_minibatch_ms=ratio / (period * g),
+                       bubble_fraction=max(0.0, 1 - acting / (workers * ratio)),
+                       period_minibatches=period * g, nodes=graph.count)
+
+
+class _Graph:
+    """A timed event graph: nodes, and arcs (source, target, duration ms, tokens)."""
+
+    def __init__(self):
+        self.count = 0
+        self.src: list[int] = []
+        self.dst: list[int] = []
+        self.weight: list[float] = []
+        self.tokens: list[int] = []
+
+    def node(self) -> int:
+        self.count += 1
+        return self.count - 1
+
+    def arc(self, src: int, dst: int, weight: float, tokens: int = 0) -> None:
+        self.src.append(src)
+        self.dst.append(dst)
+        self.weight.append(weight)
+        self.tokens.append(tokens)
+
+    def max_cycle_ratio(self) -> float | None:
+        """The largest durations / tokens over the graph's cycles, by Howard's policy iteration:
+        every node keeps one incoming arc (its policy), the policy's cycles give each node a
+        ratio and a value, and a node switches to an input of a larger ratio, or of the same
+        ratio and a larger value, until none does. None when the policy meets a cycle without
+        a token (the schedule would deadlock) or a node has no input."""
+        n = self.count
+        order = np.argsort(np.asarray(self.dst), kind="stable")
+        src, dst = np.asarray(self.src)[order], np.asarray(self.dst)[order]
+        weight = np.asarray(self.weight, dtype=float)[order]
+        tokens = np.asarray(self.tokens, dtype=float)[order]
+        if np.any(np.bincount(dst, minlength=n) == 0):
+            return None
+        policy = np.searchsorted(dst, np.arange(n))  # each node's first input
+        for _ in range(n + 2):
+            ratio, value = _evaluate(src[policy], weight[policy], tokens[policy])
+            if ratio is None:
+                return None
+            scale = np.maximum(1.0, np.abs(ratio))
+            offered = ratio[src]
+            best = np.full(n, -np.inf)
+            np.maximum.at(best, dst, offered)
+            raise_ratio = best > ratio + _EPS * scale
+            same = np.abs(offered - ratio[dst]) <= _EPS * scale[dst]
+            gain = np.where(same, value[src] + weight - ratio[dst] * tokens, -np.inf)
+            top = np.full(n, -np.inf)
+            np.maximum.at(top, dst, gain)
+            raise_value = ~raise_ratio & (top > value + _EPS * np.maximum(1.0, np.abs(value)))
+            if not (raise_ratio.any() or raise_value.any()):
+                return float(ratio.max())
+            wanted = np.where(raise_ratio[dst], offered >= best[dst], raise_value[dst] & (gain >= top[dst]))
+            hits = np.nonzero(wanted)[0]
+            nodes, first = np.unique(dst[hits], return_index=True)
+            policy = policy.copy()
+            policy[nodes] = hits[first]
+        return None
+
+
+def _evaluate(parent: np.ndarray, weight: np.ndarray, tokens: np.ndarray):
+    """Each node's ratio and value under a policy: node v's input comes from `parent[v]` over an
+    arc of `weight` and `tokens`. Following parents leads every node to one cycle; its ratio is
+    the cycle's durations over its tokens, and value(v) = value(parent) + weight - ratio * tokens,
+    0 at one node of each cycle. (None, None) for a cycle without a token.
+
+    Vectorised by pointer doubling: parent^(2^K), 2^K >= n, lands every node on a cycle; the
+    cycles themselves are walked once; every other node's value is the sum of its path's arcs
+    to the cycle it enters, again by doubling."""
+    n = len(parent)
+    steps = max(1, int(n).bit_length())
+    ahead = parent
+    for _ in range(steps):
+        ahead = ahead[ahead]
+    ratio = np.zeros(n)
+    value = np.zeros(n)
+    on_cycle = np.zeros(n, dtype=bool)
+    parent_list, weight_list, token_list = parent.tolist(), weight.tolist(), tokens.tolist()
+    for start in np.unique(ahead).tolist():
+        if on_cycle[start]:
+            continue
+        cycle = [start]
+        v = parent_list[start]
+        while v != start:
+            cycle.append(v)
+            v = parent_list[v]
+        total = sum(token_list[u] for u in cycle)
+        if total <= 0:
+            return None, None
+        eta = sum(weight_list[u] for u in cycle) / total
+        # value(u) = value(parent(u)) + w(u) - eta t(u), 0 at `start`: the cycle runs start, parent(start), ...,
+        # so each node's parent comes after it; go backwards from the node whose parent is `start`
+        for u in reversed(cycle[1:]):
+            value[u] = value[parent_list[u]] + weight_list[u] - eta * token_list[u]
+        on_cycle[cycle] = True
+        ratio[cycle] = eta
+    entry = np.where(on_cycle, np.arange(n), parent)  # cycle nodes absorb
+    eta = ratio[ahead]
+    cost = np.where(on_cycle, 0.0, weight - eta * tokens)
+    for _ in range(steps):
+        cost = cost + cost[entry]
+        entry = entry[entry]
+    tree = ~on_cycle
+    value[tree] = cost[tree] + value[entry[tree]]
+    ratio[tree] = eta[tree]
+    return ratio, value
+
+
+def _build(plan: Plan, g: int, reduced: list[int], period: int, graph: _Graph) -> float | None:
+    """The period graph of a round-stepping 1F1B schedule on sub-pipeline 0; the acting time
+    (compute and steps) of its workers per period; None where an arc would point forward."""
+    stages = plan.stages
+    last = len(stages) - 1
+    per_mib = plan.profile.message_ms_per_mib
+    ranks = [s.ranks[::g] for s in stages]
+    k = [warmup_forwards(reduced, s) + 1 for s in range(len(stages))]
+    units = [period // r for r in reduced]
+    took = [allreduce_ms(plan, s) for s in range(len(stages))]
+    links: dict[tuple[int, int], tuple[float, float]] = {}
+
+    def link(x: int, y: int) -> tuple[float, float]:
+        if (x, y) not in links:
+            links[(x, y)] = (MS_PER_S / link_bandwidth(plan, x, y), link_latency(plan, x, y) * MS_PER_S)
+        return links[(x, y)]
+
+    # nodes: per (stage, replica, unit) the ops of one unit, in the worker's order
+    nodes: dict[tuple[int, int, int], dict[str, int]] = {}
+    acting = 0.0
+    for s, stage in enumerate(stages):
+        fwd = stage.fwd_ms + stage.data_ms
+        bwd = stage.bwd_ms + (stage.fwd_ms if stage.recompute else 0.0)
+        collective = [graph.node() for _ in range(units[s])]
+        for i in range(reduced[s]):
+            previous = None
+            first = None
+            for u in range(units[s]):
+                ops = {}
+
+                def chain(name: str, weight: float) -> int:
+                    nonlocal previous, first
+                    node = graph.node()
+                    if previous is not None:
+                        graph.arc(previous, node, weight)
+                    else:
+                        first = (node, weight)
+                    ops[name] = node
+                    previous = node
+                    return node
+
+                if s < last:
+                    chain("rg", stage.out_bytes / MIB * per_mib)
+                before_send = chain("B", bwd)
+                if s > 0:
+                    chain("sg", stage.in_bytes / MIB * per_mib)
+                    ops["sg_from"] = before_send
+                graph.arc(previous, collective[u], 0.0)
+                ops["AR"] = node = graph.node()
+                graph.arc(collective[u], node, took[s])
+                previous = node
+                chain("U", stage.update_ms)
+                if s > 0:
+                    chain("ra", stage.in_bytes / MIB * per_mib)
+                before_send = chain("F", fwd)
+                if s < last:
+                    chain("sa", stage.out_bytes / MIB * per_mib)
+                    ops["sa_from"] = before_send
+                nodes[(s, i, u)] = ops
+                acting += fwd + bwd + took[s] + stage.update_ms
+            node, weight = first
+            graph.arc(previous, node, weight, 1)  # the next period's first op follows this one's last
+
+    def place(s: int, b: int, shift: int) -> tuple[int, int, int] | None:
+        """(replica, unit, period) of stage s's unit holding minibatch b's op (its own index minus
+        `shift`: k for a forward, 0 for a backward)."""
+        i = b % reduced[s]
+        own = (b - i) // reduced[s] - shift
+        return i, own % units[s], own // units[s]
+
+    def message(s: int, i: int, u: int, kind: str, to: int, b: int, shift: int, size: int) -> bool:
+        """Arcs of one message: the sender's link (after its op, FIFO on the link), then the receiver."""
+        j, v, p = place(to, b, shift)
+        if p < 0:
+            return False
+        sender = nodes[(s, i, u)]
+        ms_per_byte, latency = link(ranks[s][i], ranks[to][j])
+        wire = graph.node()
+        sender[f"{kind}_wire"] = wire
+        graph.arc(sender[f"{kind}_from"], wire, size * ms_per_byte)
+        graph.arc(sender[f"{kind}_from"], wire, size / MIB * per_mib)
+        graph.arc(wire, nodes[(to, j, v)]["ra" if kind == "sa" else "rg"], latency, p)
+        sender[f"{kind}_peer"] = (to, j)
+        return True
+
+    for s in range(len(stages)):
+        for i in range(reduced[s]):
+            for u in range(units[s]):
+                b_f = i + (u + k[s]) * reduced[s]
+                b_b = i + u * reduced[s]
+                if s < last and not message(s, i, u, "sa", s + 1, b_f, k[s + 1], stages[s].out_bytes):
+                    return None
+                if s > 0 and not message(s, i, u, "sg", s - 1, b_b, 0, stages[s].in_bytes):
+                    return None
+            # a link carries one message at a time, in the order sent (the previous one may be a period back)
+            for kind in ("sa", "sg"):
+                by_peer: dict[tuple[int, int], list[int]] = {}
+                for u in range(units[s]):
+                    ops = nodes[(s, i, u)]
+                    if f"{kind}_wire" in ops:
+                        by_peer.setdefault(ops[f"{kind}_peer"], []).append(u)
+                size = stages[s].out_bytes if kind == "sa" else stages[s].in_bytes
+                for (to, j), sent in by_peer.items():
+                    ms_per_byte = link(ranks[s][i], ranks[to][j])[0]
+                    for n, u in enumerate(sent):
+                        before = sent[n - 1]
+                        graph.arc(nodes[(s, i, before)][f"{kind}_wire"], nodes[(s, i, u)][f"{kind}_wire"],
+                                  size * ms_per_byte, 1 if n == 0 else 0)
+    return acting

@@ -1,0 +1,74 @@
+"""The steady state from one period of the schedule (`pdtool.steady`) against the event simulation."""
+from pathlib import Path
+
+import pytest
+
+from pdtool.artifacts.cluster import parse_cluster
+from pdtool.artifacts.pipedream import load_pipedream_graph
+from pdtool.artifacts.profile import Profile
+from pdtool.planner import make_plan
+from pdtool.simulate import simulate
+from pdtool.steady import _Graph, applies, steady_state
+from test_plan import chain_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTERS = ["4x12GB/s", "3x100Mbit/s", "cluster-a:1", "8x25GB/s,2x25Gbit/s+20us"]
+
+
+def _profiles():
+    for path in sorted((ROOT / "profiles").glob("*.profile.json")):
+        yield path.name, lambda path=path: Profile.load(path)
+    for path in sorted((ROOT / "profiles" / "pipedream").glob("*.graph.txt")):
+        yield path.name, lambda path=path: load_pipedream_graph(path, 64 if "gnmt" in path.name else None)
+
+
+@pytest.mark.parametrize("name,load", list(_profiles()), ids=[name for name, _ in _profiles()])
+def test_the_steady_state_of_every_shipped_profile_and_cluster_is_the_simulations_within_two_percent(name, load):
+    """The cost model's optimum and the straight pipeline, in pipedream and vsync, on every shipped
+    profile and a set of clusters (one machine, slow links, a paper preset, two levels)."""
+    profile = load()
+    for cluster in CLUSTERS:
+        for straight in (False, True):
+            plan = make_plan(profile, parse_cluster(cluster), straight=straight, simulate=False)
+            for mode in ("pipedream", "vsync"):
+                steady = steady_state(plan, mode)
+                simulated = simulate(plan, mode).time_per_minibatch_ms
+                assert steady is not None
+                assert steady.time_per_minibatch_ms == pytest.approx(simulated, rel=0.02), (cluster, straight, mode)
+
+
+def test_replicas_with_a_common_factor_are_computed_on_one_sub_pipeline():
+    """Replicas (4, 4, 8) share a factor 4: the period is that of replicas (1, 1, 2), 2 minibatches,
+    standing for 8, and its figure still equals the simulation's."""
+    plan = make_plan(Profile.load(ROOT / "profiles" / "gpt.profile.json"), parse_cluster("4x12GB/s,4x10Gbit/s"),
+                     simulate=False)
+    assert [s.replicas for s in plan.stages] == [4, 4, 8]
+    steady = steady_state(plan)
+    assert steady.period_minibatches == 8
+    assert steady.time_per_minibatch_ms == pytest.approx(simulate(plan).time_per_minibatch_ms, rel=0.002)
+
+
+def test_modes_that_step_per_group_or_tie_weights_are_left_to_the_simulation():
+    plan = make_plan(chain_profile([1.0] * 4, [1000] * 4, [100] * 4), parse_cluster("2x1GB/s"), straight=True,
+                     simulate=False)
+    assert applies(plan) and steady_state(plan) is not None
+    for mode in ("2bw", "flush", "gpipe", "zb", "zb2"):
+        assert not applies(plan, mode) and steady_state(plan, mode) is None
+
+
+def test_the_largest_cycle_ratio_of_a_small_event_graph():
+    """Two cycles: a -> b -> a carries 3 + 5 ms over 2 tokens (4 ms), a -> a 3.5 ms over 1 token;
+    the largest ratio is 4. A cycle without a token means a deadlock: None."""
+    graph = _Graph()
+    a, b = graph.node(), graph.node()
+    graph.arc(a, b, 3.0, 1)
+    graph.arc(b, a, 5.0, 1)
+    graph.arc(a, a, 3.5, 1)
+    assert graph.max_cycle_ratio() == pytest.approx(4.0)
+    graph.arc(a, a, 9.0, 1)
+    assert graph.max_cycle_ratio() == pytest.approx(9.0)
+    stuck = _Graph()
+    c, d = stuck.node(), stuck.node()
+    stuck.arc(c, d, 1.0, 0)
+    stuck.arc(d, c, 1.0, 0)
+    assert stuck.max_cycle_ratio() is None
