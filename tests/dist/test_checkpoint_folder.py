@@ -11,7 +11,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from helpers import plan_with
-from test_faults import PD, alive, workers_of
+from test_faults import PD, alive, output_of, workers_of
 
 from pdtool.artifacts.checkpoint import latest_complete, load_checkpoint, read_manifest
 from pdtool.cli import cli
@@ -89,7 +89,7 @@ def test_a_sigkilled_launcher_takes_its_workers_along_and_resume_continues(tmp_p
     try:
         deadline = time.monotonic() + 60
         while not list(ckpt.glob("step-*/stage-*.pt")):
-            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            assert process.poll() is None and time.monotonic() < deadline, output_of(process)
             time.sleep(0.05)
         workers = workers_of(process.pid)
         process.kill()  # the launcher alone: no chance to stop its workers or write a manifest

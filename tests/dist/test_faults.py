@@ -50,6 +50,14 @@ def alive(pid):
     return state != "Z"
 
 
+def output_of(process):
+    """What a `pd train` process printed, for an assertion's message: stopped first when it still
+    runs (waiting for a job of 100000 steps to end would hang the suite)."""
+    if process.poll() is None:
+        process.kill()
+    return process.communicate()
+
+
 def start_training(tmp_path, *extra):
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=DIGITS, batch_size=32)
     ckpt = tmp_path / "ckpt"
@@ -58,7 +66,7 @@ def start_training(tmp_path, *extra):
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 60
     while not (ckpt / "step-00000200" / "manifest.json").exists():  # training is under way
-        assert process.poll() is None, process.communicate()
+        assert process.poll() is None, output_of(process)
         assert time.monotonic() < deadline, "training did not start"
         time.sleep(0.2)
     return process, workers_of(process.pid), ckpt
@@ -163,7 +171,7 @@ def test_a_worker_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 60
     while not (broken / "step-00000020" / "manifest.json").exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        assert process.poll() is None and time.monotonic() < deadline, output_of(process)
         time.sleep(0.05)
     os.kill(workers_of(process.pid)[-1], signal.SIGKILL)
     _, lines = finish(process, 10)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from helpers import plan_with
-from test_faults import PD, alive, workers_of
+from test_faults import PD, alive, output_of, workers_of
 
 from pdtool.artifacts.profile import ModelRef
 
@@ -47,7 +47,7 @@ def test_a_worker_stopped_while_it_builds_its_stage_ends_the_job_within_the_time
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=ENV)
     deadline = time.monotonic() + 60
     while len(workers_of(process.pid)) < 2:  # the launcher's own build (2 s) is done, the workers start
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        assert process.poll() is None and time.monotonic() < deadline, output_of(process)
         time.sleep(0.05)
     workers = workers_of(process.pid)
     took, err = ended_after(process, lambda: os.kill(workers[0], signal.SIGSTOP))  # rank 0: before its stage is built
