@@ -22,8 +22,14 @@ its own workers and links, which meet only in the all-reduces, which they reach 
 period is computed on one of them (stage s's ranks `ranks[::g]`, its all-reduce as long as the
 whole stage's) and stands for g times as many minibatches.
 
-`steady_state` returns None where this does not apply (modes that step per group, periods over
-`MAX_NODES` nodes, a period whose arcs would point forward in time); `pd plan` then simulates.
+Modes that flush before every step (flush, gpipe, zb, zb2) repeat one batch exactly: the
+lowered schedule of one batch is the period (`_build_batch`), every op a node, one token from
+each worker's last op, each link's last message and each collective's last round to the next
+batch. 2bw runs pipedream's order with a step after every m minibatches of the pipeline (m / r_s
+of a replica's own), so its period is also m. `steady_state` returns None where none of this
+applies (2bw with a stage whose replicas do not divide m: it steps inside a replica's own
+minibatches; periods over `MAX_NODES` nodes; a period whose arcs would point forward in time);
+`pd plan` then simulates.
 tests/unit/test_steady.py checks the figure against the event simulation on every shipped
 profile and cluster. Pure: numpy and pdtool's own modules.
 """
@@ -36,7 +42,9 @@ from functools import reduce
 import numpy as np
 
 from .artifacts.plan import MS_PER_S, Plan
-from .schedule.modes import ONE_F_ONE_B, rules, warmup_forwards
+from .schedule import generate
+from .schedule.lower import ACTIVATION, collective_key, lower, message
+from .schedule.modes import ONE_F_ONE_B, resolve, rules, warmup_forwards
 from .simulate import MIB, allreduce_ms, link_bandwidth, link_latency
 
 MAX_NODES = 400_000
@@ -57,10 +65,12 @@ class SteadyState:
 
 def applies(plan: Plan, mode: str | None = None) -> bool:
     """Whether `steady_state` computes the steady state of `plan` under `mode` (default: the
-    plan's) from one period: modes that step once per round of replicas, in 1F1B order (pipedream,
-    vsync), without tied weights (their all-reduces join stages)."""
+    plan's) from one period: the 1F1B modes that do not flush (pipedream and vsync, a step per
+    round of replicas; 2bw, a step every m minibatches: their steady order is written out,
+    `_build`), and the modes that flush before every step (flush, gpipe, zb, zb2: one batch is the
+    period, `_build_batch`)."""
     row = rules(mode or plan.mode)
-    return row.per_round and not row.split and row.order == ONE_F_ONE_B and not plan.shared
+    return row.flushes or (not row.split and row.order == ONE_F_ONE_B)
 
 
 def steady_state(plan: Plan, mode: str | None = None) -> SteadyState | None:
@@ -69,13 +79,28 @@ def steady_state(plan: Plan, mode: str | None = None) -> SteadyState | None:
     if not applies(plan, mode):
         return None
     replicas = [s.replicas for s in plan.stages]
+    run = resolve(mode, plan.mode, replicas)
     g = reduce(math.gcd, replicas)
-    reduced = [r // g for r in replicas]
-    period = reduce(lambda a, b: a * b // math.gcd(a, b), reduced)
-    if len(replicas) * period * 12 > MAX_NODES:
-        return None
     graph = _Graph()
-    acting = _build(plan, g, reduced, period, graph)
+    if run.mode.flushes:
+        g = math.gcd(g, run.group)  # the sub-pipelines must split the batch too
+        reduced = [r // g for r in replicas]
+        period = run.group // g
+        if len(reduced) * period * 10 > MAX_NODES:  # every stage runs the batch's minibatches: ~10 nodes each
+            return None
+        acting = _build_batch(plan, run.name, g, reduced, period, graph)
+    else:
+        group = 1 if run.mode.per_round else run.group  # 2bw: a replica steps after m / r_s of its minibatches
+        if not run.mode.per_round:
+            if any(group % r for r in replicas):
+                return None  # a replica that steps within its own minibatches (several steps per minibatch)
+            g = math.gcd(g, group)
+        reduced = [r // g for r in replicas]
+        steps = group // g if not run.mode.per_round else 1
+        period = reduce(lambda a, b: a * b // math.gcd(a, b), reduced + [steps])
+        if len(replicas) * period * 12 > MAX_NODES:
+            return None
+        acting = _build(plan, g, reduced, period, graph, steps, run.mode.per_round)
     if acting is None:
         return None
     ratio = graph.max_cycle_ratio()
@@ -193,9 +218,12 @@ def _evaluate(parent: np.ndarray, weight: np.ndarray, tokens: np.ndarray):
     return ratio, value
 
 
-def _build(plan: Plan, g: int, reduced: list[int], period: int, graph: _Graph) -> float | None:
-    """The period graph of a round-stepping 1F1B schedule on sub-pipeline 0; the acting time
-    (compute and steps) of its workers per period; None where an arc would point forward."""
+def _build(plan: Plan, g: int, reduced: list[int], period: int, graph: _Graph, group: int = 1,
+           per_round: bool = True) -> float | None:
+    """The period graph of a 1F1B schedule without flushes on sub-pipeline 0: every worker steps
+    after each round of its stage's replicas (`per_round`: pipedream, vsync) or after every
+    `group` minibatches of the pipeline, `group / r_s` of its own (2bw); the acting time (compute and
+    steps) of its workers per period; None where an arc would point forward."""
     stages = plan.stages
     last = len(stages) - 1
     per_mib = plan.profile.message_ms_per_mib
@@ -216,7 +244,8 @@ def _build(plan: Plan, g: int, reduced: list[int], period: int, graph: _Graph) -
     for s, stage in enumerate(stages):
         fwd = stage.fwd_ms + stage.data_ms
         bwd = stage.bwd_ms + (stage.fwd_ms if stage.recompute else 0.0)
-        collective = [graph.node() for _ in range(units[s])]
+        every = 1 if per_round else group // reduced[s]  # own minibatches between two steps
+        collective = [graph.node() if (u + 1) % every == 0 else None for u in range(units[s])]
         for i in range(reduced[s]):
             previous = None
             first = None
@@ -240,11 +269,12 @@ def _build(plan: Plan, g: int, reduced: list[int], period: int, graph: _Graph) -
                 if s > 0:
                     chain("sg", stage.in_bytes / MIB * per_mib)
                     ops["sg_from"] = before_send
-                graph.arc(previous, collective[u], 0.0)
-                ops["AR"] = node = graph.node()
-                graph.arc(collective[u], node, took[s])
-                previous = node
-                chain("U", stage.update_ms)
+                if collective[u] is not None:
+                    graph.arc(previous, collective[u], 0.0)
+                    ops["AR"] = node = graph.node()
+                    graph.arc(collective[u], node, took[s])
+                    previous = node
+                    chain("U", stage.update_ms)
                 if s > 0:
                     chain("ra", stage.in_bytes / MIB * per_mib)
                 before_send = chain("F", fwd)
@@ -252,7 +282,7 @@ def _build(plan: Plan, g: int, reduced: list[int], period: int, graph: _Graph) -
                     chain("sa", stage.out_bytes / MIB * per_mib)
                     ops["sa_from"] = before_send
                 nodes[(s, i, u)] = ops
-                acting += fwd + bwd + took[s] + stage.update_ms
+                acting += fwd + bwd + (took[s] + stage.update_ms if collective[u] is not None else 0.0)
             node, weight = first
             graph.arc(previous, node, weight, 1)  # the next period's first op follows this one's last
 
@@ -302,3 +332,105 @@ def _build(plan: Plan, g: int, reduced: list[int], period: int, graph: _Graph) -
                         graph.arc(nodes[(s, i, before)][f"{kind}_wire"], nodes[(s, i, u)][f"{kind}_wire"],
                                   size * ms_per_byte, 1 if n == 0 else 0)
     return acting
+
+
+def _build_batch(plan: Plan, mode: str, g: int, reduced: list[int], group: int, graph: _Graph) -> float | None:
+    """The period graph of a mode that flushes before every step: one batch of `group`
+    minibatches on sub-pipeline 0, every op of the lowered schedule a node (as `simulate._Run`
+    runs it), its messages inside the batch, and one token from each worker's last op, each
+    link's last message and each collective's last round to the next batch's first. The acting
+    time (compute and steps) of its workers per batch."""
+    stages = plan.stages
+    per_mib = plan.profile.message_ms_per_mib
+    ranks = [s.ranks[::g] for s in stages]
+    took = [allreduce_ms(plan, s) for s in range(len(stages))]
+    schedule = generate(mode, tuple(reduced), group, group)
+    workers = lower(schedule).workers
+    positions = [schedule.position(w) for w in range(len(workers))]
+    plan_rank = [ranks[s][i] for s, i in positions]
+    sent: dict[tuple, int] = {}      # message key -> the wire node of its send
+    received: dict[tuple, int] = {}  # message key -> its recv node
+    on_link: dict[tuple[int, int], list[tuple[int, float]]] = {}  # (sender, receiver) -> (wire, transfer ms)
+    rounds: dict[tuple, list[int]] = {}  # (collective key, count) -> the members' nodes before it
+    collectives: dict[tuple, int] = {}
+    acting = 0.0
+    for w, ops in enumerate(workers):
+        first = previous = None
+        met: dict[tuple, int] = {}
+        for op in ops:
+            s = stages[op.stage]
+            kind = op.kind
+            if kind in ("allreduce", "tie"):
+                key = collective_key(op)
+                count = met.get(key, 0)
+                met[key] = count + 1
+                instance = (key, count)
+                if instance not in collectives:
+                    collectives[instance] = graph.node()
+                node = graph.node()
+                graph.arc(collectives[instance], node, took[op.stage] if kind == "allreduce" else 0.0)
+                if kind == "allreduce":
+                    acting += took[op.stage]
+                if previous is None:  # the batch's first op: the worker arrives from the last batch's end
+                    first = (instance, None)
+                else:
+                    rounds.setdefault(instance, []).append((previous, 0))
+                previous = node
+                continue
+            if kind in ("send", "recv"):
+                leaving = kind == "send"
+                size = s.out_bytes if (op.direction == ACTIVATION) == leaving else s.in_bytes
+                weight = size / MIB * per_mib
+            elif kind == "step":
+                weight = s.update_ms
+                acting += weight
+            elif kind == "F":
+                weight = s.fwd_ms + s.data_ms
+                acting += weight
+            elif kind == "W":
+                weight = s.wgrad_ms
+                acting += weight
+            else:  # B: the input gradients only where a W follows; a recomputing stage's forward first
+                weight = (s.fwd_ms if s.recompute else 0.0) + s.bwd_ms - (0.0 if op.weights else s.wgrad_ms)
+                acting += weight
+            node = graph.node()
+            if previous is not None:
+                graph.arc(previous, node, weight)
+            else:
+                first = (node, weight)
+            if kind == "send":
+                ms_per_byte, latency = _link_ms(plan, plan_rank[w], plan_rank[op.peer])
+                wire = graph.node()
+                if previous is not None:
+                    graph.arc(previous, wire, size * ms_per_byte)
+                    graph.arc(previous, wire, weight)
+                key = message(op, w)
+                sent[key] = (wire, latency)
+                on_link.setdefault((w, op.peer), []).append((wire, size * ms_per_byte))
+            elif kind == "recv":
+                received[message(op, w)] = node
+            previous = node
+        if first is None:
+            continue
+        node, weight = first
+        if weight is None:  # a collective first: the worker joins it from the previous batch's last op
+            rounds.setdefault(node, []).append((previous, 1))
+        else:
+            graph.arc(previous, node, weight, 1)
+    for key, node in received.items():
+        if key not in sent:
+            return None
+        wire, latency = sent[key]
+        graph.arc(wire, node, latency)
+    for wires in on_link.values():
+        for n, (wire, transfer) in enumerate(wires):
+            graph.arc(wires[n - 1][0], wire, transfer, 1 if n == 0 else 0)
+    for instance, members in rounds.items():
+        for member, tokens in members:
+            graph.arc(member, collectives[instance], 0.0, tokens)
+    return acting
+
+
+def _link_ms(plan: Plan, x: int, y: int) -> tuple[float, float]:
+    """(ms per byte, latency ms) between plan ranks x and y."""
+    return MS_PER_S / link_bandwidth(plan, x, y), link_latency(plan, x, y) * MS_PER_S
