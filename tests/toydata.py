@@ -63,3 +63,22 @@ def halves(train=True):
     """A dataset factory with a held-out split: 12 items for training, 4 held out."""
     items = [(torch.full((3,), float(i)), i % 2) for i in range(16)]
     return items[:12] if train else items[12:]
+
+
+class LabelledTokens(torch.utils.data.Dataset):
+    """Hugging Face style items: dicts of keyword inputs, the labels among them (no target),
+    their keys in another order than the model's sample (`pdtool.zoo.hf:gpt2` with labels=True)."""
+
+    def __init__(self, size: int = 32, vocab: int = 64, seq_len: int = 8, train: bool = True):
+        generator = torch.Generator().manual_seed(0 if train else 1)
+        self.tokens = torch.randint(0, vocab, (size, seq_len), generator=generator)
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return {"labels": self.tokens[i], "input_ids": self.tokens[i]}
+
+
+def labelled_tokens(train=True):
+    return LabelledTokens(train=train)

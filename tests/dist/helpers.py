@@ -11,7 +11,7 @@ from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
 from pdtool.runtime.worker.optim import build_optimizer, no_decay
 from pdtool.model.stages import plan_stages, sample_inputs
-from pdtool.model.data import synthetic_source
+from pdtool.model.data import load_source, synthetic_source
 from pdtool.runtime.run import OptimizerConfig, RunConfig, make_schedule
 
 from reference_executor import run_reference
@@ -74,7 +74,7 @@ def gradient_accumulation(plan, config, ref=MLP, skipped=None):
     net = bundle.module
     optimizer = build_optimizer(recipe, list(net.named_parameters()), 1.0, no_decay(net))
     base = [g["lr"] for g in optimizer.param_groups]
-    batch = synthetic_source(bundle, plan.profile.batch_size, config.seed).batch
+    batch = load_source(config.data, bundle, plan.profile.batch_size, config.seed).batch
     losses = {}
     for step in range(config.steps):
         optimizer.zero_grad()
@@ -82,7 +82,9 @@ def gradient_accumulation(plan, config, ref=MLP, skipped=None):
             b = step * schedule.group + k
             inputs, target = batch(b)
             with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-                loss = bundle.loss_fn(net(*inputs), target)
+                # keyword inputs (a sample that is a dict) by keyword, as the user's own loop calls the model
+                output = net(**dict(zip(bundle.keywords, inputs))) if bundle.keywords else net(*inputs)
+                loss = bundle.loss_fn(output, target)
             losses[b] = float(loss.detach())
             (loss / schedule.group if scaler is None else scaler.scale(loss / schedule.group)).backward()
         if scaler is not None:

@@ -102,3 +102,28 @@ def test_gpt2_checkpoint_resumes_under_another_plan(tmp_path):
     head = next(r for r in resumed.reports.values() if r.stage == 2)  # the tied head's copy stayed equal
     torch.testing.assert_close(head.weights["transformer.wte.weight"], expected_weights["transformer.wte.weight"],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_keyword_inputs_and_the_models_own_loss_train_and_resume(tmp_path):
+    """GPT-2 fed dicts {input_ids, labels} by a data set (keys in another order than the model's
+    sample), computing its own loss: no loss function, no wrapper module (issue 25 item 6). A
+    2-stage flush run is one process's gradient accumulation of `model(**batch).loss`, and it
+    resumes under a 3-stage plan where the labels cross two boundaries to the last stage."""
+    ref = ModelRef("pdtool.zoo.hf:gpt2", dict(TINY, n_embd=16, n_head=2, n_layer=2, tie=False, labels=True))
+    data = "toydata:labelled_tokens"
+    two_plan, two = cuts(tmp_path, ref, ["transformer.h.1.ln_1"], name="two.plan.json")
+    assert two_plan.profile.method == "export"
+    _, three = cuts(tmp_path, ref, ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"], name="three.plan.json")
+    root = tmp_path / "ckpt"
+    first = run(config_for(two, steps=2, group=2, checkpoint_dir=str(root), data=data))
+    losses, weights = merged(first.reports)
+    expected_losses, expected_weights = gradient_accumulation(first.plan, config_for(two, steps=2, group=2, data=data),
+                                                              ref=ref)
+    assert set(weights) == set(expected_weights)
+    assert_same_run(losses, weights, expected_losses, expected_weights, **TOLERANCE)
+    resumed = run(config_for(three, steps=3, group=2, checkpoint_dir=str(root), data=data), resume=True)
+    assert resumed.first_step == 2 and sorted(resumed.losses) == [4, 5]
+    expected_losses, expected_weights = gradient_accumulation(resumed.plan, config_for(three, steps=3, group=2,
+                                                                                       data=data), ref=ref)
+    _, weights = merged(resumed.reports)
+    assert_same_run(resumed.losses, weights, {b: expected_losses[b] for b in (4, 5)}, expected_weights, **TOLERANCE)

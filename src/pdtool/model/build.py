@@ -36,7 +36,6 @@ from typing import Callable, Iterable, Mapping
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ModelError
 from ..artifacts.profile import ModelRef
@@ -53,6 +52,16 @@ def _to_meta(module: nn.Module, name: str, param):
     return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
 
 
+def _written(func, args, kwargs) -> torch.Tensor | None:
+    """The tensor an in-place torch function writes (`x.normal_()`, `init.zeros_(x)`, `x[i] = v`):
+    its first argument; None for any other function."""
+    name = getattr(func, "__name__", "")
+    if not ((name.endswith("_") and not name.endswith("__")) or name == "__setitem__"):
+        return None
+    first = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+    return first if isinstance(first, torch.Tensor) else None
+
+
 class _SkipMetaInit(TorchFunctionMode):
     """In-place ops on `meta` tensors (the init methods a factory runs on parameters waiting
     there) return at once: they compute nothing, and their meta kernels would import
@@ -60,11 +69,9 @@ class _SkipMetaInit(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name.endswith("_") and not name.endswith("__"):
-            first = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
-            if isinstance(first, torch.Tensor) and first.device.type == "meta":
-                return first
+        written = _written(func, args, kwargs)
+        if written is not None and written.device.type == "meta":
+            return None if getattr(func, "__name__", "") == "__setitem__" else written
         return func(*args, **kwargs)
 
 
@@ -208,23 +215,25 @@ def to_meta(model: nn.Module, names: Iterable[str], waited: Mapping[str, nn.Para
                       nn.Parameter(torch.empty_like(real, device="meta"), requires_grad=real.requires_grad))
 
 
-class _Writes(TorchDispatchMode):
-    """Records the tensors (or bases of views) that ops write in place while it lasts; an op that
-    writes only `meta` tensors (an init method on a parameter waiting there) is skipped: it
-    would compute nothing."""
+class _Writes(TorchFunctionMode):
+    """Records the tensors (or bases of views) that in-place torch functions write while it
+    lasts; one that writes a `meta` tensor (an init method on a parameter waiting there) is
+    skipped, as `_SkipMetaInit` does. (A torch-function mode, not a dispatch mode: torch wraps
+    every dispatch mode's handler so that its first call imports torch._dynamo, about a second
+    of `pd train`'s checks.)"""
 
     def __init__(self):
         super().__init__()
         self.written: set[int] = set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        written = [value for arg, value in zip(func._schema.arguments, args)
-                   if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor)]
-        for value in written:
-            self.written.add(id(value._base if value._base is not None else value))
-        if written and func._schema.returns and all(value.device.type == "meta" for value in written):
-            return written[0]  # in place: the op returns what it wrote
-        return func(*args, **(kwargs or {}))
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        written = _written(func, args, kwargs)
+        if written is not None:
+            self.written.add(id(written._base if written._base is not None else written))
+            if written.device.type == "meta":
+                return None if getattr(func, "__name__", "") == "__setitem__" else written
+        return func(*args, **kwargs)
 
 
 def unset_parameters(model: nn.Module, names: Iterable[str] | None = None) -> list[str]:

@@ -12,7 +12,9 @@ Data enters through one string, as models do:
 - `digits`: the UCI handwritten digits shipped with pdtool (see `digits`);
 - `pkg.module:factory`: a function returning a map-style torch `Dataset` whose items are
   pairs `(input, target)` (`input` a tensor or a tuple of tensors, `target` a tensor or a
-  number).
+  number), or dicts of keyword inputs for a model whose sample is one (e.g. `input_ids` and
+  `labels`, from which a Hugging Face model computes its own loss; no target), or pairs
+  `(dict, target)`.
 
 Every failure (unimportable module, factory that raises, bad items) is one `DataError` line.
 """
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import PdtoolError
-from .spec import ModelBundle, resolve_factory
+from .spec import ModelBundle, ordered, resolve_factory
 
 DIGITS_TRAIN_SIZE = 1437
 """The digits train set is the first 1437 of the 1797 samples; the test set the last 360."""
@@ -101,8 +103,10 @@ class DatasetSource:
     epoch are skipped; without it the last minibatch of every epoch is smaller.
     """
 
-    def __init__(self, dataset: Any, batch_size: int, seed: int, drop_last: bool = True, name: str = "dataset"):
+    def __init__(self, dataset: Any, batch_size: int, seed: int, drop_last: bool = True, name: str = "dataset",
+                 keywords: tuple[str, ...] = ()):
         self.dataset = dataset
+        self.keywords = keywords  # the model's keyword inputs (`ModelBundle.keywords`), for items that are dicts
         self.batch_size = batch_size
         self.seed = seed
         self.drop_last = drop_last
@@ -121,7 +125,7 @@ class DatasetSource:
     def batch(self, index: int) -> Batch:
         epoch, position = divmod(_check_index(index), self.batches_per_epoch)
         ids = self.order(epoch)[position * self.batch_size:(position + 1) * self.batch_size].tolist()
-        return collate([self._item(i) for i in ids], self.name, ids)
+        return collate([self._item(i) for i in ids], self.name, ids, self.keywords)
 
     def _item(self, i: int) -> Any:
         try:
@@ -131,7 +135,7 @@ class DatasetSource:
 
 
 def dataset_source(dataset: Any, batch_size: int, seed: int, drop_last: bool = True,
-                   name: str = "dataset") -> DatasetSource:
+                   name: str = "dataset", keywords: tuple[str, ...] = ()) -> DatasetSource:
     """Shuffled minibatches of `batch_size` items of `dataset` (map-style: `len` and `[i]`).
 
     The first item is read and checked at once, so a dataset with bad items fails here, with
@@ -150,21 +154,29 @@ def dataset_source(dataset: Any, batch_size: int, seed: int, drop_last: bool = T
     if drop_last and size < batch_size:
         raise DataError(f"{name} holds {size} items, fewer than one minibatch of {batch_size}; "
                         "lower the batch size or keep the last partial minibatch (drop_last=False)")
-    source = DatasetSource(dataset, batch_size, seed, drop_last, name)
-    collate([source._item(0)], name, [0])
+    source = DatasetSource(dataset, batch_size, seed, drop_last, name, keywords)
+    collate([source._item(0)], name, [0], keywords)
     return source
 
 
-def collate(items: Sequence[Any], name: str = "dataset", ids: Sequence[int] | None = None) -> Batch:
-    """Stack items `(input or tuple of inputs, target)` into one minibatch (inputs, target)."""
+def collate(items: Sequence[Any], name: str = "dataset", ids: Sequence[int] | None = None,
+            keywords: tuple[str, ...] = ()) -> Batch:
+    """Stack items into one minibatch (inputs, target): items `(input or tuple of inputs, target)`,
+    or dicts of keyword inputs (target None) or `(dict, target)`, whose names are put in the
+    order of the model's `keywords`."""
     ids = list(ids) if ids is not None else list(range(len(items)))
     columns: list[list[torch.Tensor]] | None = None
     targets: list[torch.Tensor] = []
     for i, item in zip(ids, items):
+        if isinstance(item, dict):
+            item = (item, None)
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
-            raise DataError(f"{name}: item {i} is a {type(item).__name__}, not a pair (input, target); "
-                            "make the dataset return (input, target)")
-        inputs = item[0] if isinstance(item[0], (tuple, list)) else (item[0],)
+            raise DataError(f"{name}: item {i} is a {type(item).__name__}, not a pair (input, target) or a dict of "
+                            "keyword inputs; make the dataset return one of those")
+        if isinstance(item[0], dict):
+            inputs = ordered(item[0], keywords, f"{name}: item {i}", DataError)
+        else:
+            inputs = item[0] if isinstance(item[0], (tuple, list)) else (item[0],)
         if columns is None:
             columns = [[] for _ in inputs]
         if len(inputs) != len(columns) or not inputs:
@@ -172,9 +184,13 @@ def collate(items: Sequence[Any], name: str = "dataset", ids: Sequence[int] | No
                             "every item must have the same number of inputs")
         for column, value in zip(columns, inputs):
             column.append(_as_tensor(value, name, i, "input"))
-        targets.append(_as_tensor(item[1], name, i, "target"))
+        if targets and (item[1] is None) != (targets[0] is None):
+            raise DataError(f"{name}: item {i} {'has no' if item[1] is None else 'has a'} target but item {ids[0]} "
+                            f"{'has one' if item[1] is None else 'has none'}; give every item a target or none")
+        targets.append(None if item[1] is None else _as_tensor(item[1], name, i, "target"))
     assert columns is not None, "collate needs at least one item"
-    return tuple(_stack(column, name, ids, "input") for column in columns), _stack(targets, name, ids, "target")
+    inputs = tuple(_stack(column, name, ids, "input") for column in columns)
+    return inputs, (None if targets[0] is None else _stack(targets, name, ids, "target"))
 
 
 def _as_tensor(value: Any, name: str, i: int, what: str) -> torch.Tensor:
@@ -231,13 +247,13 @@ def load_source(data: str, bundle: ModelBundle, batch_size: int, seed: int,
             dataset = digits(train=True, **kwargs)
         except TypeError as exc:
             raise DataError(f"data 'digits': {_first_line(exc)}; it takes image=true|false") from None
-        return dataset_source(dataset, batch_size, seed, name="data 'digits'")
+        return dataset_source(dataset, batch_size, seed, name="data 'digits'", keywords=bundle.keywords)
     factory = resolve_data_factory(data)
     try:
         dataset = factory(**kwargs)
     except Exception as exc:
         raise DataError(f"data {data!r}: the factory raised {type(exc).__name__}: {_first_line(exc)}; check the factory and its arguments") from None
-    return dataset_source(dataset, batch_size, seed, name=f"data {data!r}")
+    return dataset_source(dataset, batch_size, seed, name=f"data {data!r}", keywords=bundle.keywords)
 
 
 def held_out(data: str) -> Any | None:

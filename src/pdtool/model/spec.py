@@ -5,9 +5,18 @@ either a `ModelBundle` or a tuple `(module, sample, loss_fn)` where
 
 - `module` is a `torch.nn.Module`;
 - `sample` is a pair `(inputs, target)` of one fixed minibatch, or a function
-  `batch_size -> (inputs, target)` that makes one (`inputs` is a tensor or a tuple of tensors
-  passed as positional arguments);
-- `loss_fn(output, target)` returns a scalar tensor.
+  `batch_size -> (inputs, target)` that makes one; `inputs` is a tensor or a tuple of tensors
+  (positional arguments) or a dict of tensors (keyword arguments: `module(**inputs)`, the
+  Hugging Face convention), and a dict alone is a minibatch without a target (its model
+  computes its own loss, e.g. from `labels`);
+- `loss_fn(output, target)` returns a scalar tensor; None (or leaving it out of a
+  `ModelBundle`) takes the model's own loss (`model_loss`: `output.loss`, `output["loss"]`,
+  or the output itself when it is a scalar).
+
+Keyword inputs are passed in the order of the sample's keys: the module's class is given a
+`forward` of those parameters that calls the original one by keyword (`keyword_call`), so
+capture, profile and stages see positional inputs named after the keys, and parameter names
+stay the model's own.
 
 A spec is imported and called only with the user's consent (`pdtool.consent`): named on the
 command line, a file of the experiment folder, or a function its author marked with
@@ -19,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import keyword
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,18 +42,38 @@ from ..artifacts.profile import ModelRef, TensorSpec
 Batch = tuple[Any, Any]
 
 
+def model_loss(output: Any, target: Any = None) -> torch.Tensor:
+    """The loss a model computed itself (from inputs such as `labels`): `output.loss`,
+    `output["loss"]`, or `output` when it is a scalar tensor; the target is not used."""
+    loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        raise ModelError(f"the model returned a {type(output).__name__} without a scalar loss, and the factory gave no "
+                         "loss function; pass the labels among its inputs (e.g. labels=...) or return a loss_fn")
+    return loss
+
+
 @dataclass
 class ModelBundle:
     """What a model factory returns: the module, a batch maker and the loss function.
 
-    `make_batch(batch_size)` returns `(inputs, target)`; `fixed_batch_size` is set when the
-    factory gave one fixed sample instead of a function (then only that size is possible).
+    `make_batch(batch_size)` returns `(inputs, target)` or, without a target, a dict of
+    keyword inputs; `loss_fn` None is the model's own loss (`model_loss`); `fixed_batch_size`
+    is set when the factory gave one fixed sample instead of a function (then only that size
+    is possible). `keywords`: the names of keyword inputs, in the order they are passed
+    (`keyword_call`; set by `load_model`), empty for positional ones.
     """
 
     module: nn.Module
     make_batch: Callable[[int], Batch]
-    loss_fn: Callable[[Any, Any], torch.Tensor]
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     fixed_batch_size: int | None = None
+    keywords: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.loss_fn is None:
+            self.loss_fn = model_loss
 
     def batch(self, batch_size: int | None, spec: str = "model") -> tuple[int, tuple[torch.Tensor, ...], Any]:
         """Make one minibatch; returns (batch size, positional inputs as a tuple, target)."""
@@ -54,14 +84,69 @@ class ModelBundle:
                 f"{spec} returns a fixed sample of batch size {self.fixed_batch_size}, so --batch-size "
                 f"{batch_size} is impossible; drop --batch-size or make the factory return a function of the batch size"
             )
-        made = self.make_batch(batch_size)
-        if not (isinstance(made, tuple) and len(made) == 2):
-            raise ModelError(f"{spec}: the sample must be a pair (inputs, target), got {type(made).__name__}; fix the factory")
-        inputs, target = made
+        inputs, target = _pair(self.make_batch(batch_size), spec)
+        if isinstance(inputs, dict):
+            inputs = ordered(inputs, self.keywords, f"{spec}: the sample", ModelError)
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
-            raise ModelError(f"{spec}: the sample inputs must be a tensor or a tuple of tensors; fix the factory")
+            raise ModelError(f"{spec}: the sample inputs must be a tensor, a tuple of tensors or a dict of tensors; "
+                             "fix the factory")
         return batch_size, inputs, target
+
+
+def _pair(made: Any, spec: str) -> tuple[Any, Any]:
+    """(inputs, target) of a sample: a pair, or a dict of keyword inputs without a target."""
+    if isinstance(made, dict):
+        return made, None
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise ModelError(f"{spec}: the sample must be a pair (inputs, target) or a dict of keyword inputs, got "
+                         f"{type(made).__name__}; fix the factory")
+    return made
+
+
+def ordered(inputs: dict, keywords: tuple[str, ...], what: str, error: type[PdtoolError]) -> tuple:
+    """Keyword inputs as the positional tuple the model takes (`keywords`' order); `error` one
+    line when their names differ from the model's sample's."""
+    if not keywords:
+        raise error(f"{what} is a dict of keyword inputs but the model's sample passes positional ones; give "
+                    "(input, target) pairs, or make the factory's sample a dict too")
+    if set(inputs) != set(keywords):
+        missing, extra = sorted(set(keywords) - set(inputs)), sorted(set(inputs) - set(keywords))
+        raise error(f"{what} has keyword inputs {sorted(inputs)}, the model's sample {list(keywords)}"
+                    f"{f' (missing {missing})' if missing else ''}{f' (not taken: {extra})' if extra else ''}; "
+                    "give the same names")
+    return tuple(inputs[name] for name in keywords)
+
+
+def keyword_call(module: nn.Module, names: tuple[str, ...]) -> None:
+    """Make `module` take `names` as positional inputs: its class becomes a subclass (same name,
+    same module) whose `forward(self, *names)` calls the original `forward` with them by
+    keyword. Tracers (torch.fx, torch.export) then see one parameter per name; the module, its
+    parameters and their names are unchanged."""
+    base = type(module)
+    code = (f"def forward(self, {', '.join(names)}):\n"
+            f"    return _forward(self, {', '.join(f'{n}={n}' for n in names)})\n")
+    namespace: dict[str, Any] = {}
+    exec(code, {"_forward": base.forward}, namespace)  # noqa: S102 - names are checked identifiers
+    namespace["forward"].__doc__ = base.forward.__doc__
+    module.__class__ = type(base.__name__, (base,), {"forward": namespace["forward"], "__module__": base.__module__,
+                                                     "__qualname__": base.__qualname__, "keyword_inputs": names})
+
+
+def _keyword_inputs(bundle: ModelBundle, spec: str) -> ModelBundle:
+    """A bundle whose sample passes keyword inputs gets `keyword_call` and its `keywords`."""
+    with torch.random.fork_rng(devices=[]):
+        inputs, _ = _pair(bundle.make_batch(bundle.fixed_batch_size or 1), f"model {spec!r}")
+    if not isinstance(inputs, dict):
+        return bundle
+    names = tuple(inputs)
+    bad = [n for n in names if not (isinstance(n, str) and n.isidentifier() and not keyword.iskeyword(n))]
+    if bad or not names:
+        raise ModelError(f"model {spec!r}: the sample's keyword inputs {bad or names} are not names a forward can "
+                         "take; use identifiers such as input_ids")
+    keyword_call(bundle.module, names)
+    bundle.keywords = names
+    return bundle
 
 
 def parse_model_args(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
@@ -132,7 +217,7 @@ def load_model(ref: ModelRef, given: bool = False) -> ModelBundle:
             f"model {ref.spec!r}: the factory raised {type(exc).__name__}: {exc}; check its --model-arg values"
         ) from None
     if isinstance(result, ModelBundle):
-        return result
+        return _keyword_inputs(result, ref.spec)
     if not (isinstance(result, tuple) and len(result) == 3):
         raise ModelError(
             f"model {ref.spec!r}: the factory returned {type(result).__name__}; "
@@ -141,16 +226,19 @@ def load_model(ref: ModelRef, given: bool = False) -> ModelBundle:
     module, sample, loss_fn = result
     if not isinstance(module, nn.Module):
         raise ModelError(f"model {ref.spec!r}: the first item the factory returned is not a torch.nn.Module")
-    if not callable(loss_fn):
+    if loss_fn is not None and not callable(loss_fn):
         raise ModelError(f"model {ref.spec!r}: the loss function the factory returned is not callable")
     if callable(sample):
-        return ModelBundle(module, sample, loss_fn)
-    if not (isinstance(sample, tuple) and len(sample) == 2):
-        raise ModelError(f"model {ref.spec!r}: the sample must be a pair (inputs, target) or a function making one")
-    first = sample[0][0] if isinstance(sample[0], tuple) else sample[0]
+        return _keyword_inputs(ModelBundle(module, sample, loss_fn), ref.spec)
+    if not (isinstance(sample, dict) or (isinstance(sample, tuple) and len(sample) == 2)):
+        raise ModelError(f"model {ref.spec!r}: the sample must be a pair (inputs, target), a dict of keyword inputs "
+                         "or a function making one")
+    inputs = _pair(sample, ref.spec)[0]
+    first = (next(iter(inputs.values()), None) if isinstance(inputs, dict) else
+             inputs[0] if isinstance(inputs, tuple) else inputs)
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         raise ModelError(f"model {ref.spec!r}: the sample inputs must be tensors with a batch dimension")
-    return ModelBundle(module, lambda _size: sample, loss_fn, fixed_batch_size=first.shape[0])
+    return _keyword_inputs(ModelBundle(module, lambda _size: sample, loss_fn, fixed_batch_size=first.shape[0]), ref.spec)
 
 
 def file_model(model: dict[str, Any], override: str | None = None) -> ModelBundle:

@@ -60,7 +60,7 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
 
         check_optimizer(config.optimizer)
     check_memory(plan, config)
-    config = dataclasses.replace(config, eval_batches=held_out_batches(plan, config))
+    config = dataclasses.replace(config, eval_batches=held_out_batches(plan, config, checked.keywords))
     if epochs:
         per_step = checked_run(plan, config).per_step
         config = dataclasses.replace(config, steps=steps_for_epochs(epochs, checked.batches_per_epoch, per_step))
@@ -84,13 +84,14 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
     return Job(config, checked, local, cores, on_cpu)
 
 
-def held_out_batches(plan: Plan, config: RunConfig) -> int:
+def held_out_batches(plan: Plan, config: RunConfig, keywords: tuple[str, ...] = ()) -> int:
     """Minibatches of the held-out split a run evaluates on through the pipeline (`--eval-every`,
     `--evaluate`; 0 without): whole minibatches of the plan's size, the rest left out. A data set
-    without a held-out split, or with less than one minibatch of it, is refused here in one line."""
+    without a held-out split, with less than one minibatch of it, or whose items do not fit the
+    model (`keywords`: its keyword inputs) is refused here in one line."""
     if not (config.eval_every or config.evaluate):
         return 0
-    from ...model.data import held_out
+    from ...model.data import collate, held_out
 
     option = "--eval-every" if config.eval_every else "--evaluate"
     dataset = held_out(config.data)
@@ -102,6 +103,7 @@ def held_out_batches(plan: Plan, config: RunConfig) -> int:
         raise LaunchError(f"{option}: the held-out split of {config.data} has {len(dataset)} samples, fewer than one "
                           f"minibatch of {plan.profile.batch_size} (the plan's); the pipeline evaluates whole "
                           "minibatches: give a larger split or profile a smaller batch")
+    collate([dataset[0]], "the held-out split", [0], keywords)  # items the model takes, before any worker starts
     return batches
 
 

@@ -28,12 +28,13 @@ from ..worker import tied
 class Checked:
     """What the checks learnt that the launcher needs: minibatches in one epoch of the data
     (None for endless synthetic data), the whole-model names and shapes of the parameters
-    the stages hold (what a checkpoint to resume from must contain), and the `capture` the workers
-    build their stages from."""
+    the stages hold (what a checkpoint to resume from must contain), the `capture` the workers
+    build their stages from, and the model's keyword inputs (`ModelBundle.keywords`)."""
 
     batches_per_epoch: int | None
     parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)
     capture: Capture | None = None
+    keywords: tuple[str, ...] = ()
 
 
 def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model: str | None = None,
@@ -63,4 +64,4 @@ def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model
 
         WeightFiles.open(init_from).check(dict(capture.parameters),
                                           {b for info in capture.stages for b in info.buffer_names.values()})
-    return Checked(source.batches_per_epoch, dict(capture.parameters), capture)
+    return Checked(source.batches_per_epoch, dict(capture.parameters), capture, bundle.keywords)

@@ -207,7 +207,8 @@ class StageWorker:
                 loss = float(self.loss_fn(output, target))
         finally:
             module.train(training)
-        samples = target.shape[0] if isinstance(target, torch.Tensor) and target.dim() else 1
+        batched = [target] + list(inputs.values())  # no target (a model's own loss): the inputs' batch
+        samples = next((t.shape[0] for t in batched if isinstance(t, torch.Tensor) and t.dim()), 1)
         logits = getattr(output, "logits", output)  # a Hugging Face ModelOutput carries its logits
         if (isinstance(target, torch.Tensor) and isinstance(logits, torch.Tensor) and not target.is_floating_point()
                 and logits.shape[:-1] == target.shape):

@@ -13,7 +13,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -118,39 +118,47 @@ class Interpreter:
     def forward(self, op: Op) -> None:
         """F: the minibatch's inputs (made, or received with its target), the forward, its outputs
         and the target into the outbox; on the last stage a loss that is not finite ends the run."""
-        b, s, specs = op.minibatch, self.s, self.context.specs
+        b, s = op.minibatch, self.s
         if s == 0:
             inputs, target = self.made.pop(b) if b in self.made else self.context.batch(b)
             values = dict(zip(self.worker.stage.inputs, inputs))
         else:
-            received = self.inbox.pop((ACTIVATION, b))
-            values = {t.name: x for t, x in zip(specs[s - 1], received)}
-            target = received[-1]
+            values, target = self._received(b)
         began = self.clock()
         out = self.worker.forward(b, values, target)
         self.report.events.append((f"{s}F{b}", began, self.clock()))
         if self.last and not math.isfinite(out):
             self.diverged(b, out)
         if not self.last:
-            self.outbox[(ACTIVATION, b)] = [out[t.name] for t in specs[s]] + [target]
+            self.outbox[(ACTIVATION, b)] = self._message(out, target)
+
+    def _received(self, b: int) -> tuple[dict, Any]:
+        """The previous stage's outputs for minibatch b by name, and the target they came with
+        (None where the data has none: a model that computes its own loss from its inputs)."""
+        received = self.inbox.pop((ACTIVATION, b))
+        outputs = self.context.specs[self.s - 1]
+        return ({t.name: x for t, x in zip(outputs, received)},
+                received[-1] if len(received) > len(outputs) else None)
+
+    def _message(self, out: dict, target: Any) -> list:
+        """What goes on to the next stage: this stage's outputs, then the target if there is one."""
+        return [out[t.name] for t in self.context.specs[self.s]] + ([] if target is None else [target])
 
     def evaluate(self, op: Op) -> None:
         """E: a held-out minibatch through this stage (`worker.evaluation`); the last stage adds up
         the round's loss and accuracy and, after its last minibatch, reports the round."""
-        evaluation, s, specs = self.context.evaluation, self.s, self.context.specs
+        evaluation, s = self.context.evaluation, self.s
         r, i = evaluation.round_of(op.minibatch)
         if s == 0:
             inputs, target = self.context.held_out(i)
             values = dict(zip(self.worker.stage.inputs, inputs))
         else:
-            received = self.inbox.pop((ACTIVATION, op.minibatch))
-            values = {t.name: x for t, x in zip(specs[s - 1], received)}
-            target = received[-1]
+            values, target = self._received(op.minibatch)
         began = self.clock()
         out = self.worker.evaluate(values, target)
         self.report.events.append((f"{s}E{i}", began, self.clock()))
         if not self.last:
-            self.outbox[(ACTIVATION, op.minibatch)] = [out[t.name] for t in specs[s]] + [target]
+            self.outbox[(ACTIVATION, op.minibatch)] = self._message(out, target)
             return
         if i == 0:
             self.scores = Scores()

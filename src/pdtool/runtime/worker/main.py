@@ -139,7 +139,8 @@ def _evaluation(config: RunConfig, plan: Plan, schedule, bundle, stage_index: in
     if stage_index == 0:
         from ...model.data import dataset_source, held_out
 
-        source = dataset_source(held_out(config.data), plan.profile.batch_size, config.seed, name="the held-out split")
+        source = dataset_source(held_out(config.data), plan.profile.batch_size, config.seed, name="the held-out split",
+                                keywords=bundle.keywords)
     return evaluation.Evaluation(found, config.eval_batches, schedule.minibatches, source)
 
 
