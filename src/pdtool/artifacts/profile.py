@@ -41,6 +41,11 @@ difference between two stage boundaries."""
 NOISY_FLOOR_MS = 0.05  # below this a layer's time moves no boundary, however it jitters
 
 
+SUM_BAND = (0.85, 1.15)
+"""Where the sum of the layers' times over a measured step should lie (`Profile.sum_gap`): the
+per-layer model is then within 15% of a real step."""
+
+
 def noisy(median_ms: float, spread_ms: float) -> bool:
     """Whether repeats with this median and interquartile range disagree (`NOISY`)."""
     return median_ms >= NOISY_FLOOR_MS and spread_ms > NOISY * median_ms
@@ -186,6 +191,23 @@ class Profile(Artifact):
     def layer_sum_over_step(self) -> float | None:
         """How the per-layer model compares with a measured whole step (1.0 = exact)."""
         return self.layer_sum_ms / self.step_ms if self.step_ms > 0 and self.measured == "step" else None
+
+    def sum_gap(self) -> str | None:
+        """Where the layers' times do not add up to the measured step (outside `SUM_BAND`), what
+        that means for the plan, as one sentence; None when they do (or no step was timed)."""
+        ratio = self.layer_sum_over_step
+        if ratio is None or SUM_BAND[0] <= ratio <= SUM_BAND[1]:
+            return None
+        gap = abs(self.step_ms - self.layer_sum_ms)
+        if ratio < SUM_BAND[0]:
+            return (f"the layers' times add up to {ratio:.2f} of the measured step: {gap:.1f} ms of each step "
+                    "({:.0%}) is in no layer (the loss, operations between the layers, autograd's own work), so "
+                    "stage times and predictions leave it out".format(1 - ratio))
+        heaviest = sorted(self.layers, key=lambda layer: -layer.total_ms)[:3]
+        return (f"the layers' times add up to {ratio:.2f}x the measured step: timed one at a time they took "
+                f"{gap:.1f} ms more than inside it, so predictions run high; the heaviest, which weigh most in the "
+                f"plan: " + ", ".join(f"{layer.name} ({layer.total_ms:.1f} ms)" for layer in heaviest)
+                + "; profile again on a quiet machine or with more --repeats")
 
     @property
     def param_bytes(self) -> int:

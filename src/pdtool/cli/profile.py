@@ -125,6 +125,9 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
                "layer(s) carrying an identical earlier one's figures")
         click.echo(f"wrote {output}: {len(result.layers)} layers ({result.method}), step {result.step_ms:.3f} ms, "
                    f"{how}", err=True)
+        gap = result.sum_gap()
+        if gap:
+            click.echo(f"pd: warning: {gap}", err=True)
         noisy = [layer.name for layer in result.layers if layer.noisy]
         if noisy:
             click.echo(f"pd: warning: the repeats of {_count(len(noisy), 'layer')} kept disagreeing after being measured "

@@ -47,6 +47,7 @@ def profile_table(profile: Profile, top: int = 15) -> str:
          + (f"{ratio:.3f}" if ratio is not None else "n/a")) if profile.measured == "step" else
         (f"whole step   not timed: profiled one layer's weights at a time (pd profile --memory); "
          f"{sum(1 for l in profile.layers if l.same_as is not None)} layer(s) carry an identical earlier one's figures"),
+        *([f"note         {profile.sum_gap()}"] if profile.sum_gap() else []),
         "",
         f"heaviest {min(top, len(profile.layers))} of {len(profile.layers)} layers:",
         table,
