@@ -221,6 +221,30 @@ def test_a_layer_whose_repeats_disagree_is_measured_again_until_they_agree():
     assert cost.fwd_ms == pytest.approx(1.0) and cost.fwd_ms_spread == pytest.approx(0.0)
 
 
+def test_what_timing_a_layer_alone_adds_is_not_the_layers():
+    """A profile times each layer by itself, paying the clock's reads and a backward's own start
+    once per layer where a whole step pays them once: `Clock.fixed` (measured on an empty layer)
+    comes off every forward and backward."""
+    import torch
+
+    from pdtool.profiler.fx_measure import time_layer
+    from pdtool.profiler.timing import Clock
+
+    fixed_fwd, fixed_bwd = Clock(torch.device("cpu")).fixed()
+    assert 0 < fixed_fwd < 1e-3 and 0 < fixed_bwd < 5e-3  # microseconds, not milliseconds
+    ticks = {"now": 0.0, "calls": 0}
+
+    def clock():  # every forward 1 ms, every backward 2 ms
+        ticks["now"] += (0.0, 0.001, 0.002)[ticks["calls"] % 3]
+        ticks["calls"] += 1
+        return ticks["now"]
+
+    clock.fixed = lambda: (0.0002, 0.0005)
+    x = torch.randn(4, 8)
+    cost = time_layer(torch.nn.Linear(8, 8), (x,), {}, torch.zeros(4, 8), {id(x)}, repeats=5, warmup=0, clock=clock)
+    assert cost.fwd_ms == pytest.approx(0.8) and cost.bwd_ms == pytest.approx(1.5)
+
+
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_a_value_computed_from_a_parameter_alone_belongs_to_its_layer_and_ties_nothing(method):
     """Mamba's A = -exp(A_log.float()): torch.export checks the tensor `.float()` reads with a node no

@@ -4,7 +4,8 @@ PipeDream's profiler (Narayanan et al., SOSP 2019, section 3.1) times each layer
 and backward pass separately. Here every layer is a submodule made by `split_module`; one
 forward pass of the whole split model records each submodule's inputs, then each
 submodule is run on its own: forward (timed), then backward from a gradient of ones on its
-differentiable outputs (timed), `repeats` times after `warmup` untimed rounds. Each round of a
+differentiable outputs (timed), `repeats` times after `warmup` untimed rounds, less what timing
+a layer by itself adds (`timing.Clock.fixed`: the clock's reads, a backward's own start). Each round of a
 layer with parameters whose inputs need gradients also times a backward of the input gradients
 alone; what the whole backward takes beyond it is the layer's `wgrad_ms` (the W of mode `zb`).
 """
@@ -117,10 +118,13 @@ def time_layer(sub: nn.Module, args, kwargs, out, originals: set[int], *, repeat
         if not (noisy(*summarize(fwd)) or noisy(*summarize(bwd))):
             break
         rounds(max(repeats, MIN_EXTRA), True)
-    fwd_ms, fwd_spread = summarize(fwd)
-    bwd_ms, bwd_spread = summarize(bwd)
+    # what timing it alone adds (the whole step pays it once), where the clock knows it
+    fixed_fwd, fixed_bwd = clock.fixed() if hasattr(clock, "fixed") else (0.0, 0.0)
+    fwd_ms, fwd_spread = summarize([max(0.0, seconds - fixed_fwd) for seconds in fwd])
+    bwd_ms, bwd_spread = summarize([max(0.0, seconds - fixed_bwd) for seconds in bwd])
     if splits:
-        wgrad = min(max(0.0, bwd_ms - summarize(inputs_only)[0]), bwd_ms)
+        inputs_ms = summarize([max(0.0, seconds - fixed_bwd) for seconds in inputs_only])[0]
+        wgrad = min(max(0.0, bwd_ms - inputs_ms), bwd_ms)
     else:  # no parameters: no weight gradients; inputs that need none: all of the backward is
         wgrad = bwd_ms if any(p.requires_grad for p in sub.parameters()) else 0.0
     return LayerCost(fwd_ms, fwd_spread, bwd_ms, bwd_spread, act_bytes=nbytes(out), wgrad_ms=wgrad)

@@ -24,12 +24,37 @@ class Clock:
     """Reads wall time in seconds, synchronising the device first when it is a GPU."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self._sync = torch.cuda.synchronize if device.type == "cuda" else None
+        self._fixed: tuple[float, float] | None = None
 
     def __call__(self) -> float:
         if self._sync is not None:
             self._sync()
         return time.perf_counter()
+
+    def fixed(self) -> tuple[float, float]:
+        """(forward, backward) seconds that timing a layer on its own costs beyond the layer's
+        work: the clock's reads and a backward started by itself (the autograd engine's start, the
+        gradient of ones it begins from). A whole step pays them once, a profile once per layer,
+        so the per-layer times are taken without them (`fx_measure.time_layer`): measured once, on
+        an empty layer (one multiplication of a 4-element tensor), the median of `FIXED_ROUNDS`."""
+        if self._fixed is None:
+            leaf = torch.ones(4, device=self.device, requires_grad=True)
+            forward, backward = [], []
+            for _ in range(FIXED_ROUNDS):
+                start = self()
+                out = leaf * 1.0
+                middle = self()
+                backward_from(out)
+                end = self()
+                forward.append(middle - start)
+                backward.append(end - middle)
+            self._fixed = (statistics.median(forward), statistics.median(backward))
+        return self._fixed
+
+
+FIXED_ROUNDS = 50
 
 
 def summarize(seconds: list[float]) -> tuple[float, float]:
