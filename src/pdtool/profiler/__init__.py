@@ -26,7 +26,8 @@ from ..artifacts.profile import Layer, ModelRef, Profile
 from .fx_measure import LayerCost, measure_split
 from ..model.layergraph import TRACERS, LayerGraph, Untraceable, capture
 from .modules import measure_modules
-from .timing import Clock, computing_in, measure_data, measure_message, measure_reduce, measure_step, measure_update
+from .timing import (Clock, computing_in, measure_data, measure_message, measure_reduce, measure_update, step_samples,
+                     summarize)
 
 METHODS = ("auto",) + TRACERS + ("modules",)
 
@@ -86,6 +87,11 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
     target = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, target)
     _check_runs(ref.spec, module, inputs, target, bundle.loss_fn)
     clock = Clock(dev)
+    # whole steps are timed before the layers and after them, and summarised together: a machine whose
+    # speed drifts while the layers are timed moves both sides of `layer_sum_over_step` alike
+    with computing_in(dev, precision):
+        early = step_samples(module, inputs, target, bundle.loss_fn, repeats=(repeats + 1) // 2, warmup=warmup,
+                             clock=clock)
 
     used, reasons, shared = method, {}, ()
     for tracer in (TRACERS if method == "auto" else (method,) if method in TRACERS else ()):
@@ -130,8 +136,8 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
     _warn_unused(module, planned, warn)
     progress("timing whole training steps, optimizer steps, all-reduce work, messages and data")
     with computing_in(dev, precision):
-        step_ms, step_spread = measure_step(module, inputs, target, bundle.loss_fn, repeats=repeats,
-                                            warmup=warmup, clock=clock)
+        late = step_samples(module, inputs, target, bundle.loss_fn, repeats=repeats, warmup=warmup, clock=clock)
+    step_ms, step_spread = summarize(early + late)
     update_ms = measure_update(module, inputs, target, bundle.loss_fn, repeats=repeats, warmup=warmup, clock=clock)
     reduce_ms = measure_reduce(module, repeats=repeats, warmup=warmup, clock=clock)
     # GPU workers' messages go through NCCL, device to device: no host copies to charge

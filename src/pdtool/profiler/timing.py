@@ -105,11 +105,11 @@ def backward_from(output: Any) -> None:
         torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
 
 
-def measure_step(module: nn.Module, inputs: tuple[torch.Tensor, ...], target: Any,
+def step_samples(module: nn.Module, inputs: tuple[torch.Tensor, ...], target: Any,
                  loss_fn: Callable[[Any, Any], torch.Tensor], *, repeats: int, warmup: int,
-                 clock: Clock) -> tuple[float, float]:
-    """(median, spread) in ms of a whole training step: forward, loss and backward (the last
-    step's gradients stay, for `measure_update`)."""
+                 clock: Clock) -> list[float]:
+    """Seconds of `repeats` whole training steps (forward, loss and backward) after `warmup`; the
+    last step's gradients stay, for `measure_update`."""
     samples = []
     for round_ in range(warmup + repeats):
         module.zero_grad(set_to_none=True)
@@ -118,7 +118,7 @@ def measure_step(module: nn.Module, inputs: tuple[torch.Tensor, ...], target: An
         end = clock()
         if round_ >= warmup:
             samples.append(end - start)
-    return summarize(samples)
+    return samples
 
 
 def measure_update(module: nn.Module, inputs: tuple[torch.Tensor, ...], target: Any,
@@ -131,7 +131,7 @@ def measure_update(module: nn.Module, inputs: tuple[torch.Tensor, ...], target: 
     if not params:
         return 0.0
     saved = [p.detach().clone() for p in params]
-    if all(p.grad is None for p in params):  # measure_step leaves its last gradients: no extra step
+    if all(p.grad is None for p in params):  # step_samples leaves its last gradients: no extra step
         module.zero_grad(set_to_none=True)
         loss_fn(module(*inputs), target).backward()
     ms = time_sgd_steps(params, repeats=repeats, warmup=warmup, clock=clock)
