@@ -221,9 +221,7 @@ def _free_bytes(dev: torch.device) -> int:
 
 def _profile_graph(graph: LayerGraph, module, inputs, repeats, warmup, clock, progress):
     total = len(graph.groups)
-    done = iter(range(1, total + 1))
-    costs = measure_split(graph.split(), inputs, repeats=repeats, warmup=warmup, clock=clock,
-                          progress=lambda name: progress(f"layer {next(done)}/{total}"))
+    costs = measure_split(graph.split(), inputs, repeats=repeats, warmup=warmup, clock=clock, progress=progress)
     if len(costs) != total:
         raise ProfileError(f"the traced model ran {len(costs)} of its {total} layers; use --method modules")
     layers = [_layer(i, g.name, g.kind, cost, _bytes(module, g.params), g.nodes)

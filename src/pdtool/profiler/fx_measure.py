@@ -4,10 +4,11 @@ PipeDream's profiler (Narayanan et al., SOSP 2019, section 3.1) times each layer
 and backward pass separately. Here every layer is a submodule made by `split_module`; one
 forward pass of the whole split model records each submodule's inputs, then each
 submodule is run on its own: forward (timed), then backward from a gradient of ones on its
-differentiable outputs (timed), `repeats` times after `warmup` untimed rounds, less what timing
-a layer by itself adds (`timing.Clock.fixed`: the clock's reads, a backward's own start). Each round of a
-layer with parameters whose inputs need gradients also times a backward of the input gradients
-alone; what the whole backward takes beyond it is the layer's `wgrad_ms` (the W of mode `zb`).
+differentiable outputs (timed), `repeats` times after `warmup` untimed rounds, the layers taking
+turns, less what timing a layer by itself adds (`timing.Clock.fixed`: the clock's reads, a
+backward's own start). Each round of a layer with parameters whose inputs need gradients also
+times a backward of the input gradients alone; what the whole backward takes beyond it is the
+layer's `wgrad_ms` (the W of mode `zb`).
 """
 from __future__ import annotations
 
@@ -51,83 +52,117 @@ class _RecordCalls(fx.Interpreter):
 def measure_split(split: fx.GraphModule, inputs: tuple[torch.Tensor, ...], *, repeats: int, warmup: int,
                   clock: Clock, progress: Callable[[str], None]) -> list[LayerCost]:
     """Time every `submod_<i>` of `split` on the activations a real forward pass gives it;
-    costs in the order of i."""
+    costs in the order of i. The layers take turns (`time_layers`)."""
     recorder = _RecordCalls(split)
     with torch.no_grad():
         recorder.run(*inputs)
     # model inputs and the model's own buffers (an exported graph passes them to the layer that
     # reads them) are data: no gradient flows to them
     originals = {id(t) for t in inputs} | {id(b) for b in split.buffers()}
-    costs = []
     calls = sorted(recorder.calls, key=lambda call: int(call[0].removeprefix("submod_")))  # by layer id
-    for name, args, kwargs, out in calls:
-        progress(name)
-        costs.append(time_layer(split.get_submodule(name), args, kwargs, out, originals, repeats=repeats,
-                                warmup=warmup, clock=clock))
-    return costs
+    timers = [_LayerTimer(split.get_submodule(name), args, kwargs, out, originals, clock)
+              for name, args, kwargs, out in calls]
+    return time_layers(timers, repeats=repeats, warmup=warmup, progress=progress)
 
 
 def time_layer(sub: nn.Module, args, kwargs, out, originals: set[int], *, repeats: int, warmup: int,
                clock: Clock) -> LayerCost:
     """One layer's cost: `sub` run on the `args`/`kwargs` a real forward gave it (`out`: what it
-    returned), forward and backward timed `repeats` times after `warmup` rounds, and as many again
-    (at least `MIN_EXTRA`), up to `EXTRA_ROUNDS` times, while the repeats disagree (`noisy`).
-    `originals`: ids of tensors that are data (model inputs, buffers), to which no gradient flows."""
-    def as_leaf(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
-            return value
-        leaf = value.detach()
-        if leaf.is_floating_point() and id(value) not in originals:
-            leaf.requires_grad_(True)  # an activation from another layer: its gradient is sent back
-        return leaf
+    returned), timed as `time_layers` times a model's layers. `originals`: ids of tensors that are
+    data (model inputs, buffers), to which no gradient flows."""
+    return time_layers([_LayerTimer(sub, args, kwargs, out, originals, clock)], repeats=repeats, warmup=warmup)[0]
 
-    def fresh(value: Any) -> Any:
+
+def time_layers(timers: list["_LayerTimer"], *, repeats: int, warmup: int,
+                progress: Callable[[str], None] = lambda message: None) -> list[LayerCost]:
+    """Every layer's forward and backward, `repeats` times after `warmup` rounds, the layers taking
+    turns (each round times every layer once), then as many again (at least `MIN_EXTRA`), up to
+    `EXTRA_ROUNDS` times, for the layers whose repeats disagree (`noisy`). Taking turns spreads a
+    slow spell of the machine over one repeat of many layers, which the medians drop, instead of
+    over every repeat of a few layers (seen here: a layer timed at 1.3x its turn-taking time)."""
+    rounds = warmup + repeats
+    for index in range(rounds):
+        progress(f"layers: round {index + 1} of {rounds} over {len(timers)} layers")
+        for timer in timers:
+            timer.round(timed=index >= warmup)
+    for _ in range(EXTRA_ROUNDS):  # repeats that disagree: measure as many again, the median of all
+        unsettled = [timer for timer in timers if timer.noisy()]
+        if not unsettled:
+            break
+        progress(f"layers: {len(unsettled)} whose repeats disagree, measured again")
+        for _ in range(max(repeats, MIN_EXTRA)):
+            for timer in unsettled:
+                timer.round(timed=True)
+    return [timer.cost() for timer in timers]
+
+
+class _LayerTimer:
+    """One layer (`sub`) on the inputs a real forward gave it: `round` runs and times its forward
+    and backward once, `cost` summarises the rounds, less what timing a layer alone adds
+    (`Clock.fixed`, where the clock knows it)."""
+
+    def __init__(self, sub: nn.Module, args, kwargs, out, originals: set[int], clock: Clock):
+        def as_leaf(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+                return value
+            leaf = value.detach()
+            if leaf.is_floating_point() and id(value) not in originals:
+                leaf.requires_grad_(True)  # an activation from another layer: its gradient is sent back
+            return leaf
+
+        self.sub, self.clock, self.out = sub, clock, out
+        self.args, self.kwargs = tree_map(as_leaf, args), tree_map(as_leaf, kwargs)
+        self.leaves = [t for t in tensors_in((self.args, self.kwargs)) if t.requires_grad]
+        self.splits = any(p.requires_grad for p in sub.parameters()) and bool(self.leaves)
+        self.fwd: list[float] = []
+        self.bwd: list[float] = []
+        self.inputs_only: list[float] = []
+
+    def _fresh(self) -> tuple:
         # a differentiable copy, so that a layer that works in place on its input cannot
         # touch the leaf (or the next round's input)
-        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
-            return value
-        return value.clone()
+        def fresh(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+                return value
+            return value.clone()
+        return tree_map(fresh, self.args), tree_map(fresh, self.kwargs)
 
-    args, kwargs = tree_map(as_leaf, args), tree_map(as_leaf, kwargs)
-    leaves = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
-    splits = any(p.requires_grad for p in sub.parameters()) and bool(leaves)
-    fwd, bwd, inputs_only = [], [], []
-
-    def rounds(count: int, timed: bool) -> None:
-        for _ in range(count):
-            sub.zero_grad(set_to_none=True)
-            for leaf in leaves:
-                leaf.grad = None
-            call_args, call_kwargs = tree_map(fresh, args), tree_map(fresh, kwargs)
-            start = clock()
-            result = sub(*call_args, **call_kwargs)
-            middle = clock()
-            backward_from(result)
-            end = clock()
-            if splits:  # the same layer's backward of the input gradients only (zb's B), right after
-                seconds = _input_gradients_s(sub(*tree_map(fresh, args), **tree_map(fresh, kwargs)), leaves, clock)
-                if timed:
-                    inputs_only.append(seconds)
+    def round(self, timed: bool) -> None:
+        """One timed forward and backward (the last round's gradients stay, for an optimizer step)."""
+        sub, clock = self.sub, self.clock
+        sub.zero_grad(set_to_none=True)
+        for leaf in self.leaves:
+            leaf.grad = None
+        call_args, call_kwargs = self._fresh()
+        start = clock()
+        result = sub(*call_args, **call_kwargs)
+        middle = clock()
+        backward_from(result)
+        end = clock()
+        if self.splits:  # the same layer's backward of the input gradients only (zb's B), right after
+            again_args, again_kwargs = self._fresh()
+            seconds = _input_gradients_s(sub(*again_args, **again_kwargs), self.leaves, clock)
             if timed:
-                fwd.append(middle - start)
-                bwd.append(end - middle)
+                self.inputs_only.append(seconds)
+        if timed:
+            self.fwd.append(middle - start)
+            self.bwd.append(end - middle)
 
-    rounds(warmup, False)
-    rounds(repeats, True)
-    for _ in range(EXTRA_ROUNDS):  # repeats that disagree: measure as many again, the median of all
-        if not (noisy(*summarize(fwd)) or noisy(*summarize(bwd))):
-            break
-        rounds(max(repeats, MIN_EXTRA), True)
-    # what timing it alone adds (the whole step pays it once), where the clock knows it
-    fixed_fwd, fixed_bwd = clock.fixed() if hasattr(clock, "fixed") else (0.0, 0.0)
-    fwd_ms, fwd_spread = summarize([max(0.0, seconds - fixed_fwd) for seconds in fwd])
-    bwd_ms, bwd_spread = summarize([max(0.0, seconds - fixed_bwd) for seconds in bwd])
-    if splits:
-        inputs_ms = summarize([max(0.0, seconds - fixed_bwd) for seconds in inputs_only])[0]
-        wgrad = min(max(0.0, bwd_ms - inputs_ms), bwd_ms)
-    else:  # no parameters: no weight gradients; inputs that need none: all of the backward is
-        wgrad = bwd_ms if any(p.requires_grad for p in sub.parameters()) else 0.0
-    return LayerCost(fwd_ms, fwd_spread, bwd_ms, bwd_spread, act_bytes=nbytes(out), wgrad_ms=wgrad)
+    def noisy(self) -> bool:
+        return noisy(*summarize(self.fwd)) or noisy(*summarize(self.bwd))
+
+    def cost(self) -> LayerCost:
+        # what timing it alone adds (the whole step pays it once), where the clock knows it
+        fixed_fwd, fixed_bwd = self.clock.fixed() if hasattr(self.clock, "fixed") else (0.0, 0.0)
+        fwd_ms, fwd_spread = summarize([max(0.0, seconds - fixed_fwd) for seconds in self.fwd])
+        bwd_ms, bwd_spread = summarize([max(0.0, seconds - fixed_bwd) for seconds in self.bwd])
+        owns = any(p.requires_grad for p in self.sub.parameters())
+        if self.splits:
+            inputs_ms = summarize([max(0.0, seconds - fixed_bwd) for seconds in self.inputs_only])[0]
+            wgrad = min(max(0.0, bwd_ms - inputs_ms), bwd_ms)
+        else:  # no parameters: no weight gradients; inputs that need none: all of the backward is
+            wgrad = bwd_ms if owns else 0.0
+        return LayerCost(fwd_ms, fwd_spread, bwd_ms, bwd_spread, act_bytes=nbytes(self.out), wgrad_ms=wgrad)
 
 
 def _input_gradients_s(result, leaves: list[torch.Tensor], clock: Clock) -> float:
