@@ -22,6 +22,7 @@ from ..errors import PlanError
 from ..steady import applies as steady_applies, steady_state
 from ..schedule.modes import DEFAULT, DEFAULT_TIED, MODES, listed, modes_where, resolve, rules
 from ..units import format_bytes
+from .background import background
 from .costmodel import COMPUTE_COPY, MODELS, ChainCosts, CostModel, Memory
 from .partition import Pipeline, PipelineStage, Solver
 from .states import States, build_states
@@ -43,6 +44,9 @@ the cost model's optimum is kept (and simulated alone), and the plan says so."""
 RANKING_MINIBATCHES_PER_WORKER = 8
 """Candidates are compared on runs this long (per worker); the best `FINALISTS` in full."""
 FINALISTS = 3
+BACKGROUND_SIZE = 100_000
+"""States x workers from which the straight pipelines are solved in a second process while the
+cost model's candidates are solved here (`background`; 1000 layers x 4096 workers: 15 s of 65)."""
 
 
 def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool", straight: bool = False,
@@ -84,21 +88,27 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     states = _splittable(build_states(costs, followers=not model.exact_workers and memory is None), profile, say)
     if data_parallel:
         states = states.restricted(lambda mask: False)
-    solver = Solver(states, counts, bandwidths, model, straight=straight, memory=memory, every_worker=data_parallel,
-                    recompute=recompute)
-    pipelines = solver.candidates(CANDIDATES) if simulate else [solver.solve()]
-    if not pipelines or pipelines[0] is None:
-        raise PlanError(_no_plan_reason(profile, costs, states, counts, bandwidths, model, straight, memory, cluster,
-                                        recompute))
     describe = lambda pipeline, s: _as_plan(pipeline, s, profile, cluster, costs, model, memory,  # noqa: E731
                                             optimizer_slots, cost_model, straight, mode, command, profile_file)
-    plans = [describe(p, solver) for p in pipelines]
-    if not simulate:
-        return _trainable(plans[0], mode, say)
-    ranking = cluster.workers <= RANKED_WORKERS or steady_applies(plans[0])  # the candidates share a mode
-    if ranking and not straight and not data_parallel:  # straight pipelines: the cost model undervalues them most
+
+    def straight_plans() -> list[Plan]:  # straight pipelines: the cost model undervalues them most
         lined = Solver(states, counts, bandwidths, model, straight=True, memory=memory, recompute=recompute)
-        plans += [describe(p, lined) for p in lined.candidates(CANDIDATES) if p is not None]
+        return [describe(p, lined) for p in lined.candidates(CANDIDATES) if p is not None]
+
+    with background(straight_plans, simulate and not straight and not data_parallel
+                    and len(states) * cluster.workers >= BACKGROUND_SIZE) as lined_plans:
+        solver = Solver(states, counts, bandwidths, model, straight=straight, memory=memory,
+                        every_worker=data_parallel, recompute=recompute)
+        pipelines = solver.candidates(CANDIDATES) if simulate else [solver.solve()]
+        if not pipelines or pipelines[0] is None:
+            raise PlanError(_no_plan_reason(profile, costs, states, counts, bandwidths, model, straight, memory,
+                                            cluster, recompute))
+        plans = [describe(p, solver) for p in pipelines]
+        if not simulate:
+            return _trainable(plans[0], mode, say)
+        ranking = cluster.workers <= RANKED_WORKERS or steady_applies(plans[0])  # the candidates share a mode
+        if ranking and not straight and not data_parallel:
+            plans += lined_plans()
     dp_solver = None if data_parallel else _data_parallel_solver(states, counts, bandwidths, model, memory, recompute)
     dp = dp_solver.solve() if dp_solver is not None else None
     baseline = describe(dp, dp_solver) if dp is not None else None
