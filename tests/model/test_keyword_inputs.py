@@ -9,7 +9,7 @@ from torch import nn
 from pdtool.artifacts.profile import ModelRef
 from pdtool.errors import ModelError
 from pdtool.model.data import DataError, collate, dataset_source
-from pdtool.model.spec import ModelBundle, load_model, model_loss
+from pdtool.model.spec import load_model, model_loss
 
 
 class Scorer(nn.Module):
@@ -86,8 +86,19 @@ def test_a_dataset_of_dicts_is_checked_when_it_is_loaded():
         dataset_source([{"x": torch.zeros(3), "y": torch.zeros(1)}] * 4, 2, 0, keywords=("x",))
 
 
-def test_a_positional_bundle_refuses_a_dict_batch():
-    bundle = ModelBundle(nn.Linear(2, 2), lambda n: {"x": torch.zeros(n, 2)})
-    with pytest.raises(ModelError, match="positional ones"):
-        bundle.batch(2)
+def test_a_maker_that_cannot_make_a_sample_of_one_is_asked_at_the_real_size():
+    bundle = load_model(ModelRef(f"{__name__}:even_model", {}), given=True)
+    assert bundle.keywords == ()
+    _, inputs, target = bundle.batch(4)
+    assert bundle.keywords == ("labels", "x") and target is None
+    torch.testing.assert_close(bundle.loss_fn(bundle.module(*inputs), target),
+                               Scorer.forward(bundle.module, x=inputs[1], labels=inputs[0])["loss"])
+
+
+def even_model():
+    def even(batch_size):
+        if batch_size % 2:
+            raise ValueError("pairs only")
+        return {"labels": torch.zeros(batch_size, dtype=torch.long), "x": torch.randn(batch_size, 3)}
+    return Scorer(), even, None
 

@@ -86,6 +86,8 @@ class ModelBundle:
             )
         inputs, target = _pair(self.make_batch(batch_size), spec)
         if isinstance(inputs, dict):
+            if not self.keywords:  # its maker could not make a sample of one when the model was loaded
+                _adopt(self, tuple(inputs), spec)
             inputs = ordered(inputs, self.keywords, f"{spec}: the sample", ModelError)
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
@@ -134,19 +136,27 @@ def keyword_call(module: nn.Module, names: tuple[str, ...]) -> None:
 
 
 def _keyword_inputs(bundle: ModelBundle, spec: str) -> ModelBundle:
-    """A bundle whose sample passes keyword inputs gets `keyword_call` and its `keywords`."""
-    with torch.random.fork_rng(devices=[]):
-        inputs, _ = _pair(bundle.make_batch(bundle.fixed_batch_size or 1), f"model {spec!r}")
-    if not isinstance(inputs, dict):
+    """A bundle whose sample passes keyword inputs gets `keyword_call` and its `keywords`, found
+    on a sample of one (or the fixed sample). A batch maker that cannot make one is asked again
+    by `ModelBundle.batch` at the real size (`_adopt` there)."""
+    try:
+        with torch.random.fork_rng(devices=[]):
+            made = bundle.make_batch(bundle.fixed_batch_size or 1)
+    except Exception:  # noqa: BLE001 - e.g. a maker that needs an even batch: the real size decides
         return bundle
-    names = tuple(inputs)
+    inputs, _ = _pair(made, f"model {spec!r}")
+    if isinstance(inputs, dict):
+        _adopt(bundle, tuple(inputs), spec)
+    return bundle
+
+
+def _adopt(bundle: ModelBundle, names: tuple, spec: str) -> None:
     bad = [n for n in names if not (isinstance(n, str) and n.isidentifier() and not keyword.iskeyword(n))]
     if bad or not names:
         raise ModelError(f"model {spec!r}: the sample's keyword inputs {bad or names} are not names a forward can "
                          "take; use identifiers such as input_ids")
     keyword_call(bundle.module, names)
     bundle.keywords = names
-    return bundle
 
 
 def parse_model_args(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
