@@ -154,15 +154,21 @@ class _LayerTimer:
     def cost(self) -> LayerCost:
         # what timing it alone adds (the whole step pays it once), where the clock knows it
         fixed_fwd, fixed_bwd = self.clock.fixed() if hasattr(self.clock, "fixed") else (0.0, 0.0)
-        fwd_ms, fwd_spread = summarize([max(0.0, seconds - fixed_fwd) for seconds in self.fwd])
-        bwd_ms, bwd_spread = summarize([max(0.0, seconds - fixed_bwd) for seconds in self.bwd])
+        fwd_ms, fwd_spread = summarize([_less(seconds, fixed_fwd) for seconds in self.fwd])
+        bwd_ms, bwd_spread = summarize([_less(seconds, fixed_bwd) for seconds in self.bwd])
         owns = any(p.requires_grad for p in self.sub.parameters())
         if self.splits:
-            inputs_ms = summarize([max(0.0, seconds - fixed_bwd) for seconds in self.inputs_only])[0]
+            inputs_ms = summarize([_less(seconds, fixed_bwd) for seconds in self.inputs_only])[0]
             wgrad = min(max(0.0, bwd_ms - inputs_ms), bwd_ms)
         else:  # no parameters: no weight gradients; inputs that need none: all of the backward is
             wgrad = bwd_ms if owns else 0.0
         return LayerCost(fwd_ms, fwd_spread, bwd_ms, bwd_spread, act_bytes=nbytes(self.out), wgrad_ms=wgrad)
+
+
+def _less(seconds: float, fixed: float) -> float:
+    """A sample less the fixed cost of timing it alone, but never below half of it: the fixed cost
+    is an estimate (an empty layer's), and a layer that ran is never credited with no time."""
+    return max(seconds - fixed, seconds / 2)
 
 
 def _input_gradients_s(result, leaves: list[torch.Tensor], clock: Clock) -> float:
