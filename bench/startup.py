@@ -14,15 +14,19 @@ local CPU workers (`make_plan(..., straight=True)` for `Nx10GB/s`), 2 steps in t
 - **after**: `pd train` today: the model waits on `meta` everywhere (`model.build`), the
   launcher captures the stages once and checks the first minibatch on fake tensors
   (`model.capture`, `model.dryrun`), and each worker decodes its own stage's program and gives
-  only that stage's parameters their values (the initialization rule).
+  only that stage's parameters their values (the initialization rule); its capture cache is
+  empty (a plan run for the first time);
+- **cached**: `pd train` of the same plan again: the launcher takes the stages from its capture
+  cache (`runtime.launcher.capture_cache`) and starts the workers' forkserver at once.
 
-Each row runs in a fresh process that acts as `pd train` (`runtime.launcher.job.prepare`, then
-`runtime.launcher.launch.launch`, as the CLI calls them), so no row inherits another's imports.
-Columns: "first minibatch" is the time from the start of `prepare` to the end of the backward
-of minibatch 0 on stage 0 (event `0B0`, when the first minibatch is complete on every stage);
-"checks" is `prepare`'s part of it; "started" when the first worker began, "building" the slowest
-worker's time from its start to its stage built (`WorkerReport.startup`: began -> built), "joined"
-when the last worker had joined the process group, all from the start of `prepare`; "worker RSS" the largest peak resident
+Each row runs in a fresh process that acts as `pd train` (`runtime.launcher.forked.warm_from_cache`,
+`runtime.launcher.job.prepare`, then `runtime.launcher.launch.launch`, as the CLI calls them), so
+no row inherits another's imports. Columns: "first minibatch" is the time from the row process's
+start (its imports of pdtool and torch included) to the end of the backward of minibatch 0 on
+stage 0 (event `0B0`, when the first minibatch is complete on every stage); "checks" when
+`prepare` was done; "started" when the first worker began, "building" the slowest worker's time
+from its start to its stage built (`WorkerReport.startup`: began -> built), "joined" when the
+last worker had joined the process group, all from the process's start; "worker RSS" the largest peak resident
 set of a worker over the whole run (training included), "launcher RSS" the row process's own
 (both VmHWM from the OS).
 
@@ -40,12 +44,14 @@ import sys
 import tempfile
 import time
 
+START = time.time()  # this process's start: a row's times count from here, its imports included
+
 MODELS = {
     "zoo gpt": ("pdtool.zoo:gpt", dict(vocab=50257, seq_len=128, d_model=768, heads=12, layers=12)),
     "hf gpt2": ("pdtool.zoo.hf:gpt2", dict(vocab=50257, seq_len=128, n_embd=768, n_head=12, n_layer=12)),
 }
 WORKERS = (2, 4)
-WAYS = ("before", "after")
+WAYS = ("before", "after", "cached")
 
 
 def _plan(folder: str, name: str, workers: int) -> str:
@@ -62,27 +68,28 @@ def _plan(folder: str, name: str, workers: int) -> str:
 
 
 def _row(plan_path: str, way: str, workers: int) -> dict:
-    """One row, in this process (a fresh one): pd train's checks, then its workers."""
+    """One row, in this process (a fresh one): pd train's checks, then its workers, timed from
+    this process's start, as `pd train` (`runtime.launcher.train`) runs them."""
     from pdtool.artifacts.plan import Plan
-    from pdtool.runtime.launcher.job import prepare
-    from pdtool.runtime.launcher.launch import launch
+    from pdtool.runtime.launcher import forked
     from pdtool.runtime.run import RunConfig
-    from pdtool.runtime.worker.memory import peak_resident_bytes
 
     plan = Plan.load(plan_path)
     config = RunConfig(plan_path=plan_path, steps=2, progress=False, device="cpu", timeout_s=120,
                        init="factory" if way == "before" else "rule")
-    began = time.time()
-    from pdtool.runtime.launcher import forked
+    forked.warm_from_cache(plan, config, workers)  # before torch is imported (a cache hit only)
+    from pdtool.runtime.launcher.job import prepare
+    from pdtool.runtime.launcher.launch import launch
+    from pdtool.runtime.worker.memory import peak_resident_bytes
 
-    job = prepare(plan, config, built=lambda model: forked.warm(config.device, workers, model))  # as pd train does
+    job = prepare(plan, config, imports=lambda modules: forked.warm(config.device, workers, modules))  # as pd train
     checked = time.time()
-    config = job.config if way == "after" else dataclasses.replace(job.config, capture=None)  # workers capture
+    config = job.config if way != "before" else dataclasses.replace(job.config, capture=None)  # workers capture
     reports = launch(config, len(plan.used_ranks))
     first = max(end for report in reports.values() for action, _, end in report.events if action == "0B0")
-    return {"stages": len(plan.stages), "first_s": first - began, "checks_s": checked - began,
-            "started_s": min(r.startup["began"] for r in reports.values()) - began,
-            "joined_s": max(r.startup["joined"] for r in reports.values()) - began,
+    return {"stages": len(plan.stages), "first_s": first - START, "checks_s": checked - START,
+            "started_s": min(r.startup["began"] for r in reports.values()) - START,
+            "joined_s": max(r.startup["joined"] for r in reports.values()) - START,
             "building_s": max(r.startup["built"] - r.startup["began"] for r in reports.values()),
             "worker_mb": max(r.memory["peak"] for r in reports.values()) / 2 ** 20,
             "launcher_mb": peak_resident_bytes() / 2 ** 20}
@@ -102,9 +109,11 @@ def main() -> None:
         for name in models:
             for workers in WORKERS:
                 path = _plan(folder, name, workers)
+                cache = os.path.join(folder, f"cache-{name.replace(' ', '_')}-{workers}")  # empty for "after"
                 for way in WAYS:
+                    env = dict(os.environ, PDTOOL_CACHE_DIR="off" if way == "before" else cache)
                     out = subprocess.run([sys.executable, __file__, "--row", path, way, str(workers)], check=True,
-                                         capture_output=True, text=True).stdout
+                                         capture_output=True, text=True, env=env).stdout
                     results[name, workers, way] = json.loads(out.strip().splitlines()[-1])
     print(f"{'model':9} {'workers':>7} {'stages':>6} {'way':7} {'first minibatch':>15} {'checks':>7} {'started':>8} "
           f"{'building':>8} {'joined':>7} {'worker RSS':>11} {'launcher RSS':>12}")
@@ -115,11 +124,13 @@ def main() -> None:
     print()
     for name in models:
         for workers in WORKERS:
-            before, after = results[name, workers, "before"], results[name, workers, "after"]
+            before, after, cached = (results[name, workers, way] for way in WAYS)
             print(f"{name}, {workers} workers: start-up after/before {after['first_s'] / before['first_s']:.2f}, "
+                  f"cached/before {cached['first_s'] / before['first_s']:.2f}, "
                   f"stage building after/before {after['building_s'] / before['building_s']:.2f}")
-        two, four = results[name, 2, "after"], results[name, 4, "after"]
-        print(f"{name}: start-up with 4 workers / with 2 (after) {four['first_s'] / two['first_s']:.2f}")
+        for way in WAYS[1:]:
+            two, four = results[name, 2, way], results[name, 4, way]
+            print(f"{name}: start-up with 4 workers / with 2 ({way}) {four['first_s'] / two['first_s']:.2f}")
 
 
 if __name__ == "__main__":

@@ -2,14 +2,23 @@
 every test of tests/dist (and every module that says `pytestmark = pytest.mark.workers`) carries
 the `workers` marker: it starts worker processes (`make test-fast` leaves those out). See
 tests/README.md for the tiers."""
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+
+# pd train keeps its captures between runs (runtime.launcher.capture_cache): the tests share a folder of
+# their own (one per test process), never the user's
+_CACHE = tempfile.mkdtemp(prefix="pdtool-test-captures-")
+os.environ["PDTOOL_CACHE_DIR"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, True)
 
 
 def pytest_collection_modifyitems(config, items):

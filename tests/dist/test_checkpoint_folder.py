@@ -83,7 +83,7 @@ def test_resume_completes_the_checkpoint_an_interrupted_run_left_with_every_shar
 def test_a_sigkilled_launcher_takes_its_workers_along_and_resume_continues(tmp_path):
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
     ckpt = tmp_path / "ckpt"
-    process = subprocess.Popen([PD, "train", str(path), "--steps", "100000", "--checkpoint-dir", str(ckpt),
+    process = subprocess.Popen([PD, "train", str(path), "--steps", "20000", "--checkpoint-dir", str(ckpt),
                                 "--checkpoint-every", "50", "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
     try:

@@ -61,7 +61,7 @@ def output_of(process):
 def start_training(tmp_path, *extra):
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=DIGITS, batch_size=32)
     ckpt = tmp_path / "ckpt"
-    process = subprocess.Popen([PD, "train", str(path), "--data", "digits", "--steps", "30000", "--quiet",
+    process = subprocess.Popen([PD, "train", str(path), "--data", "digits", "--steps", "10000", "--quiet",
                                 "--checkpoint-dir", str(ckpt), "--checkpoint-every", "200", *extra],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 60
@@ -164,7 +164,7 @@ def test_a_worker_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
     from pdtool.artifacts.checkpoint import latest_complete, load_checkpoint
 
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=DIGITS, batch_size=32, mode="flush")
-    args = ["train", str(path), "--data", "digits", "--steps", "300", "--quiet", "--checkpoint-every", "1"]
+    args = ["train", str(path), "--data", "digits", "--steps", "120", "--quiet", "--checkpoint-every", "1"]
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     subprocess.run([PD, *args, "--checkpoint-dir", str(whole)], check=True, capture_output=True)
     process = subprocess.Popen([PD, *args, "--checkpoint-dir", str(broken)], stdout=subprocess.PIPE,
@@ -179,8 +179,8 @@ def test_a_worker_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
     assert latest_complete(broken) is not None
     resumed = subprocess.run([PD, *args, "--checkpoint-dir", str(broken), "--resume"], capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
-    _, expected, _ = load_checkpoint(whole / "step-00000300")
-    _, got, _ = load_checkpoint(broken / "step-00000300")
+    _, expected, _ = load_checkpoint(whole / "step-00000120")
+    _, got, _ = load_checkpoint(broken / "step-00000120")
     assert expected.keys() == got.keys()
     for name in expected:
         torch.testing.assert_close(got[name], expected[name])

@@ -21,7 +21,7 @@ def test_the_next_run_sweeps_what_a_killed_launcher_left(tmp_path):
     temp = tmp_path / "tmp"
     temp.mkdir()
     env = {**os.environ, "TMPDIR": str(temp)}
-    killed = subprocess.Popen([PD, "train", str(path), "--steps", "100000", "--quiet"], env=env,
+    killed = subprocess.Popen([PD, "train", str(path), "--steps", "20000", "--quiet"], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while not any((temp / name / "owner.json").stat().st_size for name in scratch_folders(temp)

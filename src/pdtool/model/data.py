@@ -236,24 +236,31 @@ def load_source(data: str, bundle: ModelBundle, batch_size: int, seed: int,
     `kwargs` go to the dataset factory (or to `digits`, e.g. {"image": True}); the digits
     source reads the train split.
     """
-    kwargs = dict(kwargs or {})
     if data == "synthetic":
         if kwargs:
             raise DataError(f"synthetic data takes no arguments, got {sorted(kwargs)}; drop them")
         _check_batch_size(batch_size)
         return SyntheticSource(bundle, batch_size, seed)
+    return named_dataset_source(data, batch_size, seed, bundle.keywords, kwargs)
+
+
+def named_dataset_source(data: str, batch_size: int, seed: int, keywords: tuple[str, ...] = (),
+                         kwargs: dict[str, Any] | None = None) -> BatchSource:
+    """The source of a data set `data` names ("digits" or "pkg.module:factory"; not
+    "synthetic", which the model makes), for a model taking `keywords` (`load_source`)."""
+    kwargs = dict(kwargs or {})
     if data == "digits":
         try:
             dataset = digits(train=True, **kwargs)
         except TypeError as exc:
             raise DataError(f"data 'digits': {_first_line(exc)}; it takes image=true|false") from None
-        return dataset_source(dataset, batch_size, seed, name="data 'digits'", keywords=bundle.keywords)
+        return dataset_source(dataset, batch_size, seed, name="data 'digits'", keywords=keywords)
     factory = resolve_data_factory(data)
     try:
         dataset = factory(**kwargs)
     except Exception as exc:
         raise DataError(f"data {data!r}: the factory raised {type(exc).__name__}: {_first_line(exc)}; check the factory and its arguments") from None
-    return dataset_source(dataset, batch_size, seed, name=f"data {data!r}", keywords=bundle.keywords)
+    return dataset_source(dataset, batch_size, seed, name=f"data {data!r}", keywords=keywords)
 
 
 def held_out(data: str) -> Any | None:

@@ -229,7 +229,7 @@ def _sequential_stages(module: nn.Module, layer_sets: list[tuple[int, ...]], lay
 def plan_stages(plan: Plan, module: nn.Module, inputs: tuple[torch.Tensor, ...] | None = None) -> list[Stage]:
     """`check_model`, then the plan's stages of `module` (the plan's layer sets and names);
     `inputs` is a sample minibatch of the profile's size (needed for an exported model)."""
-    _check_fingerprint(plan, module)
+    check_fingerprint(plan, module)
     p = plan.profile
     return build_stages(module, [s.layers for s in plan.stages], method=p.method,
                         granularity=p.granularity, depth=p.depth, layer_names=_plan_layer_names(plan), inputs=inputs)
@@ -244,7 +244,7 @@ def sample_inputs(bundle, plan: Plan) -> tuple[torch.Tensor, ...]:
 
 # ----- checks ---------------------------------------------------------------------------------
 
-def _check_fingerprint(plan: Plan, module: nn.Module) -> None:
+def check_fingerprint(plan: Plan, module: nn.Module) -> None:
     found = fingerprint(module)
     if found != plan.profile.fingerprint:
         model = plan.profile.model

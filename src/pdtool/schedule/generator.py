@@ -55,8 +55,9 @@ def generate(mode: str, replicas: Sequence[int], minibatches: int, group: int | 
     workers = []
     for stage, count in enumerate(shell.replicas):
         for replica in range(count):
-            own = list(range(replica, minibatches, count))
-            batches = [[b for b in own if b // span == t] for t in range(-(-minibatches // span))]
+            batches: list[list[int]] = [[] for _ in range(-(-minibatches // span))]
+            for b in range(replica, minibatches, count):  # one pass: the run's length, not its square
+                batches[b // span].append(b)
             order = [action for batch in batches for action in _forward_backward_order(shell, stage, batch)]
             workers.append(_with_steps(shell, stage, order))
     return Schedule(mode, shell.replicas, minibatches, group, tuple(workers))

@@ -10,6 +10,8 @@ workers by `worker_states`.
 """
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 FORKSERVER, SPAWN = "forkserver", "spawn"
@@ -92,16 +94,13 @@ def _preload(modules: tuple[str, ...] = ()) -> None:
     multiprocessing.set_forkserver_preload(list(_PRELOADED))
 
 
-def warm(device: str, local_workers: int, model) -> None:
-    """Start the workers' forkserver now when they will be forked from it, with the modules of the
-    launcher's `model` (a `ModelBundle` the launcher built: the modules its modules' classes come
-    from, e.g. transformers' modeling_gpt2 or the experiment's own) imported, so that those imports run while pd train
-    checks the plan, once per machine rather than once per worker. Only modules the launcher
-    already imported (with the user's consent) are named."""
-    import sys
-
-    classes = {type(m).__module__ for m in model.module.modules()}
-    modules = tuple(sorted(m for m in classes if m in sys.modules))
+def warm(device: str, local_workers: int, modules: tuple[str, ...]) -> None:
+    """Start the workers' forkserver now when they will be forked from it, with `modules` (those
+    the model's classes come from, e.g. transformers' modeling_gpt2 or the experiment's own:
+    `preflight.model_modules`) imported, so that those imports run while pd train checks the
+    plan, once per machine rather than once per worker. The launcher names only modules it
+    imported with the user's consent, or that a run of the same plan, model and folder did
+    (`capture_cache`)."""
     if start_method(device, local_workers, modules) == FORKSERVER:
         from multiprocessing import forkserver
 
@@ -109,3 +108,32 @@ def warm(device: str, local_workers: int, model) -> None:
             forkserver.ensure_running()
         except OSError:  # e.g. a temp folder whose path is too long for a socket: the launch says so itself
             pass
+
+
+def warm_from_cache(plan, config, local_workers: int) -> None:
+    """Start the workers' forkserver first thing, before this process imports torch, when the job
+    surely runs on the CPU and the launcher's capture cache holds this run (`capture_cache`): the
+    forkserver imports torch and the model's modules while the launcher imports torch for its
+    checks, and the workers start as soon as both are done instead of one after the other."""
+    if not _surely_cpu(config.device):
+        return
+    from .capture_cache import key, lookup
+
+    entry = lookup(key(plan.to_json(), config.data, config.model, config.init))
+    if entry is not None:
+        _preload(tuple(entry.modules))
+        from multiprocessing import forkserver
+
+        try:
+            forkserver.ensure_running()
+        except OSError:
+            pass
+
+
+def _surely_cpu(device: str) -> bool:
+    """Whether workers asking for `device` compute on the CPU, known without importing torch:
+    --device cpu, or auto on a Linux machine without a GPU driver's device files."""
+    if device == "cpu":
+        return True
+    gpu_files = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")  # NVIDIA, AMD ROCm, WSL
+    return device == "auto" and sys.platform.startswith("linux") and not any(map(os.path.exists, gpu_files))

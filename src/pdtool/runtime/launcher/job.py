@@ -39,16 +39,16 @@ class Job:
 
 def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes: int = 1,
             nproc_per_node: int | None = None, warn: Callable[[str], None] = lambda message: None,
-            built: Callable = lambda model: None) -> Job:
+            imports: Callable[[tuple[str, ...]], None] = lambda modules: None) -> Job:
     """Check everything the files and options show, before any worker starts (one line each),
-    and fill in the steps (from `epochs`) and the threads per CPU worker. `built` is called with
-    the model (`ModelBundle`, parameters on `meta`) as soon as the checks have built it."""
+    and fill in the steps (from `epochs`) and the threads per CPU worker. `imports` is called with
+    the modules the model's classes come from as soon as the checks know them (`preflight`)."""
     overdue = LaunchError(f"the launcher's checks (importing and building the model, its first minibatch) took more "
                           f"than --startup-timeout {config.startup_timeout_s:g} s; raise it if the model takes that "
                           "long to build, else look at what its factory waits for")
     with deadline(config.startup_timeout_s, overdue):
         checked = preflight(plan, config.plan_path, resolved(plan, config).name, config.data, config.seed, config.model,
-                            config.init, warn, built, config.init_from)
+                            config.init, warn, imports, config.init_from)
     config = dataclasses.replace(config, capture=checked.capture, precision=config.precision or plan.profile.precision)
     run = resolved(plan, config)
     if config.precision == "fp16" and run.mode.per_round and len(plan.stages) > 1:

@@ -19,9 +19,11 @@ from ...errors import LaunchError
 from ...artifacts.plan import Plan
 from ...model.build import build_model, check_initialisable
 from ...model.capture import Capture, cut
-from ...model.data import load_source
+from ...model.data import load_source, named_dataset_source
+from ...consent import consent
 from ...model.dryrun import described
 from ..worker import tied
+from . import capture_cache
 
 
 @dataclass(frozen=True)
@@ -39,19 +41,34 @@ class Checked:
 
 def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model: str | None = None,
               init: str = "rule", warn: Callable[[str], None] = lambda message: None,
-              built: Callable = lambda model: None, init_from: str | None = None) -> Checked:
+              imports: Callable[[tuple[str, ...]], None] = lambda modules: None,
+              init_from: str | None = None) -> Checked:
     """Check that the workers can run `plan` in `mode` (the run's, `schedule.resolve`) on `data`;
     raise one line when not. `model`: the spec the user named instead of the plan's (`pd train
-    -m`); `init`: `pd train --init` (`model.build`); `built` hears the model once it is built; `init_from`: `pd train --init-from` (its files'
-    names and shapes checked against the stages', `model.weights`)."""
+    -m`); `init`: `pd train --init` (`model.build`); `imports` hears the modules the model's
+    classes come from as soon as they are known (from `capture_cache` before the model is built,
+    else once it is); `init_from`: `pd train --init-from` (its files' names and shapes checked
+    against the stages', `model.weights`)."""
     problem = plan.untrainable(mode)
     if problem is not None:
         raise LaunchError(f"{plan_path}: {problem}")
     if plan.profile.model is None:
         raise LaunchError(f"{plan_path} was planned from an imported profile with no model; "
                           "profile the model with pd profile --model and plan that profile")
-    bundle, on_meta = build_model(plan.profile.model, model, seed, init, warn)
-    built(bundle)
+    name = capture_cache.key(plan.to_json(), data, model, init)
+    entry = capture_cache.lookup(name)
+    if entry is not None:  # the workers' forkserver imports the model's modules at once
+        imports(tuple(entry.modules))
+        checked = _from_cache(entry, plan, mode, data, seed, model, warn)
+        if checked is not None:
+            _check_init_from(init_from, checked.capture)
+            return checked
+    said: list[str] = []
+    bundle, on_meta = build_model(plan.profile.model, model, seed, init, lambda message: (said.append(message),
+                                                                                         warn(message)))
+    modules = model_modules(bundle.module)
+    if entry is None or list(modules) != entry.modules:
+        imports(modules)
     if on_meta:
         check_initialisable(bundle.module)
     stages = cut(plan, bundle)
@@ -59,9 +76,49 @@ def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model
     source = load_source(data, bundle, plan.profile.batch_size, seed)
     inputs, target = source.batch(0)
     capture = described(stages, bundle, inputs, target, data, seed, on_meta)
+    batch = capture_cache.signature(inputs, target, bundle.keywords)
+    if batch is not None:
+        capture_cache.store(name, capture_cache.Entry(capture.to_json(), batch, list(modules), list(bundle.keywords),
+                                                      said, capture_cache.loaded_files()))
+    _check_init_from(init_from, capture)
+    return Checked(source.batches_per_epoch, dict(capture.parameters), capture, bundle.keywords)
+
+
+def _from_cache(entry: capture_cache.Entry, plan: Plan, mode: str, data: str, seed: int, model: str | None,
+                warn: Callable[[str], None]) -> Checked | None:
+    """The checks of a run whose capture is in the cache (`capture_cache`), without building the
+    model: what they found is what they found for the same plan, model files and options, except
+    the data, whose first minibatch must have the cached shapes (else None: check it all again)."""
+    consent(model or plan.profile.model["spec"], given=model is not None)  # as the build would, importing nothing
+    keywords = tuple(entry.keywords)
+    source = None
+    if data != "synthetic":  # synthetic minibatches are the model factory's own, as before
+        source = named_dataset_source(data, plan.profile.batch_size, seed, keywords)
+        if not entry.fits(capture_cache.signature(*source.batch(0), keywords)):
+            return None
+    try:
+        capture = Capture.from_json(entry.capture)
+    except (KeyError, TypeError, ValueError):
+        return None
+    for message in entry.warnings:
+        warn(message)
+    tied.check_mode(capture.stages, mode)
+    return Checked(source.batches_per_epoch if source is not None else None, dict(capture.parameters), capture,
+                   keywords)
+
+
+def _check_init_from(init_from: str | None, capture: Capture) -> None:
+    """`pd train --init-from`: its files hold every stage's parameters, of their shapes."""
     if init_from:
         from ...model.weights import WeightFiles
 
         WeightFiles.open(init_from).check(dict(capture.parameters),
                                           {b for info in capture.stages for b in info.buffer_names.values()})
-    return Checked(source.batches_per_epoch, dict(capture.parameters), capture, bundle.keywords)
+
+
+def model_modules(model) -> tuple[str, ...]:
+    """The modules the classes of `model`'s submodules come from, among those imported (the
+    workers' forkserver imports them before it forks a worker: `forked.warm`)."""
+    import sys
+
+    return tuple(sorted(m for m in {type(module).__module__ for module in model.modules()} if m in sys.modules))

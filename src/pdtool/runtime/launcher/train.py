@@ -21,12 +21,15 @@ def train(plan: Plan, config: RunConfig, *, where: Place | None, nodes: Nodes, e
 
         return external.train(where, plan, config, epochs=epochs, resume=resume, iface=nodes.interface,
                               verbose=verbose, warn=warn, say=say, talk=talk)
-    from . import forked, session
-    from .job import prepare
+    from . import forked
 
     local = nodes.nproc_per_node or len(plan.used_ranks) // nodes.nnodes
+    forked.warm_from_cache(plan, config, local)  # before the imports below, which import torch
+    from . import session
+    from .job import prepare
+
     job = prepare(plan, config, epochs=epochs, nnodes=nodes.nnodes, nproc_per_node=nodes.nproc_per_node, warn=warn,
-                  built=lambda model: forked.warm(config.device, local, model))
+                  imports=lambda modules: forked.warm(config.device, local, modules))
     result = session.run(job.config, nodes, verbose=verbose, resume=resume, warn=warn, needs=job.checked.parameters,
                          say=say, talk=talk, restarts=restarts)
     return result, job

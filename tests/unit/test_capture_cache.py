@@ -1,0 +1,161 @@
+"""pd train's launcher keeps its capture between runs (`runtime.launcher.capture_cache`): a run of
+the same plan, model, data and folder takes the stages from the cache, and anything it came from
+that changed makes it capture again."""
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+
+from pdtool.artifacts.profile import ModelRef
+from pdtool.errors import PdtoolError
+from pdtool.runtime.launcher import capture_cache, preflight as preflight_module
+from pdtool.runtime.launcher.preflight import preflight
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist"))
+from helpers import plan_with  # noqa: E402
+
+FACTORY = '''
+import torch
+from torch import nn
+import pdtool
+
+
+@pdtool.factory
+def make(width: int = 6):
+    model = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 3))
+    sample = lambda batch: ((torch.randn(batch, 4),), torch.randint(0, 3, (batch,)))
+    return model, sample, lambda out, target: nn.functional.cross_entropy(out, target)
+
+
+@pdtool.factory
+def rows():
+    """Data read from a file beside this one: its width is the file's."""
+    import pathlib
+
+    width = int((pathlib.Path(__file__).parent / "width.txt").read_text())
+    return torch.utils.data.TensorDataset(torch.randn(8, width), torch.randint(0, 3, (8,)))
+'''
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    """An experiment folder (the current one) with its own model factory, and a cache of its own."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(capture_cache.ENV, str(tmp_path / "cache"))
+    name = f"cachedmodel_{abs(hash(str(tmp_path))) % 10 ** 8}"
+    (tmp_path / f"{name}.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path, name
+    sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def cuts(monkeypatch):
+    """The captures the launcher makes (`model.capture.cut` calls)."""
+    made = []
+    real = preflight_module.cut
+
+    def counting(plan, bundle):
+        made.append(plan)
+        return real(plan, bundle)
+
+    monkeypatch.setattr(preflight_module, "cut", counting)
+    return made
+
+
+def _run(plan, path, heard=None, data="synthetic", mode="flush"):
+    return preflight(plan, str(path), mode, data, 0, imports=(heard if heard is not None else []).append)
+
+
+def _plan(tmp_path, name):
+    return plan_with(tmp_path, [((0, 0), 1), ((1, 1), 1)], mode="flush", ref=ModelRef(f"{name}:make", {}),
+                     batch_size=2)
+
+
+def test_a_second_run_of_a_plan_takes_the_capture_from_the_cache(folder, cuts, monkeypatch):
+    tmp_path, name = folder
+    plan, path = _plan(tmp_path, name)
+    first = _run(plan, path)
+    assert len(cuts) == 1 and len(list((tmp_path / "cache").glob("*.json"))) == 1
+    order = []
+    real_build = preflight_module.build_model
+    monkeypatch.setattr(preflight_module, "build_model", lambda *a: (order.append("build"), real_build(*a))[1])
+    second = _run(plan, path, order)
+    assert len(cuts) == 1  # no second capture
+    assert second.capture == first.capture and second.parameters == first.parameters
+    # the workers' forkserver hears the model's modules at once, and the launcher does not build the model
+    assert order == [("torch.nn.modules.activation", "torch.nn.modules.container", "torch.nn.modules.linear")]
+
+
+def test_data_read_from_files_is_checked_again(folder, cuts):
+    tmp_path, name = folder
+    plan, path = _plan(tmp_path, name)
+    (tmp_path / "width.txt").write_text("4")
+    first = _run(plan, path, data=f"{name}:rows")
+    assert _run(plan, path, data=f"{name}:rows") == first and len(cuts) == 1
+    (tmp_path / "width.txt").write_text("5")  # the model takes 4 features: the full checks say so
+    with pytest.raises(PdtoolError, match="does not fit the model"):
+        _run(plan, path, data=f"{name}:rows")
+    assert len(cuts) == 2
+
+
+def test_an_edited_model_file_other_data_or_another_folder_capture_again(folder, cuts, tmp_path_factory):
+    tmp_path, name = folder
+    plan, path = _plan(tmp_path, name)
+    _run(plan, path)
+    source = tmp_path / f"{name}.py"
+    source.write_text(FACTORY + "\n# edited\n")
+    _run(plan, path)
+    assert len(cuts) == 2
+    _run(plan, path)
+    assert len(cuts) == 2
+    _run(plan, path, mode="gpipe")  # the mode is checked, not captured: still a hit
+    assert len(cuts) == 2
+    os.chdir(tmp_path_factory.mktemp("elsewhere"))
+    _run(plan, path)
+    assert len(cuts) == 3
+
+
+def test_a_first_minibatch_of_other_shapes_captures_again():
+    entry = capture_cache.Entry("{}", [[[[2, 4], "torch.float32"], [[2], "torch.int64"]], []], [], [], [], {})
+    assert entry.fits([[[[2, 4], "torch.float32"], [[2], "torch.int64"]], []])
+    assert not entry.fits([[[[2, 5], "torch.float32"], [[2], "torch.int64"]], []])
+    assert not entry.fits(None)
+    moved = capture_cache.Entry("{}", [], [], [], [], {"json": ["/elsewhere/json/__init__.py", 1, 1]})
+    assert not moved.fits([])  # a module loaded now from another file than the capture's
+
+
+def test_a_damaged_entry_is_a_miss_and_is_replaced(folder, cuts):
+    tmp_path, name = folder
+    plan, path = _plan(tmp_path, name)
+    _run(plan, path)
+    entry, = (tmp_path / "cache").glob("*.json")
+    data = json.loads(entry.read_text())
+    entry.write_text(json.dumps(dict(data, capture='{"stages": 3}')))
+    _run(plan, path)
+    assert len(cuts) == 2
+    assert json.loads(entry.read_text())["capture"] == data["capture"]
+    entry.write_text("{not json")
+    _run(plan, path)
+    assert len(cuts) == 3
+
+
+def test_the_cache_can_be_turned_off(folder, cuts, monkeypatch):
+    tmp_path, name = folder
+    monkeypatch.setenv(capture_cache.ENV, "off")
+    plan, path = _plan(tmp_path, name)
+    _run(plan, path)
+    _run(plan, path)
+    assert len(cuts) == 2 and not (tmp_path / "cache").exists()
+
+
+def test_the_folder_keeps_the_newest_entries(tmp_path, monkeypatch):
+    monkeypatch.setenv(capture_cache.ENV, str(tmp_path))
+    monkeypatch.setattr(capture_cache, "KEEP", 3)
+    for index in range(5):
+        capture_cache.store(f"k{index}", capture_cache.Entry("{}", [], [], [], [], {}))
+        os.utime(tmp_path / f"k{index}.json", (index, index))
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["k2.json", "k3.json", "k4.json"]
+    assert capture_cache.lookup("k4") is not None and capture_cache.lookup("k0") is None
