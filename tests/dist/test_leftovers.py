@@ -21,12 +21,15 @@ def test_the_next_run_sweeps_what_a_killed_launcher_left(tmp_path):
     temp = tmp_path / "tmp"
     temp.mkdir()
     env = {**os.environ, "TMPDIR": str(temp)}
-    killed = subprocess.Popen([PD, "train", str(path), "--steps", "20000", "--quiet"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as stderr:
+        killed = subprocess.Popen([PD, "train", str(path), "--steps", "20000", "--quiet"], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
     deadline = time.monotonic() + 60
     while not any((temp / name / "owner.json").stat().st_size for name in scratch_folders(temp)
                   if (temp / name / "owner.json").exists()):
-        assert killed.poll() is None and time.monotonic() < deadline, "the launcher made no scratch folder"
+        assert killed.poll() is None and time.monotonic() < deadline, f"the launcher made no scratch folder: " \
+                                                                         f"{err.read_text()}"
         time.sleep(0.1)
     os.killpg(killed.pid, signal.SIGKILL)  # the launcher and its workers, with no chance to clean up
     killed.wait()

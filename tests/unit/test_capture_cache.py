@@ -30,6 +30,18 @@ def make(width: int = 6):
 
 
 @pdtool.factory
+def from_config():
+    """A model built from a config file on disk, as a Hugging Face folder's config.json builds one."""
+    import json
+    import pathlib
+
+    config = json.loads((pathlib.Path(__file__).parent / "config.json").read_text())
+    model = nn.Sequential(nn.Linear(4, config["width"]), getattr(nn, config["activation"])(), nn.Linear(config["width"], 3))
+    sample = lambda batch: ((torch.randn(batch, 4),), torch.randint(0, 3, (batch,)))
+    return model, sample, lambda out, target: nn.functional.cross_entropy(out, target)
+
+
+@pdtool.factory
 def rows():
     """Data read from a file beside this one: its width is the file's."""
     import pathlib
@@ -87,6 +99,19 @@ def test_a_second_run_of_a_plan_takes_the_capture_from_the_cache(folder, cuts, m
     assert second.capture == first.capture and second.parameters == first.parameters
     # the workers' forkserver hears the model's modules at once, and the launcher does not build the model
     assert order == [("torch.nn.modules.activation", "torch.nn.modules.container", "torch.nn.modules.linear")]
+
+
+def test_a_config_file_the_factory_read_is_part_of_the_capture(folder, cuts):
+    tmp_path, name = folder
+    (tmp_path / "config.json").write_text('{"width": 6, "activation": "ReLU"}')
+    plan, path = plan_with(tmp_path, [((0, 0), 1), ((1, 1), 1)], mode="flush",
+                           ref=ModelRef(f"{name}:from_config", {}), batch_size=2)
+    _run(plan, path)
+    _run(plan, path)
+    assert len(cuts) == 1
+    (tmp_path / "config.json").write_text('{"width": 6, "activation": "Tanh"}')  # same parameters, another graph
+    _run(plan, path)
+    assert len(cuts) == 2
 
 
 def test_data_read_from_files_is_checked_again(folder, cuts):

@@ -12,7 +12,8 @@ again when nothing it came from has changed:
 - the **entry** holds the `Capture` (JSON text, as the workers receive it), the first
   minibatch's shapes and dtypes, the modules the model's classes come from, and the path, size
   and modification time of every Python module loaded when it was captured (torch, transformers,
-  the experiment's own files, pdtool): a hit needs every one of those files unchanged, the
+  the experiment's own files, pdtool) and of every file the model's factory opened (a config
+  file it builds the model from): a hit needs every one of those files unchanged, the
   modules the model uses now loaded from the same files, and the first minibatch of the same
   shapes. Anything else is a miss: the launcher captures again and replaces the entry.
 
@@ -80,11 +81,13 @@ def signature(inputs, target, keywords: tuple[str, ...]) -> list | None:
     return [parts, list(keywords)]
 
 
-def loaded_files() -> dict[str, list]:
-    """module name -> [file, size, mtime in ns] of every loaded module that has a file."""
+def loaded_files(read: set[str] = frozenset()) -> dict[str, list]:
+    """module name -> [file, size, mtime in ns] of every loaded module that has a file, and
+    "<read>PATH" -> the same for each other file in `read` (what the model's factory read:
+    `Reads`)."""
     found = {}
-    for name, module in list(sys.modules.items()):
-        path = getattr(module, "__file__", None)
+    named = [(name, getattr(module, "__file__", None)) for name, module in list(sys.modules.items())]
+    for name, path in named + [(f"<read>{path}", path) for path in sorted(read)]:
         if not isinstance(path, str):
             continue
         try:
@@ -93,6 +96,40 @@ def loaded_files() -> dict[str, list]:
             continue
         found[name] = [path, stat.st_size, stat.st_mtime_ns]
     return found
+
+
+class Reads:
+    """The files opened while it lasts (Python's `open` audit event): a factory that builds its
+    model from a config file on disk makes a capture that holds only while that file is as it
+    was. (An audit hook cannot be removed: one hook serves every `Reads`, idle outside them.)"""
+
+    _active: list[set[str]] = []
+    _hooked = False
+
+    def __enter__(self) -> set[str]:
+        if not Reads._hooked:
+            sys.addaudithook(Reads._hook)
+            Reads._hooked = True
+        self.paths: set[str] = set()
+        Reads._active.append(self.paths)
+        return self.paths
+
+    def __exit__(self, *exc) -> None:
+        Reads._active.remove(self.paths)
+
+    @staticmethod
+    def _hook(event: str, args) -> None:
+        if event != "open" or not Reads._active:
+            return
+        path, mode = args[0], args[1]
+        if isinstance(path, (str, bytes, os.PathLike)) and (mode is None or "r" in str(mode)):
+            try:
+                full = os.path.abspath(os.fsdecode(path))
+            except (TypeError, ValueError):
+                return
+            if os.path.isfile(full):
+                for paths in Reads._active:
+                    paths.add(full)
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,9 @@ def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model
             _check_init_from(init_from, checked.capture)
             return checked
     said: list[str] = []
-    bundle, on_meta = build_model(plan.profile.model, model, seed, init, lambda message: (said.append(message),
-                                                                                         warn(message)))
+    with capture_cache.Reads() as read:  # a config file the factory builds the model from is part of the capture
+        bundle, on_meta = build_model(plan.profile.model, model, seed, init, lambda message: (said.append(message),
+                                                                                             warn(message)))
     modules = model_modules(bundle.module)
     if entry is None or list(modules) != entry.modules:
         imports(modules)
@@ -79,7 +80,7 @@ def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model
     batch = capture_cache.signature(inputs, target, bundle.keywords)
     if batch is not None:
         capture_cache.store(name, capture_cache.Entry(capture.to_json(), batch, list(modules), list(bundle.keywords),
-                                                      said, capture_cache.loaded_files()))
+                                                      said, capture_cache.loaded_files(read)))
     _check_init_from(init_from, capture)
     return Checked(source.batches_per_epoch, dict(capture.parameters), capture, bundle.keywords)
 
