@@ -79,3 +79,10 @@ def test_the_gpt2_example_copied_elsewhere_trains_its_own_model(tmp_path):
     assert "uses mode 2bw" in result.stderr  # the tied head: pd plan chose the mode and said why
     assert "loss " in result.stdout and " at step 3 " in result.stdout
     assert (tmp_path / "gpt2.svg").exists() and (tmp_path / "gpt2.loss.png").exists()
+    # the same plan again: the launcher takes its capture and checks from the cache (the tests' own folder), and
+    # nothing the first run read (its config, /proc files, the data's module) made the entry stale
+    again = subprocess.run([str(Path(sys.executable).parent / "pd"), "train", "gpt2.plan.json", "--data",
+                            "gpt2_text:text", "--steps", "2", "--threads", "1"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "the model's capture and checks come from" in again.stderr and "trained steps 1-2" in again.stdout

@@ -1,6 +1,7 @@
 """pd train's launcher keeps its capture between runs (`runtime.launcher.capture_cache`): a run of
 the same plan, model, data and folder takes the stages from the cache, and anything it came from
 that changed makes it capture again."""
+import dataclasses
 import json
 import os
 import sys
@@ -97,6 +98,7 @@ def test_a_second_run_of_a_plan_takes_the_capture_from_the_cache(folder, cuts, m
     second = _run(plan, path, order)
     assert len(cuts) == 1  # no second capture
     assert second.capture == first.capture and second.parameters == first.parameters
+    assert first.cached is None and second.cached.startswith(str(tmp_path / "cache"))
     # the workers' forkserver hears the model's modules at once, and the launcher does not build the model
     assert order == [("torch.nn.modules.activation", "torch.nn.modules.container", "torch.nn.modules.linear")]
 
@@ -119,7 +121,8 @@ def test_data_read_from_files_is_checked_again(folder, cuts):
     plan, path = _plan(tmp_path, name)
     (tmp_path / "width.txt").write_text("4")
     first = _run(plan, path, data=f"{name}:rows")
-    assert _run(plan, path, data=f"{name}:rows") == first and len(cuts) == 1
+    second = _run(plan, path, data=f"{name}:rows")
+    assert second.cached and dataclasses.replace(second, cached=None) == first and len(cuts) == 1
     (tmp_path / "width.txt").write_text("5")  # the model takes 4 features: the full checks say so
     with pytest.raises(PdtoolError, match="does not fit the model"):
         _run(plan, path, data=f"{name}:rows")
@@ -184,3 +187,19 @@ def test_the_folder_keeps_the_newest_entries(tmp_path, monkeypatch):
         os.utime(tmp_path / f"k{index}.json", (index, index))
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["k2.json", "k3.json", "k4.json"]
     assert capture_cache.lookup("k4") is not None and capture_cache.lookup("k0") is None
+
+
+def test_reads_records_the_files_opened_for_reading_but_not_the_kernels(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    with capture_cache.Reads() as read:
+        config.read_text()
+        if os.path.exists("/proc/self/mountinfo"):
+            open("/proc/self/mountinfo").close()  # a library asking about mounts: its times change always
+        (tmp_path / "out.txt").write_text("x")  # written, not read
+    assert read == {str(config)}
+    open(config).close()  # after the block: nothing recorded
+    assert read == {str(config)}
+    files = capture_cache.loaded_files(read)
+    assert files[f"<read>{config}"][0] == str(config)
+    assert capture_cache.Entry("{}", [], [], [], [], files).unchanged()

@@ -98,6 +98,10 @@ def loaded_files(read: set[str] = frozenset()) -> dict[str, list]:
     return found
 
 
+_VIRTUAL = ("/proc/", "/sys/", "/dev/")
+"""Files of the kernel's (a library reading /proc/self/mountinfo), not of the model: their times change always."""
+
+
 class Reads:
     """The files opened while it lasts (Python's `open` audit event): a factory that builds its
     model from a config file on disk makes a capture that holds only while that file is as it
@@ -127,7 +131,7 @@ class Reads:
                 full = os.path.abspath(os.fsdecode(path))
             except (TypeError, ValueError):
                 return
-            if os.path.isfile(full):
+            if os.path.isfile(full) and not full.startswith(_VIRTUAL):
                 for paths in Reads._active:
                     paths.add(full)
 
@@ -144,6 +148,7 @@ class Entry:
     keywords: list[str]
     warnings: list[str]
     files: dict[str, list]
+    path: str | None = dataclasses.field(default=None, compare=False)  # where `lookup` found it
 
     def unchanged(self) -> bool:
         """Every file the capture came from is still as it was."""
@@ -178,7 +183,7 @@ def lookup(name: str) -> Entry | None:
         data = json.loads(path.read_text())
         if data.pop("format", None) != FORMAT:
             return None
-        entry = Entry(**data)
+        entry = Entry(**data, path=str(path))
     except (OSError, ValueError, TypeError):
         return None
     if not entry.unchanged():
@@ -196,7 +201,8 @@ def store(name: str, entry: Entry) -> None:
     where = folder()
     if where is None:
         return
-    text = json.dumps({"format": FORMAT, **dataclasses.asdict(entry)}, separators=(",", ":"))
+    fields = {k: v for k, v in dataclasses.asdict(entry).items() if k != "path"}
+    text = json.dumps({"format": FORMAT, **fields}, separators=(",", ":"))
     try:
         where.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=where, prefix=".", suffix=".part")

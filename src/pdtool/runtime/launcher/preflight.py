@@ -37,6 +37,7 @@ class Checked:
     parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)
     capture: Capture | None = None
     keywords: tuple[str, ...] = ()
+    cached: str | None = None  # the capture cache's entry the capture came from (`capture_cache`), if it did
 
 
 def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model: str | None = None,
@@ -105,7 +106,7 @@ def _from_cache(entry: capture_cache.Entry, plan: Plan, mode: str, data: str, se
         warn(message)
     tied.check_mode(capture.stages, mode)
     return Checked(source.batches_per_epoch if source is not None else None, dict(capture.parameters), capture,
-                   keywords)
+                   keywords, entry.path)
 
 
 def _check_init_from(init_from: str | None, capture: Capture) -> None:

@@ -30,6 +30,20 @@ def train(plan: Plan, config: RunConfig, *, where: Place | None, nodes: Nodes, e
 
     job = prepare(plan, config, epochs=epochs, nnodes=nodes.nnodes, nproc_per_node=nodes.nproc_per_node, warn=warn,
                   imports=lambda modules: forked.warm(config.device, local, modules))
+    if job.checked.cached:  # said with the run's first news (an error before it stays the one line)
+        talk = _first_saying(talk, f"the model's capture and checks come from {job.checked.cached} (this plan, model "
+                                   "and data ran before; PDTOOL_CACHE_DIR=off checks and captures again)")
     result = session.run(job.config, nodes, verbose=verbose, resume=resume, warn=warn, needs=job.checked.parameters,
                          say=say, talk=talk, restarts=restarts)
     return result, job
+
+
+def _first_saying(talk, note: str):
+    """`talk` that says `note` before the first message it passes on."""
+    pending = [note]
+
+    def said(message: str) -> None:
+        while pending:
+            talk(pending.pop())
+        talk(message)
+    return said
