@@ -141,9 +141,14 @@ def test_an_edited_model_file_other_data_or_another_folder_capture_again(folder,
     assert len(cuts) == 2
     _run(plan, path, mode="gpipe")  # the mode is checked, not captured: still a hit
     assert len(cuts) == 2
+    whole, whole_path = plan_with(tmp_path, [((0, 1), 1)], mode="flush", ref=ModelRef(f"{name}:make", {}),
+                                  batch_size=2, name="whole.plan.json")
+    assert len(_run(whole, whole_path).capture.stages) == 1  # another split of the same model
+    assert len(cuts) == 3
+    assert len(_run(plan, path).capture.stages) == 2 and len(cuts) == 3
     os.chdir(tmp_path_factory.mktemp("elsewhere"))
     _run(plan, path)
-    assert len(cuts) == 3
+    assert len(cuts) == 4
 
 
 def test_a_first_minibatch_of_other_shapes_captures_again():

@@ -58,7 +58,7 @@ def folder() -> Path | None:
 
 def key(plan_json: dict[str, Any], data: str, override: str | None, init: str) -> str:
     """The entry's name for a plan (its JSON, `Plan.to_json()`) run with these options here."""
-    stages = [[s.get("layers"), s.get("first_name"), s.get("last_name")] for s in plan_json.get("stages", [])]
+    stages = [[s.get("layers"), s.get("first_layer"), s.get("last_layer")] for s in plan_json.get("stages", [])]
     text = json.dumps({"format": FORMAT, "profile": plan_json.get("profile"), "stages": stages, "data": data,
                        "override": override, "init": init, "cwd": os.getcwd(), "python": sys.executable,
                        "version": sys.version}, sort_keys=True, default=str)
