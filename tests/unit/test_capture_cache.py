@@ -208,3 +208,9 @@ def test_reads_records_the_files_opened_for_reading_but_not_the_kernels(tmp_path
     files = capture_cache.loaded_files(read)
     assert files[f"<read>{config}"][0] == str(config)
     assert capture_cache.Entry("{}", [], [], [], [], files).unchanged()
+
+
+def test_files_of_the_python_installation_are_left_to_its_modules():
+    with capture_cache.Reads() as read:
+        open(os.__file__).close()  # the standard library: it changes with the installation, as its modules do
+    assert read == set()

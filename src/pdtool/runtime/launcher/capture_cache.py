@@ -102,6 +102,13 @@ _VIRTUAL = ("/proc/", "/sys/", "/dev/")
 """Files of the kernel's (a library reading /proc/self/mountinfo), not of the model: their times change always."""
 
 
+def _installed() -> tuple[str, ...]:
+    """The Python installation's folders (its standard library and installed packages): a file
+    there changes only when a package is installed again, which changes its modules too (transformers
+    reads the source of its 3000 model files while it is imported: they are not recorded)."""
+    return tuple(os.path.join(os.path.abspath(p), "") for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})
+
+
 class Reads:
     """The files opened while it lasts (Python's `open` audit event): a factory that builds its
     model from a config file on disk makes a capture that holds only while that file is as it
@@ -131,7 +138,7 @@ class Reads:
                 full = os.path.abspath(os.fsdecode(path))
             except (TypeError, ValueError):
                 return
-            if os.path.isfile(full) and not full.startswith(_VIRTUAL):
+            if not full.startswith(_VIRTUAL + _installed()) and os.path.isfile(full):
                 for paths in Reads._active:
                     paths.add(full)
 
