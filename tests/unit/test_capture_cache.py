@@ -173,6 +173,10 @@ def test_a_damaged_entry_is_a_miss_and_is_replaced(folder, cuts):
     entry.write_text("{not json")
     _run(plan, path)
     assert len(cuts) == 3
+    for damage in ({"files": {"x": 3}}, {"modules": [3]}, {"files": {"x": ["/nowhere", 1, 2]}}):
+        entry.write_text(json.dumps(dict(data, **damage)))
+        _run(plan, path)
+    assert len(cuts) == 6
 
 
 def test_the_cache_can_be_turned_off(folder, cuts, monkeypatch):

@@ -191,15 +191,20 @@ def lookup(name: str) -> Entry | None:
         if data.pop("format", None) != FORMAT:
             return None
         entry = Entry(**data, path=str(path))
-    except (OSError, ValueError, TypeError):
-        return None
-    if not entry.unchanged():
+        if not (_strings(entry.modules) and _strings(entry.keywords) and _strings(entry.warnings)
+                and isinstance(entry.capture, str) and entry.unchanged()):
+            return None
+    except (OSError, ValueError, TypeError):  # damaged: a miss, and the next store replaces it
         return None
     try:
         os.utime(path)  # its last use, for `_prune`
     except OSError:
         pass
     return entry
+
+
+def _strings(values) -> bool:
+    return isinstance(values, list) and all(isinstance(v, str) for v in values)
 
 
 def store(name: str, entry: Entry) -> None:
