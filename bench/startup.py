@@ -19,7 +19,7 @@ local CPU workers (`make_plan(..., straight=True)` for `Nx10GB/s`), 2 steps in t
 - **cached**: `pd train` of the same plan again: the launcher takes the stages from its capture
   cache (`runtime.launcher.capture_cache`) and starts the workers' forkserver at once.
 
-Each row runs in a fresh process that acts as `pd train` (`runtime.launcher.forked.warm_from_cache`,
+Each row runs in a fresh process that acts as `pd train` (`runtime.launcher.forked.start_early`,
 `runtime.launcher.job.prepare`, then `runtime.launcher.launch.launch`, as the CLI calls them), so
 no row inherits another's imports. Columns: "first minibatch" is the time from the row process's
 start (its imports of pdtool and torch included) to the end of the backward of minibatch 0 on
@@ -77,7 +77,7 @@ def _row(plan_path: str, way: str, workers: int) -> dict:
     plan = Plan.load(plan_path)
     config = RunConfig(plan_path=plan_path, steps=2, progress=False, device="cpu", timeout_s=120,
                        init="factory" if way == "before" else "rule")
-    forked.warm_from_cache(plan, config, workers)  # before torch is imported (a cache hit only)
+    forked.start_early(plan, config, workers)  # before torch is imported, as pd train does
     from pdtool.runtime.launcher.job import prepare
     from pdtool.runtime.launcher.launch import launch
     from pdtool.runtime.worker.memory import peak_resident_bytes

@@ -69,12 +69,14 @@ PRELOAD = "pdtool.runtime.worker.preload"
 def start_method(device: str, local_workers: int, modules: tuple[str, ...] = ()) -> str:
     """How the workers start: from the forkserver (`FORKSERVER`) when they compute on the CPU, else
     spawned (a forked process cannot use CUDA once its parent has touched it), and the forkserver
-    is readied (`_preload`, with `modules` besides the worker's own)."""
+    is readied (`_preload`, with `modules` besides the worker's own; one started early has heard
+    its modules: `tell`)."""
     from ..device import choose
 
     if choose(device, 0, local_workers).device.type != "cpu":
         return SPAWN
     _preload(modules)
+    tell(modules)
     return FORKSERVER
 
 
@@ -85,7 +87,7 @@ def _preload(modules: tuple[str, ...] = ()) -> None:
     """The workers start from a forkserver (multiprocessing's), which imports torch and the worker's
     modules once (`PRELOAD`), and the model's (`warm`): a worker is forked ready instead of
     importing them (about 2 s of CPU each for torch, 0.6-1.5 s for transformers). The forkserver
-    starts at this process's first launch (or `warm`) and serves every later one; its
+    starts at this process's first launch (or `warm`, `start_early`) and serves every later one; its
     environment and standard streams are those of that first launch, which `worker.entry.LaunchState` corrects
     in each worker (`worker.entry.LaunchState`). (Its cwd and sys.path multiprocessing sets in each worker itself.)"""
     import multiprocessing
@@ -94,40 +96,78 @@ def _preload(modules: tuple[str, ...] = ()) -> None:
     multiprocessing.set_forkserver_preload(list(_PRELOADED))
 
 
+def _ensure_running() -> bool:
+    """Start multiprocessing's forkserver unless it runs; whether it does."""
+    from multiprocessing import forkserver
+
+    try:
+        forkserver.ensure_running()
+    except OSError:  # e.g. a temp folder whose path is too long for a socket: the launch says so itself
+        return False
+    return True
+
+
 def warm(device: str, local_workers: int, modules: tuple[str, ...]) -> None:
     """Start the workers' forkserver now when they will be forked from it, with `modules` (those
     the model's classes come from, e.g. transformers' modeling_gpt2 or the experiment's own:
     `preflight.model_modules`) imported, so that those imports run while pd train checks the
-    plan, once per machine rather than once per worker. The launcher names only modules it
-    imported with the user's consent, or that a run of the same plan, model and folder did
-    (`capture_cache`)."""
-    if start_method(device, local_workers, modules) == FORKSERVER:
-        from multiprocessing import forkserver
-
-        try:
-            forkserver.ensure_running()
-        except OSError:  # e.g. a temp folder whose path is too long for a socket: the launch says so itself
-            pass
+    plan, once per machine rather than once per worker; a forkserver started early (`start_early`)
+    is told them (`tell`). The launcher names only modules it imported with the user's consent, or
+    that a run of the same plan, model and folder did (`capture_cache`)."""
+    if _AWAITING:
+        tell(modules)
+    elif start_method(device, local_workers, modules) == FORKSERVER:
+        _ensure_running()
 
 
-def warm_from_cache(plan, config, local_workers: int) -> None:
+_AWAITING: list[str] = []
+"""The file a forkserver started early (`start_early`) waits for, until it is told (`tell`)."""
+
+
+def start_early(plan, config, local_workers: int) -> None:
     """Start the workers' forkserver first thing, before this process imports torch, when the job
-    surely runs on the CPU and the launcher's capture cache holds this run (`capture_cache`): the
-    forkserver imports torch and the model's modules while the launcher imports torch for its
-    checks, and the workers start as soon as both are done instead of one after the other."""
-    if not _surely_cpu(config.device):
+    surely runs on the CPU: it imports torch and the worker's modules (`PRELOAD`) while the
+    launcher imports torch and checks the plan, then waits to be told the model's modules
+    (`worker.preload_model`, `tell`) and imports them once: at once when the launcher's capture
+    cache holds this run (`capture_cache`: a run of the same plan, model and folder named them),
+    else as soon as the launcher has built the model with the user's consent (`warm`). The
+    launcher tells it before it forks any worker (`start_method`); a launcher that ends first
+    takes it along."""
+    from multiprocessing import forkserver, util
+
+    if not _surely_cpu(config.device) or local_workers < 1 or forkserver._forkserver._forkserver_pid is not None:
         return
+    from ..worker.preload_model import FILE_VARIABLE
+
+    _PRELOADED.insert(0, "pdtool.runtime.worker.preload_model")  # first: it imports `PRELOAD` itself, then waits
+    _preload()
+    # in multiprocessing's folder of this process (the forkserver's socket is there too), removed at its exit
+    path = os.path.join(util.get_temp_dir(), "forkserver-modules.json")
+    os.environ[FILE_VARIABLE] = f"{os.getpid()}:{path}"
+    try:
+        started = _ensure_running()
+    finally:
+        del os.environ[FILE_VARIABLE]
+    if not started:
+        return
+    _AWAITING.append(path)
     from .capture_cache import key, lookup
 
     entry = lookup(key(plan.to_json(), config.data, config.model, config.init))
     if entry is not None:
-        _preload(tuple(entry.modules))
-        from multiprocessing import forkserver
+        tell(tuple(entry.modules))
 
-        try:
-            forkserver.ensure_running()
-        except OSError:
-            pass
+
+def tell(modules: tuple[str, ...] = ()) -> None:
+    """Name `modules` (and this process's sys.path) to the forkserver started early, if it waits
+    (`start_early`); the first call counts."""
+    import json
+
+    while _AWAITING:
+        path = _AWAITING.pop()
+        with open(path + ".part", "w") as file:
+            json.dump({"path": sys.path, "modules": list(modules)}, file)
+        os.replace(path + ".part", path)
 
 
 def _surely_cpu(device: str) -> bool:

@@ -1,0 +1,65 @@
+"""What the workers' forkserver imports when `pd train` starts it first thing
+(`runtime.launcher.forked.start_early`): the worker's modules (`preload`: torch among them), then
+the modules the model's classes come from, which the launcher names only once it has imported
+them with the user's consent (or a run of the same plan, model and folder did: `capture_cache`).
+The forkserver imports torch while the launcher does and builds the model; it forks no worker
+before this module is done. The launcher names the modules in a JSON file, {"path": its sys.path,
+"modules": [...]}, at the path in `FILE_VARIABLE` (written whole, then renamed into place), always
+before it forks a worker; the variable's value is "LAUNCHER_PID:PATH". A launcher that ends first
+takes the forkserver along at once (a parent-death signal, on Linux), so nothing it started holds
+its standard streams open after it (`pd train ... | tee` ends with it). Nothing here may initialise
+CUDA (see `preload`)."""
+import importlib
+import os
+import signal
+import sys
+import time
+
+FILE_VARIABLE = "PDTOOL_FORKSERVER_MODULES"
+POLL_S = 0.02
+_PR_SET_PDEATHSIG = 1
+
+
+def _end_with(launcher: int) -> None:
+    """End this process when `launcher`, its parent, does (Linux: at once; elsewhere `_await`
+    notices it once the imports are done)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != launcher:  # it ended before the signal was asked for
+        os._exit(0)
+
+
+def _await(launcher: int, path: str) -> None:
+    """Wait for the file at `path` of the launcher (process `launcher`), then import what it
+    names; end this process when the launcher ends first (it then never forks a worker from here)."""
+    import json
+
+    while not os.path.exists(path):
+        if os.getppid() != launcher:
+            os._exit(0)
+        time.sleep(POLL_S)
+    try:
+        with open(path) as file:
+            named = json.load(file)
+        sys.path[:] = [str(entry) for entry in named["path"]]
+        modules = [str(name) for name in named["modules"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # the workers import what they need themselves
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a worker imports it again, and reports what fails there
+            pass
+
+
+_told = os.environ.pop(FILE_VARIABLE, "")  # read once: a worker forked from here is told nothing
+if _told:
+    _launcher, _, _path = _told.partition(":")
+    _end_with(int(_launcher))
+    importlib.import_module("pdtool.runtime.worker.preload")
+    _await(int(_launcher), _path)

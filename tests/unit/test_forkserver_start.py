@@ -1,0 +1,84 @@
+"""`runtime.launcher.forked.start_early`: pd train starts its workers' forkserver before it imports
+torch; the forkserver imports the model's modules only once the launcher names them, before it
+forks any worker, and ends with a launcher that ends first. Each test runs a launcher in a
+fresh Python process (the forkserver is one per process)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+LAUNCHER = textwrap.dedent("""
+    import json, multiprocessing, os, sys, time
+    from types import SimpleNamespace
+    from multiprocessing import forkserver
+    from pdtool.runtime.launcher import forked
+
+    config = SimpleNamespace(device="cpu", data="synthetic", model=None, init="rule")
+    forked.start_early(SimpleNamespace(to_json=lambda: {{}}), config, 2)
+    server = forkserver._forkserver._forkserver_pid
+    print(json.dumps({{"launcher": os.getpid(), "forkserver": server}}), flush=True)
+""") + "{body}"
+
+
+def _launcher(tmp_path, body: str) -> subprocess.Popen:
+    (tmp_path / "marked.py").write_text("import os, time\n"
+                                        "with open(os.environ['MARKS'], 'a') as f:\n"
+                                        "    f.write(f'{os.getpid()} {time.time()}\\n')\n")
+    env = dict(os.environ, MARKS=str(tmp_path / "marks.txt"), PDTOOL_CACHE_DIR="off",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, "-c", LAUNCHER.format(body=textwrap.dedent(body))],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _marks(tmp_path) -> dict[int, float]:
+    path = tmp_path / "marks.txt"
+    lines = path.read_text().split("\n") if path.exists() else []
+    return {int(pid): float(when) for pid, when in (line.split() for line in lines if line)}
+
+
+def test_the_forkserver_imports_the_models_modules_once_told_and_before_it_forks_a_worker(tmp_path):
+    body = """
+    time.sleep(1.0)  # the forkserver imports torch meanwhile, and waits
+    import marked  # the launcher imports the model's modules (with the user's consent)
+    told = time.time()
+    forked.warm("cpu", 2, ("marked",))
+    assert forked.start_method("cpu", 2) == forked.FORKSERVER
+    context = multiprocessing.get_context("forkserver")
+    workers = [context.Process(target=os.getpid) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    print(json.dumps({"told": told, "exits": [worker.exitcode for worker in workers]}))
+    """
+    run = _launcher(tmp_path, body)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 0, err
+    started, ended = (json.loads(line) for line in out.split("\n") if line)
+    assert ended["exits"] == [0, 0]
+    marks = _marks(tmp_path)
+    # imported by the launcher and once by its forkserver, after it was told; the workers forked ready
+    assert set(marks) == {started["launcher"], started["forkserver"]}
+    assert marks[started["forkserver"]] >= ended["told"]
+
+
+def test_a_forkserver_never_told_ends_with_its_launcher(tmp_path):
+    run = _launcher(tmp_path, "time.sleep(0.5)  # then ends (e.g. refused by its checks) without naming modules")
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 0, err
+    server = json.loads(out.split("\n")[0])["forkserver"]
+    deadline = time.monotonic() + 60  # its imports of torch first, then it sees the launcher gone
+    while _alive(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(server)
+    assert _marks(tmp_path) == {}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
