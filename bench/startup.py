@@ -10,12 +10,16 @@ local CPU workers (`make_plan(..., straight=True)` for `Nx10GB/s`), 2 steps in t
 - **before**: what `pd train` did until issue 23, and still does with `--init factory` when a
   worker is given no capture: the launcher builds the whole model and runs a minibatch through
   it; every worker builds the whole model with the factory's weights, captures it itself
-  (torch.fx or torch.export) and cuts its stage out of it;
+  (torch.fx or torch.export) and cuts its stage out of it; the workers' forkserver starts when
+  they are launched, with torch and pdtool's worker modules imported (each worker imports the
+  model's modules itself), as it did then;
 - **after**: `pd train` today: the model waits on `meta` everywhere (`model.build`), the
   launcher captures the stages once and checks the first minibatch on fake tensors
   (`model.capture`, `model.dryrun`), and each worker decodes its own stage's program and gives
-  only that stage's parameters their values (the initialization rule); its capture cache is
-  empty (a plan run for the first time);
+  only that stage's parameters their values (the initialization rule); the workers' forkserver
+  starts first thing and imports torch while the launcher does, then the model's modules once
+  the launcher names them (`runtime.launcher.forked.start_early`); its capture cache is empty (a
+  plan run for the first time);
 - **cached**: `pd train` of the same plan again: the launcher takes the stages from its capture
   cache (`runtime.launcher.capture_cache`) and starts the workers' forkserver at once.
 
@@ -30,7 +34,8 @@ last worker had joined the process group, all from the process's start; "worker 
 set of a worker over the whole run (training included), "launcher RSS" the row process's own
 (both VmHWM from the OS).
 
-    python bench/startup.py            # both models, 2 and 4 workers (about 3 minutes here)
+    python bench/startup.py            # both models, 2 and 4 workers (about 6 minutes here)
+    python bench/startup.py --rounds 3 # every row three times, interleaved: medians and ranges
     python bench/startup.py --quick    # the zoo GPT only, 2 and 4 workers
 """
 from __future__ import annotations
@@ -39,6 +44,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,12 +83,14 @@ def _row(plan_path: str, way: str, workers: int) -> dict:
     plan = Plan.load(plan_path)
     config = RunConfig(plan_path=plan_path, steps=2, progress=False, device="cpu", timeout_s=120,
                        init="factory" if way == "before" else "rule")
-    forked.start_early(plan, config, workers)  # before torch is imported, as pd train does
+    if way != "before":  # before issue 23 the forkserver started at the launch, with torch and pdtool's modules
+        forked.start_early(plan, config, workers)  # before torch is imported, as pd train does
     from pdtool.runtime.launcher.job import prepare
     from pdtool.runtime.launcher.launch import launch
     from pdtool.runtime.worker.memory import peak_resident_bytes
 
-    job = prepare(plan, config, imports=lambda modules: forked.warm(config.device, workers, modules))  # as pd train
+    job = prepare(plan, config, imports=(lambda modules: None) if way == "before" else
+                  lambda modules: forked.warm(config.device, workers, modules))  # as pd train
     checked = time.time()
     config = job.config if way != "before" else dataclasses.replace(job.config, capture=None)  # workers capture
     reports = launch(config, len(plan.used_ranks))
@@ -98,39 +106,49 @@ def _row(plan_path: str, way: str, workers: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the zoo GPT only")
+    parser.add_argument("--rounds", type=int, default=1, help="run every row this many times, interleaved; "
+                        "the table shows medians, the ratios their median and range over the rounds")
     parser.add_argument("--row", nargs=3, metavar=("PLAN", "WAY", "WORKERS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.row:
         print(json.dumps(_row(args.row[0], args.row[1], int(args.row[2]))))
         return
     models = ["zoo gpt"] if args.quick else list(MODELS)
-    results = {}
+    results: dict[tuple, list[dict]] = {}
     with tempfile.TemporaryDirectory() as folder:
-        for name in models:
-            for workers in WORKERS:
-                path = _plan(folder, name, workers)
-                cache = os.path.join(folder, f"cache-{name.replace(' ', '_')}-{workers}")  # empty for "after"
+        plans = {(name, workers): _plan(folder, name, workers) for name in models for workers in WORKERS}
+        for round_ in range(args.rounds):
+            for (name, workers), path in plans.items():
+                # empty for "after" (a plan's first run), filled by it for "cached"
+                cache = os.path.join(folder, f"cache-{name.replace(' ', '_')}-{workers}-{round_}")
                 for way in WAYS:
                     env = dict(os.environ, PDTOOL_CACHE_DIR="off" if way == "before" else cache)
                     out = subprocess.run([sys.executable, __file__, "--row", path, way, str(workers)], check=True,
                                          capture_output=True, text=True, env=env).stdout
-                    results[name, workers, way] = json.loads(out.strip().splitlines()[-1])
+                    results.setdefault((name, workers, way), []).append(json.loads(out.strip().splitlines()[-1]))
     print(f"{'model':9} {'workers':>7} {'stages':>6} {'way':7} {'first minibatch':>15} {'checks':>7} {'started':>8} "
           f"{'building':>8} {'joined':>7} {'worker RSS':>11} {'launcher RSS':>12}")
-    for (name, workers, way), row in results.items():
-        print(f"{name:9} {workers:7d} {row['stages']:6d} {way:7} {row['first_s']:13.2f} s {row['checks_s']:5.2f} s "
+    for (name, workers, way), rows in results.items():
+        row = {column: statistics.median(r[column] for r in rows) for column in rows[0]}
+        print(f"{name:9} {workers:7d} {row['stages']:6.0f} {way:7} {row['first_s']:13.2f} s {row['checks_s']:5.2f} s "
               f"{row['started_s']:6.2f} s {row['building_s']:6.2f} s {row['joined_s']:5.2f} s {row['worker_mb']:8.0f} MB "
               f"{row['launcher_mb']:9.0f} MB")
     print()
+
+    def ratio(top, bottom, column="first_s") -> str:  # per round, side by side
+        values = [t[column] / b[column] for t, b in zip(results[top], results[bottom])]
+        spread = f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
+        return f"{statistics.median(values):.2f}{spread}"
     for name in models:
         for workers in WORKERS:
-            before, after, cached = (results[name, workers, way] for way in WAYS)
-            print(f"{name}, {workers} workers: start-up after/before {after['first_s'] / before['first_s']:.2f}, "
-                  f"cached/before {cached['first_s'] / before['first_s']:.2f}, "
-                  f"stage building after/before {after['building_s'] / before['building_s']:.2f}")
+            before, after, cached = ((name, workers, way) for way in WAYS)
+            print(f"{name}, {workers} workers: start-up after/before {ratio(after, before)}, "
+                  f"cached/before {ratio(cached, before)}, stage building after/before "
+                  f"{ratio(after, before, 'building_s')}")
         for way in WAYS[1:]:
-            two, four = results[name, 2, way], results[name, 4, way]
-            print(f"{name}: start-up with 4 workers / with 2 ({way}) {four['first_s'] / two['first_s']:.2f}")
+            print(f"{name}: start-up with 4 workers / with 2 ({way}) {ratio((name, 4, way), (name, 2, way))}")
+    if args.rounds > 1:
+        print(f"(medians over {args.rounds} rounds; ratios per round, their range in brackets)")
 
 
 if __name__ == "__main__":

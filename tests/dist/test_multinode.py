@@ -19,7 +19,8 @@ import links  # noqa: E402 - the bench helper that makes the machines
 PD = str(Path(sys.executable).parent / "pd")
 DIGITS = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": 16, "depth": 2, "classes": 10})
 
-pytestmark = pytest.mark.skipif(links.available() is not None, reason=f"no emulated links: {links.available()}")
+pytestmark = [pytest.mark.skipif(links.available() is not None, reason=f"no emulated links: {links.available()}"),
+              pytest.mark.alone]  # links shaped and timed: a machine of its own (tests/README.md)
 
 
 def ours():
