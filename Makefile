@@ -66,11 +66,9 @@ demo: install graphviz
 	@echo "  loss curve        $(OUT)/demo.loss.png"
 	@echo "  checkpoint        $$(ls -d $(OUT)/demo.checkpoints/step-* | tail -1)"
 
-# The whole suite: the tests that start workers one at a time on one pytest-xdist process while the
-# others run on the rest of the machine, then the `alone` ones (timed, or racing timeouts) one by one.
 test: install graphviz
-	$(PY) -m pytest -q -m "not alone" -n auto --dist loadgroup --durations=15
-	$(PY) -m pytest -q -m alone --durations=10
+	$(PY) -m pytest -q -m "not workers" -n auto
+	$(PY) -m pytest -q -m workers --durations=15
 
 # The fast tier for your loop: every test that starts no worker process (tests/README.md).
 test-fast: install graphviz

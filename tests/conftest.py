@@ -22,13 +22,7 @@ atexit.register(shutil.rmtree, _CACHE, True)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test of tests/dist starts workers. Tests that start workers run one at a time even
-    under pytest-xdist (`--dist loadgroup`: one group, on one of its processes) while the others
-    share the rest of the machine: `make test` runs all but the `alone` ones that way, then those
-    one by one."""
     dist = os.path.join(HERE, "dist") + os.sep
     for item in items:
         if str(item.fspath).startswith(dist):
             item.add_marker(pytest.mark.workers)
-        if item.get_closest_marker("workers") is not None:
-            item.add_marker(pytest.mark.xdist_group("workers"))

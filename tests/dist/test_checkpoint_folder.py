@@ -8,7 +8,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 from click.testing import CliRunner
 
 from helpers import plan_with
@@ -16,8 +15,6 @@ from test_faults import PD, alive, output_of, workers_of
 
 from pdtool.artifacts.checkpoint import latest_complete, load_checkpoint, read_manifest
 from pdtool.cli import cli
-
-pytestmark = pytest.mark.alone  # kills launchers, races two runs on one folder: a machine of its own (tests/README.md)
 
 
 def _lock_record(ckpt: Path, pid: int, timeout_s: float = 60):

@@ -19,8 +19,6 @@ import pdtool
 from pdtool.artifacts.checkpoint import latest_complete, load_checkpoint, read_manifest
 from pdtool.artifacts.profile import ModelRef
 
-pytestmark = pytest.mark.alone  # torchrun restarts and signals, timed: a machine of its own (tests/README.md)
-
 PD = str(Path(sys.executable).parent / "pd")
 PATH = os.pathsep.join([str(Path(pdtool.__file__).parents[1]), str(Path(__file__).parents[1])])  # this pdtool, toymodels
 TRAIN = ["--steps", "6", "--checkpoint-every", "3", "--quiet", "--timeout", "20"]

@@ -15,8 +15,6 @@ from helpers import plan_with
 
 from pdtool.artifacts.profile import ModelRef
 
-pytestmark = pytest.mark.alone  # times how fast faults and signals end a job: a machine of its own (tests/README.md)
-
 PD = str(Path(sys.executable).parent / "pd")
 DIGITS = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": 16, "depth": 2, "classes": 10})
 

@@ -7,11 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from helpers import plan_with
-
-pytestmark = pytest.mark.alone  # kills a launcher mid-run, sweeps the temp folder: a machine of its own (tests/README.md)
 
 PD = str(Path(sys.executable).parent / "pd")
 

@@ -19,8 +19,7 @@ import links  # noqa: E402 - the bench helper that makes the machines
 PD = str(Path(sys.executable).parent / "pd")
 DIGITS = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": 16, "depth": 2, "classes": 10})
 
-pytestmark = [pytest.mark.skipif(links.available() is not None, reason=f"no emulated links: {links.available()}"),
-              pytest.mark.alone]  # links shaped and timed: a machine of its own (tests/README.md)
+pytestmark = pytest.mark.skipif(links.available() is not None, reason=f"no emulated links: {links.available()}")
 
 
 def ours():

@@ -14,8 +14,6 @@ from test_faults import PD, alive, output_of, workers_of
 
 from pdtool.artifacts.profile import ModelRef
 
-pytestmark = pytest.mark.alone  # times start-ups, timeouts and signals: a machine of its own (tests/README.md)
-
 SLOW = {"in_features": 12, "hidden": 8, "depth": 2, "classes": 3}
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
