@@ -1,9 +1,13 @@
 """Real model code nobody on this project wrote: Hugging Face GPT-2, BERT and Llama, built from
 tiny configs with random weights (nothing downloaded). torch.fx cannot trace them; pdtool
-captures them with torch.export, plans them, trains them on gloo workers, checkpoints and
+captures them with torch.export (once, in the launcher's checks, as `pd train` does; one test
+leaves it to each worker, the fallback), plans them, trains them on gloo workers, checkpoints and
 resumes under another plan, and every number is checked against an oracle:
 `flush` against one process's gradient accumulation, `pipedream`/`2bw` against the reference
 executor. Skipped where `transformers` is not installed (`pip install -e '.[hf]'`)."""
+import functools
+import json
+
 import pytest
 import torch
 
@@ -11,7 +15,9 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '
 
 from helpers import assert_same_run, config_for, gradient_accumulation, merged, plan_with, reference  # noqa: E402
 
+from pdtool.artifacts.plan import Plan  # noqa: E402
 from pdtool.artifacts.profile import ModelRef  # noqa: E402
+from pdtool.runtime.launcher.job import prepare
 from pdtool.runtime.launcher.launch import launch
 from pdtool.runtime.launcher.session import run
 
@@ -23,15 +29,27 @@ LLAMA = ModelRef("pdtool.zoo.hf:llama", dict(TINY, hidden=16, heads=4, kv_heads=
 TOLERANCE = dict(rel=1e-4, weight_tolerance=1e-5)
 
 
-def cuts(tmp_path, ref, starts, replicas=None, mode="flush", name="p.plan.json"):
-    """A plan of `ref` whose stages start at the layers named in `starts` (stage 0 at layer 0)."""
+@functools.lru_cache(maxsize=None)
+def _layer_names(spec: str, kwargs: str) -> list[str]:
     from pdtool.profiler import profile_model
 
-    names = [layer.name for layer in profile_model(ref, batch_size=2, repeats=1, warmup=0).layers]
+    return [layer.name for layer in profile_model(ModelRef(spec, json.loads(kwargs)), batch_size=2, repeats=1,
+                                                  warmup=0).layers]
+
+
+def cuts(tmp_path, ref, starts, replicas=None, mode="flush", name="p.plan.json"):
+    """A plan of `ref` whose stages start at the layers named in `starts` (stage 0 at layer 0)."""
+    names = _layer_names(ref.spec, json.dumps(ref.kwargs, sort_keys=True))
     bounds = [0] + [names.index(s) for s in starts] + [len(names)]
     replicas = replicas or [1] * (len(bounds) - 1)
     return plan_with(tmp_path, [((a, b - 1), r) for a, b, r in zip(bounds, bounds[1:], replicas)], mode=mode,
                      ref=ref, batch_size=2, name=name)
+
+
+def captured(path, **overrides):
+    """`config_for(path, ...)` with the launcher's capture of the plan's stages, as `pd train` hands
+    its workers (`job.prepare`: torch.export once, not once per worker)."""
+    return prepare(Plan.load(str(path)), config_for(path, **overrides)).config
 
 
 # GPT-2 in 2 stages (the tied head on the last) trains in flush as the first run of
@@ -43,7 +61,7 @@ def cuts(tmp_path, ref, starts, replicas=None, mode="flush", name="p.plan.json")
 def test_flush_pipelines_of_hf_models_are_gradient_accumulation(tmp_path, ref, starts):
     plan, path = cuts(tmp_path, ref, starts)
     assert plan.profile.method == "export"
-    config = config_for(path, steps=2, group=2)
+    config = captured(path, steps=2, group=2)
     losses, weights = merged(launch(config, len(plan.used_ranks)))
     expected_losses, expected_weights = gradient_accumulation(plan, config, ref=ref)
     assert set(weights) == set(expected_weights)  # every parameter trained, by its qualified name
@@ -59,7 +77,7 @@ def test_flush_pipelines_of_hf_models_are_gradient_accumulation(tmp_path, ref, s
 ], ids=["gpt2 tied", "llama 2x2+1 zb2"])
 def test_zero_bubble_pipelines_of_hf_models_are_gradient_accumulation(tmp_path, ref, starts, replicas, mode, group):
     plan, path = cuts(tmp_path, ref, starts, replicas=replicas, mode=mode)
-    config = config_for(path, steps=2, group=group)
+    config = captured(path, steps=2, group=group)
     losses, weights = merged(launch(config, len(plan.used_ranks)))
     expected_losses, expected_weights = gradient_accumulation(plan, config, ref=ref)
     assert_same_run(losses, weights, expected_losses, expected_weights, **TOLERANCE)
@@ -67,7 +85,7 @@ def test_zero_bubble_pipelines_of_hf_models_are_gradient_accumulation(tmp_path, 
 
 def test_a_replicated_llama_pipeline_in_pipedream_equals_the_reference_executor(tmp_path):
     plan, path = cuts(tmp_path, LLAMA, ["model.layers.1.self_attn.q_proj"], replicas=[2, 1], mode="pipedream")
-    config = config_for(path, steps=3)
+    config = captured(path, steps=3)
     losses, weights = merged(launch(config, len(plan.used_ranks)))
     expected = reference(plan, config, ref=LLAMA)
     assert_same_run(losses, weights, expected.losses, expected.weights, **TOLERANCE)
@@ -76,7 +94,7 @@ def test_a_replicated_llama_pipeline_in_pipedream_equals_the_reference_executor(
 def test_gpt2_with_its_tied_head_in_2bw_equals_the_reference_executor(tmp_path):
     plan, path = cuts(tmp_path, GPT2, ["transformer.h.1.ln_1"], mode="2bw")
     assert plan.shared == (("transformer.wte.weight", (0, 1)),)
-    config = config_for(path, steps=3, group=2)
+    config = config_for(path, steps=3, group=2)  # no capture: each worker exports the model itself (the fallback)
     losses, weights = merged(launch(config, len(plan.used_ranks)))
     expected = reference(plan, config, ref=GPT2)
     assert_same_run(losses, weights, expected.losses, expected.weights, **TOLERANCE)
@@ -86,14 +104,14 @@ def test_gpt2_checkpoint_resumes_under_another_plan(tmp_path):
     _, two = cuts(tmp_path, GPT2, ["transformer.h.1.ln_1"], name="two.plan.json")
     _, three = cuts(tmp_path, GPT2, ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"], name="three.plan.json")
     root = tmp_path / "ckpt"
-    first = run(config_for(two, steps=2, group=2, checkpoint_dir=str(root)))
+    first = run(captured(two, steps=2, group=2, checkpoint_dir=str(root)))
     # the 2-stage flush run (the tied head on the last stage) is gradient accumulation
     assert first.plan.profile.method == "export"
     losses, weights = merged(first.reports)
     expected_losses, expected_weights = gradient_accumulation(first.plan, config_for(two, steps=2, group=2), ref=GPT2)
     assert set(weights) == set(expected_weights)  # every parameter trained, by its qualified name
     assert_same_run(losses, weights, expected_losses, expected_weights, **TOLERANCE)
-    resumed = run(config_for(three, steps=3, group=2, checkpoint_dir=str(root)), resume=True)
+    resumed = run(captured(three, steps=3, group=2, checkpoint_dir=str(root)), resume=True)
     assert resumed.first_step == 2 and sorted(resumed.losses) == [4, 5]
     plan = resumed.plan
     expected_losses, expected_weights = gradient_accumulation(plan, config_for(three, steps=3, group=2), ref=GPT2)
@@ -115,13 +133,13 @@ def test_keyword_inputs_and_the_models_own_loss_train_and_resume(tmp_path):
     assert two_plan.profile.method == "export"
     _, three = cuts(tmp_path, ref, ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"], name="three.plan.json")
     root = tmp_path / "ckpt"
-    first = run(config_for(two, steps=2, group=2, checkpoint_dir=str(root), data=data))
+    first = run(captured(two, steps=2, group=2, checkpoint_dir=str(root), data=data))
     losses, weights = merged(first.reports)
     expected_losses, expected_weights = gradient_accumulation(first.plan, config_for(two, steps=2, group=2, data=data),
                                                               ref=ref)
     assert set(weights) == set(expected_weights)
     assert_same_run(losses, weights, expected_losses, expected_weights, **TOLERANCE)
-    resumed = run(config_for(three, steps=3, group=2, checkpoint_dir=str(root), data=data), resume=True)
+    resumed = run(captured(three, steps=3, group=2, checkpoint_dir=str(root), data=data), resume=True)
     assert resumed.first_step == 2 and sorted(resumed.losses) == [4, 5]
     expected_losses, expected_weights = gradient_accumulation(resumed.plan, config_for(three, steps=3, group=2,
                                                                                        data=data), ref=ref)
