@@ -4,6 +4,7 @@ forks any worker, and ends with a launcher that ends first. Each test runs a lau
 fresh Python process (the forkserver is one per process)."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -26,10 +27,11 @@ def _launcher(tmp_path, body: str) -> subprocess.Popen:
     (tmp_path / "marked.py").write_text("import os, time\n"
                                         "with open(os.environ['MARKS'], 'a') as f:\n"
                                         "    f.write(f'{os.getpid()} {time.time()}\\n')\n")
-    env = dict(os.environ, MARKS=str(tmp_path / "marks.txt"), PDTOOL_CACHE_DIR="off",
-               PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, "-c", LAUNCHER.format(body=textwrap.dedent(body))],
-                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ, MARKS=str(tmp_path / "marks.txt"), PDTOOL_CACHE_DIR="off")
+    # marked.py is importable from the current folder only once the launcher consents (`consent.import_path`)
+    return subprocess.Popen([sys.executable, "-c", LAUNCHER.format(body=textwrap.dedent(body))], env=env,
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
 def _marks(tmp_path) -> dict[int, float]:
@@ -40,10 +42,15 @@ def _marks(tmp_path) -> dict[int, float]:
 
 def test_the_forkserver_imports_the_models_modules_once_told_and_before_it_forks_a_worker(tmp_path):
     body = """
+    import pathlib
+    from pdtool.consent import import_path
     time.sleep(1.0)  # the forkserver imports torch meanwhile, and waits
-    import marked  # the launcher imports the model's modules (with the user's consent)
+    sys.path.remove("")  # python -c's entry for the current folder: pd's sys.path has none
+    sys.path.append(pathlib.Path("/no/such/folder"))  # a factory may put anything there
     told = time.time()
-    forked.warm("cpu", 2, ("marked",))
+    forked.warm("cpu", 2, ("marked",))  # named before the launcher imports it: as from the capture cache
+    import_path()
+    import marked  # the launcher's own import (with the user's consent)
     assert forked.start_method("cpu", 2) == forked.FORKSERVER
     context = multiprocessing.get_context("forkserver")
     workers = [context.Process(target=os.getpid) for _ in range(2)]
@@ -82,3 +89,24 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
+
+
+def test_a_ctrl_c_while_the_launcher_checks_is_not_the_forkservers_to_report(tmp_path):
+    """A Ctrl-C reaches the terminal's whole process group: the forkserver, still importing or
+    waiting to be told, says nothing (pd says the one line) and ends with its launcher."""
+    run = _launcher(tmp_path, """
+    try:
+        time.sleep(60)  # the launcher's checks
+    except KeyboardInterrupt:
+        sys.exit(130)
+    """)
+    server = json.loads(run.stdout.readline())["forkserver"]
+    time.sleep(1.0)  # the forkserver imports torch
+    assert run.poll() is None and _alive(server)
+    os.killpg(run.pid, signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130 and "Traceback" not in err, err
+    deadline = time.monotonic() + 10
+    while _alive(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(server)

@@ -133,14 +133,17 @@ def start_early(plan, config, local_workers: int) -> None:
     else as soon as the launcher has built the model with the user's consent (`warm`). The
     launcher tells it before it forks any worker (`start_method`); a launcher that ends first
     takes it along."""
-    from multiprocessing import forkserver, util
+    from multiprocessing import forkserver, resource_tracker, util
 
     if not _surely_cpu(config.device) or local_workers < 1 or forkserver._forkserver._forkserver_pid is not None:
+        return
+    if sys.version_info >= (3, 14):  # the default start method there: a factory's own pool would wait on it too
         return
     from ..worker.preload_model import FILE_VARIABLE
 
     _PRELOADED.insert(0, "pdtool.runtime.worker.preload_model")  # first: it imports `PRELOAD` itself, then waits
     _preload()
+    resource_tracker.ensure_running()  # started by the forkserver's start otherwise, with the variable below
     # in multiprocessing's folder of this process (the forkserver's socket is there too), removed at its exit
     path = os.path.join(util.get_temp_dir(), "forkserver-modules.json")
     os.environ[FILE_VARIABLE] = f"{os.getpid()}:{path}"
@@ -159,15 +162,29 @@ def start_early(plan, config, local_workers: int) -> None:
 
 
 def tell(modules: tuple[str, ...] = ()) -> None:
-    """Name `modules` (and this process's sys.path) to the forkserver started early, if it waits
-    (`start_early`); the first call counts."""
+    """Name `modules` to the forkserver started early, if it waits (`start_early`), with this
+    process's sys.path and the current folder after it (where a factory of the experiment folder
+    is imported from: `consent.import_path`); the first call counts. The forkserver hears
+    something whatever happens here (else a later launch from this process would wait on it)."""
     import json
 
     while _AWAITING:
-        path = _AWAITING.pop()
-        with open(path + ".part", "w") as file:
-            json.dump({"path": sys.path, "modules": list(modules)}, file)
-        os.replace(path + ".part", path)
+        path = _AWAITING[-1]
+        folders = [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike))]
+        here = [] if os.getcwd() in folders else [os.getcwd()]
+        named = {"path": folders + here, "modules": [str(m) for m in modules]}
+        try:
+            _write(path, json.dumps(named))
+        except (OSError, TypeError, ValueError):
+            _write(path, json.dumps({"path": folders, "modules": []}))  # the workers import the model's modules
+        _AWAITING.pop()
+
+
+def _write(path: str, text: str) -> None:
+    """`text` at `path`, whole: written beside it, then renamed into place."""
+    with open(path + ".part", "w") as file:
+        file.write(text)
+    os.replace(path + ".part", path)
 
 
 def _surely_cpu(device: str) -> bool:

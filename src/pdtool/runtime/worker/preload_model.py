@@ -61,5 +61,11 @@ _told = os.environ.pop(FILE_VARIABLE, "")  # read once: a worker forked from her
 if _told:
     _launcher, _, _path = _told.partition(":")
     _end_with(int(_launcher))
-    importlib.import_module("pdtool.runtime.worker.preload")
-    _await(int(_launcher), _path)
+    # a Ctrl-C in the terminal reaches this process group: pd says one line, this process says nothing (the
+    # launcher's end ends it); the forkserver hands its workers the handler it finds after this, so it is put back
+    _interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        importlib.import_module("pdtool.runtime.worker.preload")
+        _await(int(_launcher), _path)
+    finally:
+        signal.signal(signal.SIGINT, _interrupt)
