@@ -12,7 +12,9 @@ weapon), so pd calls a function only when someone who may run code consented to 
    a `src/` folder on `sys.path`);
 3. **its author marked it** as a factory: the `@pdtool.factory` decorator on its definition, or
    an entry point of the package's metadata in the group `pdtool.models` (`pdtool.datasets` for
-   data) whose value is the spec (the Python convention for plugins; see the README).
+   data) whose value is the spec (the Python convention for plugins; see the README), listed by
+   a distribution installed outside the experiment folder (a `.dist-info` folder in it is data
+   like any other file there: it consents only to a module that is itself a file of the folder).
 
 Everything is decided *before* the module is imported: the module's file is found the way
 `import` would find it (the finders of `sys.meta_path`, parents included) without running it,
@@ -113,7 +115,26 @@ def _registered(spec: str, what: str) -> bool:
         points = importlib.metadata.entry_points(group=GROUPS.get(what, GROUPS["model"]))
     except Exception:  # noqa: BLE001 - a broken distribution's metadata marks nothing
         return False
-    return any(point.value.replace(" ", "") == spec for point in points)
+    return any(point.value.replace(" ", "") == spec and _installed(point) for point in points)
+
+
+def _installed(point) -> bool:
+    """Whether the distribution listing entry point `point` is installed outside the experiment
+    folder (or in a Python installation inside it: a `.venv`), or the point's module is itself a
+    file of the folder; a `.dist-info` folder that a cloned repository carries is neither."""
+    location = getattr(getattr(point, "dist", None), "_path", None)  # the .dist-info folder
+    if location is None:
+        return True  # a distribution of another finder than the file system's
+    real = os.path.realpath(location)
+    folder = os.path.realpath(os.getcwd())
+    if not real.startswith(folder + os.sep):
+        return True
+    for prefix in {sys.prefix, sys.exec_prefix, sys.base_prefix}:
+        root = os.path.realpath(prefix)
+        if root != folder and real.startswith(root + os.sep):
+            return True
+    found = _find(point.value.partition(":")[0].strip())
+    return not isinstance(found, str) and bool(found.origin) and _in_experiment_folder(found.origin) is not None
 
 
 def _find(module_name: str) -> importlib.machinery.ModuleSpec | str:

@@ -14,10 +14,10 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from . import safefile
 from .errors import ArtifactError
 
 SIGNIFICANT_DIGITS = 6
@@ -80,33 +80,15 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` atomically: a temporary file in the same folder, fsync, then
-    `os.replace`; the file gets the usual permissions, and a failure leaves no trace."""
-    folder = check_writable(path)
-    target = Path(path)
+    `os.replace` (`safefile.replaced`); the file gets the usual permissions, and a failure leaves
+    no trace."""
+    check_writable(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
-    except OSError as exc:
-        raise ArtifactError(f"cannot write {target}: {exc.strerror or exc}; free space or choose another output") from None
-    try:
-        os.fchmod(fd, _default_mode())  # mkstemp makes 0600
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
+        with safefile.replaced(path) as out:
+            out.write(data)
     except OSError as exc:  # a full disk (ENOSPC), a quota, an I/O error: the old file stays as it was
-        Path(tmp).unlink(missing_ok=True)
-        raise ArtifactError(f"cannot write {target}: {exc.strerror or exc}; free space or choose another output "
+        raise ArtifactError(f"cannot write {path}: {exc.strerror or exc}; free space or choose another output "
                             "(any previous file there is unchanged)") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _default_mode() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 def write_json(path: str | os.PathLike, data: Any) -> None:
@@ -114,10 +96,18 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
     write_text_atomic(path, canonical_json(data))
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    """Read a JSON file, turning every failure into one clear `ArtifactError`."""
+def read_json(path: str | os.PathLike, *, follow_links: bool = True) -> Any:
+    """Read a JSON file, turning every failure into one clear `ArtifactError`. `follow_links`
+    False: a file of a folder others may write, opened without following a link (`safefile`)."""
     try:
-        text = sys.stdin.read() if str(path) == "-" else Path(path).read_text(encoding="utf-8")
+        if str(path) == "-":
+            text = sys.stdin.read()
+        elif follow_links:
+            text = Path(path).read_text(encoding="utf-8")
+        else:
+            text = safefile.read_bytes(path).decode("utf-8")
+    except safefile.NotRegular as exc:
+        raise ArtifactError(f"{exc.strerror}; pdtool reads its own regular files only, remove it") from None
     except FileNotFoundError:
         raise ArtifactError(f"{path}: no such file; check the path or create it first") from None
     except IsADirectoryError:

@@ -1,12 +1,13 @@
 """Models built without their weights (`model.build`), each stage's program as data
 (`model.program`), and a worker's own stage from the launcher's capture (`model.capture`)."""
 import dataclasses
+import json
 
 import pytest
 import torch
 from torch import nn
 
-from pdtool.errors import ModelError
+from pdtool.errors import LaunchError, ModelError
 from pdtool.model.build import (build_model, check_initialisable, initial_model, materialize, seed_of,
                                 unset_parameters, waiting)
 from pdtool.model.capture import Capture, cut, describe, own_stage, stage_module
@@ -166,11 +167,75 @@ def test_a_program_is_plain_text_that_names_what_it_calls(tmp_path):
     assert "scaled_dot_product_attention" in text and "pickle" not in text
     graph = decode(text)
     assert [n.name for n in graph.nodes] == [n.name for n in stages[0].module.graph.nodes]
-    broken = text.replace("torch._C._nn:scaled_dot_product_attention", "not_imported_anywhere:f")
     from pdtool.errors import LaunchError
+    from pdtool.model.program import Refused, check
 
-    with pytest.raises(LaunchError, match="calls not_imported_anywhere:f, which this worker has not imported"):
-        decode(broken)
+    modules = ("pdtool.zoo.gpt",)  # the model's own module: functions defined there may be called
+    broken = text.replace("torch._C._nn:scaled_dot_product_attention", "pdtool.zoo.gpt:not_defined_here")
+    with pytest.raises(LaunchError, match="calls pdtool.zoo.gpt:not_defined_here, which this worker has not imported"):
+        decode(broken, modules=modules)
+
+
+SDPA = '{"fn":"torch._C._nn:scaled_dot_product_attention"}'
+
+
+@pytest.mark.parametrize("planted, words", [
+    ('{"fn":"posix:system"}', "calls posix:system, which a program may not call"),
+    ('{"fn":"builtins:exec"}', "calls builtins:exec, which a program may not call"),
+    ('{"fn":"torch:save"}', "calls torch:save, which a program may not call"),
+    ('{"fn":"torch.serialization:load"}', "calls torch.serialization:load"),
+    ('{"fn":"_operator:call"}', "calls _operator:call"),
+    ('{"fn":"pdtool.zoo.gpt:torch.save"}', "calls pdtool.zoo.gpt:torch.save"),  # imported there, not defined there
+    ('{"fn":"pdtool.zoo.gpt:factory"}', "calls pdtool.zoo.gpt:factory"),
+    ('{"op":"profiler::_record_function_enter.default"}', "operator profiler::_record_function_enter"),
+], ids=["os.system", "exec", "torch.save", "torch.load", "operator.call", "imported-torch", "imported-function",
+        "other-op-namespace"])
+def test_a_program_calls_only_what_the_allowlist_names(tmp_path, planted, words):
+    """Issue 35 item 1: a node planted in a stage program (a capture cache entry is data) is refused before it
+    could run, by the launcher's `check` and by the worker's `decode`, in one line."""
+    from pdtool.model.program import Refused, check
+
+    plan = _plan(tmp_path, GPT, ["blocks.1.ln1"])
+    bundle, _ = build_model(GPT, None, 0)
+    text = encode(cut(plan, bundle)[0].module.graph)
+    assert SDPA in text
+    planted_text = text.replace(SDPA, planted)
+    for attempt in (lambda: check(planted_text, ("pdtool.zoo.gpt",)),
+                    lambda: decode(planted_text, modules=("pdtool.zoo.gpt",))):
+        with pytest.raises(Refused, match=words) as info:
+            attempt()
+        assert "\n" not in str(info.value) and "capture cache" in str(info.value)
+    check(text, ("pdtool.zoo.gpt",))  # the program as captured passes both
+    decode(text, modules=("pdtool.zoo.gpt",))
+
+
+def test_methods_attributes_and_values_of_a_program_are_checked_too():
+    from pdtool.model.program import Refused
+
+    def program(*nodes):
+        nodes = [[op, name, target, {"tuple": args}, {"dict": []}] for op, name, target, args, _ in
+                 [["placeholder", "x", "x", [], {}], *nodes, ["output", "output", "output", [{"node": "y"}], {}]]]
+        return json.dumps(nodes)
+
+    ok = program(["call_method", "y", "transpose", [{"node": "x"}, 0, 1], {}])
+    decode(ok)
+    for node, words in (
+            (["call_method", "y", "transpose", [{"node": "x"}, 1, 0], {}], None),  # a Tensor method: allowed
+            (["call_method", "y", "rename", [{"node": "x"}, "a", "b"], {}], "method 'rename'"),  # os.rename's name
+            (["call_method", "y", "__setattr__", [{"node": "x"}, "a", 1], {}], "method '__setattr__'"),
+            (["call_method", "y", "system", [{"node": "x"}], {}], "method 'system'"),
+            (["get_attr", "y", "__class__.__init__.__globals__", [], {}], "attribute '__class__.__init__"),
+            (["call_function", "y", {"fn": "builtins:getattr"}, [{"node": "x"}, "__class__"], {}], "with getattr"),
+            (["call_function", "y", {"fn": "torch:add"}, [{"node": "x"}, {"dtype": "load"}], {}], "dtype 'load'"),
+            (["call_function", "y", {"fn": "torch:add"}, [{"node": "nowhere"}], {}], "node 'nowhere'"),
+    ):
+        if words is None:
+            decode(program(node))
+            continue
+        with pytest.raises(LaunchError, match=words):
+            decode(program(node))
+    with pytest.raises(LaunchError, match="damaged"):
+        decode("[" * 100000 + "]" * 100000)  # nested beyond the recursion limit: one line, no traceback
 
 
 def test_a_stage_module_binds_to_the_models_own_tensors(tmp_path):

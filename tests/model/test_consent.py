@@ -140,3 +140,21 @@ def test_a_module_that_does_not_exist_is_the_import_error_it_would_be(installed)
     installed("flat_module.py", "x = 1\n")
     with pytest.raises(ModelError, match="cannot import 'flat_module.sub'"):
         consent("flat_module.sub:f", given=False)
+
+
+def test_a_dist_info_folder_in_the_experiment_folder_consents_nothing(tmp_path, monkeypatch):
+    """Issue 35 item 2: `fake-0.1.dist-info/entry_points.txt` listing `x = os:system` in the experiment folder
+    made a plan naming os:system run its command."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the experiment folder is importable, as pd makes it
+    info = tmp_path / "fake-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[pdtool.models]\nx = os:system\ny = local_models:build\n")
+    with pytest.raises(ModelError, match="'os:system' is not a pdtool model factory") as info_:
+        consent("os:system", given=False)
+    assert "\n" not in str(info_.value)
+    with pytest.raises(ModelError, match="is not a pdtool model factory"):
+        resolve_factory("os:system")  # refused before anything could call it
+    (tmp_path / "local_models.py").write_text("def build():\n    return 'local'\n")  # a file of the folder: its own
+    assert resolve_factory("local_models:build")() == "local"

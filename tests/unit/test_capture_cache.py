@@ -99,8 +99,9 @@ def test_a_second_run_of_a_plan_takes_the_capture_from_the_cache(folder, cuts, m
     assert len(cuts) == 1  # no second capture
     assert second.capture == first.capture and second.parameters == first.parameters
     assert first.cached is None and second.cached.startswith(str(tmp_path / "cache"))
-    # the workers' forkserver hears the model's modules at once, and the launcher does not build the model
-    assert order == [("torch.nn.modules.activation", "torch.nn.modules.container", "torch.nn.modules.linear")]
+    # the workers' forkserver hears the model's modules (its factory's and its classes') at once, and the
+    # launcher does not build the model
+    assert order == [(name, "torch.nn.modules.activation", "torch.nn.modules.container", "torch.nn.modules.linear")]
 
 
 def test_a_config_file_the_factory_read_is_part_of_the_capture(folder, cuts):
@@ -211,10 +212,123 @@ def test_reads_records_the_files_opened_for_reading_but_not_the_kernels(tmp_path
     assert read == {str(config)}
     files = capture_cache.loaded_files(read)
     assert files[f"<read>{config}"][0] == str(config)
-    assert capture_cache.Entry("{}", [], [], [], [], files).unchanged()
+    entry = capture_cache.Entry("{}", [], [], [], [], files, capture_cache.content_hashes(files))
+    assert entry.unchanged() and str(config) in entry.hashes and os.__file__ not in entry.hashes
+    stat = os.stat(config)
+    config.write_text("[]")  # the same size, its time put back: the content tells
+    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert not entry.unchanged()
 
 
 def test_files_of_the_python_installation_are_left_to_its_modules():
     with capture_cache.Reads() as read:
         open(os.__file__).close()  # the standard library: it changes with the installation, as its modules do
     assert read == set()
+
+
+# ----- an entry is data (issue 35 items 1, 12 and 13) ------------------------------------------------
+
+def _hit_then_plant(folder, **changes):
+    """The plan run once (its entry stored), then `changes` applied to the entry's JSON."""
+    tmp_path, name = folder
+    plan, path = _plan(tmp_path, name)
+    _run(plan, path)
+    entry, = (tmp_path / "cache").glob("*.json")
+    data = json.loads(entry.read_text())
+    for key, change in changes.items():
+        data[key] = change(data[key]) if callable(change) else change
+    entry.write_text(json.dumps(data))
+    return plan, path, entry
+
+
+def _warned_run(plan, path):
+    heard, said = [], []
+    checked = preflight(plan, str(path), "flush", "synthetic", 0, imports=heard.append, warn=said.append)
+    return checked, heard, said
+
+
+def test_a_planted_program_node_is_a_miss_with_one_warning_and_runs_nothing(folder, cuts):
+    planted = lambda capture: capture.replace("_operator:getitem", "posix:system")
+    plan, path, entry = _hit_then_plant(folder, capture=planted)
+    assert "posix:system" in entry.read_text()
+    checked, heard, said = _warned_run(plan, path)
+    assert len(cuts) == 2 and checked.cached is None  # captured again
+    assert len(said) == 1 and "calls posix:system, which a program may not call" in said[0] and "\n" not in said[0]
+    assert "posix" not in checked.capture.to_json()
+    assert all("posix" not in modules for modules in heard)
+
+
+def test_an_entry_naming_a_standard_library_module_is_a_miss_and_it_is_never_imported(folder, cuts):
+    sys.modules.pop("this", None)
+    plan, path, _ = _hit_then_plant(folder, modules=lambda modules: ["this", *modules])
+    checked, heard, said = _warned_run(plan, path)
+    assert len(cuts) == 2 and "this" not in sys.modules and all("this" not in m for m in heard)
+    assert len(said) == 1 and "module 'this' of Python's standard library" in said[0]
+
+
+def test_the_forkserver_hears_an_entrys_modules_only_after_consent(folder, cuts, monkeypatch):
+    tmp_path, name = folder
+    plan, path = _plan(tmp_path, name)
+    _run(plan, path)
+    order = []
+    real = preflight_module.consent
+    monkeypatch.setattr(preflight_module, "consent", lambda *a, **k: (order.append("consent"), real(*a, **k))[1])
+    preflight(plan, str(path), "flush", "synthetic", 0, imports=lambda modules: order.append("imports"))
+    assert order == ["consent", "imports"]
+    monkeypatch.setattr(preflight_module, "consent", lambda *a, **k: (_ for _ in ()).throw(PdtoolError("refused")))
+    told = []
+    with pytest.raises(PdtoolError, match="refused"):
+        preflight(plan, str(path), "flush", "synthetic", 0, imports=told.append)
+    assert told == []
+
+
+@pytest.mark.parametrize("whose", ["entry-group-writable", "folder-other-writable", "entry-other-owner",
+                                   "folder-other-owner", "entry-link"])
+def test_an_entry_or_folder_that_is_not_the_users_alone_is_a_miss_with_one_warning(folder, cuts, whose):
+    tmp_path, name = folder
+    plan, path = _plan(tmp_path, name)
+    _run(plan, path)
+    entry, = (tmp_path / "cache").glob("*.json")
+    if whose == "entry-group-writable":
+        os.chmod(entry, 0o660)
+    elif whose == "folder-other-writable":
+        os.chmod(tmp_path / "cache", 0o777)
+    elif whose == "entry-link":
+        os.rename(entry, tmp_path / "elsewhere.json")
+        os.symlink(tmp_path / "elsewhere.json", entry)
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(entry if whose == "entry-other-owner" else tmp_path / "cache", os.geteuid() + 4242, -1)
+    checked, _, said = _warned_run(plan, path)
+    assert len(cuts) == 2 and checked.cached is None
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert {"entry-group-writable": "writable by its group", "folder-other-writable": "writable by others",
+            "entry-other-owner": "owned by user id", "folder-other-owner": "owned by user id",
+            "entry-link": "symbolic link"}[whose] in said[0]
+
+
+def test_a_new_entry_and_folder_are_the_users_alone(folder):
+    tmp_path, name = folder
+    plan, path = _plan(tmp_path, name)
+    _run(plan, path)
+    entry, = (tmp_path / "cache").glob("*.json")
+    assert (os.stat(tmp_path / "cache").st_mode & 0o777) == 0o700 and (os.stat(entry).st_mode & 0o777) == 0o600
+
+
+@pytest.mark.parametrize("damage", [{"capture": "[" * 100000 + "]" * 100000}, {"files": ["a", "b"]},
+                                    {"hashes": [1]}, {"batch": "x"}, {"modules": ["a b"]}])
+def test_a_damaged_entry_of_any_shape_is_a_miss_never_a_traceback(folder, cuts, damage):
+    plan, path, _ = _hit_then_plant(folder, **damage)
+    checked, _, _ = _warned_run(plan, path)
+    assert len(cuts) == 2 and checked.cached is None
+
+
+def test_deeply_nested_entry_json_is_a_miss(folder, cuts):
+    tmp_path, name = folder
+    plan, path = _plan(tmp_path, name)
+    _run(plan, path)
+    entry, = (tmp_path / "cache").glob("*.json")
+    entry.write_text("[" * 100000 + "]" * 100000)  # RecursionError in json
+    checked, _, _ = _warned_run(plan, path)
+    assert len(cuts) == 2 and checked.cached is None

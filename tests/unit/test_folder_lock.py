@@ -40,3 +40,25 @@ def test_a_lock_file_that_is_not_ours_reads_as_no_previous_run(tmp_path):
     lock = FolderLock.acquire(tmp_path)
     assert lock.previous is None
     lock.release()
+
+
+def test_a_symlinked_lock_is_refused_and_its_target_untouched(tmp_path):
+    """Issue 35 item 3: `ckl/.pdtool.lock -> ../victim.txt` replaced victim.txt with the lock's JSON."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    folder = tmp_path / "ckl"
+    folder.mkdir()
+    os.symlink("../victim.txt", folder / LOCK)
+    with pytest.raises(LaunchError, match=r"\.pdtool\.lock is a symbolic link.*remove it") as info:
+        FolderLock.acquire(folder)
+    assert "\n" not in str(info.value)
+    assert victim.read_text() == "precious\n"
+    (folder / LOCK).unlink()
+    os.symlink(tmp_path / "nowhere", folder / LOCK)  # a dangling link: nothing is created at its target
+    with pytest.raises(LaunchError, match="symbolic link"):
+        FolderLock.acquire(folder)
+    assert not (tmp_path / "nowhere").exists()
+    (folder / LOCK).unlink()
+    os.mkfifo(folder / LOCK)  # a pipe in its place: refused at once, never a blocked open
+    with pytest.raises(LaunchError, match="not a regular file"):
+        FolderLock.acquire(folder)

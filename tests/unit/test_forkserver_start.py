@@ -17,7 +17,7 @@ LAUNCHER = textwrap.dedent("""
     from pdtool.runtime.launcher import forked
 
     config = SimpleNamespace(device="cpu", data="synthetic", model=None, init="rule")
-    forked.start_early(SimpleNamespace(to_json=lambda: {{}}), config, 2)
+    forked.start_early(config, 2)
     server = forkserver._forkserver._forkserver_pid
     print(json.dumps({{"launcher": os.getpid(), "forkserver": server}}), flush=True)
 """) + "{body}"

@@ -17,7 +17,9 @@ checkpoint made under one plan can be resumed under another: merge the shards by
 hand every stage the names it holds. `extra` holds whatever else a stage saves, e.g. optimizer
 state tensors keyed by parameter name; its top-level keys must not repeat across shards.
 
-Every file is written atomically (temporary file in the same folder, then `os.replace`), and
+Every file is written atomically (temporary file in the same folder, then `os.replace`; a shard
+streamed into it and hashed while written, `safefile.replaced`), read without following a
+symbolic link (`safefile`: a checkpoint folder may be shared), and
 the manifest last: a checkpoint is complete only when its manifest exists and every shard's
 sha256 matches it. A crash part-way leaves an incomplete folder that `latest_complete` skips,
 and a new checkpoint never touches an older one. Shards are read with
@@ -25,8 +27,6 @@ and a new checkpoint never touches an older one. Shards are read with
 """
 from __future__ import annotations
 
-import hashlib
-import io
 import os
 import re
 from pathlib import Path
@@ -34,8 +34,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from .. import safefile
 from ..errors import ArtifactError
-from ..jsonio import write_bytes_atomic, write_json
+from ..jsonio import read_json, write_json
 from .manifest import RUN_ID, RUN_ID_MEANS, Manifest, ShardFile
 
 MANIFEST = "manifest.json"
@@ -86,12 +87,10 @@ def save_shard(folder: str | os.PathLike, stage: int, tensors: dict[str, torch.T
     payload = {"tensors": {name: _portable(t) for name, t in tensors.items()}, "extra": dict(extra or {})}
     if _check_run(run):
         payload["run"] = run
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    data = buffer.getvalue()
     folder.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(folder / shard_name(stage, run), data)
-    return hashlib.sha256(data).hexdigest()
+    with safefile.replaced(folder / shard_name(stage, run)) as out:  # streamed and hashed, never held whole
+        torch.save(payload, out)
+    return out.hexdigest()
 
 
 def _portable(tensor: torch.Tensor) -> torch.Tensor:
@@ -138,10 +137,15 @@ def complete_checkpoint(folder: str | os.PathLike, stages: int, plan_sha256: str
     match = _FOLDER.fullmatch(folder.name)
     if match is None:
         raise ArtifactError(f"{folder}: not a checkpoint folder (step-<8 digits>)")
-    try:
-        hashes = {s: hashlib.sha256((folder / shard_name(s, run)).read_bytes()).hexdigest() for s in range(stages)}
-    except FileNotFoundError as exc:
-        raise ArtifactError(f"{folder}: no shard {Path(exc.filename).name}; save every stage's shard first") from None
+    hashes = {}
+    for s in range(stages):  # read in blocks: the launcher never holds a shard
+        path = folder / shard_name(s, run)
+        try:
+            hashes[s] = safefile.sha256(path)
+        except FileNotFoundError:
+            raise ArtifactError(f"{folder}: no shard {path.name}; save every stage's shard first") from None
+        except safefile.NotRegular as exc:
+            raise ArtifactError(f"{exc.strerror}; checkpoints hold regular files only, remove it") from None
     write_manifest(folder, int(match.group(1)), plan_sha256, hashes, meta, run)
     remove_temporaries(folder)
 
@@ -176,27 +180,31 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
                             "checkpoints hold regular files and folders only")
     if not path.is_file():
         raise ArtifactError(f"{folder}: no {MANIFEST}, so the checkpoint is incomplete; use an older one")
-    return Manifest.load(path)  # schema, fields, run id, stage numbers, shard file names
+    # schema, fields, run id, stage numbers, shard file names; opened without following a link
+    return Manifest.from_json(read_json(path, follow_links=False), str(path))
 
 
-def _read_shard(folder: Path, stage: int, entry: ShardFile) -> Path:
-    """The path of stage `stage`'s shard once its sha256 matches the manifest's (read in blocks:
-    the shard is never in memory whole)."""
+def _read_shard(folder: Path, stage: int, entry: ShardFile):
+    """Stage `stage`'s shard opened (never through a link) once its sha256 matches the manifest's
+    (read in blocks: the shard is never in memory whole); the caller closes it."""
     path = folder / entry.file
-    if path.is_symlink():
-        raise ArtifactError(f"{path}: a symbolic link, not a shard pdtool wrote; checkpoints hold regular files only")
-    digest = hashlib.sha256()
     try:
-        with open(path, "rb") as file:
-            for block in iter(lambda: file.read(1 << 22), b""):
-                digest.update(block)
+        file = safefile.open_regular(path)
     except FileNotFoundError:
         raise ArtifactError(f"{path}: shard of stage {stage} is missing; the checkpoint is incomplete") from None
+    except safefile.NotRegular as exc:
+        raise ArtifactError(f"{exc.strerror}; checkpoints hold regular files only") from None
     except OSError as exc:
         raise ArtifactError(f"{path}: cannot read the shard ({exc}); check the file and its permissions") from None
-    if digest.hexdigest() != entry.sha256:
+    try:
+        digest = safefile.sha256_of(file)
+    except OSError as exc:
+        file.close()
+        raise ArtifactError(f"{path}: cannot read the shard ({exc}); check the file and its permissions") from None
+    if digest != entry.sha256:
+        file.close()
         raise ArtifactError(f"{path}: sha256 differs from the manifest's, the shard is corrupt; use an older checkpoint")
-    return path
+    return file
 
 
 def verify_checkpoint(folder: str | os.PathLike) -> Manifest:
@@ -204,7 +212,7 @@ def verify_checkpoint(folder: str | os.PathLike) -> Manifest:
     folder = Path(folder)
     manifest = read_manifest(folder)
     for stage, entry in manifest.shards.items():
-        _read_shard(folder, stage, entry)
+        _read_shard(folder, stage, entry).close()
     return manifest
 
 
@@ -235,9 +243,12 @@ def load_checkpoint(folder: str | os.PathLike) -> tuple[Manifest, dict[str, torc
 
 def _load_shard(folder: Path, manifest: Manifest, stage: int) -> dict:
     """Stage `stage`'s shard of the checkpoint in `folder`, checked, memory-mapped."""
-    path = _read_shard(folder, stage, manifest.shards[stage])
+    path = folder / manifest.shards[stage].file
     try:  # mapped, not read: a tensor takes memory only once it is used (a worker copies its stage's)
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with _read_shard(folder, stage, manifest.shards[stage]) as file:  # the file that was hashed
+            payload = torch.load(safefile.by_descriptor(file, path), map_location="cpu", weights_only=True, mmap=True)
+    except ArtifactError:
+        raise
     except Exception as exc:
         raise ArtifactError(f"{path}: cannot load the shard ({type(exc).__name__}: {_first_line(exc)})") from None
     if not (isinstance(payload, dict) and isinstance(payload.get("tensors"), dict)

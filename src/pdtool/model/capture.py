@@ -24,7 +24,7 @@ from torch import fx, nn
 
 from ..errors import LaunchError
 from .build import materialize
-from .program import Unwritable, attribute_targets, decode, encode
+from .program import Refused, Unwritable, attribute_targets, check, decode, encode
 from .stages import Stage, _Rebuilt, plan_stages, sample_inputs
 
 Spec = tuple[str, tuple[int, ...], str]
@@ -107,8 +107,20 @@ def cut(plan, bundle) -> list[Stage]:
         return plan_stages(plan, bundle.module, tuple(t.to("meta") for t in inputs))
 
 
-def describe(stages: list[Stage], model: nn.Module, specs=()) -> Capture:
-    """The plain-data `Capture` of `cut`'s stages (each program encoded, when it can be)."""
+def model_modules(bundle) -> tuple[str, ...]:
+    """The consented model's modules, among those imported: its factory's (`ModelBundle.origin`)
+    and those its submodules' classes come from. A stage program may call the functions defined
+    in them (`model.program.Allowed`), and the workers' forkserver imports them (`forked.warm`)."""
+    import sys
+
+    named = {type(module).__module__ for module in bundle.module.modules()} | {getattr(bundle, "origin", "")}
+    return tuple(sorted(m for m in named if m and m in sys.modules))
+
+
+def describe(stages: list[Stage], model: nn.Module, specs=(), modules=()) -> Capture:
+    """The plain-data `Capture` of `cut`'s stages (each program encoded, when it can be and it
+    calls only what a program may: `model.program.Allowed` with the model's `modules`; else
+    the stage's worker cuts the model itself)."""
     infos = []
     for stage in stages:
         module, out_spec = stage.module, None
@@ -120,7 +132,8 @@ def describe(stages: list[Stage], model: nn.Module, specs=()) -> Capture:
         if isinstance(module, fx.GraphModule):
             try:
                 program = encode(module.graph)
-            except Unwritable:
+                check(program, modules, resolve=True)
+            except (Unwritable, Refused):
                 program = None
         infos.append(StageInfo(stage.index, stage.inputs, stage.outputs, dict(stage.param_names),
                                dict(stage.buffer_names), stage.layers, dict(stage.tied), dict(stage.shared_buffers),
@@ -199,7 +212,8 @@ def own_stage(capture: Capture, index: int, plan, bundle, seed: int, device: tor
             if target.device.type != "meta":
                 target.copy_(tensor)
     # without a program (a model split by module selection, a graph the format cannot write) it is cut here
-    module = stage_module(info, model, device, None if info.program is not None else cut(plan, bundle))
+    module = stage_module(info, model, device, None if info.program is not None else cut(plan, bundle),
+                          model_modules(bundle))
     stage = Stage(index, module, info.inputs, info.outputs, {}, {}, info.layers, dict(info.tied),
                   dict(info.shared_buffers))
     _names(model, stage)
@@ -207,11 +221,13 @@ def own_stage(capture: Capture, index: int, plan, bundle, seed: int, device: tor
     return stage
 
 
-def stage_module(info: StageInfo, model: nn.Module, device: torch.device | None, cut_stages=None) -> nn.Module:
-    """Stage `info.index` bound to `model` as it is now: its program decoded, else the graph of
+def stage_module(info: StageInfo, model: nn.Module, device: torch.device | None, cut_stages=None,
+                 modules=()) -> nn.Module:
+    """Stage `info.index` bound to `model` as it is now: its program decoded (calling only what
+    `model.program.Allowed` lets it, with the model's `modules`), else the graph of
     `cut_stages[info.index]` (`cut`), else that stage module itself (split by module selection)."""
     if info.program is not None:
-        return bind(decode(info.program), model, info.index, device, info.out_spec)
+        return bind(decode(info.program, modules=modules), model, info.index, device, info.out_spec)
     module = cut_stages[info.index].module
     graph_module = module.graph if isinstance(module, _Rebuilt) else module
     if isinstance(graph_module, fx.GraphModule):

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import LaunchError, PdtoolError
 from .build import materialize, to_meta
-from .capture import Capture, Spec, describe, names_of, stage_module
+from .capture import Capture, Spec, describe, model_modules, names_of, stage_module
 from .layergraph import quiet
 from .stages import OUTPUT
 
@@ -29,11 +29,13 @@ _CPU = torch.device("cpu")
 def described(stages, bundle, inputs, target, data: str, seed: int, on_meta: bool) -> Capture:
     """The `Capture` of `stages` (`model.capture.cut` of `bundle`'s model) with its message
     specs, from the first minibatch (`inputs`, `target`) of `--data data`."""
-    capture = describe(stages, bundle.module)
+    modules = model_modules(bundle)
+    capture = describe(stages, bundle.module, modules=modules)
     model = bundle.module
     try:
         with quiet("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes"):
-            specs, loss = check_data(capture, lambda: [stage_module(info, model, _CPU, stages) for info in capture.stages],
+            specs, loss = check_data(capture, lambda: [stage_module(info, model, _CPU, stages, modules)
+                                                         for info in capture.stages],
                                      model, inputs, target, bundle.loss_fn)
     except Exception:  # noqa: BLE001 - fake tensors cannot follow this model: the real run says what is wrong
         specs, loss = _run_real(capture, stages, bundle, inputs, target, data, seed, on_meta)
@@ -55,7 +57,7 @@ def _run_real(capture: Capture, stages, bundle, inputs, target, data: str, seed:
             for info in capture.stages:
                 made = [n for n in names_of(info) if on_meta and model.get_parameter(n).device.type == "meta"]
                 materialize(model, made, seed)
-                values = stage_module(info, model, _CPU, stages)(values)
+                values = stage_module(info, model, _CPU, stages, model_modules(bundle))(values)
                 to_meta(model, made)
                 if info.index < len(capture.stages) - 1:
                     specs.append(tuple((n, tuple(values[n].shape), str(values[n].dtype).removeprefix("torch."))

@@ -70,6 +70,7 @@ class ModelBundle:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     fixed_batch_size: int | None = None
     keywords: tuple[str, ...] = ()
+    origin: str = ""  # the module of the factory that made it (`load_model`): the model's own functions live there
 
     def __post_init__(self):
         if self.loss_fn is None:
@@ -219,6 +220,12 @@ def load_model(ref: ModelRef, given: bool = False) -> ModelBundle:
     """Build the model that `ref` describes and check the factory's result. `given`: the user
     named `ref.spec` on the command line (see `pdtool.consent`; a spec read from a file needs
     the experiment folder or its author's mark)."""
+    bundle = _load_model(ref, given)
+    bundle.origin = ref.spec.partition(":")[0]  # the module consent allowed
+    return bundle
+
+
+def _load_model(ref: ModelRef, given: bool) -> ModelBundle:
     factory = resolve_factory(ref.spec, given=given)
     try:
         result = factory(**ref.kwargs)

@@ -13,15 +13,22 @@ again when nothing it came from has changed:
   minibatch's shapes and dtypes, the modules the model's classes come from, and the path, size
   and modification time of every Python module loaded when it was captured (torch, transformers,
   the experiment's own files, pdtool) and of every file the model's factory opened (a config
-  file it builds the model from): a hit needs every one of those files unchanged, the
-  modules the model uses now loaded from the same files, and the first minibatch of the same
-  shapes. Anything else is a miss: the launcher captures again and replaces the entry.
+  file it builds the model from), and the sha256 of each of those files that lies outside the
+  Python installation (the experiment's own files and configs, which a user edits: an edit
+  that keeps the size and restores the modification time is still seen): a hit needs every one
+  of those files unchanged, the modules the model uses now loaded from the same files, and the
+  first minibatch of the same shapes. Anything else is a miss: the launcher captures again and
+  replaces the entry.
 
-On a hit the workers' forkserver starts at once with the model's modules (`modules`), before the
-launcher has even built the model, so both import them side by side. The entry is data: a
-stage program is decoded as always (`model.program`: a function is looked up only among the
-modules already imported), and the modules named in it are those a run of the same plan, model
-spec and folder imported with the user's consent.
+An entry is data, never code. What it can do: name the stages' programs, which may call only
+torch's tensor operations, `operator`, `math`, a few builtins and the functions defined in the
+consented model's own modules (`model.program.Allowed`: checked by the launcher before any
+worker starts, and again by each worker on its own model), and name the modules the model's
+classes come from, which the workers' forkserver imports once the plan's model passed consent
+(the model's factory is consented as always: `pdtool.consent`), so that both import them side
+by side. A standard-library module there, an entry or a folder not owned by the user or
+writable by its group or by others (a shared `PDTOOL_CACHE_DIR`: ssh refuses such files too),
+a link in place of an entry, or an entry that does not read as one, is a miss with one warning.
 
 The folder is `$PDTOOL_CACHE_DIR`, else `$XDG_CACHE_HOME/pdtool/captures` (`~/.cache/...`);
 `PDTOOL_CACHE_DIR=off` turns the cache off. It keeps the newest `KEEP` entries.
@@ -33,13 +40,15 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-FORMAT = 1
-"""Changes when an entry's content or the `Capture` it holds changes meaning."""
+from ... import safefile
+
+FORMAT = 2
+"""Changes when an entry's content or the `Capture` it holds changes meaning (2: `hashes`; the
+programs call only what `model.program.Allowed` lets them)."""
 
 ENV = "PDTOOL_CACHE_DIR"
 OFF = ("", "off", "0", "no")
@@ -98,6 +107,20 @@ def loaded_files(read: set[str] = frozenset()) -> dict[str, list]:
     return found
 
 
+def content_hashes(files: dict[str, list]) -> dict[str, str]:
+    """path -> sha256 of each of `files` (`loaded_files`) outside the Python installation: the
+    files a user edits (the experiment's modules, the configs a factory reads)."""
+    installed = _installed()
+    found = {}
+    for path, _, _ in files.values():
+        if not path.startswith(installed) and path not in found:
+            try:
+                found[path] = safefile.sha256(path)
+            except OSError:
+                continue
+    return found
+
+
 _VIRTUAL = ("/proc/", "/sys/", "/dev/")
 """Files of the kernel's (a library reading /proc/self/mountinfo), not of the model: their times change always."""
 
@@ -146,8 +169,8 @@ class Reads:
 @dataclass(frozen=True)
 class Entry:
     """A cached capture (module doc): the `Capture` as JSON text, the first minibatch's
-    `signature`, the model's `modules`, its keyword inputs, what the checks said (`warnings`), and
-    the `files` it came from."""
+    `signature`, the model's `modules`, its keyword inputs, what the checks said (`warnings`), the
+    `files` it came from and the content `hashes` of those a user edits (`content_hashes`)."""
 
     capture: str
     batch: list
@@ -155,10 +178,12 @@ class Entry:
     keywords: list[str]
     warnings: list[str]
     files: dict[str, list]
+    hashes: dict[str, str] = dataclasses.field(default_factory=dict)
     path: str | None = dataclasses.field(default=None, compare=False)  # where `lookup` found it
 
     def unchanged(self) -> bool:
-        """Every file the capture came from is still as it was."""
+        """Every file the capture came from is still as it was (and has the same content, where
+        `hashes` has it)."""
         for path, size, mtime in self.files.values():
             try:
                 stat = os.stat(path)
@@ -166,7 +191,26 @@ class Entry:
                 return False
             if (stat.st_size, stat.st_mtime_ns) != (size, mtime):
                 return False
-        return True
+        return content_hashes(self.files) == self.hashes
+
+    def problem(self) -> str | None:
+        """Why the entry's fields cannot be what `store` wrote (a damaged or planted entry), or None."""
+        if not (isinstance(self.capture, str) and isinstance(self.batch, list) and _strings(self.keywords)
+                and _strings(self.warnings) and _strings(self.modules)):
+            return "fields of the wrong types"
+        if not (isinstance(self.files, dict) and all(
+                isinstance(k, str) and isinstance(v, list) and len(v) == 3 and isinstance(v[0], str)
+                and all(isinstance(n, int) and not isinstance(n, bool) for n in v[1:]) for k, v in self.files.items())):
+            return "a files table of the wrong form"
+        if not (isinstance(self.hashes, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                      for k, v in self.hashes.items())):
+            return "a hashes table of the wrong form"
+        for module in self.modules:
+            if not all(part.isidentifier() for part in module.split(".")):
+                return f"module {module!r}, which is no module name"
+            if module.partition(".")[0] in sys.stdlib_module_names:
+                return f"module {module!r} of Python's standard library, where no model's classes come from"
+        return None
 
     def fits(self, batch: list | None) -> bool:
         """The first minibatch has the entry's shapes, and every module loaded now that the
@@ -180,27 +224,63 @@ class Entry:
         return True
 
 
-def lookup(name: str) -> Entry | None:
-    """The entry `name` when it exists, reads, and its files are unchanged; else None."""
-    where = folder()
+def lookup(name: str, warn: Callable[[str], None] = lambda message: None) -> Entry | None:
+    """The entry `name` when it exists, is the user's own (`safefile.foreign`: the entry and its
+    folder), reads as one and its files are unchanged; else None (`warn` hears why, where the
+    entry is not simply missing or stale)."""
+    where = _own_folder(warn)
     if where is None:
         return None
     path = where / f"{name}.json"
     try:
-        data = json.loads(path.read_text())
-        if data.pop("format", None) != FORMAT:
+        with safefile.open_regular(path) as file:
+            why = safefile.foreign(os.fstat(file.fileno()))
+            if why is not None:
+                warn(f"capture cache entry {path} is {why}, so pd train does not use it (as ssh refuses such files); "
+                     "delete it, or set PDTOOL_CACHE_DIR to a folder of your own")
+                return None
+            data = json.loads(file.read())
+        if not isinstance(data, dict) or data.pop("format", None) != FORMAT:
             return None
         entry = Entry(**data, path=str(path))
-        if not (_strings(entry.modules) and _strings(entry.keywords) and _strings(entry.warnings)
-                and isinstance(entry.capture, str) and entry.unchanged()):
+        why = entry.problem()
+        if why is not None:
+            warn(f"capture cache entry {path} is damaged ({why}); capturing again")
             return None
-    except (OSError, ValueError, TypeError):  # damaged: a miss, and the next store replaces it
+        if not entry.unchanged():
+            return None
+    except FileNotFoundError:
+        return None
+    except safefile.NotRegular as exc:
+        warn(f"capture cache entry {exc.strerror}, so pd train does not use it; delete it")
+        return None
+    except (OSError, ValueError, TypeError, RecursionError, AttributeError):  # damaged: a miss, replaced on store
         return None
     try:
-        os.utime(path)  # its last use, for `_prune`
+        os.utime(path, follow_symlinks=False)  # its last use, for `_prune`
     except OSError:
         pass
     return entry
+
+
+def _own_folder(warn: Callable[[str], None]) -> Path | None:
+    """The cache folder when the cache is on and the folder is the user's alone (or missing:
+    `store` makes it so), else None with one warning."""
+    where = folder()
+    if where is None:
+        return None
+    try:
+        info = os.stat(where)
+    except FileNotFoundError:
+        return where
+    except OSError:
+        return None
+    why = safefile.foreign(info)
+    if why is not None:
+        warn(f"capture cache folder {where} is {why}, so pd train neither uses nor writes it (as ssh refuses such "
+             f"files); chmod go-w it if it is yours, or set {ENV} to a folder of your own")
+        return None
+    return where
 
 
 def _strings(values) -> bool:
@@ -208,30 +288,27 @@ def _strings(values) -> bool:
 
 
 def store(name: str, entry: Entry) -> None:
-    """Keep `entry` under `name` (nothing when the cache is off or the folder cannot be
-    written: the cache never fails a run)."""
+    """Keep `entry` under `name`, readable by the user alone (nothing when the cache is off or
+    the folder is not the user's or cannot be written: the cache never fails a run)."""
     where = folder()
     if where is None:
         return
     fields = {k: v for k, v in dataclasses.asdict(entry).items() if k != "path"}
     text = json.dumps({"format": FORMAT, **fields}, separators=(",", ":"))
     try:
-        where.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=where, prefix=".", suffix=".part")
-        try:
-            with os.fdopen(handle, "w") as out:
-                out.write(text)
-            os.replace(temporary, where / f"{name}.json")
-        except BaseException:
-            os.unlink(temporary)
-            raise
+        where.parent.mkdir(parents=True, exist_ok=True)
+        where.mkdir(mode=0o700, exist_ok=True)
+        if _own_folder(lambda message: None) is None:
+            return
+        with safefile.replaced(where / f"{name}.json", mode=0o600) as out:
+            out.write(text.encode())
         _prune(where)
     except OSError:
         return
 
 
 def _prune(where: Path) -> None:
-    entries = sorted(where.glob("*.json"), key=lambda p: p.stat().st_mtime if p.exists() else 0, reverse=True)
+    entries = sorted(where.glob("*.json"), key=lambda p: p.lstat().st_mtime if os.path.lexists(p) else 0, reverse=True)
     for old in entries[KEEP:]:
         try:
             old.unlink()

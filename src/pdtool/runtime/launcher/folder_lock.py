@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import LaunchError
+from ...safefile import NotRegular, open_regular
 
 LOCK = ".pdtool.lock"
 
@@ -40,7 +41,10 @@ class FolderLock:
         path = root / LOCK
         try:
             root.mkdir(parents=True, exist_ok=True)
-            handle = open(path, "a+", encoding="utf-8")
+            handle = open_regular(path, "a+")  # never through a link planted in a shared folder
+        except NotRegular as exc:
+            raise LaunchError(f"--checkpoint-dir {root}: {exc.strerror}, so pd train will not lock or write it; remove "
+                              "it, or give another --checkpoint-dir") from None
         except OSError as exc:
             raise LaunchError(f"--checkpoint-dir {root}: cannot create {LOCK} in it ({exc.strerror or exc}); give a "
                               "folder you can write to") from None

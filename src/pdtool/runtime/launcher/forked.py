@@ -124,13 +124,13 @@ _AWAITING: list[str] = []
 """The file a forkserver started early (`start_early`) waits for, until it is told (`tell`)."""
 
 
-def start_early(plan, config, local_workers: int) -> None:
+def start_early(config, local_workers: int) -> None:
     """Start the workers' forkserver first thing, before this process imports torch, when the job
     surely runs on the CPU: it imports torch and the worker's modules (`PRELOAD`) while the
     launcher imports torch and checks the plan, then waits to be told the model's modules
-    (`worker.preload_model`, `tell`) and imports them once: at once when the launcher's capture
-    cache holds this run (`capture_cache`: a run of the same plan, model and folder named them),
-    else as soon as the launcher has built the model with the user's consent (`warm`). The
+    (`worker.preload_model`, `tell`) and imports them once: as soon as the plan's model passed
+    consent, from the launcher's capture cache when it holds this run (`capture_cache`: a run of
+    the same plan, model and folder named them), else once the launcher has built the model (`warm`). The
     launcher tells it before it forks any worker (`start_method`); a launcher that ends first
     takes it along."""
     from multiprocessing import forkserver, resource_tracker, util
@@ -154,11 +154,6 @@ def start_early(plan, config, local_workers: int) -> None:
     if not started:
         return
     _AWAITING.append(path)
-    from .capture_cache import key, lookup
-
-    entry = lookup(key(plan.to_json(), config.data, config.model, config.init))
-    if entry is not None:
-        tell(tuple(entry.modules))
 
 
 def tell(modules: tuple[str, ...] = ()) -> None:

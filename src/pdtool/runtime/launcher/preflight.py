@@ -18,7 +18,8 @@ from typing import Callable
 from ...errors import LaunchError
 from ...artifacts.plan import Plan
 from ...model.build import build_model, check_initialisable
-from ...model.capture import Capture, cut
+from ...model.capture import Capture, cut, model_modules
+from ...model.program import check
 from ...model.data import load_source, named_dataset_source
 from ...consent import consent
 from ...model.dryrun import described
@@ -57,10 +58,9 @@ def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model
         raise LaunchError(f"{plan_path} was planned from an imported profile with no model; "
                           "profile the model with pd profile --model and plan that profile")
     name = capture_cache.key(plan.to_json(), data, model, init)
-    entry = capture_cache.lookup(name)
-    if entry is not None:  # the workers' forkserver imports the model's modules at once
-        imports(tuple(entry.modules))
-        checked = _from_cache(entry, plan, mode, data, seed, model, warn)
+    entry = capture_cache.lookup(name, warn)
+    if entry is not None:
+        checked = _from_cache(entry, plan, mode, data, seed, model, warn, imports)
         if checked is not None:
             _check_init_from(init_from, checked.capture)
             return checked
@@ -68,9 +68,8 @@ def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model
     with capture_cache.Reads() as read:  # a config file the factory builds the model from is part of the capture
         bundle, on_meta = build_model(plan.profile.model, model, seed, init, lambda message: (said.append(message),
                                                                                              warn(message)))
-    modules = model_modules(bundle.module)
-    if entry is None or list(modules) != entry.modules:
-        imports(modules)
+    modules = model_modules(bundle)
+    imports(modules)  # (a forkserver told an entry's modules already keeps those: the first telling counts)
     if on_meta:
         check_initialisable(bundle.module)
     stages = cut(plan, bundle)
@@ -80,28 +79,38 @@ def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model
     capture = described(stages, bundle, inputs, target, data, seed, on_meta)
     batch = capture_cache.signature(inputs, target, bundle.keywords)
     if batch is not None:
+        files = capture_cache.loaded_files(read)
         capture_cache.store(name, capture_cache.Entry(capture.to_json(), batch, list(modules), list(bundle.keywords),
-                                                      said, capture_cache.loaded_files(read)))
+                                                      said, files, capture_cache.content_hashes(files)))
     _check_init_from(init_from, capture)
     return Checked(source.batches_per_epoch, dict(capture.parameters), capture, bundle.keywords)
 
 
 def _from_cache(entry: capture_cache.Entry, plan: Plan, mode: str, data: str, seed: int, model: str | None,
-                warn: Callable[[str], None]) -> Checked | None:
+                warn: Callable[[str], None], imports: Callable[[tuple[str, ...]], None]) -> Checked | None:
     """The checks of a run whose capture is in the cache (`capture_cache`), without building the
     model: what they found is what they found for the same plan, model files and options, except
-    the data, whose first minibatch must have the cached shapes (else None: check it all again)."""
+    the data, whose first minibatch must have the cached shapes (else None: check it all again).
+    The entry is data: its programs may call only what `model.program.Allowed` lets them, and its
+    modules are told to the workers' forkserver only once the plan's model passed consent."""
     consent(model or plan.profile.model["spec"], given=model is not None)  # as the build would, importing nothing
+    try:
+        capture = Capture.from_json(entry.capture)
+        for info in capture.stages:
+            if info.program is not None:
+                check(info.program, entry.modules)
+    except LaunchError as exc:
+        warn(f"capture cache entry {entry.path} is not used: {str(exc).partition(' (')[0]}; capturing again")
+        return None
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError):
+        return None
+    imports(tuple(entry.modules))  # the workers' forkserver imports the model's modules now
     keywords = tuple(entry.keywords)
     source = None
     if data != "synthetic":  # synthetic minibatches are the model factory's own, as before
         source = named_dataset_source(data, plan.profile.batch_size, seed, keywords)
         if not entry.fits(capture_cache.signature(*source.batch(0), keywords)):
             return None
-    try:
-        capture = Capture.from_json(entry.capture)
-    except (KeyError, TypeError, ValueError):
-        return None
     for message in entry.warnings:
         warn(message)
     tied.check_mode(capture.stages, mode)
@@ -116,11 +125,3 @@ def _check_init_from(init_from: str | None, capture: Capture) -> None:
 
         WeightFiles.open(init_from).check(dict(capture.parameters),
                                           {b for info in capture.stages for b in info.buffer_names.values()})
-
-
-def model_modules(model) -> tuple[str, ...]:
-    """The modules the classes of `model`'s submodules come from, among those imported (the
-    workers' forkserver imports them before it forks a worker: `forked.warm`)."""
-    import sys
-
-    return tuple(sorted(m for m in {type(module).__module__ for module in model.modules()} if m in sys.modules))
