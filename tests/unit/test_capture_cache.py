@@ -332,3 +332,19 @@ def test_deeply_nested_entry_json_is_a_miss(folder, cuts):
     entry.write_text("[" * 100000 + "]" * 100000)  # RecursionError in json
     checked, _, _ = _warned_run(plan, path)
     assert len(cuts) == 2 and checked.cached is None
+
+
+def test_a_model_file_edited_to_other_shapes_with_its_time_put_back_is_checked_again(folder, cuts):
+    """Issue 35 item 13: the entry's content hash of the experiment's files sees the edit, so the plan's
+    fingerprint check runs and refuses the model whose shapes are no longer the plan's."""
+    tmp_path, name = folder
+    plan, path = _plan(tmp_path, name)
+    _run(plan, path)
+    source = tmp_path / f"{name}.py"
+    stat = os.stat(source)
+    source.write_text(FACTORY.replace("width: int = 6", "width: int = 7"))  # the same size
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(source).st_size == stat.st_size
+    sys.modules.pop(name, None)
+    with pytest.raises(PdtoolError, match="fingerprint|shape|not the plan"):
+        _run(plan, path)

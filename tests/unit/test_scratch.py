@@ -118,3 +118,26 @@ def test_what_pdtool_did_not_make_is_kept(temp):
     assert scratch.sweep() == [left]
     assert sorted(os.listdir(temp)) == ["other-1-x", "pdtool-workers-1-x.y", "pdtool-workers-7-file",
                                         "pdtool-workers-8-link", "pdtool-workers-9-noowner", "pdtool-workers-abc"]
+
+
+STARTED_EARLY = ("import os, signal; from types import SimpleNamespace; from multiprocessing import util; "
+                 "from pdtool.runtime.launcher import forked; "
+                 "forked.start_early(SimpleNamespace(device='cpu', data='synthetic', model=None, init='rule'), 2); "
+                 "print(util.get_temp_dir(), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+
+
+def test_the_forkservers_folder_of_a_killed_launcher_is_swept_and_other_programs_are_kept(temp):
+    """Issue 35 item 15: a SIGKILL of the launcher while its early forkserver waits left `pymp-*` behind."""
+    done = subprocess.run([sys.executable, "-c", STARTED_EARLY], capture_output=True, text=True,
+                          env=dict(os.environ, PDTOOL_CACHE_DIR="off"))
+    assert done.returncode == -9, done.stderr
+    left = done.stdout.strip()
+    assert os.path.basename(left).startswith("pymp-") and os.path.isfile(os.path.join(left, scratch.FORKSERVER_OWNER))
+    theirs = temp / "pymp-theirs"  # another program's multiprocessing folder, whatever became of that program
+    theirs.mkdir()
+    (theirs / "listener-1").write_text("")
+    mine = temp / "pymp-mine"  # a live launcher's (this process's)
+    mine.mkdir()
+    scratch.mark(str(mine))
+    assert scratch.sweep() == [left]
+    assert sorted(os.listdir(temp)) == ["pymp-mine", "pymp-theirs"]

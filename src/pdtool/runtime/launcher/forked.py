@@ -145,6 +145,9 @@ def start_early(config, local_workers: int) -> None:
     _preload()
     resource_tracker.ensure_running()  # started by the forkserver's start otherwise, with the variable below
     # in multiprocessing's folder of this process (the forkserver's socket is there too), removed at its exit
+    from .scratch import mark
+
+    mark(util.get_temp_dir())  # a launcher killed before its exit handler leaves it: the next launch sweeps it
     path = os.path.join(util.get_temp_dir(), "forkserver-modules.json")
     os.environ[FILE_VARIABLE] = f"{os.getpid()}:{path}"
     try:

@@ -9,6 +9,11 @@ it made the folder, names this machine, this pid namespace and a process that is
 running (its pid is gone, or now belongs to a process started at another time). A live
 launcher's folder, another user's or machine's (a temp folder shared over the network), one of
 another container, and anything pdtool did not make are left alone.
+
+The same holds for the `pymp-*` folder of multiprocessing that holds the workers' forkserver
+started first thing (`forked.start_early`: its socket and the file naming the model's modules):
+the launcher marks it with a `FORKSERVER_OWNER` file, and only folders so marked whose launcher
+is dead are swept (other programs' `pymp-*` folders are theirs).
 """
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ PREFIX = "pdtool-workers-"
 OWNER = "owner.json"
 """The file in a scratch folder that names its launcher: host, pid namespace, pid, start time."""
 _NAME = re.compile(rf"{PREFIX}[0-9]+-[A-Za-z0-9_]+")
+FORKSERVER_OWNER = "pdtool-owner.json"
+"""The file that marks multiprocessing's folder of a pd train launcher (`mark`), as `OWNER` does a scratch folder."""
+_FORKSERVER = re.compile(r"pymp-[A-Za-z0-9_]+")
+_OWNED = ((_NAME, OWNER), (_FORKSERVER, FORKSERVER_OWNER))
 
 
 def make(swept=lambda path: None) -> str:
@@ -34,9 +43,22 @@ def make(swept=lambda path: None) -> str:
     for path in sweep():
         swept(path)
     folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
-    with open(os.path.join(folder, OWNER), "w") as file:
-        json.dump(_identity(os.getpid()), file)
+    _write_owner(os.path.join(folder, OWNER))
     return folder
+
+
+def mark(folder: str) -> None:
+    """Mark multiprocessing's temp folder `folder` of this launcher as pdtool's (`sweep` removes
+    it once this launcher is dead); a folder that cannot be marked is left unswept."""
+    try:
+        _write_owner(os.path.join(folder, FORKSERVER_OWNER))
+    except OSError:
+        pass
+
+
+def _write_owner(path: str) -> None:
+    with open(path, "x") as file:
+        json.dump(_identity(os.getpid()), file)
 
 
 def launcher_id(folder: str) -> str:
@@ -46,8 +68,8 @@ def launcher_id(folder: str) -> str:
 
 
 def sweep(folder: str | None = None) -> list[str]:
-    """Remove the scratch folders of dead launchers in `folder` (default: the temp folder); the
-    paths removed."""
+    """Remove the scratch folders (and marked multiprocessing folders: `mark`) of dead launchers
+    in `folder` (default: the temp folder); the paths removed."""
     folder = folder or tempfile.gettempdir()
     try:
         names = sorted(os.listdir(folder))
@@ -56,20 +78,21 @@ def sweep(folder: str | None = None) -> list[str]:
     removed = []
     for name in names:
         path = os.path.join(folder, name)
-        if _NAME.fullmatch(name) and _left_by_a_dead_launcher(path):
+        owner = next((owner for pattern, owner in _OWNED if pattern.fullmatch(name)), None)
+        if owner is not None and _left_by_a_dead_launcher(path, owner):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
 
 
-def _left_by_a_dead_launcher(path: str) -> bool:
-    """Whether `path` is a scratch folder of this user whose launcher, on this machine and in
-    this pid namespace, no longer runs."""
+def _left_by_a_dead_launcher(path: str, owner_file: str = OWNER) -> bool:
+    """Whether `path` is a scratch folder of this user (its launcher named in `owner_file`) whose
+    launcher, on this machine and in this pid namespace, no longer runs."""
     try:
         info = os.lstat(path)
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
             return False
-        with open(os.path.join(path, OWNER)) as file:
+        with open(os.path.join(path, owner_file)) as file:
             owner = json.load(file)
         pid = owner["pid"]
         if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
