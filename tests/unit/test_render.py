@@ -14,7 +14,7 @@ from pdtool.artifacts.pipedream import load_pipedream_graph
 from pdtool.artifacts.plan import compact_ranges, with_boundaries
 from pdtool.planner import make_plan
 from pdtool.artifacts.profile import Layer, Profile
-from pdtool.views.render import FORMATS, first_error, plan_graph, render_plan
+from pdtool.views.render import FORMATS, blocks_graph, first_error, plan_graph, render_plan
 from pdtool.units import format_bytes
 
 PIPEDREAM = Path(__file__).resolve().parents[2] / "profiles" / "pipedream"
@@ -111,7 +111,7 @@ def test_the_source_is_deterministic(tmp_path):
     plan = make_plan(profile, parse_cluster("4x1GB/s"))
     first = plan_graph(plan, profile).source
     assert plan_graph(make_plan(profile, parse_cluster("4x1GB/s")), profile).source == first
-    written = [render_plan(plan, profile, tmp_path / f"{name}.dot") for name in ("a", "b")]
+    written = [render_plan(plan, profile, tmp_path / f"{name}.dot", layers=True) for name in ("a", "b")]
     assert written == [(tmp_path / "a.dot", None), (tmp_path / "b.dot", None)]
     assert (tmp_path / "a.dot").read_text() == (tmp_path / "b.dot").read_text() == first
 
@@ -146,11 +146,16 @@ def test_an_unknown_extension_is_refused_with_the_formats(planned, tmp_path, nam
 @needs_dot
 def test_a_real_svg_shows_the_stage_labels(planned, tmp_path):
     plan, profile = planned
-    written, warning = render_plan(plan, profile, tmp_path / "plan.svg")
+    written, warning = render_plan(plan, profile, tmp_path / "plan.svg", layers=True)
     assert (written, warning) == (tmp_path / "plan.svg", None)
     texts = " ".join(t.text or "" for t in ET.parse(written).getroot().iter("{http://www.w3.org/2000/svg}text"))
     for index, stage in enumerate(plan.stages):
         assert f"stage {index}: layers {compact_ranges(stage.layers)}" in texts
+    written, _ = render_plan(plan, profile, tmp_path / "plan.svg")  # by blocks: the same stages, the layers below
+    lines = [t.text or "" for t in ET.parse(written).getroot().iter("{http://www.w3.org/2000/svg}text")]
+    for index, stage in enumerate(plan.stages):
+        assert f"layers {compact_ranges(stage.layers)}" in lines and any(t.startswith(f"stage {index}: ") for t in lines)
+    assert any(line.startswith("BOTTLENECK") for line in lines)
     assert "BOTTLENECK" in texts
     assert [p.name for p in tmp_path.iterdir()] == ["plan.svg"]  # no temporary file left behind
 
@@ -170,7 +175,7 @@ def test_without_dot_the_source_is_written_with_a_warning(planned, tmp_path, mon
     monkeypatch.setenv("PATH", str(empty))
     written, warning = render_plan(plan, profile, tmp_path / "plan.svg")
     assert written == tmp_path / "plan.dot" and not (tmp_path / "plan.svg").exists()
-    assert written.read_text() == plan_graph(plan, profile).source
+    assert written.read_text() == blocks_graph(plan, profile).source
     assert "\n" not in warning and "apt-get install graphviz" in warning
     assert f"dot -Tsvg {tmp_path / 'plan.dot'} -o {tmp_path / 'plan.svg'}" in warning
 

@@ -22,6 +22,7 @@ def written(profile_path, message_ms_per_mib=None):
     if message_ms_per_mib is not None:  # and what a layer-by-layer profile writes besides
         first = dataclasses.replace(profile.layers[0], same_as=0)
         profile = dataclasses.replace(profile, message_ms_per_mib=message_ms_per_mib, measured="layers", precision="bf16",
+                                      classes={"blocks": "ModuleList"},
                                       layers=(first,) + profile.layers[1:])
     plan = make_plan(profile, parse_cluster("cluster-a:2", memory="16GiB"), simulate=True,
                      recompute="all" if message_ms_per_mib is not None else "auto")  # a stage's `recompute` is written when true

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..fields import At, check_schema
 from ..jsonio import round_float_fields
-from .record import (Artifact, Const, Int, ListOf, Num, Obj, Pair, Record, Records, Shared, Str, derived,
+from .record import (Artifact, Const, Int, ListOf, MapOf, Num, Obj, Pair, Record, Records, Shared, Str, derived,
                      field)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -174,6 +174,10 @@ class Profile(Artifact):
                        "nn.Sequential), none (only one stage; untraceable model)")
     shared: tuple[tuple[str, tuple[int, ...]], ...] = field(Shared("layers"), (), doc="parameters used by several "
                                                             "layers (tied weights), with the ids of those layers")
+    classes: dict[str, str] = field(MapOf(Str(), r"\S+", "a module's qualified name"), factory=dict, omit={},
+                                    doc="the class of each module that holds layers (qualified name -> class name, "
+                                    "e.g. model.layers.4 -> LlamaDecoderLayer): pictures group a stage's layers by "
+                                    "them")
     schema: str = field(Const(SCHEMA, ""), SCHEMA, required=True)
     source: InitVar[str] = "profile"
 

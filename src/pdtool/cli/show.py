@@ -15,11 +15,14 @@ from .group import Count, _examples, cli
 @click.option("--top", type=Count(1, 100000), default=15, show_default=True,
               help="Profiles: how many of the heaviest layers to list.")
 @click.option("--render", "picture", type=click.Path(dir_okay=False), metavar="PICTURE",
-              help="Plans: also draw the layer graph with one coloured box per stage to PICTURE "
-                   "(.svg, .png, .pdf or .dot; the .dot source when graphviz's dot is missing).")
+              help="Plans: also draw the partition to PICTURE: one coloured box per stage holding its layers "
+                   "grouped by the model's blocks (.svg, .png, .pdf or .dot; the .dot source when graphviz's dot "
+                   "is missing).")
+@click.option("--layers", is_flag=True, help="Plans, with --render: draw every layer as its own node instead of "
+                                             "grouping them into blocks.")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False), metavar="PROFILE.json",
               help="Plans: the profile the plan was made from, for --render [default: X.profile.json beside X.plan.json].")
-def show(artifact, top, picture, profile_path):
+def show(artifact, top, picture, layers, profile_path):
     """Print a readable summary of a profile or plan JSON file (and draw a plan)."""
     from ..artifacts.plan import SCHEMA as PLAN_SCHEMA, Plan
     from ..artifacts.profile import SCHEMA as PROFILE_SCHEMA, Profile
@@ -33,14 +36,14 @@ def show(artifact, top, picture, profile_path):
 
             source, profile = _plan_profile(artifact, plan, profile_path, needed=True)
             check_writable(picture, (artifact, source))
-            written, warning = render_plan(plan, profile, picture)
+            written, warning = render_plan(plan, profile, picture, layers=layers)
             if warning:
                 click.echo(f"pd: warning: {warning}", err=True)
             click.echo(f"wrote {written}", err=True)
         click.echo(plan_table(plan), nl=False)
         return
-    if picture or profile_path:
-        raise click.UsageError("--render and --profile apply to plan files only")
+    if picture or profile_path or layers:
+        raise click.UsageError("--render, --layers and --profile apply to plan files only")
     check_schema(data, PROFILE_SCHEMA, artifact)
     click.echo(profile_table(Profile.from_json(data, artifact), top), nl=False)
 

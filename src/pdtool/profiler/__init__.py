@@ -150,6 +150,7 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
         granularity=granularity, depth=depth, repeats=repeats, step_ms=step_ms, step_ms_spread=step_spread,
         layers=tuple(layers), edges=tuple(edges), update_ms=update_ms, data_ms=data_ms,
         reduce_ms=reduce_ms, message_ms_per_mib=message_ms, precision=precision,
+        classes=module_classes(module, [layer.name for layer in layers]),
     )
 
 
@@ -202,6 +203,7 @@ def _profile_layerwise(ref: ModelRef, bundle, batch_size, dev: torch.device, *, 
         repeats=repeats, step_ms=sum(layer.fwd_ms + layer.bwd_ms for layer in layers), step_ms_spread=0.0,
         layers=tuple(layers), edges=tuple(graph.edges), update_ms=update_ms, data_ms=data_ms, reduce_ms=reduce_ms,
         message_ms_per_mib=message_ms, measured="layers",
+        classes=module_classes(module, [layer.name for layer in layers]),
     )
 
 
@@ -227,6 +229,20 @@ def _profile_graph(graph: LayerGraph, module, inputs, repeats, warmup, clock, pr
     layers = [_layer(i, g.name, g.kind, cost, _bytes(module, g.params), g.nodes)
               for i, (g, cost) in enumerate(zip(graph.groups, costs))]
     return layers, graph.edges
+
+
+def module_classes(module: nn.Module, names: list[str]) -> dict[str, str]:
+    """The class name of every module of `module` that holds one of the layers `names` (each
+    qualified name's proper prefixes that name a submodule): `model.layers.4` -> LlamaDecoderLayer."""
+    modules = dict(module.named_modules())
+    found = {}
+    for name in names:
+        parts = name.split(".")
+        for end in range(1, len(parts)):
+            prefix = ".".join(parts[:end])
+            if prefix in modules and prefix not in found:
+                found[prefix] = type(modules[prefix]).__name__
+    return found
 
 
 def _parameter_names(module: nn.Module) -> dict[int, str]:

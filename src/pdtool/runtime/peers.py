@@ -62,16 +62,51 @@ def join(rank: int, world: int, timeout_s: float):
     when the rendezvous cannot be reached."""
     import torch.distributed as dist
 
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     try:
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=timeout_s)))
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds, with long texts
-        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+            raise LaunchError(f"rank {rank} cannot host the job's store at {where}: the port is in use (by another "
+                              "job, or another program); give this job another MASTER_PORT") from None
         raise LaunchError(f"rank {rank} cannot join the job's rendezvous at {where} within {timeout_s:g} s "
                           f"({_first_line(exc)}); check the launcher's address and port") from None
     store.set_timeout(timedelta(seconds=timeout_s))
+    _check_job(store, rank, where)
     store = attempt_store(store, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     store.set(f"pdtool/process/{rank}", f"{socket.gethostname()} {os.getpid()} {os.environ.get(NODE_ENV) or '-'}")
     return store
+
+
+JOB_KEY = "pdtool/job"
+"""The key of the store that names the job it serves (`job_id`): the first rank to join sets it."""
+
+
+def job_id(env=os.environ) -> str | None:
+    """The id of the job this process belongs to, as its launcher names it: SLURM's job and step,
+    torchrun's run id, or pd's own (`PDTOOL_JOB_ID`); None where none is set."""
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '-')}"
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
+    return env.get("PDTOOL_JOB_ID") or None
+
+
+def _check_job(store, rank: int, where: str) -> None:
+    """Refuse a store that serves another job (two jobs given one MASTER_PORT: this rank reached the
+    other's store, whose rank 0 would never answer it) in one line, at once."""
+    job = job_id()
+    if job is None:
+        return
+    try:
+        found = store.compare_set(JOB_KEY, "", job)
+    except Exception as exc:  # noqa: BLE001 - the store went away: the caller's next use says so
+        raise LaunchError(f"rank {rank} lost the job's store at {where} right after joining it ({_first_line(exc)}); "
+                          "check the launcher's address and port") from None
+    found = found.decode() if isinstance(found, bytes) else str(found)
+    if found != job:
+        raise LaunchError(f"rank {rank} reached the store of another job at {where} ({found}; this one is {job}): two "
+                          "jobs were given the same MASTER_PORT; give each job its own MASTER_PORT")
 
 
 LIVE_KEY = "pdtool/live/{rank}/{n}"

@@ -1,12 +1,21 @@
 """Graphviz pictures of a plan: the profile's layer graph cut into the plan's stages.
 
-`plan_graph` builds the picture as graphviz source (pure text, deterministic: the same plan
-and profile give the same `.dot` text); `render_plan` writes it as SVG, PNG, PDF or the
-`.dot` source itself, choosing by the file name's extension, atomically. This is the only
-module that imports the `graphviz` package; laying out needs graphviz's `dot` program, and
-without it `render_plan` writes the `.dot` source and says how to render it by hand.
+Two pictures, both graphviz source (pure text, deterministic: the same plan and profile give
+the same `.dot` text), which `render_plan` writes as SVG, PNG, PDF or the `.dot` source itself,
+choosing by the file name's extension, atomically:
 
-Layout: one node per layer (name, kind, forward + backward ms), one coloured `cluster_stage_S`
+- `blocks_graph` (the default): each stage a coloured box of its layers grouped by the model's
+  own hierarchy (`views.blocks`: runs of identical blocks one node, "model.layers.4-7: 4 x
+  LlamaDecoderLayer", at most 12 nodes a stage), each node with its layers' time and parameter
+  bytes, and every edge that crosses a stage boundary labelled with the bytes it sends per
+  minibatch: what a partition of a 163-layer model looks like at a glance;
+- `plan_graph` (`layers=True`, `pd show --render ... --layers`): every layer a node.
+
+This is the only module that imports the `graphviz` package; laying out needs graphviz's
+`dot` program, and without it `render_plan` writes the `.dot` source and says how to render it
+by hand.
+
+Layout of the layer picture: one node per layer (name, kind, forward + backward ms), one coloured `cluster_stage_S`
 box per stage holding the stage's layers (a set of layer ids: on a branchy graph not always a
 contiguous range), read like newspaper columns: layers run top to bottom inside a column, and
 stages stand side by side from left to right. A stage of more than `MAX_ROWS` layers wraps
@@ -38,6 +47,7 @@ from ..jsonio import check_writable, write_bytes_atomic, write_text_atomic
 from ..artifacts.plan import Plan, PlanStage, check_against_profile, compact_ranges
 from ..artifacts.profile import Layer, Profile
 from ..units import format_bytes
+from .blocks import block_sizes, stage_groups
 
 FORMATS = ("svg", "png", "pdf", "dot")
 """Picture formats `render_plan` writes, by file extension; "dot" is graphviz's source text."""
@@ -114,8 +124,57 @@ def plan_graph(plan: Plan, profile: Profile) -> graphviz.Digraph:
     return graph
 
 
-def render_plan(plan: Plan, profile: Profile, path: str | os.PathLike) -> tuple[Path, str | None]:
-    """Write the picture of `plan` over `profile` to `path`; the format is its extension.
+def blocks_graph(plan: Plan, profile: Profile) -> graphviz.Digraph:
+    """The picture of `plan` with each stage's layers grouped into blocks (`views.blocks`), as
+    graphviz source. Raises `ArtifactError` when the plan was not made from this profile."""
+    check_against_profile(plan, profile)
+    names = [layer.name for layer in profile.layers]
+    kinds = [layer.kind for layer in profile.layers]
+    sizes = block_sizes(names)
+    bottleneck = _bottleneck_stage(plan)
+    graph = graphviz.Digraph(name="plan")
+    graph.attr("graph", rankdir="TB", nodesep="0.25", ranksep="0.3", fontname="Helvetica", fontsize="16",
+               labelloc="t", labeljust="l", label=_title(plan, profile), compound="true")
+    graph.attr("node", shape="box", style="rounded,filled", fillcolor="white", color="#555555",
+               fontname="Helvetica", fontsize="12", margin="0.1,0.05")
+    graph.attr("edge", color="#777777", arrowsize="0.7", fontname="Helvetica", fontsize="13")
+    group_of: dict[int, str] = {}
+    nodes: list[list[str]] = []
+    for index, stage in enumerate(plan.stages):
+        is_bottleneck = index == bottleneck
+        nodes.append([])
+        with graph.subgraph(name=f"cluster_stage_{index}") as box:
+            box.attr(label=_stage_label(index, stage, plan, is_bottleneck, wrap=True), fontsize="13",
+                     fontcolor=BOTTLENECK_COLOUR if is_bottleneck else "black",
+                     style="filled,rounded,bold" if is_bottleneck else "filled,rounded",
+                     fillcolor=STAGE_COLOURS[index % len(STAGE_COLOURS)],
+                     color=BOTTLENECK_COLOUR if is_bottleneck else "#888888",
+                     penwidth="4" if is_bottleneck else "1", margin="12")
+            for number, group in enumerate(stage_groups(stage.layers, names, kinds, profile.classes, sizes)):
+                node = f"S{index}G{number}"
+                layers = [profile.layers[i] for i in group.layers]
+                figures = (f"{len(layers)} layer{'s' if len(layers) != 1 else ''} · "
+                           f"{_ms(sum(layer.total_ms for layer in layers))} ms · "
+                           f"{format_bytes(sum(layer.param_bytes for layer in layers))}")
+                box.node(node, f"{_text(group.name)}\n{_text(group.what)}\n{figures}", tooltip=_text(group.label))
+                if nodes[index]:
+                    box.edge(nodes[index][-1], node)  # the stage's groups in order, top to bottom
+                nodes[index].append(node)
+                group_of.update((layer, index) for layer in group.layers)
+    sent: dict[tuple[int, int], dict[int, int]] = {}
+    for src, dst in profile.edges:  # each layer output counted once per receiving stage
+        if group_of[src] != group_of[dst]:
+            sent.setdefault((group_of[src], group_of[dst]), {})[src] = profile.layers[src].act_bytes
+    for (a, b), outputs in sorted(sent.items()):
+        graph.edge(nodes[a][-1], nodes[b][0], ltail=f"cluster_stage_{a}", lhead=f"cluster_stage_{b}",
+                   xlabel=format_bytes(sum(outputs.values())), penwidth="2.5", color="#222222", fontcolor="#222222",
+                   arrowsize="0.9", constraint="false")
+    return graph
+
+
+def render_plan(plan: Plan, profile: Profile, path: str | os.PathLike, layers: bool = False) -> tuple[Path, str | None]:
+    """Write the picture of `plan` over `profile` to `path` (`blocks_graph`, or every layer with
+    `layers`: `plan_graph`); the format is its extension.
 
     Returns the file actually written and a warning line or None. When graphviz's `dot`
     program is missing, the `.dot` source goes next to `path` (same stem) and the warning says
@@ -130,7 +189,7 @@ def render_plan(plan: Plan, profile: Profile, path: str | os.PathLike) -> tuple[
         raise PdtoolError(f"cannot render {target}: {found}; "
                           f"end the file name with one of {', '.join('.' + f for f in FORMATS)}")
     check_writable(target)
-    graph = plan_graph(plan, profile)
+    graph = plan_graph(plan, profile) if layers else blocks_graph(plan, profile)
     if fmt == "dot":
         write_text_atomic(target, graph.source)
         return target, None
@@ -195,12 +254,16 @@ def _ms(value: float) -> str:
     return f"{value:.{digits}f}"
 
 
-def _stage_label(index: int, stage: PlanStage, plan: Plan, is_bottleneck: bool) -> str:
-    """'stage S: layers a-b, R replicas (ranks ...), T ms', plus the recomputation and bottleneck marks."""
+def _stage_label(index: int, stage: PlanStage, plan: Plan, is_bottleneck: bool, wrap: bool = False) -> str:
+    """'stage S: layers a-b, R replicas (ranks ...), T ms', plus the recomputation and bottleneck
+    marks; `wrap`: the layers and the rest on lines of their own (a narrow box)."""
     replicas = f"{stage.replicas} replica{'s' if stage.replicas != 1 else ''}"
     rank_word = "ranks" if stage.replicas != 1 else "rank"
-    label = (f"stage {index}: layers {compact_ranges(stage.layers)}, {replicas} ({rank_word} {compact_ranges(stage.ranks)}), "
-             f"{_ms(stage.time_ms)} ms\\l")
+    where = f"layers {compact_ranges(stage.layers)}", f"{replicas} ({rank_word} {compact_ranges(stage.ranks)})"
+    if wrap:
+        label = f"stage {index}: {_ms(stage.time_ms)} ms\\l{where[0]}\\l{where[1]}\\l"
+    else:
+        label = f"stage {index}: {where[0]}, {where[1]}, {_ms(stage.time_ms)} ms\\l"
     if stage.recompute:
         label += "recomputes its activations (keeps only its input per minibatch in flight)\\l"
     if is_bottleneck:
