@@ -356,3 +356,28 @@ def test_data_parallel_replicates_one_stage_on_every_worker(tmp_path):
     assert json.loads(slow.read_text())["predicted"]["time_per_minibatch_ms"] < data["predicted"]["time_per_minibatch_ms"]
     assert_one_line_error(invoke("plan", str(profile), "-c", "4x1GB/s", "--data-parallel", "--straight",
                                  "-o", str(tmp_path / "x.json")), "give one of them")
+
+
+def test_the_note_on_disagreeing_layers_names_only_layers_that_were_measured(tmp_path, monkeypatch):
+    """Issue 35 item 18: a layer that carries an identical earlier one's figures (`same_as`) was never measured."""
+    import dataclasses
+
+    from pdtool import profiler
+
+    measured = Profile.load(PIPEDREAM.parent / "mlp.profile.json")
+    first, second = measured.layers[:2]
+    noisy = dict(fwd_ms=1.0, fwd_ms_spread=0.9)  # the spread over a quarter of the median: noisy
+    layers = (dataclasses.replace(first, **noisy), dataclasses.replace(second, **noisy, same_as=first.id))
+    monkeypatch.setattr(profiler, "profile_model",
+                        lambda *a, **k: dataclasses.replace(measured, layers=layers + measured.layers[2:]))
+    result = invoke("profile", *TINY, "-o", str(tmp_path / "p.json"))
+    warning = next(line for line in result.stderr.splitlines() if "kept disagreeing" in line)
+    assert "of 1 layer " in warning and first.name in warning and f", {second.name}" not in warning
+
+
+def test_layer_by_layer_progress_says_how_many_and_the_time_left():
+    from pdtool.profiler.layerwise import _progress
+
+    assert _progress(0, 163, 0.0) == "layer 1 of 163"
+    assert _progress(10, 163, 5.0) == "layer 11 of 163, about 76 s left"
+    assert _progress(1, 300, 2.0) == "layer 2 of 300, about 10 min left"

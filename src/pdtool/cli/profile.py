@@ -128,7 +128,7 @@ def profile(spec, graph_txt, model_args, output, batch_size, device, repeats, wa
         gap = result.sum_gap()
         if gap:
             click.echo(f"pd: warning: {gap}", err=True)
-        noisy = [layer.name for layer in result.layers if layer.noisy]
+        noisy = [layer.name for layer in result.layers if layer.noisy and layer.same_as is None]  # measured ones
         if noisy:
             click.echo(f"pd: warning: the repeats of {_count(len(noisy), 'layer')} kept disagreeing after being measured "
                        f"again (spread over a quarter of the median): {', '.join(noisy[:5])}"

@@ -19,6 +19,7 @@ once to give the next layers their inputs, but not timed: it takes the earlier o
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -46,6 +47,8 @@ class _Streaming(fx.Interpreter):
         self.update_ms = 0.0
         self.seen: dict[tuple, int] = {}
         self.originals: set[int] = set()
+        self.total = sum(1 for node in split.graph.nodes if node.op == "call_module" and str(node.target).startswith("submod_"))
+        self.started = time.monotonic()
 
     def run(self, *args):
         self.originals = {id(t) for t in args if isinstance(t, torch.Tensor)}
@@ -62,7 +65,7 @@ class _Streaming(fx.Interpreter):
             return super().call_module(target, args, kwargs)
         index = int(str(target).removeprefix("submod_"))
         sub = self.module.get_submodule(target)
-        self.progress(f"layer {index + 1}")
+        self.progress(_progress(index, self.total, time.monotonic() - self.started))
         owned = [(own, t) for own, t in sub.named_parameters()]
         passed = [t for t in tensors_in((args, kwargs)) if t.device.type == "meta" and id(t) in self.names]
         names = list(dict.fromkeys([self.names[id(t)] for _, t in owned if id(t) in self.names]
@@ -91,8 +94,18 @@ class _Streaming(fx.Interpreter):
                 if params:
                     self.update_ms += time_sgd_steps(params, **self.timing)
                 sub.zero_grad(set_to_none=True)
+        torch.clear_autocast_cache()  # autocast keeps each weight's bf16/fp16 copy until its region ends: not here
         to_meta(self.model, list(waited), waited)
         return out
+
+
+def _progress(index: int, total: int, elapsed_s: float) -> str:
+    """'layer 12 of 163, about 40 s left' (the time left from the layers done so far)."""
+    if index == 0 or total <= index:
+        return f"layer {index + 1} of {total}"
+    left = elapsed_s / index * (total - index)
+    when = f"{left:.0f} s" if left < 120 else f"{left / 60:.0f} min"
+    return f"layer {index + 1} of {total}, about {when} left"
 
 
 def _code(sub: nn.Module) -> str:
