@@ -14,7 +14,9 @@ from .group import _count, _examples, cli
 @click.option("--config-from", type=click.Path(file_okay=False), metavar="DIR",
               help="A Hugging Face model folder (the one --init-from read) whose config.json and generation_config.json "
                    "to copy, so that from_pretrained reads the result as it is.")
-def export_checkpoint(checkpoint, output, config_from):
+@click.option("--force", is_flag=True, help="Replace an earlier export in the output folder (its shards and index; "
+                                            "nothing else there is touched).")
+def export_checkpoint(checkpoint, output, config_from, force):
     """Write a checkpoint's weights as a Hugging Face-style safetensors folder, one stage at a time.
 
     CHECKPOINT is a checkpoint folder or a --checkpoint-dir (its newest complete checkpoint).
@@ -22,5 +24,5 @@ def export_checkpoint(checkpoint, output, config_from):
     config: --config-from) or pd train --init-from reads the folder."""
     from ..model.weights import export
 
-    files, size = export(checkpoint, output, config_from)
+    files, size = export(checkpoint, output, config_from, force=force)
     click.echo(f"wrote {output}: {_count(files, 'file')} of safetensors, {size / 2 ** 20:.1f} MiB, and its index")

@@ -16,14 +16,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
 
+from .. import safefile
 from ..errors import ArtifactError
 from ..jsonio import write_json
+
+_FLOATING = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+"""safetensors dtypes a parameter may be read from (converted to the parameter's own dtype)."""
+_DTYPE_NAMES = {"I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -37,6 +43,37 @@ def _safe_open(path: str):
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
         raise ArtifactError(f"{path}: cannot read it as safetensors ({str(exc).strip().splitlines()[0][:160]}); "
                             "give a .safetensors file or a Hugging Face model folder") from None
+
+
+def _weight_map(folder: Path) -> dict[str, str]:
+    """The index's tensor name -> file name, each file a regular file of `folder` itself (no
+    path, no link: a folder someone sent you decides nothing outside it); one line when not."""
+    where = folder / INDEX
+    try:
+        weight_map = json.loads(safefile.read_bytes(where))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        raise ArtifactError(f"{where}: not a safetensors index (no weight_map); give the folder save_pretrained "
+                            "wrote") from None
+    if not isinstance(weight_map, dict):
+        raise ArtifactError(f"{where}: its weight_map is not an object of tensor name -> file name; give the folder "
+                            "save_pretrained wrote")
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise ArtifactError(f"{where}: its weight_map maps {name} to {file!r}, not to a file name; give the folder "
+                                "save_pretrained wrote")
+        if file in ("", ".", "..") or os.sep in file or "/" in file or (os.altsep and os.altsep in file):
+            raise ArtifactError(f"{where}: names {file!r}, a path outside the folder {folder}; an index names files "
+                                "of its own folder only")
+    for file in sorted(set(weight_map.values())):
+        try:
+            with safefile.open_regular(folder / file):
+                pass
+        except FileNotFoundError:
+            raise ArtifactError(f"{where}: names {file}, which is not in {folder}; copy the whole folder") from None
+        except OSError as exc:
+            raise ArtifactError(f"{folder / file}: {exc.strerror or exc}; an index names regular files of its own "
+                                "folder only") from None
+    return weight_map
 
 
 @dataclass(frozen=True)
@@ -55,14 +92,7 @@ class WeightFiles:
             with _safe_open(str(path)) as file:
                 return cls(str(path), {name: str(path) for name in file.keys()})
         if (path / INDEX).is_file():
-            try:
-                weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError):
-                raise ArtifactError(f"{path / INDEX}: not a safetensors index (no weight_map)") from None
-            missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
-            if missing:
-                raise ArtifactError(f"{path / INDEX}: names {missing[0]}, which is not in {path}; copy the whole folder")
-            return cls(str(path), {name: str(path / f) for name, f in weight_map.items()})
+            return cls(str(path), {name: str(path / f) for name, f in _weight_map(path).items()})
         if (path / SINGLE).is_file():
             return cls.open(path / SINGLE)
         raise ArtifactError(f"{path}: no {SINGLE} or {INDEX} there; give a .safetensors file or a Hugging Face model "
@@ -70,12 +100,18 @@ class WeightFiles:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape, from the files' headers (no tensor is read)."""
+        return {name: shape for name, (shape, _) in self.headers().items()}
+
+    def headers(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every tensor's shape and safetensors dtype ("F32", "BF16", "I32", ...), from the files'
+        headers (no tensor is read)."""
         found = {}
         for file_path in sorted(set(self.where.values())):
             with _safe_open(file_path) as file:
                 for name in file.keys():
                     if self.where.get(name) == file_path:
-                        found[name] = tuple(file.get_slice(name).get_shape())
+                        piece = file.get_slice(name)
+                        found[name] = (tuple(piece.get_shape()), str(piece.get_dtype()))
         return found
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -94,7 +130,8 @@ class WeightFiles:
     def check(self, parameters: Mapping[str, tuple[int, ...]], buffers: Iterable[str] = ()) -> None:
         """One `ArtifactError` line unless every parameter is there in its shape and every tensor
         is a parameter or buffer of the model."""
-        shapes = self.shapes()
+        headers = self.headers()
+        shapes = {name: shape for name, (shape, _) in headers.items()}
         missing = sorted(set(parameters) - set(shapes))
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -104,6 +141,12 @@ class WeightFiles:
             if tuple(shapes[name]) != tuple(shape):
                 raise ArtifactError(f"{self.path}: {name} has shape {shapes[name]}, the model {tuple(shape)}; it holds "
                                     "another model's weights (another size or config)")
+        for name in parameters:
+            dtype = headers[name][1]
+            if dtype not in _FLOATING:
+                raise ArtifactError(f"{self.path}: {name} is {_DTYPE_NAMES.get(dtype, dtype)}, but the model's parameter "
+                                    "is floating point; give weights saved from this model (a floating dtype: fp32, "
+                                    "bf16 or fp16)")
         unexpected = sorted(set(shapes) - set(parameters) - set(buffers))
         if unexpected:
             more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
@@ -114,14 +157,31 @@ class WeightFiles:
 CONFIGS = ("config.json", "generation_config.json")
 """What `export --config-from` copies from a Hugging Face folder, so that `from_pretrained` reads the result."""
 
+_EXPORTED = re.compile(r"model-\d{5}-of-\d{5}\.safetensors|model\.safetensors(\.index\.json)?")
+"""The names of an export's files (`export`): what an earlier export left in a folder."""
+
+
+def earlier_export(output: str | os.PathLike) -> list[str]:
+    """The files of an earlier export in folder `output` (its shards and index), sorted."""
+    try:
+        return sorted(name for name in os.listdir(output) if _EXPORTED.fullmatch(name))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
 
 def export(checkpoint: str | os.PathLike, output: str | os.PathLike,
-           config_from: str | os.PathLike | None = None) -> tuple[int, int]:
+           config_from: str | os.PathLike | None = None, force: bool = False) -> tuple[int, int]:
     """Write `checkpoint`'s weights and buffers to `output` as safetensors, one file per stage and
     the index, one stage at a time; (files, bytes). `checkpoint` is a checkpoint folder, or a
     checkpoint root (its newest complete one). `config_from`: a Hugging Face folder whose
-    `CONFIGS` are copied beside them."""
+    `CONFIGS` are copied beside them. A folder holding an earlier export is refused unless
+    `force` (then the earlier export's files the new index does not name are removed).
+
+    Everything is written first into a private folder inside `output` (made by this process, mode
+    0700: nobody can plant a link in it), then renamed into place, the index last; a failure (a
+    full disk, a read-only folder) removes what was written and leaves `output` as it was."""
     import shutil
+    import tempfile
 
     from safetensors.torch import save_file
 
@@ -130,24 +190,46 @@ def export(checkpoint: str | os.PathLike, output: str | os.PathLike,
     for folder, what in ((checkpoint, "checkpoint"), (config_from, "--config-from")):
         if folder is not None and not Path(folder).is_dir():
             raise ArtifactError(f"{folder}: no such folder; give a {what} folder")
+    output = Path(output)
+    earlier = earlier_export(output)
+    if earlier and not force:
+        raise ArtifactError(f"{output} already holds an export ({', '.join(earlier[:2])}"
+                            f"{' ...' if len(earlier) > 2 else ''}), which pd export does not overwrite; give another "
+                            "-o, or --force to replace it")
     if not (Path(checkpoint) / MANIFEST).exists() and latest_complete(checkpoint) is not None:
         checkpoint = latest_complete(checkpoint)
     manifest = read_manifest(checkpoint)
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
     stages = sorted(manifest.shards)
-    weight_map, total = {}, 0
-    for k, stage in enumerate(stages, 1):
-        name = f"model-{k:05d}-of-{len(stages):05d}.safetensors"
-        tensors = {n: t.contiguous().clone() for n, t in shard_tensors(checkpoint, manifest, stage).items()}
-        tmp = output / f".{name}.tmp"
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, output / name)
-        weight_map.update({n: name for n in tensors})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        del tensors
-    write_json(output / INDEX, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-    for name in CONFIGS if config_from is not None else ():
-        if (Path(config_from) / name).is_file():
-            shutil.copyfile(Path(config_from) / name, output / name)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".export-", dir=output))
+    except OSError as exc:
+        raise ArtifactError(f"cannot write {output} ({exc.strerror or exc}); give a folder you can write to") from None
+    try:
+        weight_map, total = {}, 0
+        for k, stage in enumerate(stages, 1):
+            name = f"model-{k:05d}-of-{len(stages):05d}.safetensors"
+            tensors = {n: t.contiguous().clone() for n, t in shard_tensors(checkpoint, manifest, stage).items()}
+            save_file(tensors, str(staging / name), metadata={"format": "pt"})
+            weight_map.update({n: name for n in tensors})
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            del tensors
+        write_json(staging / INDEX, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+        for name in CONFIGS if config_from is not None else ():
+            if (Path(config_from) / name).is_file():
+                shutil.copyfile(Path(config_from) / name, staging / name)
+        written = sorted(os.listdir(staging), key=lambda name: name == INDEX)  # the index last
+        for name in written:
+            os.replace(staging / name, output / name)
+    except ArtifactError:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    except Exception as exc:  # noqa: BLE001 - a full disk or a read-only folder (safetensors raises its own type)
+        shutil.rmtree(staging, ignore_errors=True)
+        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise ArtifactError(f"cannot write the export into {output} ({reason}); free some space or give another -o "
+                            "(nothing of this export was left there)") from None
+    staging.rmdir()
+    for name in set(earlier) - set(written):  # the earlier export's own shards (--force): the new index names none
+        (output / name).unlink(missing_ok=True)
     return len(stages), total

@@ -1,0 +1,127 @@
+"""`pd export` and `--init-from` files (issue 35 items 4, 12 and 13): an earlier export is never overwritten
+without --force, a failed export leaves nothing, a damaged or foreign weights folder is one line."""
+import json
+import os
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pdtool.artifacts.checkpoint import checkpoint_folder, save_shard, write_manifest
+from pdtool.cli import cli
+from pdtool.errors import ArtifactError
+from pdtool.model import weights
+from pdtool.model.weights import INDEX, WeightFiles
+
+
+def _checkpoint(root, stages=2, scale=1.0):
+    folder = checkpoint_folder(root, 4)
+    hashes = {s: save_shard(folder, s, {f"layer{s}.weight": torch.full((2, 3), scale * (s + 1))}) for s in range(stages)}
+    write_manifest(folder, 4, "0" * 64, hashes)
+    return folder
+
+
+def _export(*args):
+    return CliRunner().invoke(cli, ["export", *map(str, args)])
+
+
+def test_an_earlier_export_is_refused_and_replaced_only_with_force(tmp_path):
+    out = tmp_path / "out"
+    assert _export(_checkpoint(tmp_path / "three", 3), "-o", out).exit_code == 0
+    (out / "README.md").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    result = _export(_checkpoint(tmp_path / "two", 2, scale=5.0), "-o", out)
+    assert result.exit_code == 1 and "already holds an export" in result.stderr and "--force" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # untouched
+    result = _export(tmp_path / "two", "-o", out, "--force")
+    assert result.exit_code == 0, result.output
+    index = json.loads((out / INDEX).read_text())
+    assert sorted(p.name for p in out.iterdir()) == sorted(["README.md", INDEX, "model-00001-of-00002.safetensors",
+                                                            "model-00002-of-00002.safetensors"])
+    assert set(index["weight_map"]) == {"layer0.weight", "layer1.weight"}  # the other model's third shard is gone
+    assert WeightFiles.open(out).read(["layer1.weight"])["layer1.weight"].eq(10.0).all()
+
+
+@pytest.mark.parametrize("failure", ["full disk", "read-only"])
+def test_a_failed_export_leaves_no_shard_without_its_index(tmp_path, monkeypatch, failure):
+    import safetensors.torch
+
+    out = tmp_path / "out"
+    out.mkdir()
+    calls = []
+    real = safetensors.torch.save_file
+
+    def failing(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:  # the second stage's shard: the first one is already written
+            if failure == "full disk":
+                raise safetensors.SafetensorError("Error while serializing: IoError(No space left on device)")
+            raise PermissionError(13, "Permission denied")
+        return real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    result = _export(_checkpoint(tmp_path / "ckpt"), "-o", out)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and "nothing of this export was left there" in result.stderr
+    assert list(out.iterdir()) == []
+
+
+def test_an_export_folder_with_a_planted_link_writes_through_no_link(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    os.symlink(victim, out / "config.json")  # not an export file: left alone, never written through
+    assert _export(_checkpoint(tmp_path / "ckpt"), "-o", out).exit_code == 0
+    assert victim.read_text() == "keep" and os.path.islink(out / "config.json")
+
+
+def _index_folder(tmp_path, weight_map, files=("model-00001-of-00001.safetensors",)):
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "weights"
+    folder.mkdir(exist_ok=True)
+    for name in files:
+        save_file({"w": torch.ones(2)}, str(folder / name))
+    (folder / INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    return folder
+
+
+@pytest.mark.parametrize("weight_map, words", [
+    ({"w": 3}, "maps w to 3"),
+    (["model-00001-of-00001.safetensors"], "weight_map is not an object"),
+    ({"w": "../outside/x.safetensors"}, "outside the folder"),
+    ({"w": "/etc/passwd"}, "outside the folder"),
+])
+def test_a_malformed_or_escaping_index_is_one_line(tmp_path, weight_map, words):
+    folder = _index_folder(tmp_path, weight_map)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "x.safetensors").write_bytes((folder / "model-00001-of-00001.safetensors").read_bytes())
+    with pytest.raises(ArtifactError, match=words) as info:
+        WeightFiles.open(folder)
+    assert "\n" not in str(info.value)
+
+
+def test_a_shard_that_is_a_link_out_of_the_folder_is_refused(tmp_path):
+    folder = _index_folder(tmp_path, {"w": "model-00001-of-00001.safetensors"}, files=())
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, str(elsewhere))
+    os.symlink(elsewhere, folder / "model-00001-of-00001.safetensors")
+    with pytest.raises(ArtifactError, match="symbolic link"):
+        WeightFiles.open(folder)
+
+
+def test_weights_of_an_integer_dtype_are_refused_for_a_floating_parameter(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "w.safetensors"
+    save_file({"layer.weight": torch.zeros(2, 3, dtype=torch.int32), "layer.bias": torch.zeros(3)}, str(path))
+    with pytest.raises(ArtifactError, match=r"layer\.weight is int32, but the model.s parameter is floating") as info:
+        WeightFiles.open(path).check({"layer.weight": (2, 3), "layer.bias": (3,)})
+    assert "\n" not in str(info.value)
+    save_file({"layer.weight": torch.zeros(2, 3, dtype=torch.bfloat16), "layer.bias": torch.zeros(3)}, str(path))
+    WeightFiles.open(path).check({"layer.weight": (2, 3), "layer.bias": (3,)})  # another floating dtype: converted
