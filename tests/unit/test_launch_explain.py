@@ -65,3 +65,22 @@ def test_an_error_torchs_launcher_left_out_is_read_from_the_logs(tmp_path):
     line, _ = _explain(failure, str(logs))
     assert line.startswith("worker rank 1 failed: rank 1 waited 3 s for the activations"), line
     assert _explain(failure)[0].startswith("worker rank 0 failed: exit code -9 (SIGKILL)")
+
+
+def test_verbose_shows_the_reported_workers_own_traceback(tmp_path):
+    """Issue 35 item 19: under pd's launcher --verbose showed torchelastic's ProcessExitedException, not the
+    worker's traceback, though the line said it would."""
+    import json
+    from types import SimpleNamespace
+
+    from pdtool.runtime.launcher.launch import _callstack
+
+    error = tmp_path / "error.json"
+    error.write_text(json.dumps({"message": {"message": "RuntimeError: dtype mismatch", "extraInfo": {
+        "py_callstack": "Traceback (most recent call last):\n  File \"stage.py\", line 3\nRuntimeError: dtype mismatch\n",
+        "timestamp": "1"}}}))
+    failure = SimpleNamespace(failures={1: SimpleNamespace(error_file=str(error), timestamp=1, exitcode=1),
+                                        0: SimpleNamespace(error_file="", timestamp=2, exitcode=-15)})
+    text = _callstack(failure)
+    assert text.startswith("worker rank 1's traceback:\nTraceback (most recent call last):")
+    assert text.rstrip().endswith("RuntimeError: dtype mismatch")

@@ -225,6 +225,24 @@ class _Writes(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.written: set[int] = set()
+        self._profile = None
+
+    def __enter__(self):
+        # torch.nn.init functions that return at once on a `meta` tensor (trunc_normal_ since torch
+        # 2.13) dispatch nothing a mode sees: their call counts as the write (a profile hook sees it)
+        self._profile = sys.getprofile()
+        sys.setprofile(self._init_called)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        sys.setprofile(self._profile)
+        return super().__exit__(*exc)
+
+    def _init_called(self, frame, event, arg) -> None:
+        if event == "call" and frame.f_code in _INIT_CODES:
+            tensor = frame.f_locals.get("tensor")
+            if isinstance(tensor, torch.Tensor):
+                self.written.add(id(tensor._base if tensor._base is not None else tensor))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -234,6 +252,11 @@ class _Writes(TorchFunctionMode):
             if written.device.type == "meta":
                 return None if getattr(func, "__name__", "") == "__setitem__" else written
         return func(*args, **kwargs)
+
+
+_INIT_CODES = frozenset(f.__code__ for name, f in vars(torch.nn.init).items()
+                        if name.endswith("_") and not name.endswith("__") and hasattr(f, "__code__"))
+"""The code of torch.nn.init's in-place initialisers (`_no_grad_trunc_normal_` and the like among them)."""
 
 
 def unset_parameters(model: nn.Module, names: Iterable[str] | None = None) -> list[str]:

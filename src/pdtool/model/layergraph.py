@@ -177,10 +177,17 @@ def trace_export(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[f
     except Exception as exc:  # data-dependent control flow, unsupported ops, ...
         raise Untraceable(_first_line(exc)) from None
     for node in list(gm.graph.nodes):
-        if node.op == "call_module" and not node.users and str(node.target).startswith("_guards"):
+        if not node.users and (node.op == "call_module" and str(node.target).startswith("_guards")
+                               or node.target in _CAPTURE_ASSERTIONS):
             gm.graph.erase_node(node)
     gm.recompile()
     return gm, program.call_spec.out_spec
+
+
+_CAPTURE_ASSERTIONS = (torch.ops.aten._assert_tensor_metadata.default,)
+"""Checks torch.export records of what a tensor was when captured (in fp32: `.to(float32)` in an
+RMSNorm): under autocast (`--precision bf16`), or with a message arriving in the compute dtype,
+they no longer hold, and they compute nothing."""
 
 
 def trace(module: nn.Module, depth: int | None = None) -> fx.GraphModule:

@@ -89,14 +89,16 @@ def bert(vocab: int = 2048, seq_len: int = 64, hidden: int = 256, heads: int = 4
 
 @factory
 def llama(vocab: int = 2048, seq_len: int = 64, hidden: int = 256, heads: int = 4, kv_heads: int = 2,
-          layers: int = 4, intermediate: int | None = None) -> ModelBundle:
+          layers: int = 4, intermediate: int | None = None, labels: bool = False) -> ModelBundle:
     """Llama (`LlamaForCausalLM`: RoPE, RMSNorm, SwiGLU, grouped-query attention with
-    `kv_heads` key/value heads) on token sequences of `seq_len`."""
+    `kv_heads` key/value heads) on token sequences of `seq_len`; `labels` as for `gpt2`."""
     hf = _transformers()
     config = hf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                             num_key_value_heads=kv_heads, intermediate_size=intermediate or 2 * hidden + hidden // 2,
                             max_position_embeddings=seq_len, use_cache=False, bos_token_id=0, eos_token_id=0,
                             pad_token_id=0)
+    if labels:
+        return ModelBundle(hf.LlamaForCausalLM(config), _labelled(vocab, seq_len))
     return ModelBundle(hf.LlamaForCausalLM(config), _tokens(vocab, seq_len), _next_token_loss)
 
 

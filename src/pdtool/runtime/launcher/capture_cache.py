@@ -46,9 +46,9 @@ from typing import Any, Callable
 
 from ... import safefile
 
-FORMAT = 2
+FORMAT = 3
 """Changes when an entry's content or the `Capture` it holds changes meaning (2: `hashes`; the
-programs call only what `model.program.Allowed` lets them)."""
+programs call only what `model.program.Allowed` lets them; 3: without torch.export's dtype assertions)."""
 
 ENV = "PDTOOL_CACHE_DIR"
 OFF = ("", "off", "0", "no")

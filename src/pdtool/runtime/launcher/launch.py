@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import socket
 import threading
 import time
@@ -106,6 +107,8 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
         results = elastic_launch(settings, entry)(config, LaunchState() if method == forked.FORKSERVER else None)
     except ChildFailedError as failure:
         line, raised = _explain(failure, logs)
+        if verbose and raised:
+            print(_callstack(failure, logs), file=sys.stderr, flush=True)
         raise LaunchError(line + (" (--verbose shows its traceback)" if raised and not verbose else "")) from None
     except SignalException as stop:  # the agent has stopped the workers (SHUTDOWN_S of grace, then SIGKILL)
         name = signal.Signals(stop.sigval).name
@@ -262,13 +265,28 @@ def _explain(failure, logs: str | None = None) -> tuple[str, bool]:
     messages = {rank: _message(info) for rank, info in failures.items()}
     for rank, info in _recorded(failures, logs).items():
         failures[rank], messages[rank] = info, _message(info)
-    rank = min(failures, key=lambda r: (echoes_a_peer(messages[r]), not messages[r], failures[r].timestamp, r))
+    rank = _first(failures, messages)
     info, message = failures[rank], messages[rank]
     raised = bool(message)
     if not message:
         message = f"exit code {info.exitcode}" + (f" ({info.signal_name()})" if info.exitcode < 0 else "")
     first, echo = in_own_words(message)
     return f"worker rank {rank} failed: {first}; the other workers were stopped", raised and not echo
+
+
+def _first(failures: dict, messages: dict) -> int:
+    """The rank whose failure `_explain` reports."""
+    return min(failures, key=lambda r: (echoes_a_peer(messages[r]), not messages[r], failures[r].timestamp, r))
+
+
+def _callstack(failure, logs: str | None = None) -> str:
+    """The traceback the reported worker (`_explain`) recorded in its error file, for --verbose."""
+    failures = dict(failure.failures)
+    failures.update(_recorded(failures, logs))
+    rank = _first(failures, {r: _message(info) for r, info in failures.items()})
+    stack = _error_data(failures[rank]).get("message", {})
+    stack = stack.get("extraInfo", {}).get("py_callstack", "") if isinstance(stack, dict) else ""
+    return f"worker rank {rank}'s traceback:\n{stack.rstrip()}" if stack else f"worker rank {rank} left no traceback"
 
 
 def in_own_words(message: str) -> tuple[str, bool]:
@@ -324,11 +342,16 @@ def _recorded(failures: dict, logs: str | None) -> dict[int, _Recorded]:
 
 def _message(info) -> str:
     """The error message a worker recorded before it ended ("" when it died without one)."""
+    message = _error_data(info).get("message", "")
+    return message.get("message", "") if isinstance(message, dict) else str(message)
+
+
+def _error_data(info) -> dict:
+    """The JSON a worker recorded in its error file ({} when none)."""
     if not (info.error_file and Path(info.error_file).is_file()):
-        return ""
+        return {}
     try:
         data = json.loads(Path(info.error_file).read_text())
     except (OSError, ValueError):
-        return ""
-    message = data.get("message", "")
-    return message.get("message", "") if isinstance(message, dict) else str(message)
+        return {}
+    return data if isinstance(data, dict) else {}
