@@ -157,14 +157,13 @@ FAMILIES = {  # every family pdtool's zoo builds, at tiny sizes, cut into 2 stag
 }
 
 
-@pytest.mark.parametrize("family", [pytest.param(name, marks=pytest.mark.xfail(
-    strict=True, reason="captured on meta, transformers' MoE takes its non-CPU branch (histc of ints)"))
-    if name == "mixtral" else name for name in FAMILIES])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_family_trains_by_the_initialization_rule_in_fp32_and_bf16(tmp_path, family):
     """Issue 35 items 7-8: each family trains from the default `--init rule` (ViT's cls token, Mamba's A_log
     and D, position embeddings: every parameter drawn) on 2 stages, fp32 as one process's gradient
     accumulation, bf16 (messages in bf16, torch.export's fp32 dtype checks dropped) within bf16's tolerance of
-    one process's autocast, and not what fp32 computes."""
+    one process's autocast, and not what fp32 computes. Mixtral's experts are counted by `histc` on the CPU's
+    branch of transformers' code: captured on fake CPU tensors, not on `meta`."""
     ref = FAMILIES[family]
     names = _layer_names(ref.spec, json.dumps(ref.kwargs, sort_keys=True))
     plan, path = cuts(tmp_path, ref, [names[len(names) // 2]])

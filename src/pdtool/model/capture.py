@@ -165,15 +165,16 @@ def bind(graph: fx.Graph, model: nn.Module, index: int, device: torch.device | N
 
 
 def retarget(graph: fx.Graph, device: torch.device) -> None:
-    """The `meta` devices a capture on `meta` wrote into `graph`'s ops (torch.export's
-    `arange(device=meta)`, its device checks) become `device`, in place."""
+    """The devices a capture wrote into `graph`'s ops (torch.export's `arange(device=...)`, its
+    device checks: `meta`, or `cpu` for a model traced on fake CPU tensors,
+    `layergraph._on_the_cpu`) become `device`, in place."""
     for node in graph.nodes:
         node.args = _on_device(node.args, device)
         node.kwargs = _on_device(node.kwargs, device)
 
 
 def _on_device(value, device: torch.device):
-    if isinstance(value, torch.device) and value.type == "meta":
+    if isinstance(value, torch.device) and value.type in ("meta", "cpu"):  # captured on meta, or on fake CPU tensors
         return device
     if isinstance(value, (tuple, list)):
         return type(value)(_on_device(v, device) for v in value)

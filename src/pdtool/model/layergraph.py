@@ -171,17 +171,89 @@ def trace_export(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[f
     module (reading the model's own parameters and buffers) and the output's pytree spec.
     The graph is specialised to the shapes of `inputs`. Raises `Untraceable` with the reason."""
     try:  # a failing export prints the partial graph on stderr: the reason is what the user needs
-        with quiet("torch._export", "torch.export", "torch._dynamo", "torch.fx"):
-            program = torch.export.export(module, tuple(inputs), strict=False)
+        with quiet("torch._export", "torch.export", "torch._dynamo", "torch.fx"), \
+                _on_the_cpu(module, inputs) as (cpu_inputs, real_of):
+            program = torch.export.export(module, tuple(cpu_inputs), strict=False)
             gm = program.module(check_guards=False)
+            _put_back(gm, real_of)
     except Exception as exc:  # data-dependent control flow, unsupported ops, ...
         raise Untraceable(_first_line(exc)) from None
     for node in list(gm.graph.nodes):
         if not node.users and (node.op == "call_module" and str(node.target).startswith("_guards")
                                or node.target in _CAPTURE_ASSERTIONS):
             gm.graph.erase_node(node)
+    _inline_scalars(gm)
     gm.recompile()
     return gm, program.call_spec.out_spec
+
+
+@contextlib.contextmanager
+def _on_the_cpu(module: nn.Module, inputs: tuple):
+    """While it lasts, a model whose tensors wait on `meta` (`model.capture.all_on_meta`) seems to
+    be on the CPU: every `meta` parameter, buffer and input is a fake CPU tensor (torch's
+    FakeTensorMode: no memory, no compute), so that model code that branches on the device takes
+    the CPU's branch (transformers' MoE counts experts with `histc`, which the CPU computes on
+    floats only). Yields the inputs to trace with and {id of a stand-in: the model's own tensor};
+    the model's own tensors come back afterwards (`_put_back` rebinds the exported module to them)."""
+    tensors = [(table, name, t) for m in module.modules() for table in (m._parameters, m._buffers)
+               for name, t in table.items() if t is not None]
+    if not any(t.device.type == "meta" for _, _, t in tensors) and not any(
+            isinstance(t, torch.Tensor) and t.device.type == "meta" for t in inputs):
+        yield inputs, {}
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    cpu = torch.device("cpu")
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake(t):
+        if id(t) not in fakes:
+            made = mode.fake_tensor_converter.from_meta_and_device(mode, t, cpu)
+            fakes[id(t)] = nn.Parameter(made, t.requires_grad) if isinstance(t, nn.Parameter) else made
+        return fakes[id(t)]
+
+    for table, name, t in tensors:
+        if t.device.type == "meta":
+            table[name] = fake(t)
+    real_of = {id(fake(t)): t for _, _, t in tensors if t.device.type == "meta"}
+    try:
+        with mode:
+            yield tuple(fake(t) if isinstance(t, torch.Tensor) and t.device.type == "meta" else t
+                        for t in inputs), real_of
+    finally:
+        for table, name, t in tensors:
+            table[name] = t
+
+
+def _inline_scalars(gm: fx.GraphModule) -> None:
+    """Scalar constants the trace lifted out of the model's code (T5's `torch.tensor(x)` of a
+    bucket size: `lifted_tensor_0`, which is no parameter or buffer of the model) become ops that
+    make them (`aten.scalar_tensor`), so a stage's program holds them and its worker, which binds
+    the program to its own model, needs no such attribute."""
+    own = {id(t) for t in gm.parameters()} | {id(t) for t in gm.buffers()}
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, str(node.target), None)
+        if isinstance(value, torch.Tensor) and id(value) not in own and value.dim() == 0 \
+                and value.device.type != "meta" and not isinstance(value, torch._subclasses.FakeTensor):
+            with gm.graph.inserting_before(node):
+                made = gm.graph.call_function(torch.ops.aten.scalar_tensor.default, (value.item(),),
+                                              {"dtype": value.dtype, "device": value.device})
+            node.replace_all_uses_with(made)
+            gm.graph.erase_node(node)
+            delattr(gm, str(node.target))
+
+
+def _put_back(gm: nn.Module, real_of: dict[int, torch.Tensor]) -> None:
+    """The exported module `gm` holds the model's own tensors where the trace saw their fake
+    stand-ins (`_on_the_cpu`: `real_of`)."""
+    for owner in gm.modules():
+        for table in (owner._parameters, owner._buffers):
+            for name, t in list(table.items()):
+                if t is not None and id(t) in real_of:
+                    table[name] = real_of[id(t)]
 
 
 _CAPTURE_ASSERTIONS = (torch.ops.aten._assert_tensor_metadata.default,)

@@ -48,7 +48,7 @@ from ... import safefile
 
 FORMAT = 3
 """Changes when an entry's content or the `Capture` it holds changes meaning (2: `hashes`; the
-programs call only what `model.program.Allowed` lets them; 3: without torch.export's dtype assertions)."""
+programs call only what `model.program.Allowed` lets them; 3: without torch.export's dtype assertions, traced on fake CPU tensors)."""
 
 ENV = "PDTOOL_CACHE_DIR"
 OFF = ("", "off", "0", "no")
