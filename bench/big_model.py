@@ -119,7 +119,10 @@ def main() -> None:
     parser.add_argument("--in-features", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=28)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: that it runs to its end (the tests run it), not its figures")
     args = parser.parse_args()
+    if args.smoke:
+        args.in_features, args.hidden, args.depth = 64, 64, 4
     kwargs = dict(in_features=args.in_features, hidden=args.hidden, depth=args.depth, classes=10)
     params = args.in_features * args.hidden + args.hidden + (args.depth - 1) * (args.hidden ** 2 + args.hidden) \
         + args.hidden * 10 + 10

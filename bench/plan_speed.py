@@ -66,7 +66,7 @@ def transformer(n: int, seed: int = 0) -> Profile:
                    layers=tuple(layers), edges=tuple((i, i + 1) for i in range(n - 1)))
 
 
-def scale_table(sizes) -> None:
+def scale_table(sizes, clusters=SCALE_CLUSTERS) -> None:
     from pdtool.steady import steady_state
 
     print("| layers | workers | pd plan s | pick ms | data parallel ms | cost model optimum ms | pick | "
@@ -74,7 +74,7 @@ def scale_table(sizes) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for n in sizes:
         profile = transformer(n)
-        for workers, spec in SCALE_CLUSTERS:
+        for workers, spec in clusters:
             cluster = parse_cluster(spec)
             start = time.perf_counter()
             chosen = make_plan(profile, cluster)
@@ -94,19 +94,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="skip the 1000-layer rows")
     parser.add_argument("--scale", action="store_true", help="the scale table only")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: that it runs to its end (the tests run it), not its figures")
     args = parser.parse_args()
-    sizes = (100, 300) + (() if args.quick else (1000,))
+    sizes = (30,) if args.smoke else (100, 300) + (() if args.quick else (1000,))
+    clusters = CLUSTERS[:1] if args.smoke else CLUSTERS
+    scales = SCALE_CLUSTERS[:1] if args.smoke else SCALE_CLUSTERS
     if args.scale:
-        scale_table(sizes)
+        scale_table(sizes, scales)
         return
     cases = [(f"pipedream {m}", load_pipedream_graph(ROOT / "profiles" / "pipedream" / f"{m}.graph.txt",
                                                      64 if m == "gnmt" else None))
-             for m in ("alexnet", "vgg16", "resnet18", "gnmt")]
-    cases += [(f"synthetic {n}", synthetic(n)) for n in (100, 300) + (() if args.quick else (1000,))]
+             for m in (("alexnet",) if args.smoke else ("alexnet", "vgg16", "resnet18", "gnmt"))]
+    cases += [(f"synthetic {n}", synthetic(n)) for n in sizes]
     print("| profile | layers | workers | pdtool s | pipedream s | pd plan s | candidates | stages (pd plan) |")
     print("|---|---|---|---|---|---|---|---|")
     for label, profile in cases:
-        for workers, spec in CLUSTERS:
+        for workers, spec in clusters:
             cluster = parse_cluster(spec)
             seconds, plans = [], []
             for model in ("pdtool", "pipedream"):
@@ -119,7 +122,7 @@ def main() -> None:
             print(f"| {label} | {len(profile.layers)} | {workers} | {seconds[0]:.3f} | {seconds[1]:.3f} | "
                   f"{whole:.3f} | {chosen.predicted.candidates} | {len(chosen.stages)} |", flush=True)
     print()
-    scale_table(sizes)
+    scale_table(sizes, scales)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,11 @@ CASES = [
     ("hf ViT vision transformer (4 blocks of 256, 16x16 patches), batch 8 x 128x128 images",
      ModelRef("pdtool.zoo.hf:vit", {"image_size": 128, "patch": 16, "hidden": 256, "layers": 4}), 8),
 ]
+SMOKE_CASES = [  # --smoke: a zoo model and a Hugging Face one, tiny
+    ("zoo GPT, tiny", ModelRef("pdtool.zoo:gpt", {"vocab": 64, "seq_len": 8, "d_model": 16, "heads": 2, "layers": 2}), 2),
+    ("hf GPT-2, tiny", ModelRef("pdtool.zoo.hf:gpt2", {"vocab": 64, "seq_len": 8, "n_embd": 16, "n_head": 2,
+                                                         "n_layer": 2}), 2),
+]
 
 
 def main() -> None:
@@ -47,7 +52,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--only", default="", help="run only the rows whose label contains this text")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: that it runs to its end (the tests run it), not its figures")
     args = parser.parse_args()
+    cases = SMOKE_CASES if args.smoke else CASES
+    if args.smoke:
+        args.repeats, args.warmup = 1, 0
     try:
         import transformers  # noqa: F401
         has_hf = True
@@ -57,7 +66,7 @@ def main() -> None:
     print("| model | tracer | layers | edges | step ms | layer sum ms | layer sum / step | within 0.85-1.15 | "
           "profile wall s | wall / step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for label, ref, batch in CASES:
+    for label, ref, batch in cases:
         if args.only not in label:
             continue
         if label.startswith("hf ") and not has_hf:

@@ -72,6 +72,18 @@ TRAIN = ["--lr", "0.05", "--momentum", "0.9", "--threads", "1", "--seed", "0"]
 RUNS = 3  # each plan is trained this often; the fastest run counts (the machine is shared: see `stolen`)
 
 
+def smoke() -> None:
+    """`--smoke`: one link, tiny models, one run a plan, an accuracy any epoch reaches."""
+    global BANDWIDTHS, RUNS, TARGET_ACCURACY, THROUGHPUT_S, SPEED_MODELS
+    BANDWIDTHS, RUNS, TARGET_ACCURACY, THROUGHPUT_S, SPEED_MODELS = ["1Gbit"], 1, 0.05, 1, ("fc",)
+    MODELS["fc"] = ("pdtool.zoo:mlp", ["in_features=64", "hidden=32", "depth=2", "classes=10"], 16)
+    MODELS["conv"] = ("pdtool.zoo:convnet", ["channels=4", "depth=2", "image_size=16", "classes=10"], 8)
+
+
+THROUGHPUT_S = 3  # seconds a link's rate is measured
+SPEED_MODELS = tuple(MODELS)  # the models of the speed rows (the bf16 row is conv's)
+
+
 def stolen() -> float:
     """CPU seconds this (virtual) machine's hypervisor has given other guests since boot (steal
     time, /proc/stat): it grows while a run is slowed down by neighbours, not by pdtool."""
@@ -148,7 +160,7 @@ def profile(out: Path, name: str, bandwidth: str) -> Path:
 def speed_rows_at(out: Path, machines, bandwidth: str, measured: str) -> list[dict]:
     """Rows of the link set to `bandwidth`, planned for the `measured` link (rate + latency)."""
     rows = []
-    for name in MODELS:
+    for name in SPEED_MODELS:
         trained: dict[tuple, float] = {}
         profiled = profile(out, name, bandwidth)
         for config, extra in CONFIGS.items():
@@ -231,7 +243,7 @@ def accuracy_rows(out: Path, machines) -> list[dict]:
 
 def verdicts(rows: list[dict], accuracy: list[dict]) -> list[tuple[bool, str]]:
     found = []
-    for name in MODELS:
+    for name in sorted({r["model"] for r in rows}, key=list(MODELS).index):
         for bandwidth in BANDWIDTHS:
             here = [r for r in rows if r["model"] == name and r["bandwidth"] == bandwidth]
             pick = next(r for r in here if r["config"] == "pd plan")
@@ -264,8 +276,9 @@ def plot(rows: list[dict], path: Path) -> str:
     except ImportError:
         return "no plot: matplotlib is missing (pip install -e '.[plot]')"
     gbit = {b: links.bits_per_s(b) / 1e9 for b in BANDWIDTHS}
-    figure, axes = plt.subplots(1, len(MODELS), figsize=(6 * len(MODELS), 4.5))
-    for axis, name in zip(axes, MODELS):
+    models = [name for name in MODELS if any(r["model"] == name for r in rows)]  # --smoke: fc alone
+    figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for axis, name in zip(axes[0], models):
         for (config, colour) in zip(CONFIGS, ("tab:red", "tab:blue", "tab:green")):
             here = sorted((r for r in rows if r["model"] == name and r["config"] == config),
                           key=lambda r: gbit[r["bandwidth"]])
@@ -291,7 +304,10 @@ def main() -> int:
                         help="where the profiles, plans and the CSV go")
     parser.add_argument("--plot", type=Path, default=Path(__file__).resolve().parent / "results" / "real_links.png")
     parser.add_argument("--only", choices=("precision",), help="run only these rows")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: that it runs to its end (the tests run it), not its figures")
     args = parser.parse_args()
+    if args.smoke:
+        smoke()
     why = links.available()
     if why:
         print(f"real_links: skipped, cannot emulate machines here: {why}")
@@ -304,7 +320,8 @@ def main() -> int:
     rows = []
     for bandwidth in BANDWIDTHS:  # a switch of that speed for each
         with links.machines(2, bandwidth) as machines:
-            rate = links.throughput(machines[0], machines[1], seconds=3, bandwidth=bandwidth, both_ways=True)
+            rate = links.throughput(machines[0], machines[1], seconds=THROUGHPUT_S, bandwidth=bandwidth,
+                                    both_ways=True)
             latency = links.collective_latency(machines[0], machines[1])
             link = f"{rate / 1e6:.0f}Mbit/s+{latency * 1e6:.0f}us"
             print(f"--- {bandwidth} link: a TCP stream each way at once measures {rate / 1e6:.0f} Mbit/s each, a "
@@ -327,7 +344,8 @@ def main() -> int:
 
 def _precision(out: Path) -> list[dict]:
     with links.machines(2, BANDWIDTHS[-1]) as machines:
-        rate = links.throughput(machines[0], machines[1], seconds=3, bandwidth=BANDWIDTHS[-1], both_ways=True)
+        rate = links.throughput(machines[0], machines[1], seconds=THROUGHPUT_S, bandwidth=BANDWIDTHS[-1],
+                                both_ways=True)
         latency = links.collective_latency(machines[0], machines[1])
         return precision_rows(out, machines, f"{rate / 1e6:.0f}Mbit/s+{latency * 1e6:.0f}us")
 

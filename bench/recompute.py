@@ -46,7 +46,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: that it runs to its end (the tests run it), not its figures")
     args = parser.parse_args()
+    if args.smoke:
+        args.batch, args.hidden, args.depth, args.steps = 64, 32, 4, 6
     # the workers' allocator returns freed blocks, so that their resident sets follow the tensors they hold
     os.environ["PDTOOL_MALLOC"] = "release"
 

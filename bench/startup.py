@@ -84,7 +84,7 @@ def _row(plan_path: str, way: str, workers: int) -> dict:
     config = RunConfig(plan_path=plan_path, steps=2, progress=False, device="cpu", timeout_s=120,
                        init="factory" if way == "before" else "rule")
     if way != "before":  # before issue 23 the forkserver started at the launch, with torch and pdtool's modules
-        forked.start_early(plan, config, workers)  # before torch is imported, as pd train does
+        forked.start_early(config, workers)  # before torch is imported, as pd train does
     from pdtool.runtime.launcher.job import prepare
     from pdtool.runtime.launcher.launch import launch
     from pdtool.runtime.worker.memory import peak_resident_bytes
@@ -109,14 +109,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="run every row this many times, interleaved; "
                         "the table shows medians, the ratios their median and range over the rounds")
     parser.add_argument("--row", nargs=3, metavar=("PLAN", "WAY", "WORKERS"), help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes: that it runs to its end (the tests run it), not its figures")
     args = parser.parse_args()
     if args.row:
         print(json.dumps(_row(args.row[0], args.row[1], int(args.row[2]))))
         return
-    models = ["zoo gpt"] if args.quick else list(MODELS)
+    models = ["zoo gpt"] if args.quick or args.smoke else list(MODELS)
+    workers_counts = (2,) if args.smoke else WORKERS
+    if args.smoke:
+        MODELS["zoo gpt"] = ("pdtool.zoo:gpt", dict(vocab=64, seq_len=8, d_model=16, heads=2, layers=2))
     results: dict[tuple, list[dict]] = {}
     with tempfile.TemporaryDirectory() as folder:
-        plans = {(name, workers): _plan(folder, name, workers) for name in models for workers in WORKERS}
+        plans = {(name, workers): _plan(folder, name, workers) for name in models for workers in workers_counts}
         for round_ in range(args.rounds):
             for (name, workers), path in plans.items():
                 # empty for "after" (a plan's first run), filled by it for "cached"
@@ -140,12 +145,12 @@ def main() -> None:
         spread = f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
         return f"{statistics.median(values):.2f}{spread}"
     for name in models:
-        for workers in WORKERS:
+        for workers in workers_counts:
             before, after, cached = ((name, workers, way) for way in WAYS)
             print(f"{name}, {workers} workers: start-up after/before {ratio(after, before)}, "
                   f"cached/before {ratio(cached, before)}, stage building after/before "
                   f"{ratio(after, before, 'building_s')}")
-        for way in WAYS[1:]:
+        for way in WAYS[1:] if len(workers_counts) > 1 else ():
             print(f"{name}: start-up with 4 workers / with 2 ({way}) {ratio((name, 4, way), (name, 2, way))}")
     if args.rounds > 1:
         print(f"(medians over {args.rounds} rounds; ratios per round, their range in brackets)")

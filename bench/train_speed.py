@@ -401,9 +401,11 @@ def _ping_pong(rank: int, world: int, setup: Setup, queue, rounds: int = 500) ->
     found = {"process-group": _round_trips(rank, rounds, lambda i: group.send([x], peer, i).wait(),
                                            lambda i: group.recv([x], peer, i).wait())}
     if shm.available(x.device):
-        mine = [shm.Direction(peer, d, (d == GRADIENT) == (rank == 0), packed.size) for d in (ACTIVATION, GRADIENT)]
+        # a ping-pong holds one message in each direction: one slot a ring
+        mine = [shm.Direction(peer, d, (d == GRADIENT) == (rank == 0), packed.size, slots=1)
+                for d in (ACTIVATION, GRADIENT)]
         rings, made = shm.open_rings(dist.distributed_c10d._get_default_store(), f"bench{os.environ['MASTER_PORT']}",
-                                     rank, mine, 2, lambda p: shm.Waiter(True, 60.0, rank, p, None))
+                                     rank, mine, lambda p: shm.Waiter(True, 60.0, rank, p, None))
         dist.barrier()
         shm.remove(made)
         out, back = (ACTIVATION, GRADIENT) if rank == 0 else (GRADIENT, ACTIVATION)
@@ -427,11 +429,11 @@ def _round_trips(rank: int, rounds: int, send, recv) -> float:
     return statistics.median(times[20:]) / 2
 
 
-def overhead_rows(m: int, warmup: int, minibatches: int) -> list[tuple[str, bool, str]]:
+def overhead_rows(m: int, warmup: int, minibatches: int, repeats: int = 10) -> list[tuple[str, bool, str]]:
     """The overhead rows (module docstring) printed as a table; returns their targets."""
     ref = ModelRef("pdtool.zoo:mlp", TINY)
     _say("overhead rows: profiling the 128-wide MLP, timing a message")
-    profile = profile_model(ref, batch_size=TINY_BATCH, repeats=20, warmup=5)
+    profile = profile_model(ref, batch_size=TINY_BATCH, repeats=2 * repeats, warmup=5)
     latency_us = {k: v * 1e6 for k, v in _spawn(_ping_pong, Setup("", ref, TINY_BATCH, m, warmup, minibatches)).items()}
     default = "shared-memory" if shm.use_shared_memory("auto", torch.device("cpu"), 2) else "process-group"
     plans = {t: make_plan(profile, parse_cluster(f"2x10GB/s+{us:.0f}us"), straight=True, mode="pipedream",
@@ -487,17 +489,21 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=16, help="minibatches before timing")
     parser.add_argument("--bandwidth", default="10GB/s", help="the link the plan is made for")
     parser.add_argument("--only", choices=("main", "overhead"), help="run one part: the main table or the overhead rows")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few minibatches: that it runs, not its figures")
     args = parser.parse_args()
+    if args.smoke:
+        args.batch, args.hidden, args.in_features, args.microbatches, args.minibatches, args.warmup = 32, 64, 96, 2, 4, 2
+    repeats = 2 if args.smoke else 10
     m = args.microbatches
     if m % 2 or args.minibatches % m or args.warmup % m or args.warmup < m:
         parser.error("--microbatches must be even, --minibatches and --warmup multiples of it (warmup >= m)")
     torch.set_num_threads(1)
     if args.only == "overhead":
-        _verdicts(overhead_rows(m, args.warmup, args.minibatches), True)
+        _verdicts(overhead_rows(m, args.warmup, args.minibatches, repeats), True)
         return
     ref = ModelRef("pdtool.zoo:mlp", {"in_features": args.in_features, "hidden": args.hidden, "depth": args.depth,
                                       "classes": 10})
-    profile = profile_model(ref, batch_size=args.batch, repeats=10, warmup=3)
+    profile = profile_model(ref, batch_size=args.batch, repeats=repeats, warmup=3)
     plan = make_plan(profile, parse_cluster(f"2x{args.bandwidth}"), straight=True, mode="pipedream",
                      command="bench/train_speed.py")
     if len(plan.stages) != 2:
@@ -593,7 +599,7 @@ def main() -> None:
         ]
     measured = all(ms > 0 for ms in rows.values())
     if args.only != "main":
-        checks += overhead_rows(m, args.warmup, args.minibatches)
+        checks += overhead_rows(m, args.warmup, args.minibatches, repeats)
     _verdicts(checks, measured)
 
 
