@@ -93,3 +93,23 @@ def test_show_and_the_picture_mark_recomputing_stages():
     assert source.count("recomputes its activations") == sum(s.recompute for s in plan.stages)
     plain = make_plan(profile, parse_cluster("4x12GB/s"))
     assert "recompute" not in plan_table(plain) and "recomputes" not in plan_graph(plain, profile).source
+
+
+@pytest.mark.parametrize("mode", ["flush", "gpipe", "zb", "2bw"])
+def test_a_plans_memory_counts_the_weight_versions_its_mode_keeps(mode):
+    """Issue 35 item 9: the dynamic program counted PipeDream's stashed versions (one per minibatch in flight) in
+    every mode, so a 4-stage flush plan said stage 0 needs twice what pd train plans for it, and --memory ruled
+    out flush, gpipe and zb plans that fit. The plan's figure is pd train's (`prediction.planned_memory`)."""
+    from pdtool.prediction import planned_memory
+
+    profile = chain_profile([10] * 8, [64 * 2**20] * 8, [2**20] * 8)  # weights dominate: 64 MiB a layer
+    plan = make_plan(profile, parse_cluster("4x10GB/s"), straight=True, mode=mode)
+    planned = planned_memory(plan, None, None, "sgd")
+    assert [s.memory_bytes for s in plan.stages] == [sum(planned[s.ranks[0]].values()) for s in plan.stages]
+    pipedream = make_plan(profile, parse_cluster("4x10GB/s"), straight=True, mode="pipedream")
+    assert plan.stages[0].memory_bytes < pipedream.stages[0].memory_bytes  # stage 0 keeps 4 versions there
+    limit = f"{int(plan.stages[0].memory_bytes * 1.05)}B"  # fits this mode's plan, not PipeDream's stashing
+    fitted = make_plan(profile, parse_cluster("4x10GB/s", limit), straight=True, mode=mode)
+    assert len(fitted.stages) == 4
+    with pytest.raises(PlanError, match="no plan fits"):
+        make_plan(profile, parse_cluster("4x10GB/s", limit), straight=True, mode="pipedream", recompute="none")

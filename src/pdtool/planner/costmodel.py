@@ -134,6 +134,8 @@ class Memory:
     limit: float
     optimizer_slots: int = 1  # SGD with momentum; Adam keeps 2
     copies: float = 0.0       # mixed precision: autocast's half-size weight copy, saved by every minibatch in flight
+    versions_kept: int | None = None  # the mode's most weight versions (`schedule.modes.Mode.versions_kept`; None:
+    # one per minibatch in flight, PipeDream's stashing): flush, gpipe and zb keep one, 2bw two
 
     @staticmethod
     def in_flight(workers: int, before: int, replicas: int) -> int:
@@ -165,7 +167,8 @@ class Memory:
         (the stage before holds one minibatch more under 1F1B; exact for a straight pipeline). A
         recomputing stage also holds the outputs of its sends in flight, which its stash no longer
         shares: `k * out_bytes` more."""
-        versions = in_flight if versions is None else versions
+        if versions is None:
+            versions = in_flight if self.versions_kept is None else np.minimum(in_flight, self.versions_kept)
         held = in_flight if recompute is None else 1
         activations = in_flight * stashed if recompute is None else (in_flight - 1) * recompute + stashed
         terms = {"weights": params * versions, "gradients": params, "optimizer": params * self.optimizer_slots,

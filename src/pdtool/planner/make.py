@@ -83,7 +83,10 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     costs = ChainCosts.from_profile(profile)
     counts = [level.count for level in cluster.levels]
     bandwidths = [level.bandwidth for level in cluster.levels]
-    memory = Memory(float(cluster.memory), optimizer_slots, COMPUTE_COPY[profile.precision]) if cluster.memory else None
+    # the weight versions the plan's mode keeps (the default mode's when none is given: PipeDream's, the most)
+    versions_kept = rules(mode or DEFAULT).versions_kept
+    memory = Memory(float(cluster.memory), optimizer_slots, COMPUTE_COPY[profile.precision],
+                    versions_kept) if cluster.memory else None
     # zero-time layers follow their producers only where that is safe (states.py, `_followers`)
     states = _splittable(build_states(costs, followers=not model.exact_workers and memory is None), profile, say)
     if data_parallel:
@@ -147,7 +150,25 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
         best.predicted, candidates=len(ranked), why=why, data_parallel_over_bytes=over, hybrid=hybrid,
         simulated_data_parallel_ms=baseline.predicted.simulated_ms if baseline is not None else None))
     _warn_noisy(profile, best, say)
+    if in_full:
+        best = _mode_memory(best, optimizer_slots, memory)
     return _trainable(best, mode, say)
+
+
+def _mode_memory(plan: Plan, optimizer_slots: int, memory: Memory | None) -> Plan:
+    """The plan with each stage's `memory_bytes` as its mode holds it (the simulated schedule's most
+    minibatches in flight and weight versions per worker: `Memory.per_worker`, what `pd train`
+    compares its workers with), and one line when a stage then passes the limit of `memory`."""
+    result = simulator.simulate(plan)
+    model = Memory(float("inf"), optimizer_slots, COMPUTE_COPY[plan.profile.precision])
+    need = model.per_worker(plan, result)
+    stages = tuple(dataclasses.replace(s, memory_bytes=max(need[r] for r in s.ranks)) for s in plan.stages)
+    worst = max(range(len(stages)), key=lambda i: stages[i].memory_bytes)
+    if memory is not None and stages[worst].memory_bytes > memory.limit:
+        raise PlanError(f"the best plan's stage {worst} needs {format_bytes(stages[worst].memory_bytes)} per worker in "
+                        f"mode {plan.mode} (the minibatches its schedule holds in flight and its weight versions), "
+                        f"over --memory {format_bytes(memory.limit)}; raise --memory, add workers, or plan another --mode")
+    return dataclasses.replace(plan, stages=stages)
 
 
 def _warn_noisy(profile: Profile, plan: Plan, say) -> None:
@@ -229,7 +250,8 @@ def _as_plan(pipeline: Pipeline, solver: Solver, profile: Profile, cluster: Clus
              mode: str | None, command: str, profile_file: str | None) -> Plan:
     """The plan of one of the dynamic program's pipelines, with the cost model's figures."""
     stages, groups = _describe(pipeline, profile, costs, model, solver,
-                               memory or Memory(float("inf"), optimizer_slots, COMPUTE_COPY[profile.precision]))
+                               memory or Memory(float("inf"), optimizer_slots, COMPUTE_COPY[profile.precision],
+                                                rules(mode or DEFAULT).versions_kept))
     stages = with_boundaries(profile, stages)
     items = [(s.time_ms, f"stage {i} {_dominant(s.compute_ms, s.allreduce_ms, s.transfer_ms)}")
              for i, s in enumerate(stages)]
