@@ -90,3 +90,19 @@ def test_torchrun_variables_place_the_process():
 def test_options_of_the_own_launcher_are_usage_errors_under_srun(option):
     result = CliRunner().invoke(cli, ["train", "never-read.plan.json", *option], env={**SRUN, "SLURM_PROCID": "0"})
     assert result.exit_code == 2 and "under slurm" in result.stderr, result.output
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"SLURM_STEP_TASKS_PER_NODE": "2(x9999999999)"}, "name more machines than the step's 4 task"),
+    ({"SLURM_STEP_NODELIST": "node[0-999999999]"}, "names more machines than the step's 4 task"),
+    ({"SLURM_STEP_NODELIST": "a[0-9][0-9][0-9]"}, "names more machines than the step's 4 task"),
+])
+def test_absurd_slurm_expansions_are_one_line_at_once(change, says):
+    """Issue 35 item 12: `2(x9999999999)` was a MemoryError, `node[0-999999999]` 52 s of memory growth; every
+    expansion is bounded by the step's task count (a machine holds at least one task)."""
+    import time
+
+    began = time.monotonic()
+    with pytest.raises(LaunchError, match=says) as info:
+        place("slurm", {**SRUN, **change})
+    assert time.monotonic() - began < 1 and "\n" not in str(info.value)

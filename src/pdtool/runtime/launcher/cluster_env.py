@@ -8,6 +8,7 @@ runs the job from there.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -83,13 +84,16 @@ def _slurm_place(env: Mapping[str, str]) -> Place:
         raise LaunchError("--launcher slurm, but SLURM_PROCID is not set: start pd train with srun (srun pd train "
                           "PLAN ... in an allocation or an sbatch script), or drop --launcher")
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
-    hosts = expand_hosts(nodelist) if nodelist else []
+    tasks = _number(env, "SLURM_STEP_NUM_TASKS", _number(env, "SLURM_NTASKS"))  # no more machines nor tasks than these
+    # the step's machines hold its tasks; the job's (a fallback) are at most its node count
+    machines = tasks if env.get("SLURM_STEP_NODELIST") else _number(env, "SLURM_JOB_NUM_NODES", MOST_MACHINES)
+    hosts = expand_hosts(nodelist, machines) if nodelist else []
     addr = env.get("MASTER_ADDR") or (hosts[0] if hosts else "")
     if not addr:
         raise LaunchError("SLURM_STEP_NODELIST and SLURM_JOB_NODELIST are not set, so the host of rank 0 is not "
                           "known: set MASTER_ADDR to it")
     per_node = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or
-                              env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_NTASKS") or "1")
+                              env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_NTASKS") or "1", tasks)
     here = env.get("SLURMD_NODENAME")
     node = hosts.index(here) if here in hosts else _number(env, "SLURM_NODEID", 0)  # this machine in the step
     port = (_number(env, "MASTER_PORT") if env.get("MASTER_PORT") else
@@ -98,6 +102,10 @@ def _slurm_place(env: Mapping[str, str]) -> Place:
                           _number(env, "SLURM_LOCALID", 0), per_node[node] if node < len(per_node) else per_node[0],
                           _number(env, "SLURM_STEP_NUM_NODES", _number(env, "SLURM_NNODES", max(len(hosts), 1))),
                           addr, port))
+
+
+MOST_MACHINES = 65536
+"""The most machines a SLURM host list may name when nothing in the job says how many it has."""
 
 
 def slurm_port(job_id: int) -> int:
@@ -116,18 +124,28 @@ def _number(env: Mapping[str, str], name: str, default: int | None = None) -> in
     return int(text)
 
 
-def expand_hosts(nodelist: str) -> list[str]:
+def expand_hosts(nodelist: str, most: int | None = None) -> list[str]:
     """SLURM's compressed host list, expanded in order: `node[01-03,7],gpu2` is node01, node02,
     node03, node7, gpu2 (a range keeps the width of its first number; several bracket groups in
-    one name multiply). One `LaunchError` line when it is malformed."""
+    one name multiply). One `LaunchError` line when it is malformed, or names more than `most`
+    machines (a step has at least one task on each: more hosts than tasks is a damaged list,
+    never expanded)."""
     hosts: list[str] = []
     for item in _top_level(nodelist):
         parts = re.split(r"\[([^\[\]]*)\]", item)  # literal, range list, literal, ...
         if not item or any(c in part for part in parts[::2] for c in "[]"):
             raise _unreadable(nodelist)
-        choices = [[part] if k % 2 == 0 else _range_list(part, nodelist) for k, part in enumerate(parts)]
+        left = None if most is None else most - len(hosts)
+        choices = [[part] if k % 2 == 0 else _range_list(part, nodelist, left) for k, part in enumerate(parts)]
+        if left is not None and math.prod(len(c) for c in choices) > left:
+            raise _too_many(nodelist, most)
         hosts.extend("".join(name) for name in itertools.product(*choices))
     return hosts
+
+
+def _too_many(nodelist: str, most: int) -> LaunchError:
+    return LaunchError(f"the SLURM host list {nodelist[:80]!r} names more machines than the step's {most} task(s); "
+                       "check SLURM_STEP_NODELIST and SLURM_NTASKS, or set MASTER_ADDR to the host of rank 0")
 
 
 def _top_level(nodelist: str) -> list[str]:
@@ -149,24 +167,31 @@ def _unreadable(nodelist: str, where: str = "") -> LaunchError:
     return LaunchError(f"cannot read the SLURM host list {nodelist!r}{where}; set MASTER_ADDR to the host of rank 0")
 
 
-def _range_list(text: str, nodelist: str) -> list[str]:
-    """`01-03,7` -> 01, 02, 03, 7."""
+def _range_list(text: str, nodelist: str, most: int | None = None) -> list[str]:
+    """`01-03,7` -> 01, 02, 03, 7 (at most `most` of them, else one line)."""
     found = []
     for piece in text.split(","):
         match = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", piece)
         if not match or (match[2] is not None and int(match[2]) < int(match[1])):
             raise _unreadable(nodelist, f" (at {piece!r})")
         first, last = int(match[1]), int(match[2] if match[2] is not None else match[1])
+        if most is not None and len(found) + last - first + 1 > most:
+            raise _too_many(nodelist, most)
         found.extend(str(n).zfill(len(match[1])) for n in range(first, last + 1))
     return found
 
 
-def tasks_per_node(text: str) -> list[int]:
-    """SLURM's tasks per node, expanded: `2(x3),1` is [2, 2, 2, 1]."""
+def tasks_per_node(text: str, most: int | None = None) -> list[int]:
+    """SLURM's tasks per node, expanded: `2(x3),1` is [2, 2, 2, 1]; more machines than `most`
+    (the step's tasks) is one line, never expanded."""
     counts = []
     for piece in text.split(","):
         match = re.fullmatch(r"([0-9]+)(?:\(x([0-9]+)\))?", piece.strip())
         if not match:
             raise LaunchError(f"cannot read SLURM's tasks per node {text!r}")
-        counts.extend([int(match[1])] * int(match[2] or 1))
+        repeat = int(match[2] or 1)
+        if most is not None and len(counts) + repeat > most:
+            raise LaunchError(f"SLURM's tasks per node {text[:80]!r} name more machines than the step's {most} task(s); "
+                              "check SLURM_STEP_TASKS_PER_NODE and SLURM_NTASKS")
+        counts.extend([int(match[1])] * repeat)
     return counts
