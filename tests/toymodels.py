@@ -270,3 +270,21 @@ def parameter_only(blocks=3):
     (torch.export checks the tensor it converts with a node that has no consumer)."""
     model = nn.Sequential(*[_Decay() for _ in range(blocks)], nn.Linear(8, 4))
     return model, (lambda n: (torch.randn(n, 8), torch.randint(0, 4, (n,)))), F.cross_entropy
+
+
+class _Amplify(nn.Module):
+    """Multiplies by `factor`: past fp16's range (65504) in an fp16 forward."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return x * self.factor
+
+
+@pdtool.factory
+def fp16_overflow(factor=1e6):
+    """A 3-layer chain whose middle amplifies its input beyond fp16's range (fine in fp32 and bf16)."""
+    model = nn.Sequential(nn.Linear(8, 8), _Amplify(factor), nn.Linear(8, 8))
+    return model, (lambda n: (torch.randn(n, 8), torch.randint(0, 8, (n,)))), F.cross_entropy

@@ -8,6 +8,7 @@ import torch
 
 from helpers import assert_same_run, config_for, gradient_accumulation, merged, plan_with, reference
 
+from pdtool.artifacts.profile import ModelRef
 from pdtool.runtime.launcher.launch import launch
 from pdtool.runtime.launcher.session import run
 from pdtool.runtime.recipe import LrSchedule, OptimizerConfig
@@ -105,3 +106,14 @@ def test_fp16_skips_the_steps_one_process_skips_on_every_stage(tmp_path):
         assert [k for k, entry in enumerate(report.step_log) if entry[4]] == skipped
     losses, weights = merged(reports)
     assert_same_run(losses, weights, one_losses, one_weights, rel=2e-2, weight_tolerance=2e-2)
+
+
+def test_an_fp16_forward_that_overflows_at_the_first_step_is_said_so_not_divergence(tmp_path):
+    """Issue 35 item 14: a non-finite loss at step 1 under fp16 was reported as divergence (lower --lr)."""
+    from pdtool.errors import LaunchError
+
+    plan, path = plan_with(tmp_path, [((0, 0), 1), ((1, 1), 1)], mode="flush",  # the multiplication joins a Linear
+                           ref=ModelRef("toymodels:fp16_overflow", {}))
+    with pytest.raises(LaunchError, match="the forward overflowed fp16's range.*--precision bf16") as info:
+        launch(config_for(path, steps=2, group=2, precision="fp16"), len(plan.used_ranks))
+    assert "diverged" not in str(info.value)

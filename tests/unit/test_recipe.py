@@ -145,3 +145,25 @@ def test_pd_train_says_its_recipe_in_one_line():
     assert recipe_line(config, plan, SimpleNamespace(reports={0: head})) == (
         "adamw lr 0.003, weight decay 0.05, cosine, 2 warm-up steps, to 0.0003 at step 10, gradients clipped to norm 1, "
         "fp16, 1 step(s) skipped on overflow (loss scaling)")
+
+
+def test_a_warm_up_longer_than_the_run_is_one_line_before_any_worker():
+    """Issue 35 item 13: `--warmup-steps 100 --steps 4` trained at 1-4% of --lr all run, without a word."""
+    import pytest
+
+    from pdtool.errors import LaunchError
+    from pdtool.runtime.launcher.job import check_warmup
+    from pdtool.runtime.recipe import LrSchedule, OptimizerConfig
+    from pdtool.runtime.run import RunConfig
+
+    def config(warmup, steps, total=None, first=0):
+        return RunConfig(plan_path="p.json", steps=steps, first_step=first,
+                         optimizer=OptimizerConfig("sgd", 0.1, schedule=LrSchedule("constant", warmup, 0.0, total)))
+
+    with pytest.raises(LaunchError, match=r"--warmup-steps 100 is longer than the run's 4 step\(s\): the learning rate "
+                                          r"would rise to only 4% of --lr") as info:
+        check_warmup(config(100, 4))
+    assert "\n" not in str(info.value)
+    check_warmup(config(4, 4))            # the whole run warming up: the last step at --lr
+    check_warmup(config(3, 2, total=5))   # a horizon given beyond the run (a run resumed later continues it)
+    check_warmup(config(10, 4, first=8))  # a resumed run: its horizon counts the steps before it

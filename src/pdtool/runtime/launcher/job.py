@@ -64,6 +64,7 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
     if epochs:
         per_step = checked_run(plan, config).per_step
         config = dataclasses.replace(config, steps=steps_for_epochs(epochs, checked.batches_per_epoch, per_step))
+    check_warmup(config)
     local = nproc_per_node or len(plan.used_ranks) // nnodes
     cores = os.cpu_count() or 1
     from ..device import choose, visible_gpus
@@ -82,6 +83,18 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
         warn("--transport shared-memory needs CPU workers on x86 and a writable /dev/shm, which this machine's "
              "workers lack: their messages go through the process group")
     return Job(config, checked, local, cores, on_cpu)
+
+
+def check_warmup(config: RunConfig) -> None:
+    """A warm-up longer than the learning rate's horizon (the run's steps, or --lr-decay-steps)
+    trains at a fraction of --lr throughout: one line before any worker starts."""
+    recipe = config.recipe
+    warmup, horizon = recipe.schedule.warmup_steps, recipe.schedule.total_steps
+    if warmup and horizon is not None and warmup > horizon:
+        top = recipe.schedule.lr(recipe.lr, horizon - 1) / recipe.lr if recipe.lr > 0 else 0.0
+        raise LaunchError(f"--warmup-steps {warmup} is longer than the run's {horizon} step(s): the learning rate "
+                          f"would rise to only {top:.0%} of --lr; give --warmup-steps at most {horizon} (a few percent "
+                          "of the run is usual), or more --steps")
 
 
 def held_out_batches(plan: Plan, config: RunConfig, keywords: tuple[str, ...] = ()) -> int:

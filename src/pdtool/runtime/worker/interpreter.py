@@ -175,8 +175,12 @@ class Interpreter:
     def diverged(self, b: int, loss: float) -> None:
         first = self.context.first
         step = (first + b) // minibatches_per_step(self.context.schedule) + 1
-        raise LaunchError(f"the loss became {loss} at step {step} (minibatch {first + b}, last stage {self.s}): "
-                          "training diverged; lower --lr, then --resume from the last checkpoint (written "
+        where = f"the loss became {loss} at step {step} (minibatch {first + b}, last stage {self.s})"
+        if self.worker.precision == "fp16" and b < minibatches_per_step(self.context.schedule):
+            raise LaunchError(f"{where}, the run's first step: the forward overflowed fp16's range (at most 65504; "
+                              "loss scaling guards only the gradients), training did not diverge; train with "
+                              "--precision bf16 (fp32's range in half the bytes) or fp32")
+        raise LaunchError(f"{where}: training diverged; lower --lr, then --resume from the last checkpoint (written "
                           "before this step, it is kept)")
 
     def backward(self, op: Op) -> None:
