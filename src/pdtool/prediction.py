@@ -102,7 +102,8 @@ def memory_gap(measured: dict[str, int], planned: dict[str, int]) -> str | None:
     if "messages" in planned and "messages" not in measured:  # a worker's measured rest holds both
         planned["activations"] = planned["activations"] + planned.pop("messages")
     term = max(planned, key=lambda name: abs(measured.get(name, 0) - planned[name]))
-    what = (" (what remains of the peak beyond weights, gradients and optimizer state: activations in flight "
-            "and the runtime's message buffers, planned together)") if term == "activations" else ""
+    what = (" (what remains of the peak beyond weights, gradients and optimizer state, planned as activations in "
+            "flight and the runtime's message buffers; measured, also whatever else the process held then: the "
+            "allocator's cache, autograd's temporaries, mapped file pages)") if term == "activations" else ""
     return (f"{beyond / total:.1f}x the plan; the term most off is {term}{what}: measured "
             f"{format_bytes(measured.get(term, 0))}, planned {format_bytes(planned[term])}")

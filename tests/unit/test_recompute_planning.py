@@ -113,3 +113,22 @@ def test_a_plans_memory_counts_the_weight_versions_its_mode_keeps(mode):
     assert len(fitted.stages) == 4
     with pytest.raises(PlanError, match="no plan fits"):
         make_plan(profile, parse_cluster("4x10GB/s", limit), straight=True, mode="pipedream", recompute="none")
+
+
+def test_a_worker_past_the_plans_memory_limit_says_so():
+    """Issue 35 item 19: a worker whose measured peak passed the plan's --memory said only "1.8x the plan"."""
+    from types import SimpleNamespace
+
+    from pdtool.runtime.run import RunConfig
+    from pdtool.views.summary import memory_lines
+
+    profile = chain_profile([10] * 4, [2**20] * 4, [2**10] * 4)
+    plan = make_plan(profile, parse_cluster("2x10GB/s", "64MiB"), straight=True, mode="flush")
+    config = RunConfig(plan_path="p.json", steps=2, mode="flush")
+    base = 100 * 2**20
+    reports = {rank: SimpleNamespace(stage=s, rank=rank, memory={"base": base, "peak": base + beyond,
+                                                                 "training": base + beyond})
+               for s, (rank, beyond) in enumerate([(0, 80 * 2**20), (1, 5 * 2**20)])}
+    lines = memory_lines(SimpleNamespace(reports=reports), plan, config)
+    over = [line for line in lines if "passes the" in line]
+    assert len(over) == 1 and over[0].startswith("  - stage 0: its peak (80 MiB beyond its start) passes the 64 MiB")

@@ -81,6 +81,11 @@ def memory_lines(result, plan: Plan, config: RunConfig) -> list[str]:
         gap = memory_gap(report.memory, planned[report.rank])
         if gap:
             gaps.append(f"  - stage {stage}: {gap}")
+        limit = plan.cluster.memory
+        if limit and _beyond(report) > limit:
+            gaps.append(f"  - stage {stage}: its peak ({format_bytes(_beyond(report))} beyond its start) passes the "
+                        f"{format_bytes(limit)} per worker the plan was made for (pd plan --memory): on those workers "
+                        "it would not fit; plan again with more memory, more workers or --recompute")
     return [f"peak memory per worker: {'; '.join(parts)}"] + gaps
 
 
