@@ -367,3 +367,21 @@ def test_a_manifest_of_a_file_that_is_not_an_object_or_a_link_is_refused(tmp_pat
     os.symlink(_save(tmp_path, 8, [{"a": torch.ones(2)}]) / "manifest.json", folder / "manifest.json")
     with pytest.raises(ArtifactError, match=r"manifest.json: a symbolic link, not a checkpoint pdtool wrote"):
         read_manifest(folder)
+
+
+def test_init_from_with_resume_starts_from_the_weights_until_a_checkpoint_exists(tmp_path):
+    """Issue 35 item 16: a requeued fine-tune (the same command every time) gives --init-from and --resume: the
+    newest complete checkpoint wins, else the run starts from the pretrained weights; it says which."""
+    from pdtool.runtime.launcher.resume import starting_point
+    from pdtool.runtime.run import RunConfig
+
+    config = RunConfig(plan_path="p.json", steps=10, checkpoint_dir=str(tmp_path / "ckpt"), init_from="/w/hf")
+    said = []
+    first = starting_point(config, None, True, None, said.append, None, said.append)
+    assert first.init_from == "/w/hf" and first.resume is None and first.first_step == 0
+    assert "starts from step 0, from the weights of --init-from /w/hf" in said[-1]
+    folder = checkpoint_folder(tmp_path / "ckpt", 4)
+    write_manifest(folder, 4, "0" * 64, {0: save_shard(folder, 0, {"w": torch.ones(2)})})
+    again = starting_point(config, None, True, None, said.append, None, said.append)
+    assert again.init_from is None and again.resume == str(folder) and again.first_step == 4 and again.steps == 6
+    assert "--init-from /w/hf is not read" in said[-1]

@@ -68,7 +68,9 @@ from .group import MAX_STEPS, MAX_THREADS, PER_GROUP, PER_ROUND, Count, Finite, 
               "(also under a different plan).")
 @click.option("--init-from", "init_from", type=click.Path(exists=True), metavar="PATH",
               help="Start from pretrained weights: a .safetensors file or a Hugging Face model folder "
-                   "(model.safetensors, or shards with their index); each worker reads only its stage's tensors.")
+                   "(model.safetensors, or shards with their index); each worker reads only its stage's tensors. "
+                   "With --resume (a requeued fine-tune): the newest complete checkpoint if there is one, else these "
+                   "weights.")
 @click.option("--max-restarts", type=Count(0, 1000), default=0, show_default=True,
               help="When a worker fails, start the job again from the newest complete checkpoint, up to this many "
                    "times (needs --checkpoint-dir; one machine).")
@@ -152,9 +154,6 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     if where is not None:
         _refuse_local_options(where.launcher, transport)
     reporter = where is None or where.rank == 0  # the process that writes the outputs and prints the summary
-    if init_from and resume:
-        raise click.UsageError("--init-from starts a run from pretrained weights and --resume continues one from its "
-                               "checkpoint; give one of them")
     if max_restarts and not checkpoint_dir:
         raise click.UsageError("--max-restarts needs --checkpoint-dir: a restart continues from the newest checkpoint")
     if max_restarts and (nnodes > 1 or rdzv_endpoint):

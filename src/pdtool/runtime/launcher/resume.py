@@ -83,7 +83,9 @@ def restart_point(config: RunConfig, plan: Plan, writer: dict, needs) -> RunConf
 def starting_point(config: RunConfig, plan: Plan, resume: bool, previous: dict | None, warn, needs,
                     say) -> RunConfig:
     """`config` from where the run starts: step 0, or with `resume` the newest good checkpoint;
-    `previous` is the last run that wrote into the folder (`FolderLock.previous`)."""
+    `previous` is the last run that wrote into the folder (`FolderLock.previous`). With `--init-from`
+    too (a requeued fine-tune, the same command every time: torchtitan's initial load), a checkpoint
+    wins, and without one the run starts from the pretrained weights; `say` hears which."""
     root = config.checkpoint_dir
     if not resume:
         if root and existing_steps(root):
@@ -114,11 +116,13 @@ def starting_point(config: RunConfig, plan: Plan, resume: bool, previous: dict |
         warn(f"set {old} aside as {new.name}: it is " + ("newer than the checkpoint resumed from" if folder else
              "not a complete checkpoint") + ", and this run writes only into checkpoint folders it creates")
     if folder is None:
-        say(f"--resume: no complete checkpoint in {root}, so the run starts from step 0")
+        say(f"--resume: no complete checkpoint in {root}, so the run starts from step 0"
+            + (f", from the weights of --init-from {config.init_from}" if config.init_from else ""))
         return config
-    say(f"resuming from {folder} (step {done})")
+    say(f"resuming from {folder} (step {done})" + (f"; --init-from {config.init_from} is not read (the checkpoint "
+                                                   "holds the weights trained from it)" if config.init_from else ""))
     _compare_recipes(read_manifest(folder).meta.get("recipe"), config.recipe.summary(), folder, warn)
-    return dataclasses.replace(config, resume=str(folder), first_step=done, steps=config.steps - done)
+    return dataclasses.replace(config, resume=str(folder), first_step=done, steps=config.steps - done, init_from=None)
 
 
 def _compare_recipes(saved, now: dict, folder, warn) -> None:
