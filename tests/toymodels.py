@@ -288,3 +288,8 @@ def fp16_overflow(factor=1e6):
     """A 3-layer chain whose middle amplifies its input beyond fp16's range (fine in fp32 and bf16)."""
     model = nn.Sequential(nn.Linear(8, 8), _Amplify(factor), nn.Linear(8, 8))
     return model, (lambda n: (torch.randn(n, 8), torch.randint(0, 8, (n,)))), F.cross_entropy
+
+
+def ignores_its_groups(param_groups, lr):
+    """An --optimizer factory that builds its optimizer over a parameter of its own, not the ones it is given."""
+    return torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)

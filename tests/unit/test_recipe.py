@@ -167,3 +167,17 @@ def test_a_warm_up_longer_than_the_run_is_one_line_before_any_worker():
     check_warmup(config(4, 4))            # the whole run warming up: the last step at --lr
     check_warmup(config(3, 2, total=5))   # a horizon given beyond the run (a run resumed later continues it)
     check_warmup(config(10, 4, first=8))  # a resumed run: its horizon counts the steps before it
+
+
+def test_an_optimizer_factory_that_ignores_its_parameter_groups_is_refused():
+    """Issue 35 item 13: such a factory trained nothing, rc 0."""
+    import pytest
+
+    from pdtool.errors import LaunchError
+    from pdtool.runtime.recipe import OptimizerConfig
+    from pdtool.runtime.worker.optim import check_optimizer
+
+    with pytest.raises(LaunchError, match="does not hold 1 of the 1 parameters it was given") as info:
+        check_optimizer(OptimizerConfig("toymodels:ignores_its_groups"))
+    assert "\n" not in str(info.value)
+    check_optimizer(OptimizerConfig("torch.optim:RMSprop"))

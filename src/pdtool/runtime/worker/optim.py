@@ -90,6 +90,12 @@ def _from_factory(config: OptimizerConfig, groups: list[dict], lr: float) -> tor
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise LaunchError(f"optimizer {config.name!r} returned {type(optimizer).__name__}, not a torch.optim.Optimizer; "
                           "return the optimizer built over the param_groups it is given")
+    given = {id(p) for group in groups for p in group["params"]}
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if given - held:
+        raise LaunchError(f"optimizer {config.name!r} returned an optimizer that does not hold {len(given - held)} of the "
+                          f"{len(given)} parameters it was given, so it would train nothing of them; build it over the "
+                          "param_groups the factory receives (e.g. torch.optim.RMSprop(param_groups, lr=lr))")
     return optimizer
 
 
