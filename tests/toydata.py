@@ -82,3 +82,9 @@ class LabelledTokens(torch.utils.data.Dataset):
 
 def labelled_tokens(train=True):
     return LabelledTokens(train=train)
+
+
+def other_shapes_held_out(train=True):
+    """Training items of 8 features, held-out items of 9: the held-out split does not fit the model."""
+    width = 8 if train else 9
+    return torch.utils.data.TensorDataset(torch.randn(16, width), torch.randint(0, 4, (16,)))

@@ -125,3 +125,19 @@ def test_weights_of_an_integer_dtype_are_refused_for_a_floating_parameter(tmp_pa
     assert "\n" not in str(info.value)
     save_file({"layer.weight": torch.zeros(2, 3, dtype=torch.bfloat16), "layer.bias": torch.zeros(3)}, str(path))
     WeightFiles.open(path).check({"layer.weight": (2, 3), "layer.bias": (3,)})  # another floating dtype: converted
+
+
+def test_a_held_out_split_of_other_shapes_than_the_training_split_is_one_line_before_training():
+    """Issue 35 item 14: it failed after training, with torch's raw shape error."""
+    from types import SimpleNamespace
+
+    from pdtool.errors import LaunchError
+    from pdtool.runtime.launcher.job import held_out_batches
+    from pdtool.runtime.run import RunConfig
+
+    plan = SimpleNamespace(profile=SimpleNamespace(batch_size=4))
+    config = RunConfig(plan_path="p.json", steps=2, data="toydata:other_shapes_held_out", evaluate=True)
+    with pytest.raises(LaunchError, match=r"--evaluate: the held-out split of toydata:other_shapes_held_out has input 0 "
+                                          r"of \(9,\) float32 per item where the training split has \(8,\) float32"):
+        held_out_batches(plan, config)
+    assert held_out_batches(plan, RunConfig(plan_path="p.json", steps=2, data="toydata:halves", evaluate=True)) > 0

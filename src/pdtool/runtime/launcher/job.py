@@ -104,7 +104,7 @@ def held_out_batches(plan: Plan, config: RunConfig, keywords: tuple[str, ...] = 
     model (`keywords`: its keyword inputs) is refused here in one line."""
     if not (config.eval_every or config.evaluate):
         return 0
-    from ...model.data import collate, held_out
+    from ...model.data import collate, held_out, named_dataset_source
 
     option = "--eval-every" if config.eval_every else "--evaluate"
     dataset = held_out(config.data)
@@ -116,8 +116,25 @@ def held_out_batches(plan: Plan, config: RunConfig, keywords: tuple[str, ...] = 
         raise LaunchError(f"{option}: the held-out split of {config.data} has {len(dataset)} samples, fewer than one "
                           f"minibatch of {plan.profile.batch_size} (the plan's); the pipeline evaluates whole "
                           "minibatches: give a larger split or profile a smaller batch")
-    collate([dataset[0]], "the held-out split", [0], keywords)  # items the model takes, before any worker starts
+    held = collate([dataset[0]], "the held-out split", [0], keywords)  # items the model takes, before any worker
+    trained = collate([named_dataset_source(config.data, 1, config.seed, keywords).dataset[0]], "the training split",
+                      [0], keywords)
+    for what, a, b in _tensors_of(held, trained):
+        if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
+            seen = lambda t: "nothing" if t is None else f"{tuple(t.shape[1:])} {str(t.dtype).removeprefix('torch.')}"
+            raise LaunchError(f"{option}: the held-out split of {config.data} has {what} of {seen(a)} per item where "
+                              f"the training split has {seen(b)}; give a held-out split of the training split's shapes")
     return batches
+
+
+def _tensors_of(held, trained):
+    """(what, held-out tensor, training tensor) of two collated minibatches, input by input, then the target."""
+    (held_inputs, held_target), (inputs, target) = held, trained
+    for i in range(max(len(held_inputs), len(inputs))):
+        pick = lambda xs: xs[i] if i < len(xs) else None  # noqa: E731
+        yield f"input {i}", pick(held_inputs), pick(inputs)
+    if held_target is not None or target is not None:
+        yield "a target", held_target, target
 
 
 def check_memory(plan: Plan, config: RunConfig) -> None:
