@@ -6,6 +6,7 @@ import os
 import click
 
 from ..artifacts.profile import PRECISIONS
+from ..errors import PdtoolError
 from ..jsonio import check_writable
 from ..runtime.launcher.cluster_env import LAUNCHERS, detect, place
 from ..runtime.recipe import LR_SCHEDULES, OPTIMIZERS
@@ -182,6 +183,7 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     if tensorboard_dir:
         import importlib.util
 
+        _check_folder_writable(tensorboard_dir, "--tensorboard")
         if importlib.util.find_spec("tensorboard") is None:  # torch.utils.tensorboard writes with it
             raise click.UsageError("--tensorboard needs the tensorboard package: pip install tensorboard")
     from ..model.spec import local_origin
@@ -204,10 +206,14 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     from ..views.summary import train_summary
 
     shared = (config.threads, job.local, job.cores, job.on_cpu)  # what gap_reasons needs to explain a measurement
+    lost = None
     if metrics_path:
         from ..views.metrics import write_metrics
 
-        write_metrics(metrics_path, result)
+        try:
+            write_metrics(metrics_path, result)
+        except PdtoolError as exc:  # a full disk: the training's own figures still follow
+            lost = f"--metrics {metrics_path} was not written ({exc}); the training itself finished"
     if trace_path:
         from ..views.trace import write_measured_trace
 
@@ -222,9 +228,26 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
                         f"held-out: {samples} samples, ") + f"loss {held_loss:.4f}")
         else:
             click.echo("held-out: not measured here (the last stage runs on another machine)")
-    for label, path in (("checkpoints", checkpoint_dir), ("metrics", metrics_path), ("trace", trace_path)):
+    for label, path in (("checkpoints", checkpoint_dir), ("metrics", None if lost else metrics_path),
+                        ("trace", trace_path)):
         if path:
             click.echo(f"{label}: {path}", err=True)
+    if lost:
+        raise PdtoolError(lost)
+
+
+def _check_folder_writable(folder: str, option: str) -> None:
+    """One line, before any worker starts, when `folder` cannot be made or written (a file written
+    and removed there: a read-only mount says so, whoever runs pd)."""
+    import tempfile
+
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".pd-probe-"):
+            pass
+    except OSError as exc:
+        raise click.UsageError(f"{option} {folder}: cannot write there ({exc.strerror or exc}); give a folder you can "
+                               "write to") from None
 
 
 _LOCAL_LAUNCHER = ("nnodes", "node_rank", "nproc_per_node", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id",

@@ -55,8 +55,9 @@ class Nodes:
 
 
 def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: bool = False,
-           talk=lambda message: None) -> dict[int, WorkerReport]:
-    """Run the plan's workers; returns this machine's reports by global rank.
+           talk=lambda message: None, warn=lambda message: None) -> dict[int, WorkerReport]:
+    """Run the plan's workers; returns this machine's reports by global rank (`warn` hears what
+    the live metrics could not write).
 
     The launcher's own logging (and a failing worker's traceback) is shown only when
     `verbose`; otherwise a failure is the one line of `LaunchError`.
@@ -102,7 +103,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     handlers = {signum: signal.getsignal(signum) for signum in SIGNALS}  # torch's launcher replaces them
     reaper = _Reaper(logs)
     reaper.start()
-    live = _live(store, config, nodes)
+    live = _live(store, config, nodes, warn)
     try:
         results = elastic_launch(settings, entry)(config, LaunchState() if method == forked.FORKSERVER else None)
     except ChildFailedError as failure:
@@ -133,7 +134,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     return {report.rank: report for report in results.values()}
 
 
-def _live(store, config: RunConfig, nodes: Nodes):
+def _live(store, config: RunConfig, nodes: Nodes, warn=lambda message: None):
     """The live metrics writer of this launcher's job (`launcher.live`): where it holds the store."""
     if not config.live or store is None or nodes.node_rank != 0:
         return None
@@ -142,7 +143,8 @@ def _live(store, config: RunConfig, nodes: Nodes):
     from .live import LiveMetrics
 
     plan = Plan.load(config.plan_path)
-    live = LiveMetrics(peers.attempt_store(store), plan, config, resolved(plan, config).per_step)  # the workers' keys
+    live = LiveMetrics(peers.attempt_store(store), plan, config, resolved(plan, config).per_step,  # the workers' keys
+                       warn)
     live.start()
     return live
 

@@ -27,8 +27,9 @@ POLL_S = 0.5
 class LiveMetrics(threading.Thread):
     """The launcher's thread that writes the rows of a running job (see the module docstring)."""
 
-    def __init__(self, store, plan: Plan, config: RunConfig, per_step: int):
+    def __init__(self, store, plan: Plan, config: RunConfig, per_step: int, warn=lambda message: None):
         super().__init__(name="pdtool-live-metrics", daemon=True)
+        self.warn = warn  # told once per output that cannot be written (a full disk): training goes on
         self.store, self.config = store, config
         places = {r: (s, st.ranks.index(r)) for s, st in enumerate(plan.stages) for r in st.ranks}
         from .session import TrainResult  # what metric_rows reads, filled as the records arrive
@@ -42,13 +43,35 @@ class LiveMetrics(threading.Thread):
         self.file = None
         self.board = None
         if config.metrics:
-            self.file = open(config.metrics, "w", encoding="utf-8")  # noqa: SIM115 - held for the run's length
-            self.file.write(header(sorted(places)) + "\n")
-            self.file.flush()
+            self._writing("--metrics", config.metrics, lambda: self._open(header(sorted(places))))
         if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.board = SummaryWriter(config.tensorboard)
+            self._writing("--tensorboard", config.tensorboard, lambda: setattr(self, "board",
+                                                                               SummaryWriter(config.tensorboard)))
+
+    def _open(self, first: str) -> None:
+        self.file = open(self.config.metrics, "w", encoding="utf-8")  # noqa: SIM115 - held for the run's length
+        self.file.write(first + "\n")
+        self.file.flush()
+
+    def _writing(self, option: str, path: str, write) -> bool:
+        """Run `write`; on an OSError (a full disk, a folder gone read-only) warn once and stop
+        writing that output for the rest of the run (training goes on; the end of the run says
+        what was not written). Whether it was written."""
+        try:
+            write()
+            return True
+        except OSError as exc:
+            self.warn(f"{option} {path}: cannot write it ({exc.strerror or exc}); training goes on, and its rows are "
+                      "written again at the end of the run if they can be")
+            if option == "--metrics" and self.file is not None:
+                try:
+                    self.file.close()
+                except OSError:
+                    pass
+            setattr(self, "file" if option == "--metrics" else "board", None)
+            return False
 
     def run(self) -> None:
         while not self.halt.wait(POLL_S):
@@ -63,9 +86,9 @@ class LiveMetrics(threading.Thread):
             self.poll()
         finally:
             if self.file is not None:
-                self.file.close()
+                self._writing("--metrics", self.config.metrics, self.file.close)
             if self.board is not None:
-                self.board.close()
+                self._writing("--tensorboard", self.config.tensorboard, self.board.close)
 
     def poll(self) -> None:
         try:
@@ -80,17 +103,23 @@ class LiveMetrics(threading.Thread):
         for row, values in metric_rows(self.result, self.rows, self.known):
             self.rows += 1
             if self.file is not None:
-                self.file.write(row + "\n")
-                self.file.flush()
-                os.fsync(self.file.fileno())
+                self._writing("--metrics", self.config.metrics, lambda: self._row(row))
             if self.board is not None:
-                for name in ("loss", "lr", "grad_norm", "samples_per_s"):
-                    if values[name] is not None:
-                        self.board.add_scalar(f"train/{name}", values[name], values["step"])
-                for name in ("eval_loss", "eval_accuracy"):
-                    if values.get(name) is not None:
-                        self.board.add_scalar(f"eval/{name[5:]}", values[name], values["step"])
-                self.board.flush()
+                self._writing("--tensorboard", self.config.tensorboard, lambda: self._scalars(values))
+
+    def _row(self, row: str) -> None:
+        self.file.write(row + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def _scalars(self, values: dict) -> None:
+        for name in ("loss", "lr", "grad_norm", "samples_per_s"):
+            if values[name] is not None:
+                self.board.add_scalar(f"train/{name}", values[name], values["step"])
+        for name in ("eval_loss", "eval_accuracy"):
+            if values.get(name) is not None:
+                self.board.add_scalar(f"eval/{name[5:]}", values[name], values["step"])
+        self.board.flush()
 
     def _add(self, rank: int, record: dict) -> None:
         report = self.result.reports[rank]

@@ -85,7 +85,7 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
     try:
         for restart in range(restarts + 1):
             try:
-                return _run_from(config, plan, per_step, nodes, verbose, meta, talk)
+                return _run_from(config, plan, per_step, nodes, verbose, meta, talk, warn)
             except LaunchError as failure:
                 if restart == restarts or not config.checkpoint_dir:
                     if lock is None:
@@ -101,7 +101,7 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
 
 
 def _run_from(config: RunConfig, plan: Plan, per_step: int, nodes: Nodes, verbose: bool, meta: dict,
-              talk) -> TrainResult:
+              talk, warn=lambda message: None) -> TrainResult:
     """Launch the workers of a run whose starting point is settled, completing its checkpoints."""
     writer = None
     if config.checkpoint_dir and nodes.node_rank == 0:
@@ -110,7 +110,7 @@ def _run_from(config: RunConfig, plan: Plan, per_step: int, nodes: Nodes, verbos
         writer.start()
     began = time.perf_counter()
     try:
-        reports = launch(config, len(plan.used_ranks), nodes, verbose=verbose, talk=talk)
+        reports = launch(config, len(plan.used_ranks), nodes, verbose=verbose, talk=talk, warn=warn)
     except Interrupted as stop:
         if writer is not None:
             writer.stop()
