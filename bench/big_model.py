@@ -12,8 +12,11 @@ and `flush` stashes no weight versions), on 4 local CPU workers (`pd train`, in-
 Every process runs in a fresh Python process of its own; its peak resident set is VmHWM from
 /proc/self/status when it ends (a worker's is `WorkerReport.memory["peak"]`, the same figure).
 
+Then the same plan trained 2 steps with AdamW and a checkpoint after each step (what a real run
+keeps: 16 bytes a parameter on its stage), and `pd export` of that checkpoint.
+
 Printed: each process's peak RSS and its ratio to the model's parameter bytes (the target: every
-one below 1), and the first steps' losses of the pipeline against one process training the whole
+one below 1; the workers' beside what the plan gives them), and the first steps' losses of the pipeline against one process training the whole
 model, built by the same initialization rule (`model.build.initial_model`), with gradient
 accumulation over the same minibatches (`torch.testing.assert_close`, rtol 1e-5, atol 1e-6).
 
@@ -48,22 +51,29 @@ def _pd(args: list[str]) -> None:
         print(json.dumps({"peak": _peak()}))
 
 
-def _train(plan_path: str) -> None:
+def _train(plan_path: str, checkpoints: str | None = None) -> None:
     """pd train's checks and workers in this process (as the CLI calls them); prints the losses,
-    every worker's peak and this launcher's."""
+    every worker's peak (and what the plan gives it) and this launcher's. `checkpoints`: the
+    recipe run instead, AdamW with a checkpoint after each step into that folder."""
     import dataclasses
 
     from pdtool.artifacts.plan import Plan
+    from pdtool.prediction import measured_beyond, planned_memory
     from pdtool.runtime.launcher.job import prepare
     from pdtool.runtime.launcher.session import run
     from pdtool.runtime.run import OptimizerConfig, RunConfig
 
     plan = Plan.load(plan_path)
+    optimizer = OptimizerConfig("adamw", 1e-4, None, 0.01) if checkpoints else OptimizerConfig("sgd", 0.01, 0.0, 0.0)
     config = RunConfig(plan_path=plan_path, steps=2, mode="flush", group=4, progress=False, device="cpu",
-                       optimizer=OptimizerConfig("sgd", 0.01, 0.0, 0.0), timeout_s=300)
+                       optimizer=optimizer, timeout_s=300, checkpoint_dir=checkpoints,
+                       checkpoint_every=1 if checkpoints else 0)
     job = prepare(plan, config)
     result = run(dataclasses.replace(job.config))
+    planned = planned_memory(plan, "flush", 4, optimizer.name)
     print(json.dumps({"losses": {str(b): loss for b, loss in sorted(result.losses.items())},
+                      "beyond": {str(r): measured_beyond(rep.memory) for r, rep in sorted(result.reports.items())},
+                      "planned": {str(r): sum(planned[r].values()) for r in sorted(result.reports)},
                       "workers": {str(r): rep.memory["peak"] for r, rep in sorted(result.reports.items())},
                       "stages": {str(r): rep.stage for r, rep in sorted(result.reports.items())},
                       "launcher": _peak()}))
@@ -113,7 +123,7 @@ def _child(*args: str) -> dict:
 def main() -> None:
     if sys.argv[1:2] == ["--as"]:  # one of the processes measured (_child)
         role, rest = sys.argv[2], sys.argv[3:]
-        {"pd": lambda: _pd(rest), "train": lambda: _train(rest[0]), "reference": lambda: _reference(rest[0])}[role]()
+        {"pd": lambda: _pd(rest), "train": lambda: _train(*rest), "reference": lambda: _reference(rest[0])}[role]()
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--in-features", type=int, default=4096)
@@ -147,14 +157,24 @@ def main() -> None:
         planned = _child("--as", "pd", "plan", profile, "-c", "4x10GB/s", "--straight", "-o", plan)
         trained = _child("--as", "train", plan)
         reference = _child("--as", "reference", plan)
+        checkpoints = os.path.join(folder, "ckpt")
+        recipe = _child("--as", "train", plan, checkpoints)  # AdamW, a checkpoint after each step
+        exported = _child("--as", "pd", "export", checkpoints, "-o", os.path.join(folder, "export"))
     print(f"model: pdtool.zoo:mlp {kwargs}: {params / 1e6:.0f}M parameters, {model_bytes / 2 ** 30:.2f} GiB of fp32")
     rows = [("pd profile (whole model)", profiled_whole["peak"]),
             (f"pd profile --memory {budget} (by layer)", profiled["peak"]),
             ("pd plan", planned["peak"]), ("pd train launcher", trained["launcher"])]
     rows += [(f"worker rank {r} (stage {trained['stages'][r]})", peak) for r, peak in trained["workers"].items()]
-    rows += [("one-process reference (not pdtool)", reference["peak"])]
+    rows += [("one-process reference (not pdtool)", reference["peak"]),
+             ("pd train launcher, AdamW + checkpoints", recipe["launcher"])]
+    rows += [(f"  worker rank {r} (stage {recipe['stages'][r]})", peak) for r, peak in recipe["workers"].items()]
+    rows += [("pd export of the checkpoint", exported["peak"])]
     for name, peak in rows:
-        print(f"  {name:36} peak RSS {peak / 2 ** 20:8.0f} MiB  = {peak / model_bytes:.2f} x the model's parameters")
+        print(f"  {name:40} peak RSS {peak / 2 ** 20:8.0f} MiB  = {peak / model_bytes:.2f} x the model's parameters")
+    print("workers beyond their start, measured / planned (AdamW with checkpoints; flush, 4 microbatches a step):")
+    for r in recipe["beyond"]:
+        print(f"  rank {r} (stage {recipe['stages'][r]}): {recipe['beyond'][r] / 2 ** 20:.0f} MiB / "
+              f"{recipe['planned'][r] / 2 ** 20:.0f} MiB = {recipe['beyond'][r] / recipe['planned'][r]:.2f}")
     print(f"layer by layer against whole-model profiling: {agreement}")
     print(f"  the same with depth {min(args.depth, 8)} (whole profiling with room to spare): {small_agreement}")
     got = [trained["losses"][b] for b in sorted(trained["losses"], key=int)]
