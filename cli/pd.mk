@@ -11,7 +11,7 @@
 #                      flags $(PD_ARGS_NAME) and $(PD_PROFILE_FLAGS)
 #   NAME.plan.json     pd plan of NAME.profile.json for $(PD_CLUSTER_NAME) or $(PD_CLUSTER),
 #                      flags $(PD_PLAN_ARGS_NAME) and $(PD_PLAN_FLAGS); re-made only when the profile changed
-#   NAME.svg/.png/.pdf the plan drawn over the layer graph (pd show --render)
+#   NAME.svg/.png/.pdf the plan drawn: its stages and their blocks (pd show --render)
 #   NAME.trace.json    the simulated schedule as a Chrome trace (pd simulate --trace)
 #   NAME.metrics.csv   a training run: pd train of NAME.plan.json with flags $(PD_TRAIN_ARGS_NAME) and
 #                      $(PD_TRAIN_FLAGS) (e.g. --data digits --epochs 10 --evaluate); the CSV has a row
