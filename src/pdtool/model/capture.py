@@ -57,6 +57,7 @@ class Capture:
     stages: tuple[StageInfo, ...]
     specs: tuple[tuple[Spec, ...], ...] = ()
     parameters: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (whole-model name, shape) of every stage parameter
+    dtypes: dict[str, str] = field(default_factory=dict)  # whole-model name -> torch dtype name, parameters and buffers
 
     def to_json(self) -> str:
         """The capture as JSON text (it crosses machines through the job's store)."""
@@ -71,7 +72,20 @@ class Capture:
                                         shared_buffers={k: tuple(v) for k, v in info["shared_buffers"].items()}))
                        for info in data["stages"])
         specs = tuple(tuple((name, tuple(shape), dtype) for name, shape, dtype in boundary) for boundary in data["specs"])
-        return cls(stages, specs, tuple((name, tuple(shape)) for name, shape in data["parameters"]))
+        return cls(stages, specs, tuple((name, tuple(shape)) for name, shape in data["parameters"]),
+                   _dtype_names(data.get("dtypes", {})))
+
+
+def _dtype_names(dtypes: Any) -> dict[str, str]:
+    """`dtypes` (name -> torch dtype name) as read from JSON; `ValueError` unless every value
+    names one of torch's dtypes (an entry is data: a name of anything else in torch is refused)."""
+    known = {name for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+    if not isinstance(dtypes, dict):
+        raise ValueError("capture: dtypes is not an object of name -> dtype")
+    for name, dtype in dtypes.items():
+        if not isinstance(dtype, str) or dtype not in known:
+            raise ValueError(f"capture: {name}'s dtype {dtype!r} is not a torch dtype")
+    return dict(dtypes)
 
 
 @contextlib.contextmanager
@@ -139,7 +153,11 @@ def describe(stages: list[Stage], model: nn.Module, specs=(), modules=()) -> Cap
                                dict(stage.buffer_names), stage.layers, dict(stage.tied), dict(stage.shared_buffers),
                                program, out_spec))
     shapes = {stage.param_names[n]: tuple(p.shape) for stage in stages for n, p in stage.module.named_parameters()}
-    return Capture(tuple(infos), tuple(specs), tuple(shapes.items()))
+    dtypes = {stage.param_names[n]: str(p.dtype).removeprefix("torch.")
+              for stage in stages for n, p in stage.module.named_parameters()}
+    dtypes.update({stage.buffer_names[n]: str(b.dtype).removeprefix("torch.")
+                   for stage in stages for n, b in stage.module.named_buffers() if n in stage.buffer_names})
+    return Capture(tuple(infos), tuple(specs), tuple(shapes.items()), dtypes)
 
 
 def names_of(info: StageInfo) -> list[str]:

@@ -46,9 +46,10 @@ from typing import Any, Callable
 
 from ... import safefile
 
-FORMAT = 3
+FORMAT = 4
 """Changes when an entry's content or the `Capture` it holds changes meaning (2: `hashes`; the
-programs call only what `model.program.Allowed` lets them; 3: without torch.export's dtype assertions, traced on fake CPU tensors)."""
+programs call only what `model.program.Allowed` lets them; 3: without torch.export's dtype assertions, traced on fake CPU tensors;
+4: the parameters' and buffers' dtypes, which `--init-from` is checked against)."""
 
 ENV = "PDTOOL_CACHE_DIR"
 OFF = ("", "off", "0", "no")

@@ -119,9 +119,10 @@ def _from_cache(entry: capture_cache.Entry, plan: Plan, mode: str, data: str, se
 
 
 def _check_init_from(init_from: str | None, capture: Capture) -> None:
-    """`pd train --init-from`: its files hold every stage's parameters, of their shapes."""
+    """`pd train --init-from`: its files hold every stage's parameters, of their shapes and dtypes."""
     if init_from:
         from ...model.weights import WeightFiles
 
         WeightFiles.open(init_from).check(dict(capture.parameters),
-                                          {b for info in capture.stages for b in info.buffer_names.values()})
+                                          {b for info in capture.stages for b in info.buffer_names.values()},
+                                          dtypes=capture.dtypes)
