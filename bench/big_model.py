@@ -58,7 +58,7 @@ def _train(plan_path: str, checkpoints: str | None = None) -> None:
     import dataclasses
 
     from pdtool.artifacts.plan import Plan
-    from pdtool.prediction import measured_beyond, planned_memory
+    from pdtool.prediction import measured_beyond, planned_for_run
     from pdtool.runtime.launcher.job import prepare
     from pdtool.runtime.launcher.session import run
     from pdtool.runtime.run import OptimizerConfig, RunConfig
@@ -70,7 +70,7 @@ def _train(plan_path: str, checkpoints: str | None = None) -> None:
                        checkpoint_every=1 if checkpoints else 0)
     job = prepare(plan, config)
     result = run(dataclasses.replace(job.config))
-    planned = planned_memory(plan, "flush", 4, optimizer.name)
+    planned = planned_for_run(plan, config, result.reports.values())
     print(json.dumps({"losses": {str(b): loss for b, loss in sorted(result.losses.items())},
                       "beyond": {str(r): measured_beyond(rep.memory) for r, rep in sorted(result.reports.items())},
                       "planned": {str(r): sum(planned[r].values()) for r in sorted(result.reports)},

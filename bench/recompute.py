@@ -12,7 +12,7 @@ when training starts, less the RSS before its stage was built; the workers run w
 back to the kernel and the resident set follows the tensors held, `pdtool.allocator`) with its `activations` term (what remains of the peak beyond weights,
 their stashed versions, gradients and optimizer state), beside the plan's activations and message
 buffers (`messages`: what the runtime's links keep, `planner.costmodel.Memory.terms`) for the same
-(`prediction.planned_memory`, the figures `pd train` prints), then what recomputation saved
+(`prediction.planned_for_run`, the figures `pd train` prints), then what recomputation saved
 measured against what the plans say it saves, and each run's time per minibatch against the
 simulator's.
 
@@ -37,7 +37,7 @@ def _train(plan_path: str, steps: int):
     config = RunConfig(plan_path=plan_path, steps=steps, progress=False, device="cpu",
                        optimizer=OptimizerConfig("sgd", 0.001, 0.0, 0.0), timeout_s=300)
     job = prepare(Plan.load(plan_path), config)
-    return run(dataclasses.replace(job.config))
+    return job.config, run(dataclasses.replace(job.config))
 
 
 def main() -> None:
@@ -55,7 +55,7 @@ def main() -> None:
 
     from pdtool.artifacts.plan import Plan, compact_ranges
     from pdtool.cli import cli
-    from pdtool.prediction import measured_beyond, planned_memory
+    from pdtool.prediction import measured_beyond, planned_for_run
     from pdtool.simulate import simulate
 
     MiB = 2 ** 20
@@ -64,13 +64,13 @@ def main() -> None:
         cli.main(["profile", "-m", "pdtool.zoo:mlp", "-a", "in_features=256", "-a", f"hidden={args.hidden}",
                   "-a", f"depth={args.depth}", "-a", "classes=10", "-b", str(args.batch), "--repeats", "3", "-q",
                   "-o", profile], standalone_mode=False)
-        plans, results = {}, {}
+        plans, results, configs = {}, {}, {}
         for how in ("none", "all"):
             path = os.path.join(folder, f"{how}.plan.json")
             cli.main(["plan", profile, "--cluster", "4x10GB/s", "--straight", "--recompute", how, "-o", path],
                      standalone_mode=False)
             plans[how] = Plan.load(path)
-            results[how] = _train(path, args.steps)
+            configs[how], results[how] = _train(path, args.steps)
         cuts = {how: [compact_ranges(s.layers) for s in plan.stages] for how, plan in plans.items()}
         print(f"model: mlp 256 -> {args.depth} x {args.hidden} -> 10, batch {args.batch}; 4 straight stages, "
               f"pipedream, {args.steps} steps, SGD; cuts {cuts['none']}"
@@ -79,7 +79,7 @@ def main() -> None:
               f"{'measured/planned':>16} {'measured rest MiB':>17} {'planned act MiB':>15} {'planned msg MiB':>15}")
         saved = {}
         for how in ("none", "all"):
-            planned = planned_memory(plans[how], None, None, "sgd")
+            planned = planned_for_run(plans[how], configs[how], results[how].reports.values())
             for stage, spec in enumerate(plans[how].stages):
                 rank = spec.ranks[0]
                 report = results[how].reports[rank]

@@ -70,18 +70,32 @@ MEMORY_GAP = 1.25
 
 
 def planned_memory(plan: Plan, mode: str | None, group: int | None, optimizer: str,
-                   precision: str = "fp32") -> dict[int, dict[str, int]]:
+                   precision: str = "fp32", weight_decay: float = 0.0,
+                   rings: dict[int, bool] | None = None) -> dict[int, dict[str, int]]:
     """Per plan rank, the bytes the memory model gives each term (`Memory.terms`: weights and
-    their versions, gradients, optimizer state, activations in flight) for the schedule of `mode`
-    and `group` (None: the plan's) with `optimizer`'s state, computing in `precision`."""
-    from .planner.costmodel import COMPUTE_COPY, OPTIMIZER_SLOTS, Memory
+    their versions, gradients, optimizer state, activations in flight, messages, temporaries)
+    for the schedule of `mode` and `group` (None: the plan's) with `optimizer`'s state and
+    `weight_decay`, computing in `precision`; `rings` says per rank whether its messages went
+    through shared-memory rings (`WorkerReport.rings`; absent: they did)."""
+    from .planner.costmodel import OPTIMIZER_SLOTS, memory_model
     from .simulate import simulate
 
     result = simulate(plan, mode=mode, group=group)
-    model = Memory(float("inf"), OPTIMIZER_SLOTS.get(optimizer, 2), COMPUTE_COPY[precision])  # a factory: as Adam
-    return {rank: {term: int(value) for term, value in model.stage_terms(stage, result.peak_in_flight[rank],
-                                                                         result.peak_versions[rank]).items()}
+    slots = OPTIMIZER_SLOTS.get(optimizer, 2)  # a factory: as Adam
+    models = {ring: memory_model(None, slots, precision, mode or plan.mode, weight_decay > 0, optimizer == "adamw",
+                                 rings=ring) for ring in (True, False)}
+    rings = rings or {}
+    return {rank: {term: int(value) for term, value in models[rings.get(rank, True)].stage_terms(
+        stage, result.peak_in_flight[rank], result.peak_versions[rank]).items()}
             for stage in plan.stages for rank in stage.ranks}
+
+
+def planned_for_run(plan: Plan, config, reports) -> dict[int, dict[str, int]]:
+    """`planned_memory` of a run: its `config` (a `RunConfig`: mode, group, optimizer, precision)
+    and its workers' `reports` (whose messages went through shared-memory rings)."""
+    return planned_memory(plan, config.mode, config.group, config.optimizer.name,
+                          config.precision or plan.profile.precision, config.optimizer.weight_decay,
+                          {report.rank: report.rings > 0 for report in reports})
 
 
 def measured_beyond(measured: dict[str, int]) -> int:
@@ -99,11 +113,13 @@ def memory_gap(measured: dict[str, int], planned: dict[str, int]) -> str | None:
     if total <= 0 or 1 / MEMORY_GAP <= beyond / total <= MEMORY_GAP:
         return None
     planned = dict(planned)
-    if "messages" in planned and "messages" not in measured:  # a worker's measured rest holds both
-        planned["activations"] = planned["activations"] + planned.pop("messages")
+    for rest in ("messages", "temporaries"):  # a worker's measured rest holds them too
+        if rest in planned and rest not in measured:
+            planned["activations"] = planned["activations"] + planned.pop(rest)
     term = max(planned, key=lambda name: abs(measured.get(name, 0) - planned[name]))
-    what = (" (what remains of the peak beyond weights, gradients and optimizer state, planned as activations in "
-            "flight and the runtime's message buffers; measured, also whatever else the process held then: the "
-            "allocator's cache, autograd's temporaries, mapped file pages)") if term == "activations" else ""
+    what = (" (what remains of the peak beyond weights, gradients and optimizer state, planned as what autograd "
+            "saves for the minibatches in flight, the runtime's message buffers and the step's temporaries; "
+            "measured, also whatever else the process held then: freed memory the allocator keeps for reuse, the "
+            "libraries' own buffers)") if term == "activations" else ""
     return (f"{beyond / total:.1f}x the plan; the term most off is {term}{what}: measured "
             f"{format_bytes(measured.get(term, 0))}, planned {format_bytes(planned[term])}")

@@ -9,7 +9,7 @@ from pdtool.profiler import profile_model
 
 FAST = dict(repeats=2, warmup=1)
 GPT = ModelRef("pdtool.zoo:gpt", dict(vocab=64, seq_len=16, d_model=32, heads=2, layers=3))
-STRUCTURE = ("name", "kind", "act_bytes", "param_bytes", "ops")
+STRUCTURE = ("name", "kind", "act_bytes", "param_bytes", "ops", "saved_bytes")
 
 
 def _structure(profile: Profile):

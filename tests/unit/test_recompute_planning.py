@@ -126,7 +126,7 @@ def test_a_worker_past_the_plans_memory_limit_says_so():
     plan = make_plan(profile, parse_cluster("2x10GB/s", "64MiB"), straight=True, mode="flush")
     config = RunConfig(plan_path="p.json", steps=2, mode="flush")
     base = 100 * 2**20
-    reports = {rank: SimpleNamespace(stage=s, rank=rank, memory={"base": base, "peak": base + beyond,
+    reports = {rank: SimpleNamespace(stage=s, rank=rank, rings=0, memory={"base": base, "peak": base + beyond,
                                                                  "training": base + beyond})
                for s, (rank, beyond) in enumerate([(0, 80 * 2**20), (1, 5 * 2**20)])}
     lines = memory_lines(SimpleNamespace(reports=reports), plan, config)

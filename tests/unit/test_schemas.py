@@ -20,7 +20,7 @@ PROFILES = sorted((Path(__file__).parents[2] / "profiles").glob("*.profile.json"
 def written(profile_path, message_ms_per_mib=None):
     profile = Profile.load(profile_path)
     if message_ms_per_mib is not None:  # and what a layer-by-layer profile writes besides
-        first = dataclasses.replace(profile.layers[0], same_as=0)
+        first = dataclasses.replace(profile.layers[0], same_as=0, saved_bytes=profile.layers[0].act_bytes)
         profile = dataclasses.replace(profile, message_ms_per_mib=message_ms_per_mib, measured="layers", precision="bf16",
                                       classes={"blocks": "ModuleList"},
                                       layers=(first,) + profile.layers[1:])

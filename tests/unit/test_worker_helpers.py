@@ -7,3 +7,28 @@ def test_next_forwards_names_the_first_forward_after_each_action():
     actions = [Action.parse(text) for text in "0F0 0F1 0B0 0U 0F2 0B1 0U 0B2 0U".split()]
     assert _next_forwards(actions) == [1, 2, 2, 2, None, None, None, None, None]
 
+
+
+def test_a_workers_measured_memory_leaves_out_file_pages(monkeypatch):
+    """Issue 35 item 10: the code of torch's libraries a worker first runs (25-27 MiB a worker on
+    bench/recompute.py) is file pages, which no stage holds and the page cache shares: measured
+    beside the plan, they read as activations."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pdtool.runtime.worker import memory
+
+    MB = 2**20
+    files = iter([10 * MB, 40 * MB])  # at the start, and once training is done
+    monkeypatch.setattr(memory, "file_bytes", lambda: next(files))
+    monkeypatch.setattr(memory, "resident_bytes", lambda: 300 * MB)
+    monkeypatch.setattr(memory, "peak_resident_bytes", lambda: 400 * MB)
+    cpu = torch.device("cpu")
+    base = memory.start(cpu)
+    assert base == 290 * MB
+    worker = SimpleNamespace(live=[torch.zeros(MB // 4)], peak_versions=0, optimizer=None)
+    measured = memory.measure(worker, cpu, base, startup=350 * MB)
+    assert measured["files"] == 40 * MB and measured["peak"] == 400 * MB  # the whole process's, as before
+    assert measured["training"] == 360 * MB
+    assert measured["activations"] == (360 - 290 - 2) * MB  # less the weights and their gradients

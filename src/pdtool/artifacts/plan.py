@@ -57,7 +57,7 @@ class PlanStage(LayerSet):
     `fwd_ms`/`bwd_ms` are one minibatch's forward/backward time on one worker (the sum over
     its layers), `param_bytes` its parameters, `in_bytes`/`out_bytes` what crosses its
     input/output boundary per minibatch (each way), `activation_bytes` what one minibatch in
-    flight keeps stashed for its backward (its input plus its layers' outputs). `compute_ms`, `allreduce_ms`,
+    flight keeps stashed for its backward (its input plus what its layers save: the profile's saved_bytes). `compute_ms`, `allreduce_ms`,
     `transfer_ms` and `time_ms` are ms per minibatch as the cost model charges them (already
     divided by all replicas), `memory_bytes` what one of its workers needs, `in_flight` the
     minibatches each of its workers holds at once under 1F1B. `update_ms` is one optimizer step
@@ -96,6 +96,9 @@ class PlanStage(LayerSet):
     time_ms: float = field(Num())
     memory_bytes: int = field(Int())
     update_ms: float = field(Num(), 0.0)
+    largest_layer_bytes: int = field(Int(), 0, doc="The parameter bytes of its largest layer: the size of the "
+                                     "temporaries its optimizer step and gradient accumulation make (0 in plans "
+                                     "made before: not counted)")
     data_ms: float = field(Num(), 0.0)
     wgrad_ms: float = field(Num(), 0.0, missing=lambda v: estimate_wgrad_ms(v["bwd_ms"], v["param_bytes"]),
                            doc="The part of bwd_ms that computes the weight gradients (the W of mode zb).")

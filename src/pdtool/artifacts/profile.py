@@ -83,6 +83,9 @@ class Layer:
     ops: tuple[str, ...] = field(ListOf(Str(), "every op must be a string", "fix the list"), ())
     wgrad_ms: float | None = field(Num(), None, null=True, doc="The part of bwd_ms that computes the weight "
                                    "gradients (null: not measured).")
+    saved_bytes: int | None = field(Int(), None, null=True, omit=None, doc="What its forward saves for its "
+                                    "backward, per minibatch: the storages it made and autograd saved, and its "
+                                    "outputs a consumer saves (absent: not measured; the planner takes act_bytes).")
     same_as: int | None = field(Int(0), None, null=True, omit=None, doc="Not timed: identical to layer same_as "
                                 "(the same kind, parameter and input shapes), whose figures it carries "
                                 "(pd profile --reuse-identical).")

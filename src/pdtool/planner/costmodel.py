@@ -34,11 +34,12 @@ antichain" counts some outputs that stay inside the state too, so it charges at 
 
 **Memory** (both models): a worker of a stage holding `k` minibatches in flight keeps
 `k` weight versions (weight stashing), one gradient and `optimizer_slots` optimizer buffers
-of its parameters, `k` sets of stashed activations (the cut bytes it receives plus every layer
-output), and the messages its links keep (activations and gradients both ways, as many as the
-deeper worker of each link holds in flight: `Memory.terms`):
+of its parameters, `k` sets of stashed activations (the cut bytes it receives plus what its
+layers save for their backward: the profile's `saved_bytes`, measured by `pd profile`, or
+`act_bytes` in a profile without them), and the messages its links keep (activations and
+gradients both ways, as many as the deeper worker of each link holds in flight: `Memory.terms`):
 
-    param_bytes * (k + 1 + optimizer_slots) + k * (in_bytes + sum of its layers' act_bytes)
+    param_bytes * (k + 1 + optimizer_slots) + k * (in_bytes + sum of its layers' saved_bytes)
         + 2 * ((k + 1) * in_bytes + k * out_bytes)
 
 Under 1F1B with round-robin replication, a stage with `R` replicas after `before` workers of
@@ -49,7 +50,7 @@ earlier stages, in a pipeline of `W` workers, has `k = floor((W - 1 - before) / 
 keeping activations and again, keeping them, just before each backward (on the same weight
 version). Its minibatches in flight stash only their inputs, and one holds its whole set:
 
-    param_bytes * (k + 1 + optimizer_slots) + (k - 1) * in_bytes + (in_bytes + sum of act_bytes)
+    param_bytes * (k + 1 + optimizer_slots) + (k - 1) * in_bytes + (in_bytes + sum of saved_bytes)
         + messages + k * out_bytes (its sends in flight no longer share their outputs with a stash)
 
 and its compute per minibatch is forward + backward + forward again. With `auto` the planner
@@ -64,6 +65,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..artifacts.profile import Profile
+from ..schedule.modes import DEFAULT, GROUP, rules
 
 if TYPE_CHECKING:
     from ..artifacts.plan import Plan
@@ -88,17 +90,21 @@ class ChainCosts:
     cut: np.ndarray
     edges: tuple[tuple[int, int], ...] | None = None
     forward: np.ndarray | None = None  # the forward part of `compute` (what recomputation runs again); None: 0
+    stash: np.ndarray | None = None    # what each layer saves for its backward (`Layer.saved_bytes`); None: `acts`
 
     @classmethod
     def from_profile(cls, profile: Profile) -> "ChainCosts":
         return cls.from_layers(np.array([l.total_ms * SECONDS_PER_MS for l in profile.layers], dtype=float),
                                np.array([l.param_bytes for l in profile.layers], dtype=float),
                                np.array([l.act_bytes for l in profile.layers], dtype=float), profile.edges,
-                               forward=np.array([l.fwd_ms * SECONDS_PER_MS for l in profile.layers], dtype=float))
+                               forward=np.array([l.fwd_ms * SECONDS_PER_MS for l in profile.layers], dtype=float),
+                               stash=np.array([l.act_bytes if l.saved_bytes is None else l.saved_bytes
+                                               for l in profile.layers], dtype=float))
 
     @classmethod
     def from_layers(cls, compute: np.ndarray, params: np.ndarray, acts: np.ndarray,
-                    edges: tuple[tuple[int, int], ...], forward: np.ndarray | None = None) -> "ChainCosts":
+                    edges: tuple[tuple[int, int], ...], forward: np.ndarray | None = None,
+                    stash: np.ndarray | None = None) -> "ChainCosts":
         """Costs of a layer graph: per-layer arrays in topological order and its edges."""
         n = len(compute)
         last_use = list(range(n))
@@ -110,12 +116,17 @@ class ChainCosts:
                 alive[layer] += acts[layer]
                 alive[last_use[layer]] -= acts[layer]
         return cls(compute=compute, params=params, acts=acts, cut=np.cumsum(alive)[:n],
-                   edges=tuple(sorted({(int(s), int(d)) for s, d in edges})), forward=forward)
+                   edges=tuple(sorted({(int(s), int(d)) for s, d in edges})), forward=forward, stash=stash)
 
     @property
     def forwards(self) -> np.ndarray:
         """Per-layer forward seconds (zeros where the costs carry none)."""
         return np.zeros(self.n) if self.forward is None else self.forward
+
+    @property
+    def stashes(self) -> np.ndarray:
+        """Per-layer bytes a minibatch in flight keeps for the backward (`acts` where not measured)."""
+        return self.acts if self.stash is None else self.stash
 
     @property
     def n(self) -> int:
@@ -127,6 +138,31 @@ OPTIMIZER_SLOTS = {"sgd": 1, "adam": 2, "adamw": 2}  # buffers per parameter: SG
 COMPUTE_COPY = {"fp32": 0.0, "bf16": 0.5, "fp16": 0.5}  # bytes of autocast's weight copy per fp32 weight byte
 
 
+def step_temporaries(optimizer_slots: int, weight_decay: bool = False, decoupled: bool = True) -> float:
+    """What an optimizer step allocates while it runs, in units of the largest layer's parameters
+    (torch's optimizers on CPU update one parameter at a time): Adam and AdamW make two tensors of
+    a parameter's size (the square root of its second moment, then that divided), SGD none (its
+    momentum is updated in place); weight decay added to the gradient (SGD's, Adam's) one more.
+    Measured with torch 2.13 on a 4096x4096 layer: AdamW 2.0, SGD with momentum 0.0. On GPUs
+    torch's foreach kernels make the same temporaries for a whole parameter group at once
+    (not modelled)."""
+    return (2.0 if optimizer_slots >= 2 else 0.0) + (1.0 if weight_decay and not (optimizer_slots >= 2 and decoupled)
+                                                     else 0.0)
+
+
+def memory_model(limit: float | None, optimizer_slots: int, precision: str, mode: str | None = None,
+                 weight_decay: bool = False, decoupled: bool = True, rings: bool = True) -> "Memory":
+    """The memory model of a run: `limit` bytes per worker (None: no limit), the optimizer's state
+    and step temporaries, autocast's weight copies in `precision`, and what `mode` keeps (its
+    weight versions; whether a worker accumulates gradients over a group); `rings`: whether
+    messages travel through shared-memory rings (copied out of them) or, False, over a process
+    group (a received activation is the stashed input itself)."""
+    rows = rules(mode or DEFAULT)
+    return Memory(float("inf") if limit is None else float(limit), optimizer_slots, COMPUTE_COPY[precision],
+                  rows.versions_kept, step_temporaries(optimizer_slots, weight_decay, decoupled),
+                  accumulates=rows.steps == GROUP, rings=rings)
+
+
 @dataclass(frozen=True)
 class Memory:
     """The per-worker memory model: limit in bytes and optimizer buffers per parameter."""
@@ -136,6 +172,9 @@ class Memory:
     copies: float = 0.0       # mixed precision: autocast's half-size weight copy, saved by every minibatch in flight
     versions_kept: int | None = None  # the mode's most weight versions (`schedule.modes.Mode.versions_kept`; None:
     # one per minibatch in flight, PipeDream's stashing): flush, gpipe and zb keep one, 2bw two
+    step_temporaries: float = 0.0  # the optimizer step's temporaries, x the largest layer's parameters
+    accumulates: bool = False      # the mode adds several backwards' gradients before a step (GROUP modes)
+    rings: bool = True             # messages are copied out of shared-memory rings (False: a process group's)
 
     @staticmethod
     def in_flight(workers: int, before: int, replicas: int) -> int:
@@ -143,13 +182,13 @@ class Memory:
         return (workers - 1 - before) // replicas + 1
 
     def need(self, params: np.ndarray | float, stashed: np.ndarray | float, in_flight: int, versions: int | None = None,
-             recompute: np.ndarray | float | None = None, cut: tuple | None = None):
+             recompute: np.ndarray | float | None = None, cut: tuple | None = None, largest: np.ndarray | float = 0.0):
         """Bytes one worker needs: weight versions (under 1F1B as many as minibatches in flight),
-        gradient and optimizer state, stashed activations and messages (the sum of `terms`)."""
-        return sum(self.terms(params, stashed, in_flight, versions, recompute, cut).values())
+        gradient and optimizer state, stashed activations, messages and temporaries (the sum of `terms`)."""
+        return sum(self.terms(params, stashed, in_flight, versions, recompute, cut, largest).values())
 
     def terms(self, params, stashed, in_flight: int, versions: int | None = None, recompute=None,
-              cut: tuple | None = None) -> dict:
+              cut: tuple | None = None, largest=0.0) -> dict:
         """`need` by term: `weights` (its fp32 versions: the master weights), `gradients`,
         `optimizer` (its state), `activations` (what the minibatches in flight stash), `messages`
         (see below) and, in mixed precision, `compute copies` (the bf16/fp16 weights autocast
@@ -166,7 +205,14 @@ class Memory:
         receives: activations and gradients both ways, `2 * ((k + 1) * in_bytes + k * out_bytes)`
         (the stage before holds one minibatch more under 1F1B; exact for a straight pipeline). A
         recomputing stage also holds the outputs of its sends in flight, which its stash no longer
-        shares: `k * out_bytes` more."""
+        shares: `k * out_bytes` more. Over a process group (`rings` False) a received activation is
+        the stage's input itself, which the stash counts: `k * in_bytes` less.
+
+        `temporaries`: what autograd and the optimizer allocate for a moment, in units of `largest`
+        (the stage's largest layer's parameter bytes, an upper bound of its largest tensor): a
+        backward into gradients that already hold earlier minibatches' makes each gradient anew and
+        adds it (one, where the mode `accumulates`), and the optimizer step its `step_temporaries`;
+        the larger of the two, as they never run at once."""
         if versions is None:
             versions = in_flight if self.versions_kept is None else np.minimum(in_flight, self.versions_kept)
         held = in_flight if recompute is None else 1
@@ -176,9 +222,12 @@ class Memory:
         if cut is not None:
             received, sent = cut
             terms["messages"] = 2 * ((in_flight + 1) * received + in_flight * sent) + \
-                (0 if recompute is None else in_flight * sent)
+                (0 if recompute is None else in_flight * sent) - (0 if self.rings else in_flight * received)
         if self.copies:
             terms["compute copies"] = params * self.copies * held
+        factor = max(self.step_temporaries, 1.0 if self.accumulates else 0.0)
+        if factor:
+            terms["temporaries"] = largest * factor
         return terms
 
     def per_worker(self, plan: "Plan", result: "SimResult") -> dict[int, int]:
@@ -191,7 +240,8 @@ class Memory:
     def stage_terms(self, stage, in_flight: int, versions: int) -> dict:
         """`terms` of a worker of plan stage `stage` (recomputing as the plan says)."""
         return self.terms(stage.param_bytes, stage.activation_bytes, in_flight, versions,
-                          stage.in_bytes if stage.recompute else None, (stage.in_bytes, stage.out_bytes))
+                          stage.in_bytes if stage.recompute else None, (stage.in_bytes, stage.out_bytes),
+                          stage.largest_layer_bytes)
 
 
 class CostModel:

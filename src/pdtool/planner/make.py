@@ -23,7 +23,7 @@ from ..steady import applies as steady_applies, steady_state
 from ..schedule.modes import DEFAULT, DEFAULT_TIED, MODES, listed, modes_where, resolve, rules
 from ..units import format_bytes
 from .background import background
-from .costmodel import COMPUTE_COPY, MODELS, ChainCosts, CostModel, Memory
+from .costmodel import MODELS, ChainCosts, CostModel, Memory, memory_model
 from .partition import Pipeline, PipelineStage, Solver
 from .states import States, build_states
 
@@ -83,10 +83,8 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     costs = ChainCosts.from_profile(profile)
     counts = [level.count for level in cluster.levels]
     bandwidths = [level.bandwidth for level in cluster.levels]
-    # the weight versions the plan's mode keeps (the default mode's when none is given: PipeDream's, the most)
-    versions_kept = rules(mode or DEFAULT).versions_kept
-    memory = Memory(float(cluster.memory), optimizer_slots, COMPUTE_COPY[profile.precision],
-                    versions_kept) if cluster.memory else None
+    # what the plan's mode keeps (the default mode's when none is given: PipeDream's weight versions, the most)
+    memory = memory_model(cluster.memory, optimizer_slots, profile.precision, mode) if cluster.memory else None
     # zero-time layers follow their producers only where that is safe (states.py, `_followers`)
     states = _splittable(build_states(costs, followers=not model.exact_workers and memory is None), profile, say)
     if data_parallel:
@@ -160,7 +158,7 @@ def _mode_memory(plan: Plan, optimizer_slots: int, memory: Memory | None) -> Pla
     minibatches in flight and weight versions per worker: `Memory.per_worker`, what `pd train`
     compares its workers with), and one line when a stage then passes the limit of `memory`."""
     result = simulator.simulate(plan)
-    model = Memory(float("inf"), optimizer_slots, COMPUTE_COPY[plan.profile.precision])
+    model = memory_model(None, optimizer_slots, plan.profile.precision, plan.mode)
     need = model.per_worker(plan, result)
     stages = tuple(dataclasses.replace(s, memory_bytes=max(need[r] for r in s.ranks)) for s in plan.stages)
     worst = max(range(len(stages)), key=lambda i: stages[i].memory_bytes)
@@ -232,8 +230,7 @@ def _data_parallel_excess(profile, costs, states, counts, bandwidths, model, mem
     free = solver.solve()
     if free is None:
         return None
-    stages, _ = _describe(free, profile, costs, model, solver,
-                          Memory(float("inf"), optimizer_slots, COMPUTE_COPY[profile.precision]))
+    stages, _ = _describe(free, profile, costs, model, solver, memory_model(None, optimizer_slots, profile.precision))
     return int(max(s.memory_bytes for s in stages) - memory.limit)
 
 
@@ -250,8 +247,7 @@ def _as_plan(pipeline: Pipeline, solver: Solver, profile: Profile, cluster: Clus
              mode: str | None, command: str, profile_file: str | None) -> Plan:
     """The plan of one of the dynamic program's pipelines, with the cost model's figures."""
     stages, groups = _describe(pipeline, profile, costs, model, solver,
-                               memory or Memory(float("inf"), optimizer_slots, COMPUTE_COPY[profile.precision],
-                                                rules(mode or DEFAULT).versions_kept))
+                               memory or memory_model(None, optimizer_slots, profile.precision, mode))
     stages = with_boundaries(profile, stages)
     items = [(s.time_ms, f"stage {i} {_dominant(s.compute_ms, s.allreduce_ms, s.transfer_ms)}")
              for i, s in enumerate(stages)]
@@ -390,17 +386,19 @@ def _leaf(stage: PipelineStage, terms: dict, outer: int, ranks: list[int], profi
     """One plan stage: `before` workers run the `earlier` stages; `total_params` is the profile's."""
     k = Memory.in_flight(solver.workers, before, len(ranks))
     a, b = stage.start, stage.end
+    layers = [profile.layers[i] for i in stage.layers]
+    largest = max(l.param_bytes for l in layers)
     need = memory.need(float(solver.params[a, b]), float(solver.stashed[a, b]), k,
                        recompute=float(solver.states.cut[a]) if stage.recompute else None,
-                       cut=(float(solver.states.cut[a]), float(solver.states.cut[b])))
-    layers = [profile.layers[i] for i in stage.layers]
+                       cut=(float(solver.states.cut[a]), float(solver.states.cut[b])), largest=largest)
     params = sum(l.param_bytes for l in layers)
     share = params / total_params if total_params else 0.0
     return PlanStage(stage.layers, layers[0].name, layers[-1].name, tuple(ranks), k,
                      sum(l.fwd_ms for l in layers), sum(l.bwd_ms for l in layers), params,
                      int(solver.states.cut[a]), int(solver.states.cut[b]), int(solver.stashed[a, b]),
                      *_term_ms(terms, outer), int(round(need)),
-                     update_ms=profile.update_ms * share, data_ms=profile.data_ms if not earlier else 0.0,
+                     update_ms=profile.update_ms * share, largest_layer_bytes=largest,
+                     data_ms=profile.data_ms if not earlier else 0.0,
                      wgrad_ms=sum(l.weight_gradient_ms for l in layers), reduce_ms=profile.reduce_ms * share,
                      recompute=stage.recompute)
 

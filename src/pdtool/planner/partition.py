@@ -115,7 +115,10 @@ class Solver:
         self.inner = [prod(counts[:level]) for level in range(len(counts))]  # workers per unit
         states = self.states
         self.params = states.stage_sums(states.params)
-        self.stashed = states.stage_sums(states.acts) + states.cut[:, None]
+        # the largest layer's parameters of each stage (`Memory.terms`' temporaries), where they count
+        self.largest = states.stage_maxima(states.layer_params) if memory is not None and (
+            memory.step_temporaries or memory.accumulates) and states.layer_params is not None else 0.0
+        self.stashed = states.stage_sums(states.acts if states.stash is None else states.stash) + states.cut[:, None]
         self.compute = states.stage_sums(states.compute, empty=INF)  # +inf: no such stage
         self.recompute = recompute
         self.again = None  # a recomputing stage's compute: its forward runs twice
@@ -200,11 +203,11 @@ class Solver:
         outer_before, outer = context
         k = Memory.in_flight(self.workers, outer_before + outer * before, outer * r)
         cut = (self.states.cut[:, None], self.states.cut[None, :])
-        fits = self.memory.need(self.params, self.stashed, k, cut=cut) <= self.memory.limit
+        fits = self.memory.need(self.params, self.stashed, k, cut=cut, largest=self.largest) <= self.memory.limit
         recomputing = False
         if self.recompute != "none":
-            fits_again = self.memory.need(self.params, self.stashed, k, recompute=self.states.cut[:, None], cut=cut) \
-                <= self.memory.limit
+            fits_again = self.memory.need(self.params, self.stashed, k, recompute=self.states.cut[:, None], cut=cut,
+                                          largest=self.largest) <= self.memory.limit
             recomputing = fits_again if self.recompute == "all" else fits_again & ~fits
             times = np.where(recomputing, again(), times)
             fits = fits_again if self.recompute == "all" else fits | fits_again

@@ -68,6 +68,8 @@ class States:
     cut: np.ndarray
     subset: np.ndarray
     forward: np.ndarray | None = None  # per-state totals of the layers' forward seconds (recomputation's cost)
+    stash: np.ndarray | None = None    # per-state totals of what the layers save for the backward (None: `acts`)
+    layer_params: np.ndarray | None = None  # per layer (not state): parameter bytes, for `stage_maxima`
 
     def __len__(self) -> int:
         return len(self.masks)
@@ -91,7 +93,24 @@ class States:
         return States(space=self.space, n=self.n, masks=tuple(self.masks[s] for s in rows),
                       compute=self.compute[rows], params=self.params[rows], acts=self.acts[rows],
                       cut=self.cut[rows], subset=self.subset[np.ix_(rows, rows)],
-                      forward=None if self.forward is None else self.forward[rows])
+                      forward=None if self.forward is None else self.forward[rows],
+                      stash=None if self.stash is None else self.stash[rows], layer_params=self.layer_params)
+
+    def stage_maxima(self, values: np.ndarray, levels: int = 16) -> np.ndarray:
+        """Matrix `M[k, j]` = the largest of the per-layer `values` over the stage `D_j \\ D_k`
+        where state k is a strict subset of state j, 0 elsewhere. Exact for the `levels` largest
+        distinct values; a smaller value counts as the smallest of those (never less than it is).
+        A stage holds a value at least v when D_j counts more layers of at least v than D_k."""
+        values = np.asarray(values, dtype=float)
+        found = np.zeros(self.subset.shape)
+        if self.n == 0 or not values.any():
+            return found
+        bits = _membership(list(self.masks), self.n)
+        tops = np.unique(values[values > 0])[-levels:]
+        for i, level in enumerate(tops):  # ascending: a larger level overwrites a smaller one
+            count = bits[:, (values > 0) if i == 0 else (values >= level)].sum(axis=1)
+            found = np.where(count[None, :] > count[:, None], level, found)
+        return np.where(self.subset, found, 0.0)
 
     def stage_sums(self, totals: np.ndarray, empty: float = 0.0) -> np.ndarray:
         """Matrix `S[k, j]` = totals[j] - totals[k] where state k is a strict subset of state j
@@ -124,7 +143,7 @@ def build_states(costs: ChainCosts, max_states: int = MAX_STATES, followers: boo
     return States(space=DOWN_SETS, n=n, masks=tuple(masks), compute=compute[order],
                   params=_totals(bits, costs.params), acts=_totals(bits, costs.acts),
                   cut=_totals(consumed_outside, costs.acts), subset=_strict_subsets(masks, n),
-                  forward=_totals(bits, costs.forwards))
+                  forward=_totals(bits, costs.forwards), stash=_totals(bits, costs.stashes), layer_params=costs.params)
 
 
 def prefix_states(costs: ChainCosts, space: str = PREFIXES) -> States:
@@ -137,7 +156,8 @@ def prefix_states(costs: ChainCosts, space: str = PREFIXES) -> States:
 
     return States(space=space, n=n, masks=tuple((1 << k) - 1 for k in range(n + 1)), compute=prefix(costs.compute),
                   params=prefix(costs.params), acts=prefix(costs.acts), cut=np.concatenate([[0.0], costs.cut]),
-                  subset=np.triu(np.ones((n + 1, n + 1), dtype=bool), 1), forward=prefix(costs.forwards))
+                  subset=np.triu(np.ones((n + 1, n + 1), dtype=bool), 1), forward=prefix(costs.forwards),
+                  stash=prefix(costs.stashes), layer_params=costs.params)
 
 
 # ----- pieces ----------------------------------------------------------------------------------

@@ -270,7 +270,8 @@ def _bytes(module: nn.Module, names: tuple[str, ...]) -> int:
 def _layer(index: int, name: str, kind: str, cost: LayerCost, param_bytes: int, ops) -> Layer:
     return Layer(id=index, name=name, kind=kind, fwd_ms=cost.fwd_ms, bwd_ms=cost.bwd_ms,
                  fwd_ms_spread=cost.fwd_ms_spread, bwd_ms_spread=cost.bwd_ms_spread,
-                 act_bytes=cost.act_bytes, param_bytes=param_bytes, ops=tuple(ops), wgrad_ms=cost.wgrad_ms)
+                 act_bytes=cost.act_bytes, param_bytes=param_bytes, ops=tuple(ops), wgrad_ms=cost.wgrad_ms,
+                 saved_bytes=cost.saved_bytes)
 
 
 def _device(name: str) -> torch.device:

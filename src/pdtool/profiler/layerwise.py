@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map
 from ..model.build import materialize, to_meta
 from ..model.capture import retarget
 from ..model.layergraph import LayerGraph
-from .fx_measure import LayerCost, time_layer
+from .fx_measure import LayerCost, Producers, stashes, time_layer
 from .timing import Clock, tensors_in, time_sgd_steps
 
 
@@ -43,6 +43,7 @@ class _Streaming(fx.Interpreter):
         self.model, self.names, self.real, self.seed = model, names, real, seed
         self.timing, self.reuse, self.progress = timing, reuse, progress
         self.costs: dict[int, LayerCost] = {}
+        self.producers = Producers()
         self.same_as: dict[int, int] = {}
         self.update_ms = 0.0
         self.seen: dict[tuple, int] = {}
@@ -80,9 +81,11 @@ class _Streaming(fx.Interpreter):
         tensors.update({own: self.real.get(id(b), b).to(self.device) for own, b in sub.named_buffers()})
         real_of = {id(t): self.model.get_parameter(self.names[id(t)]) for t in passed}  # parameters passed in
         args, kwargs = tree_map(lambda v: real_of.get(id(v), v) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+        self.producers.consumed(index, args, kwargs)
         with _swapped(sub, tensors):
             with torch.no_grad():
                 out = sub(*args, **kwargs)
+            self.producers.made_by(index, out)
             if self.reuse and key in self.seen:
                 self.same_as[index] = self.seen[key]
                 self.costs[index] = self.costs[self.seen[key]]
@@ -155,6 +158,7 @@ def measure_layerwise(graph: LayerGraph, model: nn.Module, standins: dict[int, t
         gm.recompile()
     stream = _Streaming(split, model, names, standins,
                         seed, dict(repeats=repeats, warmup=warmup, clock=clock), reuse, progress, device)
+    stream.producers = Producers(inputs)
     stream.run(*inputs)
-    return [stream.costs[i] for i in range(len(stream.costs))], stream.same_as, stream.update_ms
+    return stashes(stream.costs, stream.producers.links), stream.same_as, stream.update_ms
 

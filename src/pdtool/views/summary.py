@@ -3,7 +3,7 @@ minibatch beside the plan's predictions, with the reasons for a gap. Pure: no to
 from __future__ import annotations
 
 from ..artifacts.plan import Plan
-from ..prediction import expected_ms, gap_reasons, measured_beyond, memory_gap, planned_memory
+from ..prediction import expected_ms, gap_reasons, measured_beyond, memory_gap, planned_for_run
 from ..units import format_bytes
 from ..runtime.run import RunConfig, resolved
 
@@ -67,8 +67,7 @@ def memory_lines(result, plan: Plan, config: RunConfig) -> list[str]:
     reports = [r for r in result.reports.values() if r.memory]
     if not reports:
         return []
-    planned = planned_memory(plan, config.mode, config.group, config.optimizer.name,
-                             config.precision or plan.profile.precision)
+    planned = planned_for_run(plan, config, reports)
     busiest = {}
     for report in reports:
         if report.stage not in busiest or _beyond(report) > _beyond(busiest[report.stage]):
@@ -86,6 +85,9 @@ def memory_lines(result, plan: Plan, config: RunConfig) -> list[str]:
             gaps.append(f"  - stage {stage}: its peak ({format_bytes(_beyond(report))} beyond its start) passes the "
                         f"{format_bytes(limit)} per worker the plan was made for (pd plan --memory): on those workers "
                         "it would not fit; plan again with more memory, more workers or --recompute")
+    files = max(report.memory.get("files", 0) for report in reports)
+    if files:
+        parts.append(f"file pages left out (torch's code, mapped files: up to {format_bytes(files)} a worker)")
     return [f"peak memory per worker: {'; '.join(parts)}"] + gaps
 
 

@@ -99,8 +99,9 @@ def _ignore(signum, frame) -> None:
 
 _CAPTURE = "pdtool/capture"
 """Where rank 0 publishes the stages' capture (`model.capture.Capture`) for the other ranks."""
-_DECIDED = ("steps", "first_step", "resume", "run_id", "threads")
-"""The RunConfig fields rank 0 decides for every worker (`job.prepare`, --resume, the run id)."""
+_DECIDED = ("steps", "first_step", "resume", "run_id", "threads", "init_from")
+"""The RunConfig fields rank 0 decides for every worker (`job.prepare`, --resume and whether
+--init-from is read, the run id)."""
 
 
 @dataclass

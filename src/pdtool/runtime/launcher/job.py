@@ -144,14 +144,14 @@ def check_memory(plan: Plan, config: RunConfig) -> None:
     limit = plan.cluster.memory
     if not limit:
         return
-    from ...planner.costmodel import COMPUTE_COPY, Memory
+    from ...planner.costmodel import memory_model
     from ...simulate import simulate
     from ...units import format_bytes
 
     run = resolved(plan, config)
     result = simulate(plan, mode=run.name, group=config.group)
-    needs = Memory(limit, config.optimizer.state_slots, COMPUTE_COPY[config.precision or plan.profile.precision]
-                   ).per_worker(plan, result)
+    needs = memory_model(limit, config.optimizer.state_slots, config.precision or plan.profile.precision, run.name,
+                         config.optimizer.weight_decay > 0, config.optimizer.name == "adamw").per_worker(plan, result)
     rank = max(needs, key=needs.get)
     if needs[rank] <= limit:
         return

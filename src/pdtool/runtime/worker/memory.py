@@ -1,9 +1,18 @@
 """What a worker measures of its own memory, by the terms of the planner's memory model
 (`planner.costmodel.Memory.terms`): the peak from the operating system (CPU: the process's peak
-resident set; CUDA: the most memory torch allocated on the device) beyond what the process held
-when it started, and of it the bytes of the stage's weights and their stashed versions, its
-gradients and its optimizer state, counted exactly; the rest is activations and the runtime's
-own buffers (messages, shared-memory rings, the allocator's cache)."""
+resident set less its file pages; CUDA: the most memory torch allocated on the device) beyond what
+the process held when it started, and of it the bytes of the stage's weights and their stashed
+versions, its gradients and its optimizer state, counted exactly; the rest is activations,
+autograd's and the optimizer's temporaries and the runtime's own buffers (messages,
+shared-memory rings, the allocator's cache).
+
+File pages (`RssFile`: the code of torch's libraries as a worker first runs each kernel, 25-27 MiB
+a worker on bench/recompute.py, and files it maps, such as --init-from's safetensors) are left out
+of the figures the plan is compared with and reported as `files`: they belong to no stage, the
+page cache shares them between the workers of a machine, and the kernel drops them under pressure.
+The kernel keeps no peak of the other pages alone, so the peak is VmHWM less the file pages at the
+end (they only grow while nothing presses on memory): at most what the file pages added during
+training under the true figure."""
 from __future__ import annotations
 
 import os
@@ -21,6 +30,19 @@ def resident_bytes() -> int:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def file_bytes() -> int:
+    """This process's resident file pages now (RssFile of /proc/self/status, Linux 4.5 and later;
+    0 where it lacks them): mapped libraries and files."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def peak_resident_bytes() -> int:
@@ -43,8 +65,9 @@ def in_use(device: torch.device) -> int:
 
 
 def start(device: torch.device) -> int:
-    """What the process holds before its stage is built: the baseline its peak is measured from."""
-    return in_use(device)
+    """What the process holds before its stage is built, less its file pages: the baseline its
+    peak is measured from."""
+    return in_use(device) - (file_bytes() if device.type != "cuda" else 0)
 
 
 def training_starts(device: torch.device) -> int:
@@ -66,18 +89,22 @@ def training_starts(device: torch.device) -> int:
 
 
 def measure(worker, device: torch.device, base: int, startup: int = 0) -> dict[str, int]:
-    """`base`, `peak` (the whole process's), `training` (the peak since `training_starts`, which
-    returned `startup`, start-up's peak) and training's peak beyond `base` by term (`TERMS`), for a
+    """`base`, `peak` (the whole process's, file pages included), `training` (the peak since
+    `training_starts`, which returned `startup`, start-up's peak; less the file pages, as `base`),
+    `files` (the file pages at the end) and training's peak beyond `base` by term (`TERMS`), for a
     `StageWorker` whose run is done: its weights and the most versions it stashed, one gradient per
     parameter (as every backward has), its optimizer's state tensors; `activations` is what
     remains of the peak."""
+    files = 0
     if device.type == "cuda":
-        training = torch.cuda.max_memory_allocated(device)
+        peak = torch.cuda.max_memory_allocated(device)
     else:
-        training = peak_resident_bytes()
+        files, peak = file_bytes(), peak_resident_bytes()
+    training = peak - files
     params = sum(p.numel() * p.element_size() for p in worker.live)
     state = worker.optimizer.state.values() if worker.optimizer is not None else ()
     optimizer = sum(t.numel() * t.element_size() for entry in state for t in entry.values() if torch.is_tensor(t))
     exact = {"weights": params * (1 + worker.peak_versions), "gradients": params, "optimizer": optimizer}
     rest = max(training - base - sum(exact.values()), 0)
-    return {"base": base, "peak": max(training, startup), "training": training, **exact, "activations": rest}
+    return {"base": base, "peak": max(peak, startup), "training": training, **exact, "activations": rest,
+            "files": files}
