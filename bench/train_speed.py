@@ -517,7 +517,7 @@ def main() -> None:
         setup = Setup(str(path), ref, args.batch, m, args.warmup, args.minibatches)
         _say("machine check")
         free = [_free_cores(setup)]
-        rows, other, start_up, actions = {}, {}, {}, {}
+        rows, other, start_up, actions, speed = {}, {}, {}, {}, {}
 
         def measure(name: str, run, ms=lambda result: result):
             """Run one contender; rows[name] = its ms per minibatch, other[name] = the machine's other load."""
@@ -532,8 +532,10 @@ def main() -> None:
         pair_ms = measure("both stages at once, no messages", lambda: _spawn(_stages_at_once, setup), max)
         measure("one process", lambda: _single(setup))
         for mode in MODES_RUN:
+            gauge = max(_spawn(_stages_at_once, setup))
             _, start_up[mode], actions[mode], how = measure(f"pdtool {mode}", lambda: _pdtool(setup, mode),
                                                             lambda r: r[0])
+            speed[f"pdtool {mode}"] = (gauge + max(_spawn(_stages_at_once, setup))) / 2 / max(stage_ms)
         for name in ("Schedule1F1B", "ScheduleGPipe", "ScheduleInterleavedZeroBubble"):
             measure(f"torch {name}", lambda: _spawn(_pipelining, setup, name))
         measure("DDP (2 replicas)", lambda: _spawn(_ddp, setup))
@@ -553,18 +555,23 @@ def main() -> None:
           " -- WARNING: other programs are using the CPUs, the figures below are not trustworthy"))
     print()
     print("| contender | ms / minibatch | samples/s | vs Schedule1F1B | vs limit | predicted ms | measured / predicted "
-          "| other CPU use |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| machine speed | measured / predicted at that speed | other CPU use |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     base, limit = rows["torch Schedule1F1B"], rows["limit (slowest stage alone)"]
     for name, ms in rows.items():
         mode = name.split()[-1] if name.startswith("pdtool") else None
-        pred = f"{predicted[mode]:.1f} | {ms / predicted[mode]:.2f}" if mode else " | "
+        pred = (f"{predicted[mode]:.1f} | {ms / predicted[mode]:.2f} | {speed[name]:.2f} | "
+                f"{ms / predicted[mode] / speed[name]:.2f}") if mode else " | | | "
         print(f"| {name} | {ms:.1f} | {args.batch * 1e3 / ms:.0f} | {base / ms:.2f}x | {limit / ms:.2f} | {pred} | "
               f"{other[name]:.2f} cores |")
     print()
     print("vs Schedule1F1B: its time / the contender's (> 1 is faster); vs limit: limit time / the contender's; "
-          "predicted: the simulator on the plan for that schedule; other CPU use: cores busy with programs other "
-          "than this benchmark while that row ran (0 on a quiet machine)")
+          "predicted: the simulator on the plan for that schedule; machine speed: the slower stage's time when "
+          "both stages compute at once (no messages) just before and after that row, over its time alone at the "
+          "start (above 1 slower: this VM's speed drifts 15-40% within minutes, and two busy cores share caches "
+          "and memory, which pdtool's prediction does not model); measured / predicted at that speed: the ratio "
+          "with the prediction's compute scaled by it, what the targets judge; other CPU use: cores busy with programs other than this benchmark "
+          "while that row ran (0 on a quiet machine)")
     for mode in MODES_RUN:
         if any(sum(a.values()) for a in actions[mode]):
             parts = "; ".join(f"stage {s} F {a['F']:.1f} B {a['B']:.1f} W {a['W']:.1f} U {a['U']:.1f} rest "
@@ -584,9 +591,9 @@ def main() -> None:
         ("pdtool pipedream at least 90% of the limit", limit / rows["pdtool pipedream"] >= 0.9,
          f"{limit / rows['pdtool pipedream']:.2f}"),
     ]
-    checks += [(f"pdtool {mode} within 15% of its prediction",
-                abs(rows[f"pdtool {mode}"] / predicted[mode] - 1) <= 0.15,
-                f"{rows[f'pdtool {mode}'] / predicted[mode]:.2f}") for mode in MODES_RUN]
+    at_speed = {mode: rows[f"pdtool {mode}"] / predicted[mode] / speed[f"pdtool {mode}"] for mode in MODES_RUN}
+    checks += [(f"pdtool {mode} within 10% of its prediction (at the machine's speed of the moment)",
+                abs(at_speed[mode] - 1) <= 0.10, f"{at_speed[mode]:.2f}") for mode in MODES_RUN]
     zb_torch = rows["torch ScheduleInterleavedZeroBubble"]
     for mode in modes_where(split=True):
         checks += [
