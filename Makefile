@@ -94,15 +94,13 @@ PD_ARGS_gpt = -a seq_len=128 -b 4 --repeats 5
 profiles: install
 	$(MAKE) --no-print-directory -B PD=$(PD) $(PROFILES:%=profiles/%.profile.json)
 
-# Every benchmark the README quotes (about 30 minutes here; run it on a quiet machine). real_links
-# needs root for its network namespaces and says so where it cannot make them.
+# Every benchmark docs/benchmarks.md quotes, each writing its dated result file into bench/results/
+# (about 60 minutes here; run it alone, on a quiet machine). real_links needs root for its network
+# namespaces and says so where it cannot make them.
+BENCHES := profile_speed plan_speed train_speed recompute big_model startup time_to_accuracy real_links test_time
 bench: install
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[plot]'
-	$(PY) bench/profile_speed.py
-	$(PY) bench/plan_speed.py
-	$(PY) bench/train_speed.py
-	$(PY) bench/time_to_accuracy.py
-	$(PY) bench/real_links.py
+	set -e; for b in $(BENCHES); do $(PY) bench/$$b.py; done
 
 clean:
 	rm -rf $(OUT) .pytest_cache

@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from record import recorded  # bench/record.py: the dated result file
 
 
 def _peak() -> int:
@@ -188,4 +189,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("big_model"):
+        main()

@@ -32,6 +32,7 @@ from pdtool.artifacts.cluster import parse_cluster
 from pdtool.artifacts.pipedream import load_pipedream_graph
 from pdtool.planner import make_plan
 from pdtool.artifacts.profile import Layer, Profile
+from record import recorded  # bench/record.py: the dated result file
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALE_CLUSTERS = [("16 (8x2)", "8x300GB/s,2x25GB/s"), ("256 (8x32)", "8x300GB/s,32x25GB/s"),
@@ -126,4 +127,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("plan_speed"):
+        main()

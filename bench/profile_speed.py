@@ -23,6 +23,7 @@ import torch
 
 from pdtool.artifacts.profile import SUM_BAND, ModelRef
 from pdtool.profiler import profile_model
+from record import recorded  # bench/record.py: the dated result file
 
 CASES = [
     ("ResNet-50, batch 8, 224x224", ModelRef("pdtool.zoo:resnet50", {}), 8),
@@ -82,4 +83,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("profile_speed"):
+        main()

@@ -58,6 +58,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import links  # noqa: E402
+from record import recorded  # bench/record.py: the dated result file
 
 PD = str(Path(sys.executable).parent / "pd")
 MODELS = {
@@ -351,4 +352,6 @@ def _precision(out: Path) -> list[dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with recorded("real_links"):
+        code = main()
+    sys.exit(code)

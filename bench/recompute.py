@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import os
 import tempfile
+from record import recorded  # bench/record.py: the dated result file
 
 
 def _train(plan_path: str, steps: int):
@@ -103,4 +104,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("recompute"):
+        main()

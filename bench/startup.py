@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from record import recorded  # bench/record.py: the dated result file
 
 START = time.time()  # this process's start: a row's times count from here, its imports included
 
@@ -157,4 +158,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("startup"):
+        main()

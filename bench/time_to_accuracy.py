@@ -52,6 +52,7 @@ from pdtool.runtime.launcher import session
 from pdtool.runtime.worker.optim import build_optimizer
 from pdtool.runtime.run import OptimizerConfig, RunConfig, checked_run
 from pdtool.schedule import rules
+from record import recorded  # bench/record.py: the dated result file
 
 MODES = ("pipedream", "vsync", "2bw", "flush")
 SINGLE = "one process"
@@ -228,4 +229,5 @@ def plot(curves: list[Curve], target: float, path: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("time_to_accuracy"):
+        main()

@@ -93,6 +93,7 @@ from pdtool.model.stages import plan_stages
 from pdtool.runtime.run import RunConfig
 from pdtool.schedule import ACTIVATION, GRADIENT, generate, lower, modes_where, rules
 from pdtool.simulate import simulate
+from record import recorded  # bench/record.py: the dated result file
 
 OPTIMIZER = OptimizerConfig("sgd", 0.01, 0.9, 0.0)
 MODES_RUN = ("flush", "zb", "zb2", "pipedream")  # pdtool's rows
@@ -673,4 +674,5 @@ def _say(text: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("train_speed"):
+        main()

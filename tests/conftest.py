@@ -19,6 +19,8 @@ if HERE not in sys.path:
 _CACHE = tempfile.mkdtemp(prefix="pdtool-test-captures-")
 os.environ["PDTOOL_CACHE_DIR"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, True)
+# the benches the tests run write no result file into bench/results/ (bench/record.py)
+os.environ["PDTOOL_BENCH_RESULTS"] = "off"
 
 
 def pytest_collection_modifyitems(config, items):

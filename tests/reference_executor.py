@@ -1,6 +1,6 @@
 """The reference executor: every worker of a schedule in one process, plain tensors.
 
-A test oracle for the distributed runtime (the README's "Schedules" section): it runs the same
+A test oracle for the distributed runtime (docs/schedules.md): it runs the same
 `StageWorker`s on the same schedule, but with messages in dictionaries and the replicas'
 all-reduce as a plain sum, in any order that respects the data dependencies. Whatever the
 runtime adds (processes, point-to-point messages, process groups, routing) must not change

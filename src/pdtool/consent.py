@@ -12,7 +12,7 @@ weapon), so pd calls a function only when someone who may run code consented to 
    a `src/` folder on `sys.path`);
 3. **its author marked it** as a factory: the `@pdtool.factory` decorator on its definition, or
    an entry point of the package's metadata in the group `pdtool.models` (`pdtool.datasets` for
-   data) whose value is the spec (the Python convention for plugins; see the README), listed by
+   data) whose value is the spec (the Python convention for plugins; see docs/security.md), listed by
    a distribution installed outside the experiment folder (a `.dist-info` folder in it is data
    like any other file there: it consents only to a module that is itself a file of the folder).
 

@@ -28,6 +28,7 @@ def test_time_to_accuracy_runs_and_prints_its_table(tmp_path):
     ("big_model", "losses, one process:"),
     ("startup", "start-up after/before"),
     ("real_links", "bf16 / fp32 time per minibatch"),  # or its one line saying it cannot emulate machines here
+    ("test_time", "smoke: cloned, make test and test-fast resolve"),
 ])
 def test_every_bench_runs_to_its_end_at_tiny_sizes(tmp_path, bench, expect):
     """Issue 35 item 20: bench/train_speed.py crashed at its overhead rows after an interface change, and no

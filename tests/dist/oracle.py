@@ -1,8 +1,8 @@
-"""An oracle of the asynchronous modes written from the README's semantics alone.
+"""An oracle of the asynchronous modes written from the semantics docs/schedules.md states alone.
 
 It shares no code with the runtime (no `StageWorker`, no schedule, no stage splitting): the
 whole model runs in one process, and for every minibatch b each parameter is taken from the
-version of its stage that the README says b sees:
+version of its stage that docs/schedules.md says b sees:
 
 - every stage s of a plan with r_s replicas steps once per round of its replicas, on the mean
   gradient of the round's minibatches (b in [t r_s, (t+1) r_s)), with the learning rate scaled

@@ -1,4 +1,4 @@
-"""pd train's asynchronous modes against an oracle written from the README alone (oracle.py):
+"""pd train's asynchronous modes against an oracle written from docs/schedules.md alone (oracle.py):
 the same losses and final weights, on 2- and 3-stage plans, replicated stages included. Each run
 is also checked against the reference executor (`tests/reference_executor.py`, the schedule run in one
 process) and against the schedule's bound on stashed weight versions: one run, both oracles."""
@@ -44,7 +44,7 @@ def test_asynchronous_modes_equal_the_readme_oracle(tmp_path, mode, split):
     assert weights.keys() == run.weights.keys()
     for name, expected in run.weights.items():
         torch.testing.assert_close(weights[name], expected)
-    bound = peak_versions(make_schedule(plan, config))  # the README's versions per worker
+    bound = peak_versions(make_schedule(plan, config))  # docs/schedules.md's versions per worker
     assert all(report.peak_versions <= bound[rank] for rank, report in reports.items())
     assert max(report.peak_versions for report in reports.values()) >= 1  # weights were stashed
 

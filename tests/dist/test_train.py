@@ -19,7 +19,7 @@ SHM = pytest.mark.skipif(not shm.available(torch.device("cpu")), reason="shared-
 
 # With the default transport, test_oracle.py checks every asynchronous mode on every one of its
 # splits (these three included) against the reference executor and the bound on stashed versions,
-# in the run it compares with the README's oracle; here, links forced onto shared-memory rings.
+# in the run it compares with the docs' oracle; here, links forced onto shared-memory rings.
 @pytest.mark.parametrize("mode, split, transport", [
     pytest.param("pipedream", [((0, 1), 2), ((2, 3), 1)], "shared-memory", marks=SHM),
 ], ids=["pipedream 2-1 rings"])
@@ -28,7 +28,7 @@ def test_asynchronous_modes_equal_the_reference_executor(tmp_path, mode, split, 
     config = config_for(path, steps=4, transport=transport)
     reports = launch(config, len(plan.used_ranks))
     losses, weights = merged(reports)
-    bound = peak_versions(make_schedule(plan, config))  # the README's versions per worker
+    bound = peak_versions(make_schedule(plan, config))  # docs/schedules.md's versions per worker
     assert all(report.peak_versions <= bound[rank] for rank, report in reports.items())
     assert max(report.peak_versions for report in reports.values()) >= 1  # weights were stashed
     run = reference(plan, config)

@@ -28,7 +28,7 @@ from .group import MAX_STEPS, MAX_THREADS, PER_GROUP, PER_ROUND, Count, Finite, 
 @click.option("--epochs", type=Count(1, 10**6), help="Instead of --steps: passes over the data set.")
 @click.option("--model", "-m", "model_spec", metavar="PKG.MODULE:FACTORY",
               help="Build the model with this factory instead of the one the plan names (called with the plan's "
-                   "kwargs; it must build the same model). Naming it here trusts it: see the README's Security.")
+                   "kwargs; it must build the same model). Naming it here trusts it: see docs/security.md.")
 @click.option("--data", default="synthetic", show_default=True, metavar="SOURCE",
               help="synthetic (the model factory's batches), digits (the UCI handwritten digits shipped with "
                    "pdtool), or PKG.MODULE:FACTORY returning a torch Dataset of (input, target) items.")
@@ -41,13 +41,13 @@ from .group import MAX_STEPS, MAX_THREADS, PER_GROUP, PER_ROUND, Count, Finite, 
               help="sgd (with momentum), adam, adamw (decoupled weight decay), or a factory called as "
                    "factory(param_groups, lr=LR) that returns a torch optimizer (naming it here trusts it).")
 @click.option("--lr", type=Finite(0, 1e6, min_open=True), default=0.01, show_default=True,
-              help=f"Peak learning rate (a replicated stage in {PER_ROUND} uses lr * r_s / r_0, see the README).")
+              help=f"Peak learning rate (a replicated stage in {PER_ROUND} uses lr * r_s / r_0, see docs/train.md).")
 @click.option("--momentum", type=Finite(0, 1, max_open=True), help="SGD momentum [default: 0.9].")
 @click.option("--betas", type=(Finite(0, 1, max_open=True), Finite(0, 1, max_open=True)), default=None,
               metavar="B1 B2", help="adam, adamw: the moments' decay rates [default: 0.9 0.999].")
 @click.option("--eps", type=Finite(0, 1, min_open=True), help="adam, adamw: added to the denominator [default: 1e-8].")
 @click.option("--weight-decay", type=Finite(0, 1e6), default=0.0, show_default=True,
-              help="Weight decay of every parameter but biases, norms and embeddings (see the README's recipe).")
+              help="Weight decay of every parameter but biases, norms and embeddings (see docs/train.md).")
 @click.option("--lr-schedule", type=click.Choice(LR_SCHEDULES), default="constant", show_default=True,
               help="After the warm-up: keep --lr, or decay it linearly or along a cosine to --min-lr.")
 @click.option("--warmup-steps", type=Count(0, MAX_STEPS), default=0, show_default=True,
@@ -61,7 +61,7 @@ from .group import MAX_STEPS, MAX_THREADS, PER_GROUP, PER_ROUND, Count, Finite, 
                    "between stages travel in it (fp16 also scales the loss) [default: the profile's].")
 @click.option("--clip-grad-norm", type=Finite(0, 1e9, min_open=True), metavar="MAX",
               help="Clip the gradients to this global norm before each step (the whole model's where stages step "
-                   f"together; in {PER_ROUND} each stage its share: see the README).")
+                   f"together; in {PER_ROUND} each stage its share: see docs/train.md).")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints under this folder.")
 @click.option("--checkpoint-every", type=Count(0, MAX_STEPS), default=0, show_default=True,
               help="Steps between checkpoints (0: only at the end).")
@@ -119,7 +119,7 @@ from .group import MAX_STEPS, MAX_THREADS, PER_GROUP, PER_ROUND, Count, Finite, 
 @click.option("--launcher", type=click.Choice(LAUNCHERS), default="auto",
               show_default=True,
               help="Who starts the workers: local (pd train starts them), or torchrun/slurm (this process is one "
-                   "worker that torchrun or srun started; see the README's Cluster launchers); auto: torchrun or "
+                   "worker that torchrun or srun started; see docs/launchers.md); auto: torchrun or "
                    "slurm when their variables are set (TORCHELASTIC_RUN_ID; SLURM_PROCID in an srun step of "
                    "several tasks), else local.")
 @click.option("--init", "init", type=click.Choice(INITS), default="rule", show_default=True,

@@ -1,6 +1,6 @@
 """A model built without its weights, and the one rule that gives any part of it its initial values.
 
-No process of pdtool holds a whole model it does not need (README, "Models bigger than one
+No process of pdtool holds a whole model it does not need (docs/big-models.md, "Models bigger than one
 worker"). The model's factory runs once in each process, but its parameters never take memory:
 
 - **Parameters on `meta`.** While the factory runs, every parameter registered by a module that
@@ -281,7 +281,7 @@ def _unset(model: nn.Module, name: str) -> ModelError:
     cls = type(model.get_submodule(owner)).__name__
     return ModelError(f"parameter {name} (of a {cls}) is set by no init method of pdtool's initialization rule (its "
                       f"module's reset_parameters() or a Hugging Face model's _init_weights); give {cls} a "
-                      "reset_parameters() that initialises it, or train with --init factory (README: 'Models bigger "
+                      "reset_parameters() that initialises it, or train with --init factory (docs/big-models.md: 'Models bigger "
                       "than one worker')")
 
 

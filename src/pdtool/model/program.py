@@ -31,7 +31,7 @@ one `LaunchError` line, and `check` tells the launcher the same before any worke
   without a dunder part.
 The names are looked up only among the modules the worker already imported (its model's). A graph the encoder cannot write (a higher-order operator with a subgraph)
 leaves that stage's program empty: its worker then captures the model itself, on `meta`.
-Measured on GPT-2 small (README, "Models bigger than one worker"): the text of all stages is
+Measured on GPT-2 small (docs/big-models.md): the text of all stages is
 a few hundred KB, and a worker builds its stage from it in well under a second.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ The model is captured by the tracer that made its profile (torch.fx, or torch.ex
 sample minibatch of the profile's size) and grouped into layers exactly as `pd profile` grouped
 it (`profiler.capture`, so layer i is group i); every graph node goes to the stage whose layer
 set holds its group, and each stage becomes an `fx.GraphModule` made of its own nodes only
-(the README's "pd train" section). A model neither tracer captures is split by module
+(docs/train.md). A model neither tracer captures is split by module
 selection instead: one stage runs it whole, or stages are runs of the children of its
 top-level nn.Sequential.
 

@@ -178,7 +178,7 @@ class Memory:
 
     @staticmethod
     def in_flight(workers: int, before: int, replicas: int) -> int:
-        """Minibatches a replica holds at once under 1F1B-RR (the README's "Schedules" table)."""
+        """Minibatches a replica holds at once under 1F1B-RR (docs/schedules.md)."""
         return (workers - 1 - before) // replicas + 1
 
     def need(self, params: np.ndarray | float, stashed: np.ndarray | float, in_flight: int, versions: int | None = None,

@@ -30,7 +30,8 @@ from torch.utils._pytree import tree_map
 from torch.autograd.graph import saved_tensors_hooks
 
 from ..artifacts.profile import noisy
-from .timing import EXTRA_ROUNDS, MIN_EXTRA, Clock, backward_from, nbytes, summarize, tensors_in
+from .timing import (EXTRA_ROUNDS, MIN_EXTRA, Clock, backward_from, nbytes, roots_and_seeds, seeds_for, summarize,
+                     tensors_in)
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,7 @@ class _LayerTimer:
         self.bwd: list[float] = []
         self.inputs_only: list[float] = []
         self.saved: Saved | None = None
+        self.seeds = seeds_for(out)  # the output's gradient, made outside the timed backward
 
     def _fresh(self) -> tuple:
         # a differentiable copy, so that a layer that works in place on its input cannot
@@ -265,11 +267,11 @@ class _LayerTimer:
         start = clock()
         result = sub(*call_args, **call_kwargs)
         middle = clock()
-        backward_from(result)
+        backward_from(result, self.seeds)
         end = clock()
         if self.splits:  # the same layer's backward of the input gradients only (zb's B), right after
             again_args, again_kwargs = self._fresh()
-            seconds = _input_gradients_s(sub(*again_args, **again_kwargs), self.leaves, clock)
+            seconds = _input_gradients_s(sub(*again_args, **again_kwargs), self.leaves, clock, self.seeds)
             if timed:
                 self.inputs_only.append(seconds)
         if timed:
@@ -300,11 +302,11 @@ def _less(seconds: float, fixed: float) -> float:
     return max(seconds - fixed, seconds / 2)
 
 
-def _input_gradients_s(result, leaves: list[torch.Tensor], clock: Clock) -> float:
+def _input_gradients_s(result, leaves: list[torch.Tensor], clock: Clock, seeds: dict | None = None) -> float:
     """Seconds of a backward from `result` that computes the gradients of `leaves` only."""
-    roots = [t for t in tensors_in(result) if t.requires_grad]
-    if not roots:
+    pairs = roots_and_seeds(result, seeds)
+    if not pairs:
         return 0.0
     start = clock()
-    torch.autograd.grad(roots, leaves, [torch.ones_like(t) for t in roots], allow_unused=True)
+    torch.autograd.grad([root for root, _ in pairs], leaves, [seed for _, seed in pairs], allow_unused=True)
     return clock() - start

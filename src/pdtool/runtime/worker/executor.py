@@ -5,7 +5,7 @@ tensors: the distributed runtime (one `StageWorker` per process, messages over
 torch.distributed) and the reference executor (all of them in one process, messages in
 dictionaries). It knows nothing about communication.
 
-**Weight versions** (the README's "Schedules" table). "Version v" of a stage is its weights after v
+**Weight versions** (docs/schedules.md). "Version v" of a stage is its weights after v
 optimizer steps; the schedule says which version every forward and backward uses
 (`Schedule.versions`). A forward runs the stage with `torch.func.functional_call` on the
 tensors of its version (or, when that is the live weights, calls the module itself: swapping

@@ -9,7 +9,7 @@ a shared file (`/dev/shm`): `slots` message slots and two counters, messages wri
 sender) and taken (by the receiver). The sender copies a message's tensors into the next free
 slot and counts it written; the receiver waits for it, copies it out and counts it taken
 (bench/train_speed.py's overhead rows time a 32 KB ping-pong over both transports: 31-44 us one
-way over rings, 79-97 us over gloo, README "Training").
+way over rings, 79-97 us over gloo, docs/benchmarks.md).
 
 A worker that waits polls the counter: it spins (yielding the CPU at every turn, so that its
 own helper threads run) when its machine has a core for each of its workers, and otherwise
