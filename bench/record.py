@@ -80,10 +80,15 @@ def recorded(theme: str, argv: list[str] | None = None):
     began = datetime.datetime.now()
     tee = _Tee(sys.stdout)
     sys.stdout = tee
+    os.environ["PDTOOL_BENCH_RESULTS"] = OFF  # the processes a bench starts (itself, as a child) record nothing
     try:
         yield tee
     finally:
         sys.stdout = tee.terminal
+        if where is None:
+            os.environ.pop("PDTOOL_BENCH_RESULTS", None)
+        else:
+            os.environ["PDTOOL_BENCH_RESULTS"] = where
     short, described = machine()
     folder = Path(where) if where else RESULTS
     folder.mkdir(parents=True, exist_ok=True)

@@ -77,7 +77,7 @@ def planned_memory(plan: Plan, mode: str | None, group: int | None, optimizer: s
     for the schedule of `mode` and `group` (None: the plan's) with `optimizer`'s state and
     `weight_decay`, computing in `precision`; `rings` says per rank whether its messages went
     through shared-memory rings (`WorkerReport.rings`; absent: they did)."""
-    from .planner.costmodel import OPTIMIZER_SLOTS, memory_model
+    from .memory import OPTIMIZER_SLOTS, memory_model
     from .simulate import simulate
 
     result = simulate(plan, mode=mode, group=group)

@@ -1,4 +1,5 @@
 """bench/record.py: a benchmark's output lands in a dated result file with its command and machine."""
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,8 @@ def test_a_benchmark_writes_what_it_printed_with_the_command_and_the_machine(tmp
     monkeypatch.setattr(record, "RESULTS", tmp_path / "results")
     with record.recorded("train_speed", ["bench/train_speed.py", "--only", "main"]):
         print("| pdtool flush | 90.7 |")
+        assert os.environ["PDTOOL_BENCH_RESULTS"] == "off"  # a child process of the bench records nothing
+    assert "PDTOOL_BENCH_RESULTS" not in os.environ
     files = list((tmp_path / "results").glob("train_speed_*.md"))
     assert len(files) == 1 and files[0].name.count("_") >= 2 and files[0].name.endswith(".md")
     text = files[0].read_text()

@@ -7,7 +7,7 @@ import pytest
 from pdtool.artifacts.cluster import parse_cluster
 from pdtool.planner import make_plan
 from pdtool.artifacts.profile import Profile
-from pdtool.runtime.launcher.session import TrainResult
+from pdtool.runtime.run import TrainResult
 from pdtool.runtime.run import WorkerReport
 
 

@@ -147,7 +147,7 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     Under torchrun or srun (--launcher), this process is one of the workers.
     """
     from ..artifacts.plan import Plan
-    from ..runtime.launcher.launch import Nodes
+    from ..runtime.run import Nodes
     from ..runtime.recipe import LrSchedule, OptimizerConfig
     from ..runtime.run import RunConfig
 

@@ -89,7 +89,7 @@ class OptimizerConfig:
     @property
     def state_slots(self) -> int:
         """Optimizer state buffers per parameter for the memory model (a factory's: assumed 2, as Adam)."""
-        from ..planner.costmodel import OPTIMIZER_SLOTS
+        from ..memory import OPTIMIZER_SLOTS
 
         return OPTIMIZER_SLOTS.get(self.name, 2)
 

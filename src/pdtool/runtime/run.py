@@ -203,3 +203,64 @@ def check_world(plan: Plan, world: int, plan_path: str) -> None:
 
 def _ranges(ranks) -> str:
     return f"0..{max(ranks)}" if ranks == tuple(range(len(ranks))) else ",".join(map(str, ranks))
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Where the workers run: `nnodes` machines of `nproc_per_node` workers, this one `node_rank`."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    nproc_per_node: int | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    rdzv_endpoint: str | None = None  # HOST:PORT of a c10d rendezvous (instead of master_addr/port)
+    rdzv_id: str = "pdtool"           # the job's name at that rendezvous, the same on every machine
+    interface: str | None = None      # the network interface of the job's traffic (default: the route to the rendezvous)
+
+
+@dataclass
+class TrainResult:
+    plan: Plan
+    reports: dict[int, WorkerReport]
+    wall_s: float
+    first_step: int
+    steps: int
+    per_step: int
+    eval_steps: tuple[int, ...] = ()  # the steps after which the run evaluates through the pipeline
+
+    @property
+    def evals(self) -> dict[int, tuple]:
+        """Step -> (held-out loss, accuracy or None, samples, began, end) of every evaluation round."""
+        return {e[0]: tuple(e[1:]) for r in self.reports.values() for e in r.evals}
+
+    @property
+    def losses(self) -> dict[int, float]:
+        return {b: loss for r in self.reports.values() for b, loss in r.losses.items()}
+
+    @property
+    def finished(self) -> dict[int, float]:
+        return {b: t for r in self.reports.values() for b, t in r.finished.items()}
+
+    def weights(self) -> dict:
+        """The final weights of this machine's stages (replica 0 of each), by qualified name: the
+        workers report them with `RunConfig.return_weights`."""
+        return {name: t for r in self.reports.values() if r.replica == 0 for name, t in r.weights.items()}
+
+    def time_per_minibatch_ms(self) -> float | None:
+        """Steady state, from what the workers did: the time the last stage took to complete its
+        last k minibatches, divided by k, where k is about half of them and a whole number of
+        rounds of its replicas (which complete their minibatches side by side, in any order):
+        completions are counted in time order, never by minibatch id. Across machines, this
+        machine's replicas of the last stage complete their share (round robin) of the job's
+        minibatches, so the job's time per minibatch is their time per minibatch x that share."""
+        times = sorted(self.finished.values())
+        here = sum(1 for rank in self.plan.stages[-1].ranks if rank in self.reports)
+        rounds = len(times) // max(here, 1)
+        if rounds < 2 or len(times) < 4:
+            return None
+        k = max(rounds // 2, 1) * here
+        span = times[-1] - times[-1 - k]
+        # an evaluation round between those completions is not training time (its drain is)
+        span -= sum(end - began for _, _, _, began, end in self.evals.values() if times[-1 - k] <= began <= times[-1])
+        return span / k * here / self.plan.stages[-1].replicas * 1000 if span > 0 else None

@@ -127,7 +127,7 @@ def train(where: Place, plan, config, *, epochs: int | None = None, resume: bool
     every rank; a worker's failure or a signal ends the process with one line (`Ending`; with
     `verbose`, a failing worker's traceback first)."""
     from .. import peers
-    from .session import TrainResult
+    from ..run import TrainResult
     from ..worker.main import worker_main
     from ..run import check_world, eval_steps
 
@@ -212,7 +212,7 @@ def _start(plan, config, resume: bool, needs, warn, say):
     point, minibatches per step, `_Folder` holding the checkpoint folder or None)."""
     from pathlib import Path
 
-    from .launch import Nodes
+    from ..run import Nodes
     from .manifests import ManifestWriter
     from .resume import plan_sha256, settle
 

@@ -144,7 +144,7 @@ def check_memory(plan: Plan, config: RunConfig) -> None:
     limit = plan.cluster.memory
     if not limit:
         return
-    from ...planner.costmodel import memory_model
+    from ...memory import memory_model
     from ...simulate import simulate
     from ...units import format_bytes
 

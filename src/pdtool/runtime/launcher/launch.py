@@ -32,26 +32,12 @@ from . import forked, scratch
 from ..worker.entry import LaunchState, echoes_a_peer, entry
 from .. import peers
 from ..worker import shm
-from ..run import RunConfig, WorkerReport
+from ..run import Nodes, RunConfig, WorkerReport
 
 
 """Seconds a worker whose error only reports a peer's disappearance waits before it exits."""
 SHUTDOWN_S = 2
 """Seconds the workers get to exit after SIGTERM when pd train itself is interrupted; then SIGKILL."""
-
-
-@dataclass(frozen=True)
-class Nodes:
-    """Where the workers run: `nnodes` machines of `nproc_per_node` workers, this one `node_rank`."""
-
-    nnodes: int = 1
-    node_rank: int = 0
-    nproc_per_node: int | None = None
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None
-    rdzv_endpoint: str | None = None  # HOST:PORT of a c10d rendezvous (instead of master_addr/port)
-    rdzv_id: str = "pdtool"           # the job's name at that rendezvous, the same on every machine
-    interface: str | None = None      # the network interface of the job's traffic (default: the route to the rendezvous)
 
 
 def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: bool = False,

@@ -32,7 +32,7 @@ class LiveMetrics(threading.Thread):
         self.warn = warn  # told once per output that cannot be written (a full disk): training goes on
         self.store, self.config = store, config
         places = {r: (s, st.ranks.index(r)) for s, st in enumerate(plan.stages) for r in st.ranks}
-        from .session import TrainResult  # what metric_rows reads, filled as the records arrive
+        from ..run import TrainResult  # what metric_rows reads, filled as the records arrive
 
         self.result = TrainResult(plan, {r: WorkerReport(rank=r, stage=s, replica=i) for r, (s, i) in places.items()},
                                   0.0, config.first_step, config.steps, per_step, eval_steps(config, per_step))

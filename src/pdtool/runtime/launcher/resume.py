@@ -9,18 +9,14 @@ import dataclasses
 import hashlib
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ...artifacts.checkpoint import (
     MANIFEST, complete_run, existing_steps, latest_complete, read_manifest, set_aside_after,
 )
 from ...artifacts.plan import Plan
 from ...errors import LaunchError
-from ..run import RunConfig, checked_run
+from ..run import Nodes, RunConfig, checked_run
 from .folder_lock import FolderLock
-
-if TYPE_CHECKING:
-    from .launch import Nodes
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ...artifacts.plan import Plan
 from ..run import RunConfig
 from .cluster_env import Place
-from .launch import Nodes
+from ..run import Nodes
 
 
 def train(plan: Plan, config: RunConfig, *, where: Place | None, nodes: Nodes, epochs: int | None = None,
