@@ -13,7 +13,9 @@ Every process runs in a fresh Python process of its own; its peak resident set i
 /proc/self/status when it ends (a worker's is `WorkerReport.memory["peak"]`, the same figure).
 
 Then the same plan trained 2 steps with AdamW and a checkpoint after each step (what a real run
-keeps: 16 bytes a parameter on its stage), and `pd export` of that checkpoint.
+keeps: 16 bytes a parameter on its stage), `pd export` of that checkpoint, and the same recipe run
+under torchrun (4 processes: every rank is a worker, and rank 0 also completes the checkpoints,
+hashing every shard).
 
 Printed: each process's peak RSS and its ratio to the model's parameter bytes (the target: every
 one below 1; the workers' beside what the plan gives them), and the first steps' losses of the pipeline against one process training the whole
@@ -43,13 +45,28 @@ def _peak() -> int:
 
 
 def _pd(args: list[str]) -> None:
-    """Run `pd args` in this process, then print this process's peak RSS as JSON."""
+    """Run `pd args` in this process, then print this process's peak RSS as JSON (with its rank
+    under torchrun)."""
     from pdtool.cli import cli
 
     try:
         cli.main(args, standalone_mode=False)
     finally:
-        print(json.dumps({"peak": _peak()}))
+        print(json.dumps({"peak": _peak(), "rank": os.environ.get("RANK")}), flush=True)
+
+
+def _torchrun(plan_path: str, checkpoints: str) -> dict[str, int]:
+    """The recipe run (AdamW, a checkpoint after each step) under torchrun, 4 processes on this
+    machine: each rank's peak RSS (rank 0 also completes the checkpoints: hashes every shard)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+               __file__, "--as", "pd", "train", plan_path, "--mode", "flush", "--group", "4", "--steps", "2",
+               "--optimizer", "adamw", "--lr", "1e-4", "--weight-decay", "0.01", "--checkpoint-dir", checkpoints,
+               "--checkpoint-every", "1", "--threads", "1", "--quiet"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"torchrun failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    peaks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"peak"')]
+    return {str(p["rank"]): p["peak"] for p in sorted(peaks, key=lambda p: int(p["rank"]))}
 
 
 def _train(plan_path: str, checkpoints: str | None = None) -> None:
@@ -161,6 +178,7 @@ def main() -> None:
         checkpoints = os.path.join(folder, "ckpt")
         recipe = _child("--as", "train", plan, checkpoints)  # AdamW, a checkpoint after each step
         exported = _child("--as", "pd", "export", checkpoints, "-o", os.path.join(folder, "export"))
+        ranks = _torchrun(plan, os.path.join(folder, "torchrun-ckpt"))
     print(f"model: pdtool.zoo:mlp {kwargs}: {params / 1e6:.0f}M parameters, {model_bytes / 2 ** 30:.2f} GiB of fp32")
     rows = [("pd profile (whole model)", profiled_whole["peak"]),
             (f"pd profile --memory {budget} (by layer)", profiled["peak"]),
@@ -170,6 +188,8 @@ def main() -> None:
              ("pd train launcher, AdamW + checkpoints", recipe["launcher"])]
     rows += [(f"  worker rank {r} (stage {recipe['stages'][r]})", peak) for r, peak in recipe["workers"].items()]
     rows += [("pd export of the checkpoint", exported["peak"])]
+    rows += [(f"torchrun rank {r}, AdamW + checkpoints" + (" (completes them)" if r == "0" else ""), peak)
+             for r, peak in ranks.items()]
     for name, peak in rows:
         print(f"  {name:40} peak RSS {peak / 2 ** 20:8.0f} MiB  = {peak / model_bytes:.2f} x the model's parameters")
     print("workers beyond their start, measured / planned (AdamW with checkpoints; flush, 4 microbatches a step):")

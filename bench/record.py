@@ -74,21 +74,22 @@ def recorded(theme: str, argv: list[str] | None = None):
     """Run the body with its output also kept; on success write it as `theme`'s result file."""
     argv = sys.argv if argv is None else argv
     where = os.environ.get("PDTOOL_BENCH_RESULTS")
-    if "--smoke" in argv or "--help" in argv or "-h" in argv or where == OFF:
-        yield None
-        return
+    keep = not ("--smoke" in argv or "--help" in argv or "-h" in argv or where == OFF)
     began = datetime.datetime.now()
     tee = _Tee(sys.stdout)
-    sys.stdout = tee
+    if keep:
+        sys.stdout = tee
     os.environ["PDTOOL_BENCH_RESULTS"] = OFF  # the processes a bench starts (itself, as a child) record nothing
     try:
-        yield tee
+        yield tee if keep else None
     finally:
         sys.stdout = tee.terminal
         if where is None:
             os.environ.pop("PDTOOL_BENCH_RESULTS", None)
         else:
             os.environ["PDTOOL_BENCH_RESULTS"] = where
+    if not keep:
+        return
     short, described = machine()
     folder = Path(where) if where else RESULTS
     folder.mkdir(parents=True, exist_ok=True)

@@ -25,14 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 BUDGETS = {"make test": 8 * 60, "make test-fast": 60}
 
 
-def _timed(command: list[str], cwd: Path) -> tuple[float, int, list[str]]:
+def _timed(command: list[str], cwd: Path) -> tuple[float, int, list[str], list[str]]:
+    """Wall seconds, exit code, pytest's summary lines and its slowest tests (`--durations`)."""
     began = time.monotonic()
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env={**os.environ, "CI": "true"})
     took = time.monotonic() - began
-    summaries = [line.strip() for line in done.stdout.splitlines() if " passed" in line or " failed" in line]
+    lines = done.stdout.splitlines()
+    summaries = [line.strip() for line in lines if " passed" in line or " failed" in line]
+    slowest = [line.strip() for line in lines if line.strip().endswith(("call", "setup", "teardown"))
+               and line.strip()[:1].isdigit()]
     if done.returncode:
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
-    return took, done.returncode, summaries
+    return took, done.returncode, summaries, slowest
 
 
 def main() -> int:
@@ -50,13 +54,17 @@ def main() -> int:
         print(f"commit {commit}, fresh clone; {os.cpu_count()} cores")
         print("| command | wall time | budget | within | pytest |")
         print("|---|---|---|---|---|")
-        failed = 0
+        failed, slowest = 0, []
         for name in ("make test", "make test-fast"):
-            took, code, summaries = _timed(name.split(), clone)
+            took, code, summaries, slow = _timed(name.split(), clone)
+            slowest = slowest or slow
             within = "yes" if took <= BUDGETS[name] and code == 0 else "NO"
             print(f"| `{name}` | {took / 60:.0f} min {took % 60:02.0f} s | {BUDGETS[name] // 60} min {BUDGETS[name] % 60:02d} s "
                   f"| {within} | {'; '.join(summaries) or f'exit {code}'} |", flush=True)
             failed |= code
+        if slowest:
+            print("\nthe slowest tests of the workers tier (`make test` prints them):")
+            print("\n".join(f"    {line}" for line in slowest))
     return 1 if failed else 0
 
 

@@ -29,9 +29,10 @@ def _launcher(tmp_path, body: str) -> subprocess.Popen:
                                         "    f.write(f'{os.getpid()} {time.time()}\\n')\n")
     env = dict(os.environ, MARKS=str(tmp_path / "marks.txt"), PDTOOL_CACHE_DIR="off")
     # marked.py is importable from the current folder only once the launcher consents (`consent.import_path`)
+    # SIGINT as a terminal gives it, also when the suite runs as a background job (which ignores it)
     return subprocess.Popen([sys.executable, "-c", LAUNCHER.format(body=textwrap.dedent(body))], env=env,
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _marks(tmp_path) -> dict[int, float]:
