@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,8 +33,7 @@ def _timed(command: list[str], cwd: Path) -> tuple[float, int, list[str], list[s
     took = time.monotonic() - began
     lines = done.stdout.splitlines()
     summaries = [line.strip() for line in lines if " passed" in line or " failed" in line]
-    slowest = [line.strip() for line in lines if line.strip().endswith(("call", "setup", "teardown"))
-               and line.strip()[:1].isdigit()]
+    slowest = [line.strip() for line in lines if re.match(r"\d+\.\d+s (call|setup|teardown) ", line.strip())]
     if done.returncode:
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
     return took, done.returncode, summaries, slowest
