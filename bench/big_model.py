@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -65,7 +66,10 @@ def _torchrun(plan_path: str, checkpoints: str) -> dict[str, int]:
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"torchrun failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    peaks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"peak"')]
+    # the ranks share one stdout: their lines may run into one another
+    peaks = [json.loads(found) for found in re.findall(r'\{"peak": \d+, "rank": "\d+"\}', done.stdout)]
+    if len(peaks) != 4:
+        raise SystemExit(f"torchrun: {len(peaks)} of its 4 ranks reported their peak:\n{done.stdout[-2000:]}")
     return {str(p["rank"]): p["peak"] for p in sorted(peaks, key=lambda p: int(p["rank"]))}
 
 
