@@ -265,12 +265,15 @@ def test_plan_with_a_link_latency_keeps_it_in_the_plan_and_the_simulation_pays_i
     assert times[1] > times[0]
 
 
-def test_every_help_example_parses_with_its_command():
-    """The examples in each sub-command's --help name only options that exist, with valid values."""
+def test_every_help_example_parses_with_its_command(tmp_path, monkeypatch):
+    """The examples in each sub-command's --help name only options that exist, with valid values
+    (a run file an example names is made here with one setting)."""
     import shlex
 
     from pdtool.cli import cli
 
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.toml").write_text("lr = 0.1\n")
     for name, command in cli.commands.items():
         examples = [line.strip() for line in (command.epilog or "").splitlines() if line.strip().startswith("pd ")]
         assert examples, f"pd {name} --help has no examples"

@@ -133,7 +133,7 @@ def test_pd_train_unknown_data_set_is_one_line_before_any_worker(tmp_path):
     assert result.exit_code == 1 and "cannot import 'no_such_pkg_xyz'" in result.stderr
 
 
-def test_pd_train_optimizer_mode_and_checkpoint_flags(tmp_path):
+def test_pd_train_optimizer_mode_and_checkpoint_flags_and_the_same_run_from_a_config_file(tmp_path):
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="pipedream")
     ckpt = tmp_path / "ckpt"
     result = CliRunner().invoke(cli, ["train", str(path), "--steps", "3", "--mode", "flush", "--group", "2",
@@ -158,8 +158,40 @@ def test_pd_train_optimizer_mode_and_checkpoint_flags(tmp_path):
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000001", "step-00000002", "step-00000003"]
     from pdtool.artifacts.checkpoint import load_checkpoint
 
-    _, _, extra = load_checkpoint(ckpt / "step-00000003")
+    _, flagged, extra = load_checkpoint(ckpt / "step-00000003")
     assert any(key.endswith("::exp_avg") for key in extra)  # Adam's state is in the checkpoint
+
+    # The same run from a config file (keys at the top level and in their groups' tables, a path
+    # relative to the file's folder, a flag on the command line winning over the file): the same weights.
+    folder = tmp_path / "experiment"
+    folder.mkdir()
+    (folder / "run.toml").write_text(
+        'steps = 9\nmode = "flush"\ngroup = 2\nseed = 3\n'
+        '[recipe]\noptimizer = "adamw"\nlr = 0.001\nweight_decay = 0.01\nbetas = [0.8, 0.99]\n'
+        'lr-schedule = "cosine"\nwarmup-steps = 2\nmin-lr = 0.0001\nclip-grad-norm = 0.5\n'
+        '[checkpoints]\ncheckpoint-dir = "ck"\ncheckpoint-every = 1\n'
+        '[devices]\nthreads = 1\n[launch]\ntimeout = 20\n[outputs]\nquiet = true\nmetrics = "m.csv"\n')
+    result = CliRunner().invoke(cli, ["train", str(path), "--config", str(folder / "run.toml"), "--steps", "3"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    _, configured, _ = load_checkpoint(folder / "ck" / "step-00000003")
+    assert configured.keys() == flagged.keys()
+    assert all(torch.equal(configured[name], flagged[name]) for name in flagged)
+    import json
+
+    from pdtool.artifacts.checkpoint import read_manifest
+
+    recorded = json.loads((folder / "m.csv.json").read_text())  # beside the metrics, which pandas reads as is
+    assert recorded["config_file"] == str(folder / "run.toml") and recorded["command"] == "pd train"
+    assert recorded["options"]["lr"] == 0.001 and recorded["sources"]["lr"] == "config file"
+    assert recorded["options"]["steps"] == 3 and recorded["sources"]["steps"] == "command line"
+    assert recorded["options"]["betas"] == [0.8, 0.99] and recorded["sources"]["nnodes"] == "default"
+    assert recorded["resolved"]["mode"] == "flush" and recorded["resolved"]["minibatches_per_step"] == 2
+    assert recorded["resolved"]["threads"] == 1 and recorded["resolved"]["recipe"]["optimizer"] == "adamw"
+    assert len(pandas.read_csv(folder / "m.csv")) == 3
+    manifest = read_manifest(folder / "ck" / "step-00000003")
+    assert manifest.meta["settings"]["options"] == recorded["options"]
+    assert manifest.meta["settings"]["resolved"]["steps"] == 3
 
 
 def _refused_before_any_worker(args, fragment):

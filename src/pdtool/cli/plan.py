@@ -7,10 +7,17 @@ from ..artifacts.plan import COST_MODELS, RECOMPUTE
 from ..jsonio import check_writable
 from ..runtime.recipe import OPTIMIZERS
 from ..schedule.modes import DEFAULT, DEFAULT_TIED, MODES
+from .settings import GroupedCommand
 from .group import _count, _examples, cli
 
 
-@cli.command(short_help="partition it over a cluster -> PLAN.json",
+GROUPS = {"cluster": ("cluster_spec", "memory"),
+          "search": ("straight", "data_parallel", "mode", "recompute", "optimizer", "cost_model"),
+          "outputs": ("output",)}
+"""pd plan's options by group: the headings of its --help and the tables of a --config file."""
+
+
+@cli.command(cls=GroupedCommand, groups=GROUPS, short_help="partition it over a cluster -> PLAN.json",
              epilog=_examples("pd plan resnet.profile.json --cluster 4x12GB/s,4x10Gbit/s -o resnet.plan.json",
                                 "pd plan resnet.profile.json --cluster cluster-a:2 --memory 16GiB --straight -o straight.plan.json"))
 @click.argument("profile_path", metavar="PROFILE.json", type=click.Path(dir_okay=False, allow_dash=True))

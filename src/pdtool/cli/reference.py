@@ -40,6 +40,46 @@ def commands() -> list[tuple[str, str]]:
     return found
 
 
+CONFIG_INTRO = """`pd train` and `pd plan` read option values from a TOML file: `--config FILE.toml`. A key is a
+long option's name as typed after the two dashes (`checkpoint-dir = "ck"`; `checkpoint_dir` is the
+same key), at the top level or in the table of the option's group (the headings of `--help`). Options
+typed on the command line win over the file, the file's over the defaults. Each value is checked as
+the option checks it; an unknown key, a wrong type or a value out of range is one line naming the file,
+the key and the fix. A relative path in the file is relative to the file's folder. Every run records
+its resolved settings (each option's value and where it came from, and what the run resolved them to:
+mode, group, steps, precision, threads, recipe) in its checkpoints' `manifest.json` (`meta.settings`)
+and beside its metrics (`--metrics m.csv` writes `m.csv.json`). Each command's keys, by table, with
+their defaults:"""
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_toml(item) for item in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def config_keys(command: click.Command) -> str:
+    """A command's configuration file: every key in its table, commented out, with its default."""
+    from .settings import long_name
+
+    by_name = {p.name: p for p in command.params}
+    lines = []
+    with _context(command, command.name) as context:
+        for heading, names in command.groups.items():
+            lines.append(f"[{heading}]")
+            for name in names:
+                option = by_name[name]
+                default = option.get_default(context)
+                unset = default is None or option.value_is_missing(default)
+                lines.append(f"# {long_name(option)} =" + ("" if unset else f" {_toml(default)}"))
+            lines.append("")
+    return "\n".join(lines).rstrip()
+
+
 def mode_table() -> str:
     """The mode table (`schedule.modes.TABLE`) as Markdown."""
     rows = ["| mode | what it runs | steps | order | flushes | split backward | weight versions kept | tied weights |",
@@ -69,6 +109,12 @@ def text() -> str:
              "## Commands", ""]
     for name, help_text in commands():
         parts += [f"### `{name}`", "", "```", help_text.rstrip(), "```", ""]
+    parts += ["## Configuration files", "", CONFIG_INTRO, ""]
+    with _context(cli, "pd") as root:
+        for name in cli.list_commands(root):
+            command = cli.get_command(root, name)
+            if hasattr(command, "groups"):
+                parts += [f"### `pd {name} --config`", "", "```toml", config_keys(command), "```", ""]
     parts += ["## Modes", "", "`pd plan --mode`, `pd simulate --mode`, `pd train --mode` ([schedules](schedules.md)):", "",
               mode_table(), "", "## Modules", "", "The package `pdtool` ([architecture](architecture.md)):", "",
               module_index(), ""]

@@ -12,15 +12,31 @@ from ..runtime.launcher.cluster_env import LAUNCHERS, detect, place
 from ..runtime.recipe import LR_SCHEDULES, OPTIMIZERS
 from ..runtime.run import DEVICES, INITS, TRANSPORTS
 from ..schedule.modes import MODES
+from .settings import GroupedCommand, settings
 from .group import MAX_STEPS, MAX_THREADS, PER_GROUP, PER_ROUND, Count, Finite, _examples, cli
 
 
-@cli.command(short_help="run a plan on torch.distributed workers",
+GROUPS = {
+    "run": ("steps", "epochs", "model_spec", "data", "mode", "group", "seed", "init", "init_from", "evaluate",
+            "eval_every"),
+    "recipe": ("optimizer", "lr", "momentum", "betas", "eps", "weight_decay", "lr_schedule", "warmup_steps", "min_lr",
+               "lr_decay_steps", "precision", "clip_grad_norm"),
+    "checkpoints": ("checkpoint_dir", "checkpoint_every", "resume", "max_restarts"),
+    "launch": ("launcher", "nnodes", "node_rank", "nproc_per_node", "master_addr", "master_port", "rdzv_endpoint",
+               "rdzv_id", "iface", "timeout_s", "startup_timeout_s"),
+    "devices": ("device", "transport", "threads"),
+    "outputs": ("metrics_path", "tensorboard_dir", "trace_path", "verbose", "quiet"),
+}
+"""pd train's options by group: the headings of its --help and the tables of a --config file."""
+
+
+@cli.command(cls=GroupedCommand, groups=GROUPS, short_help="run a plan on torch.distributed workers",
              epilog=_examples("pd train mlp.plan.json --data digits --epochs 10 --lr 0.1 --momentum 0.5 --evaluate",
                                 "pd train gpt.plan.json --optimizer adamw --lr 3e-4 --weight-decay 0.1 --lr-schedule cosine "
                                 "--warmup-steps 100 --clip-grad-norm 1.0 --precision bf16 --metrics m.csv",
                                 "pd train resnet.plan.json --steps 200 --checkpoint-dir ckpt --checkpoint-every 50 --metrics m.csv --trace t.json",
-                                "pd train resnet.plan.json --steps 400 --checkpoint-dir ckpt --resume"))
+                                "pd train resnet.plan.json --steps 400 --checkpoint-dir ckpt --resume",
+                                "pd train gpt.plan.json --config run.toml --steps 50"))
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
 @click.option("--steps", type=Count(1, MAX_STEPS), default=20, show_default=True,
               help=f"Train until stage 0 has taken this many optimizer steps ({PER_ROUND}: one per round of its "
@@ -179,7 +195,8 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
                        progress=not quiet, evaluate=evaluate, eval_every=eval_every, device=device, transport=transport,
                        model=model_spec, init=init, init_from=os.path.abspath(init_from) if init_from else None,
                        metrics=os.path.abspath(metrics_path) if metrics_path and where is None else None,
-                       tensorboard=os.path.abspath(tensorboard_dir) if tensorboard_dir else None)
+                       tensorboard=os.path.abspath(tensorboard_dir) if tensorboard_dir else None,
+                       settings={**settings(click.get_current_context()), "plan": os.path.abspath(plan_path)})
     if tensorboard_dir:
         import importlib.util
 
@@ -208,10 +225,12 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     shared = (config.threads, job.local, job.cores, job.on_cpu)  # what gap_reasons needs to explain a measurement
     lost = None
     if metrics_path:
-        from ..views.metrics import write_metrics
+        from ..runtime.run import recorded_settings
+        from ..views.metrics import write_metrics, write_settings
 
         try:
             write_metrics(metrics_path, result)
+            write_settings(metrics_path, recorded_settings(plan, config))
         except PdtoolError as exc:  # a full disk: the training's own figures still follow
             lost = f"--metrics {metrics_path} was not written ({exc}); the training itself finished"
     if trace_path:

@@ -63,6 +63,7 @@ class RunConfig:
     eval_every: int | None = None    # pd train --eval-every: steps between evaluations through the pipeline
     evaluate: bool = False           # pd train --evaluate: an evaluation through the pipeline at the end
     eval_batches: int = 0            # held-out minibatches a round (the launcher counts them: `worker.evaluation`)
+    settings: dict | None = None     # pd train's options as given (cli.settings): what `recorded_settings` records
 
     @property
     def live(self) -> bool:
@@ -110,6 +111,19 @@ def make_schedule(plan: Plan, config: RunConfig) -> Schedule:
 def resolved(plan: Plan, config: RunConfig) -> Run:
     """The run's effective mode, group and minibatches per step (`schedule.resolve`)."""
     return resolve(config.mode, plan.mode, [s.replicas for s in plan.stages], config.group)
+
+
+def recorded_settings(plan: Plan, config: RunConfig) -> dict:
+    """What a run records of how it was configured (a checkpoint's manifest, the JSON beside
+    --metrics): its options as given (`config.settings`: value and source of each) and what the
+    launcher resolved them to (mode, group, steps, precision, threads, the recipe)."""
+    run = resolved(plan, config)
+    return {**(config.settings or {}), "resolved": {
+        "mode": run.name, "group": run.group, "minibatches_per_step": run.per_step,
+        "first_step": config.first_step, "steps": config.steps,
+        "precision": config.precision, "threads": config.threads, "device": config.device,
+        "transport": config.transport, "data": config.data, "seed": config.seed, "init": config.init,
+        "recipe": config.recipe.summary()}}
 
 
 def checked_run(plan: Plan, config: RunConfig) -> Run:

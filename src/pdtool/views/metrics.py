@@ -15,6 +15,19 @@ def write_metrics(path: str, result) -> None:
     write_text_atomic(path, "\n".join([header(sorted(result.reports))] + [row for row, _ in metric_rows(result)]) + "\n")
 
 
+def settings_path(path: str) -> str:
+    """The JSON beside a metrics CSV that holds the run's settings (`m.csv` -> `m.csv.json`)."""
+    return f"{path}.json"
+
+
+def write_settings(path: str, record: dict) -> None:
+    """The run's settings (`runtime.run.recorded_settings`) beside the metrics CSV `path`, so the
+    CSV stays a plain table (pandas, pd plot) and the run that made it is known."""
+    import json
+
+    write_text_atomic(settings_path(path), json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
+
+
 def header(ranks: list[int]) -> str:
     return ",".join(list(COLUMNS) + [f"busy_rank{r}" for r in ranks] + [f"memory_mb_rank{r}" for r in ranks])
 

@@ -17,9 +17,10 @@ import os
 import threading
 
 from ...artifacts.plan import Plan
-from ...views.metrics import header, metric_rows
+from ...errors import PdtoolError
+from ...views.metrics import header, metric_rows, write_settings
 from ..peers import LIVE_KEY as KEY
-from ..run import RunConfig, WorkerReport, eval_steps
+from ..run import RunConfig, WorkerReport, eval_steps, recorded_settings
 
 POLL_S = 0.5
 
@@ -43,14 +44,16 @@ class LiveMetrics(threading.Thread):
         self.file = None
         self.board = None
         if config.metrics:
-            self._writing("--metrics", config.metrics, lambda: self._open(header(sorted(places))))
+            self._writing("--metrics", config.metrics, lambda: self._open(header(sorted(places)),
+                                                                          recorded_settings(plan, config)))
         if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writing("--tensorboard", config.tensorboard, lambda: setattr(self, "board",
                                                                                SummaryWriter(config.tensorboard)))
 
-    def _open(self, first: str) -> None:
+    def _open(self, first: str, settings: dict) -> None:
+        write_settings(self.config.metrics, settings)
         self.file = open(self.config.metrics, "w", encoding="utf-8")  # noqa: SIM115 - held for the run's length
         self.file.write(first + "\n")
         self.file.flush()
@@ -62,8 +65,8 @@ class LiveMetrics(threading.Thread):
         try:
             write()
             return True
-        except OSError as exc:
-            self.warn(f"{option} {path}: cannot write it ({exc.strerror or exc}); training goes on, and its rows are "
+        except (OSError, PdtoolError) as exc:  # PdtoolError: an atomic write's one line (a full disk)
+            self.warn(f"{option} {path}: cannot write it ({getattr(exc, 'strerror', None) or exc}); training goes on, and its rows are "
                       "written again at the end of the run if they can be")
             if option == "--metrics" and self.file is not None:
                 try:

@@ -15,7 +15,7 @@ from ...artifacts.checkpoint import (
 )
 from ...artifacts.plan import Plan
 from ...errors import LaunchError
-from ..run import Nodes, RunConfig, checked_run
+from ..run import Nodes, RunConfig, checked_run, recorded_settings
 from .folder_lock import FolderLock
 
 
@@ -39,10 +39,11 @@ def settle(plan: Plan, config: RunConfig, nodes: "Nodes", resume: bool, warn, ne
     (`starting_point`), claiming the folder for this run. On any error the lock is released."""
     run = checked_run(plan, config)  # a schedule it cannot run: refused here
     config = dataclasses.replace(config, run_id=config.run_id or run_id(config, nodes))
-    meta = {"mode": run.name, "data": config.data, "seed": config.seed, "recipe": config.recipe.summary()}
     lock = FolderLock.acquire(config.checkpoint_dir) if config.checkpoint_dir and hold else None
     try:
         config = starting_point(config, plan, resume, lock.previous if lock else None, warn, needs, say)
+        meta = {"mode": run.name, "data": config.data, "seed": config.seed, "recipe": config.recipe.summary(),
+                "settings": recorded_settings(plan, config)}
         record = {"run": config.run_id, "stages": len(plan.stages), "plan_sha256": plan_sha256(config.plan_path),
                   "meta": meta}
         if lock is not None:
