@@ -437,8 +437,13 @@ def overhead_rows(m: int, warmup: int, minibatches: int, repeats: int = 10) -> l
     profile = profile_model(ref, batch_size=TINY_BATCH, repeats=2 * repeats, warmup=5)
     latency_us = {k: v * 1e6 for k, v in _spawn(_ping_pong, Setup("", ref, TINY_BATCH, m, warmup, minibatches)).items()}
     default = "shared-memory" if shm.use_shared_memory("auto", torch.device("cpu"), 2) else "process-group"
+    # a 2-stage pipeline whatever the latency: pdtool's cost model may leave a worker idle when the
+    # messages cost more than the stage saves (a busy machine), PipeDream's uses every worker
     plans = {t: make_plan(profile, parse_cluster(f"2x10GB/s+{us:.0f}us"), straight=True, mode="pipedream",
-                          command="bench/train_speed.py (overhead rows)") for t, us in latency_us.items()}
+                          cost_model="pipedream", command="bench/train_speed.py (overhead rows)")
+             for t, us in latency_us.items()}
+    if any(len(plan.stages) != 2 for plan in plans.values()):
+        raise SystemExit("train_speed: the overhead rows need a 2-stage plan of the 128-wide MLP")
     free = dataclasses.replace(plans[default], cluster=parse_cluster("2x10GB/s"))  # messages without latency
     contenders = [(f"pdtool {mode}", mode, default) for mode in MODES_RUN]
     if default != "process-group":

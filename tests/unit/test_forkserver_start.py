@@ -111,3 +111,19 @@ def test_a_ctrl_c_while_the_launcher_checks_is_not_the_forkservers_to_report(tmp
     while _alive(server) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(server)
+
+
+def test_a_temp_folder_too_long_for_a_socket_path_still_starts_the_forkserver(tmp_path):
+    """A TMPDIR longer than AF_UNIX's 108 bytes allow for multiprocessing's socket made pd train end in
+    a traceback ('AF_UNIX path too long'); its folder goes to /tmp then, and the forkserver starts."""
+    import subprocess
+    import sys
+
+    long = tmp_path / ("x" * 100)
+    long.mkdir()
+    code = ("from multiprocessing import util\nfrom pdtool.runtime.launcher import forked\n"
+            "assert forked._ensure_running()\nprint(util.get_temp_dir())")
+    done = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "TMPDIR": str(long)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith("/tmp/pymp-")

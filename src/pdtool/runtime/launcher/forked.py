@@ -96,10 +96,31 @@ def _preload(modules: tuple[str, ...] = ()) -> None:
     multiprocessing.set_forkserver_preload(list(_PRELOADED))
 
 
+_SOCKET_PATH = 107 - len("/pymp-xxxxxxxx/listener-xxxxxxxx")
+"""The longest temp folder whose multiprocessing socket path fits in AF_UNIX's 108 bytes."""
+
+
+def _short_temp_dir() -> None:
+    """multiprocessing makes its folder (the forkserver's socket, `start_early`'s file) in the temp
+    folder; under a TMPDIR too long for a socket's path, make it in /tmp instead (once per process:
+    multiprocessing keeps the first folder it made)."""
+    import tempfile
+    from multiprocessing import util
+
+    if len(tempfile.gettempdir()) <= _SOCKET_PATH or not os.access("/tmp", os.W_OK | os.X_OK):
+        return
+    saved, tempfile.tempdir = tempfile.tempdir, "/tmp"
+    try:
+        util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved
+
+
 def _ensure_running() -> bool:
     """Start multiprocessing's forkserver unless it runs; whether it does."""
     from multiprocessing import forkserver
 
+    _short_temp_dir()
     try:
         forkserver.ensure_running()
     except OSError:  # e.g. a temp folder whose path is too long for a socket: the launch says so itself
@@ -143,6 +164,7 @@ def start_early(config, local_workers: int) -> None:
 
     _PRELOADED.insert(0, "pdtool.runtime.worker.preload_model")  # first: it imports `PRELOAD` itself, then waits
     _preload()
+    _short_temp_dir()
     resource_tracker.ensure_running()  # started by the forkserver's start otherwise, with the variable below
     # in multiprocessing's folder of this process (the forkserver's socket is there too), removed at its exit
     from .scratch import mark
