@@ -68,7 +68,7 @@ demo: install graphviz
 
 test: install graphviz
 	$(PY) -m pytest -q -m "not workers" -n auto
-	$(PY) -m pytest -q -m workers --durations=15
+	$(PY) -m pytest -q -m workers -n auto --durations=15
 
 # The fast tier for your loop: every test that starts no worker process (tests/README.md).
 test-fast: install graphviz
