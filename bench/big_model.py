@@ -80,13 +80,17 @@ def _train(plan_path: str, checkpoints: str | None = None) -> None:
     import dataclasses
 
     from pdtool.artifacts.plan import Plan
-    from pdtool.prediction import measured_beyond, planned_for_run
+    from pdtool.sim.prediction import measured_beyond, planned_for_run
     from pdtool.runtime.launcher.job import prepare
     from pdtool.runtime.launcher.session import run
     from pdtool.runtime.run import OptimizerConfig, RunConfig
 
     plan = Plan.load(plan_path)
-    optimizer = OptimizerConfig("adamw", 1e-4, None, 0.01) if checkpoints else OptimizerConfig("sgd", 0.01, 0.0, 0.0)
+    optimizer = (
+        OptimizerConfig(name="adamw", lr=1e-4, momentum=None, weight_decay=0.01)
+        if checkpoints
+        else OptimizerConfig(name="sgd", lr=0.01, momentum=0.0, weight_decay=0.0)
+    )
     config = RunConfig(plan_path=plan_path, steps=2, mode="flush", group=4, progress=False, device="cpu",
                        optimizer=optimizer, timeout_s=300, checkpoint_dir=checkpoints,
                        checkpoint_every=1 if checkpoints else 0)

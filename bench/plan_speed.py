@@ -13,7 +13,7 @@ Then the scale table (issue 25): chains shaped like transformer blocks (100, 300
 layers, each 1-2 ms forward, twice that backward, 28 MB of parameters, 4 MB of activations,
 batch 8) on clusters of 16, 256, 1024 and 4096 workers on 2 and 3 levels (8 per server at
 300 GB/s; servers at 25 GB/s; racks at 10 GB/s): `pd plan`'s wall time, its pick's simulated
-time per minibatch (the steady state from one period, `pdtool.steady`, as pd plan ranks), data
+time per minibatch (the steady state from one period, `pdtool.sim.steady`, as pd plan ranks), data
 parallelism's and the cost model's optimum's (`make_plan(simulate=False)`, the same figure), and
 whether the pick is no slower than either. Target: 1000 layers on 4096 workers in at most 60 s.
 
@@ -68,7 +68,7 @@ def transformer(n: int, seed: int = 0) -> Profile:
 
 
 def scale_table(sizes, clusters=SCALE_CLUSTERS) -> None:
-    from pdtool.steady import steady_state
+    from pdtool.sim.steady import steady_state
 
     print("| layers | workers | pd plan s | pick ms | data parallel ms | cost model optimum ms | pick | "
           "pick <= both |")

@@ -36,7 +36,7 @@ def _train(plan_path: str, steps: int):
     from pdtool.runtime.run import OptimizerConfig, RunConfig
 
     config = RunConfig(plan_path=plan_path, steps=steps, progress=False, device="cpu",
-                       optimizer=OptimizerConfig("sgd", 0.001, 0.0, 0.0), timeout_s=300)
+                       optimizer=OptimizerConfig(name="sgd", lr=0.001, momentum=0.0, weight_decay=0.0), timeout_s=300)
     job = prepare(Plan.load(plan_path), config)
     return job.config, run(dataclasses.replace(job.config))
 
@@ -56,8 +56,8 @@ def main() -> None:
 
     from pdtool.artifacts.plan import Plan, compact_ranges
     from pdtool.cli import cli
-    from pdtool.prediction import measured_beyond, planned_for_run
-    from pdtool.simulate import simulate
+    from pdtool.sim.prediction import measured_beyond, planned_for_run
+    from pdtool.sim.simulate import simulate
 
     MiB = 2 ** 20
     with tempfile.TemporaryDirectory() as folder:

@@ -91,7 +91,7 @@ def main() -> None:
     args = parser.parse_args()
 
     ref = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": args.hidden, "depth": args.depth, "classes": 10})
-    optimizer = OptimizerConfig("sgd", args.lr, args.momentum, 0.0)
+    optimizer = OptimizerConfig(name="sgd", lr=args.lr, momentum=args.momentum, weight_decay=0.0)
     batches_per_epoch = len(digits(train=True)) // args.batch
     torch.set_num_threads(1)
     profile = profile_model(ref, batch_size=args.batch, repeats=5, warmup=2)

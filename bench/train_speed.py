@@ -92,10 +92,10 @@ from pdtool.runtime.launcher.launch import launch
 from pdtool.model.stages import plan_stages
 from pdtool.runtime.run import RunConfig
 from pdtool.schedule import ACTIVATION, GRADIENT, generate, lower, modes_where, rules
-from pdtool.simulate import simulate
+from pdtool.sim.simulate import simulate
 from record import recorded  # bench/record.py: the dated result file
 
-OPTIMIZER = OptimizerConfig("sgd", 0.01, 0.9, 0.0)
+OPTIMIZER = OptimizerConfig(name="sgd", lr=0.01, momentum=0.9, weight_decay=0.0)
 MODES_RUN = ("flush", "zb", "zb2", "pipedream")  # pdtool's rows
 TINY = {"in_features": 192, "hidden": 128, "depth": 4, "classes": 10}  # the overhead rows' MLP, microbatch 64
 TINY_BATCH = 64
@@ -403,10 +403,13 @@ def _ping_pong(rank: int, world: int, setup: Setup, queue, rounds: int = 500) ->
                                            lambda i: group.recv([x], peer, i).wait())}
     if shm.available(x.device):
         # a ping-pong holds one message in each direction: one slot a ring
-        mine = [shm.Direction(peer, d, (d == GRADIENT) == (rank == 0), packed.size, slots=1)
-                for d in (ACTIVATION, GRADIENT)]
+        mine = [
+            shm.Direction(peer=peer, direction=d, receiving=(d == GRADIENT) == (rank == 0), nbytes=packed.size, slots=1)
+            for d in (ACTIVATION, GRADIENT)
+        ]
         rings, made = shm.open_rings(dist.distributed_c10d._get_default_store(), f"bench{os.environ['MASTER_PORT']}",
-                                     rank, mine, lambda p: shm.Waiter(True, 60.0, rank, p, None))
+                                     rank, mine,
+                                     lambda p: shm.Waiter(spin=True, timeout_s=60.0, rank=rank, peer=p, peer_pid=None))
         dist.barrier()
         shm.remove(made)
         out, back = (ACTIVATION, GRADIENT) if rank == 0 else (GRADIENT, ACTIVATION)

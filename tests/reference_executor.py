@@ -57,10 +57,12 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
     for s, stage in enumerate(stages):
         for i in range(schedule.replicas[s]):
             replica = copy.deepcopy(stage)
-            workers[schedule.rank(s, i)] = StageWorker(replica, schedule, i, optimizer,
-                                                       loss_fn if s == len(stages) - 1 else None, seed, first,
-                                                       no_decay, model_parameters, precision,
-                                                       s < len(recompute) and recompute[s])
+            workers[schedule.rank(s, i)] = StageWorker(stage=replica, schedule=schedule, replica=i,
+                                                       optimizer=optimizer,
+                                                       loss_fn=loss_fn if s == len(stages) - 1 else None, seed=seed,
+                                                       first=first, no_decay=no_decay,
+                                                       model_parameters=model_parameters, precision=precision,
+                                                       recompute=s < len(recompute) and recompute[s])
             if prepare is not None:
                 prepare(workers[schedule.rank(s, i)])
     # stages whose steps happen together: a stage's replicas, joined with every stage it shares a

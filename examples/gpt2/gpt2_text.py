@@ -67,4 +67,4 @@ def model(n_embd: int = 128, n_head: int = 4, n_layer: int = 4) -> ModelBundle:
         inputs, targets = zip(*(data[int(i)] for i in picks))
         return torch.stack(inputs), torch.stack(targets)
 
-    return ModelBundle(bundle.module, make_batch, bundle.loss_fn)
+    return ModelBundle(module=bundle.module, make_batch=make_batch, loss_fn=bundle.loss_fn)

@@ -15,7 +15,7 @@ from .schedule.modes import DEFAULT, GROUP, rules
 
 if TYPE_CHECKING:
     from .artifacts.plan import Plan
-    from .simulate import SimResult
+    from .sim.simulate import SimResult
 
 
 OPTIMIZER_SLOTS = {"sgd": 1, "adam": 2, "adamw": 2}  # buffers per parameter: SGD's momentum; Adam's two moments
@@ -42,12 +42,13 @@ def memory_model(limit: float | None, optimizer_slots: int, precision: str, mode
     messages travel through shared-memory rings (copied out of them) or, False, over a process
     group (a received activation is the stashed input itself)."""
     rows = rules(mode or DEFAULT)
-    return Memory(float("inf") if limit is None else float(limit), optimizer_slots, COMPUTE_COPY[precision],
-                  rows.versions_kept, step_temporaries(optimizer_slots, weight_decay, decoupled),
+    return Memory(limit=float("inf") if limit is None else float(limit), optimizer_slots=optimizer_slots,
+                  copies=COMPUTE_COPY[precision], versions_kept=rows.versions_kept,
+                  step_temporaries=step_temporaries(optimizer_slots, weight_decay, decoupled),
                   accumulates=rows.steps == GROUP, rings=rings)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Memory:
     """The per-worker memory model: limit in bytes and optimizer buffers per parameter."""
 

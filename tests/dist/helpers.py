@@ -17,7 +17,7 @@ from pdtool.runtime.run import OptimizerConfig, RunConfig, make_schedule
 from reference_executor import run_reference
 
 MLP = ModelRef("pdtool.zoo:mlp", {"in_features": 12, "hidden": 8, "depth": 3, "classes": 3})
-SGD = OptimizerConfig("sgd", 0.05, 0.9, 0.0)
+SGD = OptimizerConfig(name="sgd", lr=0.05, momentum=0.9, weight_decay=0.0)
 
 
 def plan_with(tmp_path, split, mode="pipedream", ref=MLP, batch_size=4, name="p.plan.json"):

@@ -151,7 +151,7 @@ def test_pd_train_optimizer_mode_and_checkpoint_flags_and_the_same_run_from_a_co
     assert (metrics["grad_norm"] > 0).all()
     assert "trained steps 1-3 (6 minibatches)" in result.stdout  # flush: 2 microbatches per step
     from pdtool.artifacts.plan import Plan
-    from pdtool.simulate import simulate
+    from pdtool.sim.simulate import simulate
 
     flush_ms = simulate(Plan.load(path), mode="flush", group=2).time_per_minibatch_ms
     assert f"predicted {flush_ms:.3f} ms" in result.stdout and "(simulated, flush)" in result.stdout  # the schedule that ran
@@ -367,10 +367,12 @@ def test_a_mode_that_holds_more_than_the_plans_memory_is_refused_before_any_work
     from pdtool.errors import LaunchError
     from pdtool.runtime.launcher.job import prepare
     from pdtool.planner.costmodel import Memory
-    from pdtool.simulate import simulate
+    from pdtool.sim.simulate import simulate
 
     plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
-    fits = max(Memory(float("inf")).per_worker(plan, simulate(plan, "pipedream")).values())  # 1F1B: what pd plan counts
+    fits = max(
+        Memory(limit=float("inf")).per_worker(plan, simulate(plan, "pipedream")).values()
+    )  # 1F1B: what pd plan counts
     plan = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, memory=fits))
     plan.save(path)
     prepare(Plan.load(path), config_for(path))  # the plan's own mode fits exactly

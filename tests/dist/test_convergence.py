@@ -12,7 +12,7 @@ from pdtool.runtime.launcher.session import run
 
 MODEL = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": 64, "depth": 2, "classes": 10})
 # lr 0.1 with momentum 0.9 is too aggressive for stale weights here (pipedream 76% against 91%); 0.03 is not
-EPOCHS, BATCH, OPTIMIZER = 8, 64, OptimizerConfig("sgd", 0.03, 0.9, 0.0)
+EPOCHS, BATCH, OPTIMIZER = 8, 64, OptimizerConfig(name="sgd", lr=0.03, momentum=0.9, weight_decay=0.0)
 
 
 def single_process_accuracy(seed=0):

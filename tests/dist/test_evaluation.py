@@ -48,7 +48,7 @@ def test_the_pipelines_held_out_scores_are_one_process_scores_on_its_weights(tmp
     ref = DROPOUT
     plan, path = plan_with(tmp_path, split, mode=mode, ref=ref, batch_size=BATCH)
     config = config_for(path, steps=4, data="digits", evaluate=True, eval_every=2,
-                        optimizer=OptimizerConfig("sgd", 0.1, 0.5, 0.0))
+                        optimizer=OptimizerConfig(name="sgd", lr=0.1, momentum=0.5, weight_decay=0.0))
     job = prepare(plan, config)
     assert job.config.eval_batches == 360 // BATCH
     result = run(job.config)

@@ -117,7 +117,9 @@ def test_a_recomputing_stage_keeps_nothing_for_its_backward_but_its_inputs(tmp_p
     config = config_for(path)
     bundle = initial_model(ref, config.seed)
     stage = plan_stages(plan, bundle.module, sample_inputs(bundle, plan))[0]
-    worker = StageWorker(stage, make_schedule(plan, config), 0, config.recipe, recompute=recompute)
+    worker = StageWorker(
+        stage=stage, schedule=make_schedule(plan, config), replica=0, optimizer=config.recipe, recompute=recompute
+    )
     source = synthetic_source(bundle, plan.profile.batch_size, config.seed)
     saved = {}
 

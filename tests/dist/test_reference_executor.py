@@ -55,7 +55,7 @@ def test_pipedream_weight_stashing_matches_a_hand_written_two_stage_pipeline(tmp
 
     plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="pipedream")
     lr, steps = 0.05, 6
-    config = config_for(path, steps=steps, optimizer=OptimizerConfig("sgd", lr, 0.0, 0.0))
+    config = config_for(path, steps=steps, optimizer=OptimizerConfig(name="sgd", lr=lr, momentum=0.0, weight_decay=0.0))
     run = reference(plan, config)
 
     bundle = initial_model(MLP, config.seed)
@@ -83,7 +83,7 @@ def test_adam_with_weight_decay_is_gradient_accumulation_too(tmp_path):
     from pdtool.runtime.run import OptimizerConfig
 
     plan, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="flush")
-    config = config_for(path, steps=3, optimizer=OptimizerConfig("adam", 0.01, 0.0, 0.01))
+    config = config_for(path, steps=3, optimizer=OptimizerConfig(name="adam", lr=0.01, momentum=0.0, weight_decay=0.01))
     run = reference(plan, config)
     losses, weights = gradient_accumulation(plan, config)
     assert_same_run(run.losses, run.weights, losses, weights)

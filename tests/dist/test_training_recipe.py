@@ -14,7 +14,8 @@ from pdtool.runtime.launcher.session import run
 from pdtool.runtime.recipe import LrSchedule, OptimizerConfig
 
 # clip 0.05: below the MLP's gradient norm at every step, so every step is clipped
-RECIPE = OptimizerConfig("adamw", 0.02, None, 0.1, (0.8, 0.95), 1e-7, LrSchedule("cosine", 2, 0.002), 0.05)
+RECIPE = OptimizerConfig(name="adamw", lr=0.02, momentum=None, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-7,
+                         schedule=LrSchedule("cosine", 2, 0.002), clip_grad_norm=0.05)
 SPLITS = {"2 stages": [((0, 1), 1), ((2, 3), 1)], "replicated 2-1": [((0, 1), 2), ((2, 3), 1)],
           "3 stages": [((0, 0), 1), ((1, 2), 1), ((3, 3), 1)]}
 

@@ -178,7 +178,9 @@ def test_stages_built_from_their_programs_compute_the_whole_model(tmp_path, mode
     held, stages = [], []
     for info in capture.stages:  # each stage as its own worker builds it: a fresh model, its own parameters only
         worker_bundle, on_meta = build_model(model, None, 0)
-        stage = own_stage(capture, info.index, plan, worker_bundle, 0, torch.device("cpu"), on_meta)
+        stage = own_stage(
+            capture, info.index, plan=plan, bundle=worker_bundle, seed=0, device=torch.device("cpu"), on_meta=on_meta
+        )
         real = {n for n, p in worker_bundle.module.named_parameters() if p.device.type != "meta"}
         assert real == set(stage.param_names.values())
         held.append(real)

@@ -162,7 +162,8 @@ def test_evaluate_refuses_endless_data():
 
 def test_a_fixed_sample_bundle_gives_its_sample_for_every_index():
     sample = (torch.ones(3, 2), torch.zeros(3, dtype=torch.long))
-    bundle = ModelBundle(torch.nn.Linear(2, 2), lambda _size: sample, torch.nn.functional.cross_entropy, 3)
+    bundle = ModelBundle(module=torch.nn.Linear(2, 2), make_batch=lambda _size: sample,
+                         loss_fn=torch.nn.functional.cross_entropy, fixed_batch_size=3)
     assert _same(synthetic_source(bundle, 3, 0).batch(5), ((sample[0],), sample[1]))
 
 

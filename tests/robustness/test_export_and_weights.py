@@ -248,10 +248,12 @@ def test_the_launcher_refuses_an_integer_buffer_of_another_dtype_captured_and_fr
     _save(tmp_path / "good.safetensors", **good)
     _save(tmp_path / "bad.safetensors", **dict(good, **{"0.steps": torch.zeros(3, dtype=torch.int32)}))
     for _ in range(2):  # captured, then from the cache
-        checked = preflight(plan, str(path), "flush", "synthetic", 0, init_from=str(tmp_path / "good.safetensors"))
+        checked = preflight(plan, plan_path=str(path), mode="flush", data="synthetic", seed=0,
+                            init_from=str(tmp_path / "good.safetensors"))
         assert checked.capture.dtypes["0.steps"] == "int64" and checked.capture.dtypes["0.lin.weight"] == "float32"
         with pytest.raises(ArtifactError, match=r"0\.steps is int32, but the model.s buffer is int64"):
-            preflight(plan, str(path), "flush", "synthetic", 0, init_from=str(tmp_path / "bad.safetensors"))
+            preflight(plan, plan_path=str(path), mode="flush", data="synthetic", seed=0,
+                      init_from=str(tmp_path / "bad.safetensors"))
     assert Capture.from_json(checked.capture.to_json()) == checked.capture
     text = checked.capture.to_json().replace('"int64"', '"save"')  # a cache entry names torch.save, not a dtype
     with pytest.raises(ValueError, match="not a torch dtype"):

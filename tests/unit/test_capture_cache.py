@@ -79,7 +79,9 @@ def cuts(monkeypatch):
 
 
 def _run(plan, path, heard=None, data="synthetic", mode="flush"):
-    return preflight(plan, str(path), mode, data, 0, imports=(heard if heard is not None else []).append)
+    return preflight(
+        plan, plan_path=str(path), mode=mode, data=data, seed=0, imports=(heard if heard is not None else []).append
+    )
 
 
 def _plan(tmp_path, name):
@@ -153,11 +155,13 @@ def test_an_edited_model_file_other_data_or_another_folder_capture_again(folder,
 
 
 def test_a_first_minibatch_of_other_shapes_captures_again():
-    entry = capture_cache.Entry("{}", [[[[2, 4], "torch.float32"], [[2], "torch.int64"]], []], [], [], [], {})
+    entry = capture_cache.Entry(capture="{}", batch=[[[[2, 4], "torch.float32"], [[2], "torch.int64"]], []],
+                                modules=[], keywords=[], warnings=[], files={})
     assert entry.fits([[[[2, 4], "torch.float32"], [[2], "torch.int64"]], []])
     assert not entry.fits([[[[2, 5], "torch.float32"], [[2], "torch.int64"]], []])
     assert not entry.fits(None)
-    moved = capture_cache.Entry("{}", [], [], [], [], {"json": ["/elsewhere/json/__init__.py", 1, 1]})
+    moved = capture_cache.Entry(capture="{}", batch=[], modules=[], keywords=[], warnings=[],
+                                files={"json": ["/elsewhere/json/__init__.py", 1, 1]})
     assert not moved.fits([])  # a module loaded now from another file than the capture's
 
 
@@ -193,7 +197,9 @@ def test_the_folder_keeps_the_newest_entries(tmp_path, monkeypatch):
     monkeypatch.setenv(capture_cache.ENV, str(tmp_path))
     monkeypatch.setattr(capture_cache, "KEEP", 3)
     for index in range(5):
-        capture_cache.store(f"k{index}", capture_cache.Entry("{}", [], [], [], [], {}))
+        capture_cache.store(
+            f"k{index}", capture_cache.Entry(capture="{}", batch=[], modules=[], keywords=[], warnings=[], files={})
+        )
         os.utime(tmp_path / f"k{index}.json", (index, index))
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["k2.json", "k3.json", "k4.json"]
     assert capture_cache.lookup("k4") is not None and capture_cache.lookup("k0") is None
@@ -212,7 +218,8 @@ def test_reads_records_the_files_opened_for_reading_but_not_the_kernels(tmp_path
     assert read == {str(config)}
     files = capture_cache.loaded_files(read)
     assert files[f"<read>{config}"][0] == str(config)
-    entry = capture_cache.Entry("{}", [], [], [], [], files, capture_cache.content_hashes(files))
+    entry = capture_cache.Entry(capture="{}", batch=[], modules=[], keywords=[], warnings=[], files=files,
+                                hashes=capture_cache.content_hashes(files))
     assert entry.unchanged() and str(config) in entry.hashes and os.__file__ not in entry.hashes
     stat = os.stat(config)
     config.write_text("[]")  # the same size, its time put back: the content tells
@@ -243,7 +250,9 @@ def _hit_then_plant(folder, **changes):
 
 def _warned_run(plan, path):
     heard, said = [], []
-    checked = preflight(plan, str(path), "flush", "synthetic", 0, imports=heard.append, warn=said.append)
+    checked = preflight(
+        plan, plan_path=str(path), mode="flush", data="synthetic", seed=0, imports=heard.append, warn=said.append
+    )
     return checked, heard, said
 
 
@@ -273,12 +282,13 @@ def test_the_forkserver_hears_an_entrys_modules_only_after_consent(folder, cuts,
     order = []
     real = preflight_module.consent
     monkeypatch.setattr(preflight_module, "consent", lambda *a, **k: (order.append("consent"), real(*a, **k))[1])
-    preflight(plan, str(path), "flush", "synthetic", 0, imports=lambda modules: order.append("imports"))
+    preflight(plan, plan_path=str(path), mode="flush", data="synthetic", seed=0,
+              imports=lambda modules: order.append("imports"))
     assert order == ["consent", "imports"]
     monkeypatch.setattr(preflight_module, "consent", lambda *a, **k: (_ for _ in ()).throw(PdtoolError("refused")))
     told = []
     with pytest.raises(PdtoolError, match="refused"):
-        preflight(plan, str(path), "flush", "synthetic", 0, imports=told.append)
+        preflight(plan, plan_path=str(path), mode="flush", data="synthetic", seed=0, imports=told.append)
     assert told == []
 
 

@@ -316,7 +316,9 @@ def test_a_manifest_is_written_byte_for_byte_as_before_and_reads_back(tmp_path, 
     write_manifest(folder, 12, "cd" * 32, HASHES, META, run=run)
     assert (folder / "manifest.json").read_text() == OLD_BYTES[run]
     manifest = read_manifest(folder)  # a manifest without run (older pdtool) reads too
-    assert manifest == Manifest(12, "cd" * 32, {s: ShardFile(shard_name(s, run), h) for s, h in HASHES.items()}, META, run)
+    assert manifest == Manifest(step=12, plan_sha256="cd" * 32,
+                                shards={s: ShardFile(shard_name(s, run), h) for s, h in HASHES.items()}, meta=META,
+                                run=run)
     assert canonical_json(manifest.to_json()) == OLD_BYTES[run]
     check_document(json.loads(OLD_BYTES[run]), "manifest", "written")  # the published schema takes it
 

@@ -55,8 +55,8 @@ def test_auto_detects_the_launcher_from_the_environment(env, launcher):
 
 def test_slurm_variables_place_the_process_and_its_store():
     where = place("slurm", SRUN)
-    assert where == Place("slurm", rank=1, world=4, local_rank=1, local_world=2, machines=2, master_addr="gpu07",
-                          master_port=slurm_port(123457))
+    assert where == Place(launcher="slurm", rank=1, world=4, local_rank=1, local_world=2, machines=2,
+                          master_addr="gpu07", master_port=slurm_port(123457))
     assert slurm_port(123457) == 10000 + 123457 % 20000
     given = place("slurm", {**SRUN, "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"})
     assert (given.master_addr, given.master_port) == ("10.1.2.3", 29500)
@@ -77,7 +77,8 @@ def test_bad_slurm_variables_are_one_line(change, says):
 def test_torchrun_variables_place_the_process():
     env = {"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
            "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "node0", "MASTER_PORT": "29400"}
-    assert place("torchrun", env) == Place("torchrun", 3, 4, 1, 2, 2, "node0", 29400)
+    assert place("torchrun", env) == Place(launcher="torchrun", rank=3, world=4, local_rank=1, local_world=2,
+                                           machines=2, master_addr="node0", master_port=29400)
     with pytest.raises(LaunchError, match="--launcher torchrun, but RANK is not set"):
         place("torchrun", {})
     with pytest.raises(LaunchError, match="--launcher slurm, but SLURM_PROCID is not set"):

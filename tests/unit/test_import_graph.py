@@ -71,11 +71,11 @@ def test_imports_have_no_circle(module_level_only):
 
 
 RULES = [  # (room, rooms it must never import, even inside a function)
-    ("pdtool.schedule", ("pdtool.artifacts", "pdtool.planner", "pdtool.simulate", "pdtool.runtime", "pdtool.model",
+    ("pdtool.schedule", ("pdtool.artifacts", "pdtool.planner", "pdtool.sim", "pdtool.runtime", "pdtool.model",
                          "pdtool.profiler", "pdtool.views", "pdtool.cli")),
-    ("pdtool.artifacts", ("pdtool.planner", "pdtool.simulate", "pdtool.runtime", "pdtool.model", "pdtool.profiler",
+    ("pdtool.artifacts", ("pdtool.planner", "pdtool.sim", "pdtool.runtime", "pdtool.model", "pdtool.profiler",
                           "pdtool.views", "pdtool.cli")),
-    ("pdtool.model", ("pdtool.planner", "pdtool.simulate", "pdtool.runtime", "pdtool.profiler", "pdtool.views",
+    ("pdtool.model", ("pdtool.planner", "pdtool.sim", "pdtool.runtime", "pdtool.profiler", "pdtool.views",
                       "pdtool.cli")),
     ("pdtool.planner", ("pdtool.runtime", "pdtool.model", "pdtool.profiler", "pdtool.views", "pdtool.cli")),
     ("pdtool.runtime.worker", ("pdtool.runtime.launcher", "pdtool.planner", "pdtool.profiler", "pdtool.views",

@@ -23,8 +23,8 @@ def completions(replica, every_s, count):
 
 def test_two_replicas_side_by_side_complete_a_minibatch_per_half_their_period():
     plan = data_parallel_plan()
-    reports = {r: WorkerReport(r, 0, r, finished=completions(r, 0.010, 20)) for r in (0, 1)}
-    result = TrainResult(plan, reports, 1.0, 0, 20, 2)
+    reports = {r: WorkerReport(rank=r, stage=0, replica=r, finished=completions(r, 0.010, 20)) for r in (0, 1)}
+    result = TrainResult(plan=plan, reports=reports, wall_s=1.0, first_step=0, steps=20, per_step=2)
     assert result.time_per_minibatch_ms() == pytest.approx(5.0)
 
 
@@ -32,6 +32,6 @@ def test_a_machine_that_holds_one_replica_reports_the_jobs_time_per_minibatch():
     """Across machines, this machine sees only its replica's completions: every 10 ms, half of
     the job's minibatches; the job completes one every 5 ms."""
     plan = data_parallel_plan()
-    here = {1: WorkerReport(1, 0, 1, finished=completions(1, 0.010, 20))}
-    result = TrainResult(plan, here, 1.0, 0, 20, 2)
+    here = {1: WorkerReport(rank=1, stage=0, replica=1, finished=completions(1, 0.010, 20))}
+    result = TrainResult(plan=plan, reports=here, wall_s=1.0, first_step=0, steps=20, per_step=2)
     assert result.time_per_minibatch_ms() == pytest.approx(5.0)

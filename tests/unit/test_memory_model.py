@@ -8,7 +8,7 @@ import pytest
 from pdtool.artifacts.cluster import parse_cluster
 from pdtool.planner import make_plan
 from pdtool.planner.costmodel import Memory, memory_model, step_temporaries
-from pdtool.prediction import planned_memory
+from pdtool.sim.prediction import planned_memory
 from test_plan import chain_profile
 
 MB = 2**20
@@ -79,4 +79,4 @@ def test_the_planner_leaves_room_for_the_temporaries_under_a_memory_limit():
 def test_step_temporaries():
     assert step_temporaries(2) == 2.0 and step_temporaries(1) == 0.0 and step_temporaries(1, True) == 1.0
     assert step_temporaries(2, True, decoupled=False) == 3.0 and step_temporaries(2, True) == 2.0
-    assert Memory(1.0).terms(8.0, 1.0, 1, largest=4.0).get("temporaries") is None  # none asked for
+    assert Memory(limit=1.0).terms(8.0, 1.0, 1, largest=4.0).get("temporaries") is None  # none asked for

@@ -10,7 +10,7 @@ from pdtool.schedule import (
     MODES, TABLE, Mode, check_parameters, generate, modes_where, peak_versions, resolve, rules, stash_depth, validate,
 )
 from pdtool.schedule import modes
-from pdtool.simulate import simulate
+from pdtool.sim.simulate import simulate
 from test_simulate import make
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "pdtool"
@@ -60,7 +60,8 @@ def test_messages_that_list_modes_come_from_the_table():
 def test_a_new_mode_is_one_row(monkeypatch):
     """A mode that splits every backward but runs each W right after its B (no lag): one row,
     and the generator, validator, version analysis and simulator all run it."""
-    row = Mode("zb0", "zb with no weight lag", modes.GROUP, flushes=True, split=True, ties=True, versions_kept=1)
+    row = Mode(name="zb0", about="zb with no weight lag", steps=modes.GROUP, flushes=True, split=True, ties=True,
+               versions_kept=1)
     monkeypatch.setitem(TABLE, "zb0", row)
     schedule = generate("zb0", (1, 1), 4, 2)
     validate(schedule)

@@ -285,7 +285,7 @@ def test_a_record_that_disagrees_with_the_profiles_edges_is_refused_when_the_pro
 def test_a_measurement_far_from_the_prediction_is_explained_from_what_pdtool_knows():
     import dataclasses
 
-    from pdtool.prediction import gap_reasons
+    from pdtool.sim.prediction import gap_reasons
 
     plan = make_plan(imported("vgg16"), parse_cluster("4x1.25e9B/s"), simulate=False)
     plan = dataclasses.replace(plan, profile=dataclasses.replace(plan.profile, device="cpu (2 threads)",
@@ -301,7 +301,7 @@ def test_a_measurement_far_from_the_prediction_is_explained_from_what_pdtool_kno
 def test_a_cause_that_points_the_other_way_is_not_cited():
     import dataclasses
 
-    from pdtool.prediction import gap_reasons
+    from pdtool.sim.prediction import gap_reasons
 
     plan = make_plan(imported("vgg16"), parse_cluster("4x1.25e9B/s"), simulate=False)
     over = dataclasses.replace(plan, profile=dataclasses.replace(plan.profile, layer_sum_over_step=2.14))
@@ -323,7 +323,7 @@ def test_the_planner_counts_the_state_of_every_optimizer_the_workers_build():
 
 def test_a_workers_memory_far_from_the_plan_names_the_term_most_off():
     from pdtool.planner.costmodel import Memory
-    from pdtool.prediction import memory_gap, planned_memory
+    from pdtool.sim.prediction import memory_gap, planned_memory
 
     plan = make_plan(imported("vgg16"), parse_cluster("4x1.25e9B/s"), straight=True)
     planned = planned_memory(plan, None, None, "adam")
@@ -331,7 +331,7 @@ def test_a_workers_memory_far_from_the_plan_names_the_term_most_off():
     terms = planned[stage.ranks[0]]
     assert terms["gradients"] == stage.param_bytes and terms["optimizer"] == 2 * stage.param_bytes
     assert terms["temporaries"] == 2 * stage.largest_layer_bytes  # Adam's step: two tensors of the largest layer
-    assert sum(terms.values()) == int(Memory(float("inf"), 2, step_temporaries=2.0).need(
+    assert sum(terms.values()) == int(Memory(limit=float("inf"), optimizer_slots=2, step_temporaries=2.0).need(
         stage.param_bytes, stage.activation_bytes, terms["activations"] // stage.activation_bytes,
         terms["weights"] // stage.param_bytes, cut=(stage.in_bytes, stage.out_bytes),
         largest=stage.largest_layer_bytes))
@@ -393,7 +393,7 @@ def test_beyond_the_ranked_sizes_pipedream_candidates_are_ranked_by_their_steady
     straight pipelines, data parallelism) gets its steady state from one period, and the pick is
     the fastest of them, never slower than data parallelism or the cost model's optimum."""
     from pdtool.planner import make
-    from pdtool.steady import steady_state
+    from pdtool.sim.steady import steady_state
 
     monkeypatch.setattr(make, "RANKED_WORKERS", 1)
     profile = chain_profile([1.0] * 8, [1e6] * 8, [1e5] * 8)

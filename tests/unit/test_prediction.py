@@ -10,7 +10,7 @@ from pdtool.artifacts.cluster import parse_cluster
 from pdtool.artifacts.pipedream import load_pipedream_graph
 from pdtool.planner import make_plan
 from pdtool.artifacts.profile import Profile
-from pdtool.simulate import simulate
+from pdtool.sim.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[2] / "profiles"
 PROFILES = {name: (lambda n=name: load_pipedream_graph(ROOT / "pipedream" / f"{n}.graph.txt", 64 if n == "gnmt" else None))

@@ -8,8 +8,8 @@ CORE = ["pdtool.errors", "pdtool.fields", "pdtool.jsonio", "pdtool.units",
         "pdtool.artifacts.pipedream", "pdtool.artifacts.schemas", "pdtool.artifacts.manifest",
         "pdtool.planner", "pdtool.planner.costmodel", "pdtool.planner.states", "pdtool.planner.partition",
         "pdtool.planner.make", "pdtool.schedule", "pdtool.schedule.core", "pdtool.schedule.generator",
-        "pdtool.schedule.check", "pdtool.schedule.lower", "pdtool.schedule.modes", "pdtool.simulate",
-        "pdtool.prediction", "pdtool.runtime.run", "pdtool.runtime.recipe", "pdtool.views.metrics",
+        "pdtool.schedule.check", "pdtool.schedule.lower", "pdtool.schedule.modes", "pdtool.sim.simulate",
+        "pdtool.sim.prediction", "pdtool.runtime.run", "pdtool.runtime.recipe", "pdtool.views.metrics",
         "pdtool.artifacts.record", "pdtool.views", "pdtool.views.trace", "pdtool.views.render", "pdtool.views.show",
         "pdtool.consent", "pdtool.signals", "pdtool.runtime.launcher.cluster_env", "pdtool.runtime.launcher.folder_lock"]
 

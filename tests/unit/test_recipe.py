@@ -26,13 +26,13 @@ def test_warm_up_then_cosine_or_linear_decay_to_the_floor():
 
 
 @pytest.mark.parametrize("recipe, line", [
-    (OptimizerConfig("adam", momentum=0.9), "--momentum: adam has none; use --betas"),
-    (OptimizerConfig("sgd", betas=(0.9, 0.99)), "--betas is for adam and adamw, not sgd; use --momentum"),
-    (OptimizerConfig("sgd", eps=1e-6), "--eps is for adam and adamw"),
-    (OptimizerConfig("adamx"), "--optimizer 'adamx': use sgd, adam, adamw or a pkg.module:factory"),
-    (OptimizerConfig("sgd", lr=0.1, schedule=LrSchedule("cosine", min_lr=0.5)), "--min-lr 0.5 is above --lr 0.1"),
-    (OptimizerConfig("sgd", schedule=LrSchedule("constant", min_lr=0.001)), "--min-lr needs --lr-schedule"),
-    (OptimizerConfig("torch.optim:RMSprop", momentum=0.5), "--momentum: the factory sets its own"),
+    (OptimizerConfig(name="adam", momentum=0.9), "--momentum: adam has none; use --betas"),
+    (OptimizerConfig(name="sgd", betas=(0.9, 0.99)), "--betas is for adam and adamw, not sgd; use --momentum"),
+    (OptimizerConfig(name="sgd", eps=1e-6), "--eps is for adam and adamw"),
+    (OptimizerConfig(name="adamx"), "--optimizer 'adamx': use sgd, adam, adamw or a pkg.module:factory"),
+    (OptimizerConfig(name="sgd", lr=0.1, schedule=LrSchedule("cosine", min_lr=0.5)), "--min-lr 0.5 is above --lr 0.1"),
+    (OptimizerConfig(name="sgd", schedule=LrSchedule("constant", min_lr=0.001)), "--min-lr needs --lr-schedule"),
+    (OptimizerConfig(name="torch.optim:RMSprop", momentum=0.5), "--momentum: the factory sets its own"),
 ])
 def test_options_that_do_not_fit_the_optimizer_are_one_line(recipe, line):
     assert line in recipe.problem()
@@ -60,7 +60,7 @@ def test_no_weight_decay_on_biases_norms_and_embeddings():
 
 def test_the_groups_decay_only_what_the_rule_keeps():
     model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
-    optimizer = build_optimizer(OptimizerConfig("adamw", 0.1, weight_decay=0.5), list(model.named_parameters()),
+    optimizer = build_optimizer(OptimizerConfig(name="adamw", lr=0.1, weight_decay=0.5), list(model.named_parameters()),
                                 skip=no_decay(model))
     assert isinstance(optimizer, torch.optim.AdamW)
     decay, plain = optimizer.param_groups
@@ -69,16 +69,16 @@ def test_the_groups_decay_only_what_the_rule_keeps():
 
 
 def test_an_optimizer_factory_named_on_the_command_line_is_called_with_the_groups():
-    optimizer = build_optimizer(OptimizerConfig("torch.optim:RMSprop", 0.01, weight_decay=0.1),
+    optimizer = build_optimizer(OptimizerConfig(name="torch.optim:RMSprop", lr=0.01, weight_decay=0.1),
                                 [("w", torch.nn.Parameter(torch.ones(2, 2))), ("b", torch.nn.Parameter(torch.ones(2)))],
                                 skip=frozenset({"b"}))
     assert isinstance(optimizer, torch.optim.RMSprop) and [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0]
     with pytest.raises(LaunchError, match="returned list, not a torch.optim.Optimizer"):
-        check_optimizer(OptimizerConfig("toymodels:not_an_optimizer"))
+        check_optimizer(OptimizerConfig(name="toymodels:not_an_optimizer"))
     with pytest.raises(LaunchError, match=r"failed when called as factory\(param_groups, lr=0.01\): TypeError"):
-        check_optimizer(OptimizerConfig("torch:zeros_like"))
+        check_optimizer(OptimizerConfig(name="torch:zeros_like"))
     with pytest.raises(LaunchError, match="cannot import 'no_such_module'"):
-        check_optimizer(OptimizerConfig("no_such_module:make"))
+        check_optimizer(OptimizerConfig(name="no_such_module:make"))
 
 
 def test_clipping_scales_to_the_budget_like_torch():
@@ -107,7 +107,7 @@ def test_a_bf16_profile_counts_messages_in_bf16_and_plans_carry_it(tmp_path):
     assert [layer.param_bytes for layer in bf16.layers] == [layer.param_bytes for layer in fp32.layers]  # fp32 masters
     plan = make_plan(bf16, parse_cluster("2x1GB/s"), straight=True, simulate=False)
     assert plan.profile.precision == "bf16"
-    terms = Memory(float("inf"), 1, 0.5).terms(1000, 10, in_flight=2)
+    terms = Memory(limit=float("inf"), optimizer_slots=1, copies=0.5).terms(1000, 10, in_flight=2)
     assert terms["compute copies"] == 1000  # a half-size copy of the weights for each of 2 minibatches in flight
 
 
@@ -137,7 +137,7 @@ def test_pd_train_says_its_recipe_in_one_line():
     from pdtool.runtime.run import RunConfig
     from pdtool.views.summary import recipe_line
 
-    recipe = OptimizerConfig("adamw", 0.003, weight_decay=0.05, schedule=LrSchedule("cosine", 2, 0.0003),
+    recipe = OptimizerConfig(name="adamw", lr=0.003, weight_decay=0.05, schedule=LrSchedule("cosine", 2, 0.0003),
                              clip_grad_norm=1.0)
     config = RunConfig(plan_path="p.plan.json", steps=10, optimizer=recipe, precision="fp16")
     plan = SimpleNamespace(profile=SimpleNamespace(precision="fp32"))
@@ -158,7 +158,7 @@ def test_a_warm_up_longer_than_the_run_is_one_line_before_any_worker():
 
     def config(warmup, steps, total=None, first=0):
         return RunConfig(plan_path="p.json", steps=steps, first_step=first,
-                         optimizer=OptimizerConfig("sgd", 0.1, schedule=LrSchedule("constant", warmup, 0.0, total)))
+                         optimizer=OptimizerConfig(name="sgd", lr=0.1, schedule=LrSchedule("constant", warmup, 0.0, total)))
 
     with pytest.raises(LaunchError, match=r"--warmup-steps 100 is longer than the run's 4 step\(s\): the learning rate "
                                           r"would rise to only 4% of --lr") as info:
@@ -178,6 +178,6 @@ def test_an_optimizer_factory_that_ignores_its_parameter_groups_is_refused():
     from pdtool.runtime.worker.optim import check_optimizer
 
     with pytest.raises(LaunchError, match="does not hold 1 of the 1 parameters it was given") as info:
-        check_optimizer(OptimizerConfig("toymodels:ignores_its_groups"))
+        check_optimizer(OptimizerConfig(name="toymodels:ignores_its_groups"))
     assert "\n" not in str(info.value)
-    check_optimizer(OptimizerConfig("torch.optim:RMSprop"))
+    check_optimizer(OptimizerConfig(name="torch.optim:RMSprop"))

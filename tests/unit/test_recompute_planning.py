@@ -8,7 +8,7 @@ from pdtool.artifacts.profile import Profile
 from pdtool.errors import PlanError
 from pdtool.planner import make_plan
 from pdtool.planner.costmodel import Memory
-from pdtool.simulate import simulate
+from pdtool.sim.simulate import simulate
 from pdtool.views.render import plan_graph
 from pdtool.views.show import plan_table
 from test_plan import chain_profile
@@ -17,7 +17,7 @@ GPT = "profiles/gpt-small.profile.json"
 
 
 def test_a_recomputing_stage_keeps_its_input_per_minibatch_and_one_whole_set():
-    memory = Memory(float("inf"), optimizer_slots=2, copies=0.5)
+    memory = Memory(limit=float("inf"), optimizer_slots=2, copies=0.5)
     kept = memory.terms(100.0, 40.0, in_flight=3)
     again = memory.terms(100.0, 40.0, in_flight=3, recompute=10.0)
     assert kept["activations"] == 3 * 40.0 and again["activations"] == 2 * 10.0 + 40.0
@@ -43,7 +43,7 @@ def test_auto_recomputes_only_the_stages_that_do_not_fit_otherwise():
     assert all(s.memory_bytes <= limit for s in plan.stages)
     assert any(s.recompute for s in plan.stages) and not all(s.recompute for s in plan.stages)
     for stage in plan.stages:
-        single = Memory(limit, 1).need(stage.param_bytes, stage.activation_bytes, stage.in_flight,
+        single = Memory(limit=limit, optimizer_slots=1).need(stage.param_bytes, stage.activation_bytes, stage.in_flight,
                                        cut=(stage.in_bytes, stage.out_bytes))
         assert (single > limit) == stage.recompute  # recomputes exactly where keeping would not fit
         again = sum(profile.layers[i].fwd_ms for i in stage.layers) if stage.recompute else 0.0
@@ -100,7 +100,7 @@ def test_a_plans_memory_counts_the_weight_versions_its_mode_keeps(mode):
     """Issue 35 item 9: the dynamic program counted PipeDream's stashed versions (one per minibatch in flight) in
     every mode, so a 4-stage flush plan said stage 0 needs twice what pd train plans for it, and --memory ruled
     out flush, gpipe and zb plans that fit. The plan's figure is pd train's (`prediction.planned_memory`)."""
-    from pdtool.prediction import planned_memory
+    from pdtool.sim.prediction import planned_memory
 
     profile = chain_profile([10] * 8, [64 * 2**20] * 8, [2**20] * 8)  # weights dominate: 64 MiB a layer
     plan = make_plan(profile, parse_cluster("4x10GB/s"), straight=True, mode=mode)

@@ -17,7 +17,7 @@ LAYOUT = comm.layout([(t.shape, t.dtype) for t in TENSORS], pack_all=True)
 
 
 def waiter(timeout_s=5.0, peer_pid=None, spin=True):
-    return shm.Waiter(spin, timeout_s, rank=0, peer=1, peer_pid=peer_pid)
+    return shm.Waiter(spin=spin, timeout_s=timeout_s, rank=0, peer=1, peer_pid=peer_pid)
 
 
 def pair(tmp_path, slots=2, **kwargs):

@@ -10,7 +10,7 @@ from pdtool.errors import ScheduleError
 from pdtool.artifacts.plan import Plan, PlanStage, Prediction, ProfileRef
 from pdtool.planner import make_plan
 from pdtool.schedule import MODES, default_group, generate, peak_versions
-from pdtool.simulate import allreduce_ms, default_minibatches, link_bandwidth, link_latency, simulate, steady_state_ms
+from pdtool.sim.simulate import allreduce_ms, default_minibatches, link_bandwidth, link_latency, simulate, steady_state_ms
 from pdtool.views.trace import chrome_trace, write_trace
 from test_plan import chain_profile
 
@@ -28,13 +28,26 @@ def make(stages, levels=FAST, mode="pipedream", ranks=None, batch=32):
             these = tuple(given[s])
         else:
             these, next_rank = tuple(range(next_rank, next_rank + r)), next_rank + r
-        built.append(PlanStage((s,), f"l{s}", f"l{s}", these, 1, fwd, bwd, params, specs[s - 1][4] if s else 0,
-                               out if s < len(specs) - 1 else 0, 1000 * (s + 1), fwd + bwd, 0.0, 0.0, fwd + bwd, 0))
-    return Plan(profile=ProfileRef("0" * 64, "f" * 64, None, batch, len(specs), "pipedream", "module", None),
-                cluster=Cluster(tuple(Level(c, float(bw)) for c, bw in levels)), cost_model="pdtool", straight=False,
-                mode=mode, stages=tuple(built), groups=(),
-                predicted=Prediction(max(f + b for f, b, *_ in specs), "stage 0 compute", 1.0, 1.0),
-                command="", pdtool_version="0")
+        built.append(
+            PlanStage(layers=(s,), first_name=f"l{s}", last_name=f"l{s}", ranks=these, in_flight=1, fwd_ms=fwd,
+                      bwd_ms=bwd, param_bytes=params, in_bytes=specs[s - 1][4] if s else 0,
+                      out_bytes=out if s < len(specs) - 1 else 0, activation_bytes=1000 * (s + 1),
+                      compute_ms=fwd + bwd, allreduce_ms=0.0, transfer_ms=0.0, time_ms=fwd + bwd, memory_bytes=0)
+        )
+    return Plan(
+        profile=ProfileRef(sha256="0" * 64, fingerprint="f" * 64, model=None, batch_size=batch, layers=len(specs),
+                           method="pipedream", granularity="module", depth=None),
+        cluster=Cluster(tuple(Level(c, float(bw)) for c, bw in levels)),
+        cost_model="pdtool",
+        straight=False,
+        mode=mode,
+        stages=tuple(built),
+        groups=(),
+        predicted=Prediction(time_ms=max(f + b for f, b, *_ in specs), bottleneck="stage 0 compute",
+                             single_worker_ms=1.0, data_parallel_ms=1.0),
+        command="",
+        pdtool_version="0",
+    )
 
 
 def by_name(result):
@@ -195,10 +208,12 @@ def test_memory_needs_count_the_versions_and_minibatches_the_schedule_holds():
     from pdtool.planner.costmodel import Memory as PlannerMemory
 
     plan = make([(1.0, 2.0, 1, 1000), (1.0, 2.0, 1, 1000)])  # activation_bytes 1000 and 2000
-    model = PlannerMemory(float("inf"))
+    model = PlannerMemory(limit=float("inf"))
     pipedream = model.per_worker(plan, simulate(plan, minibatches=20))
     assert pipedream == {0: model.need(1000, 1000, 2), 1: model.need(1000, 2000, 1)} == {0: 6000, 1: 5000}
-    gpipe = PlannerMemory(float("inf"), 2).per_worker(plan, simulate(plan, "gpipe", minibatches=8, group=4))
+    gpipe = PlannerMemory(limit=float("inf"), optimizer_slots=2).per_worker(
+        plan, simulate(plan, "gpipe", minibatches=8, group=4)
+    )
     assert gpipe == {0: 1000 * (1 + 1 + 2) + 4 * 1000, 1: 1000 * (1 + 1 + 2) + 4 * 2000}
 
 
@@ -326,7 +341,7 @@ def test_optimizer_steps_and_data_making_are_charged():
 def test_the_parting_levels_of_a_rank_set_are_those_of_its_pairs():
     import random
 
-    from pdtool.simulate import _parting_level, _parting_levels
+    from pdtool.sim.simulate import _parting_level, _parting_levels
 
     rng = random.Random(0)
     plan = make_plan(chain_profile([1.0] * 4, [1000] * 4, [10] * 4), parse_cluster("4x10GB/s,3x1GB/s,2x100MB/s"),

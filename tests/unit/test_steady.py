@@ -1,4 +1,4 @@
-"""The steady state from one period of the schedule (`pdtool.steady`) against the event simulation."""
+"""The steady state from one period of the schedule (`pdtool.sim.steady`) against the event simulation."""
 from pathlib import Path
 
 import pytest
@@ -8,8 +8,8 @@ from pdtool.artifacts.pipedream import load_pipedream_graph
 from pdtool.artifacts.profile import Profile
 from pdtool.planner import make_plan
 from pdtool.schedule import resolve
-from pdtool.simulate import simulate
-from pdtool.steady import _Graph, applies, steady_state
+from pdtool.sim.simulate import simulate
+from pdtool.sim.steady import _Graph, applies, steady_state
 from test_plan import chain_profile
 
 ROOT = Path(__file__).resolve().parents[2]

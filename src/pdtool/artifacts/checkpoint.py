@@ -123,8 +123,9 @@ def write_manifest(folder: str | os.PathLike, step: int, plan_sha256: str, shard
     missing = [s for s in sorted(shards) if not (folder / shard_name(s, run)).is_file()]
     if missing:
         raise ArtifactError(f"{folder}: no shard for stage(s) {missing}; save every stage's shard before the manifest")
-    manifest = Manifest(step, plan_sha256, {s: ShardFile(shard_name(s, run), shards[s]) for s in sorted(shards)},
-                        meta or {}, run)
+    manifest = Manifest(step=step, plan_sha256=plan_sha256,
+                        shards={s: ShardFile(shard_name(s, run), shards[s]) for s in sorted(shards)}, meta=meta or {},
+                        run=run)
     write_json(folder / MANIFEST, manifest.to_json())
 
 

@@ -47,7 +47,7 @@ MAX_LATENCY = 10.0
 """Longest latency pdtool plans for, seconds (a typo such as 2x10GB/s+100s is refused)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Quantity(Kind):
     """A number, or text with a unit that `parse` reads; written as the text `exact` makes (it
     parses back exactly). A value outside `ok` is `problem`, and `fix` says what to give."""
@@ -86,16 +86,21 @@ class Level:
     the one-way time in seconds of a small message on that link."""
 
     count: int = field(Int(1))
-    bandwidth: float = field(Quantity(parse_bandwidth, exact_bandwidth, float, lambda b: b > 0, "must be positive",
-                                      f"give bytes/s as a number or text with a unit ({BANDWIDTH_FORMS})",
-                                      ("exclusiveMinimum", 0)),
-                             doc="bytes/s: a number, or text with a unit ('12GB/s', '10Gbit/s')")
-    latency: float = field(Quantity(parse_duration, exact_duration, float, lambda t: 0 <= t <= MAX_LATENCY,
-                                    f"must be 0 to {MAX_LATENCY:g} s",
-                                    f"give seconds as a number or text with a unit ({DURATION_FORMS})",
-                                    ("minimum", 0)), 0.0, omit=0.0,
-                           doc="one-way time of a small message between two units: seconds (a number), or text with "
-                           "a unit ('100us', '0.1ms'); 0 when absent")
+    bandwidth: float = field(
+        Quantity(parse=parse_bandwidth, exact=exact_bandwidth, convert=float, ok=lambda b: b > 0,
+                 problem="must be positive", fix=f"give bytes/s as a number or text with a unit ({BANDWIDTH_FORMS})",
+                 bound=("exclusiveMinimum", 0)),
+        doc="bytes/s: a number, or text with a unit ('12GB/s', '10Gbit/s')",
+    )
+    latency: float = field(
+        Quantity(parse=parse_duration, exact=exact_duration, convert=float, ok=lambda t: 0 <= t <= MAX_LATENCY,
+                 problem=f"must be 0 to {MAX_LATENCY:g} s",
+                 fix=f"give seconds as a number or text with a unit ({DURATION_FORMS})", bound=("minimum", 0)),
+        0.0,
+        omit=0.0,
+        doc="one-way time of a small message between two units: seconds (a number), or text with "
+        "a unit ('100us', '0.1ms'); 0 when absent",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
@@ -124,11 +129,15 @@ class Cluster(Artifact):
     SCHEMA_NAME = "cluster"  # schemas/cluster.schema.json
 
     levels: tuple[Level, ...] = field(Records(Level, min_items=1))
-    memory: int | None = field(Quantity(parse_bytes, exact_bytes, int, lambda m: m >= 1 and m == int(m),
-                                        "must be a whole number of bytes >= 1",
-                                        'fix it, write it with a unit ("16GiB") or write null for no limit',
-                                        ("minimum", 1), "fix the value or write null for no limit"), None, null=True,
-                               doc="bytes per worker: a number, or text with a unit ('16GiB'); null for no limit")
+    memory: int | None = field(
+        Quantity(parse=parse_bytes, exact=exact_bytes, convert=int, ok=lambda m: m >= 1 and m == int(m),
+                 problem="must be a whole number of bytes >= 1",
+                 fix='fix it, write it with a unit ("16GiB") or write null for no limit', bound=("minimum", 1),
+                 parse_fix="fix the value or write null for no limit"),
+        None,
+        null=True,
+        doc="bytes per worker: a number, or text with a unit ('16GiB'); null for no limit",
+    )
     name: str | None = field(Str(), None, null=True)
     schema: str = field(Const(SCHEMA, "give a cluster file or remove the field"), SCHEMA)
 
@@ -164,7 +173,7 @@ class Cluster(Artifact):
 
 
 # ----- presets -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Preset:
     """A cluster of the PipeDream paper: `gpus` per server at `intra` bytes/s, servers at `inter`."""
 
@@ -304,4 +313,3 @@ def _parse_levels(text: str) -> Cluster:
             raise PlanError(f"{where} {part!r}: {exc}") from None
         levels.append(Level(count, bandwidth, latency))
     return Cluster(levels=tuple(levels))
-

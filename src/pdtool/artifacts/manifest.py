@@ -28,7 +28,7 @@ class ShardFile:
     sha256: str = field(Str())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Manifest(Artifact):
     """A checkpoint's manifest: `shards` maps each stage to its `ShardFile`, `meta` is free JSON
     data (the schedule mode, samples seen, ...), `run` the run whose shards it completes (None,

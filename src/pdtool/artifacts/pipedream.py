@@ -37,7 +37,7 @@ _FORMAT = ("'ID -- DESC -- forward_compute_time=F, backward_compute_time=B, acti
            "parameter_size=P' or a tab then 'SRC -- DST'")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Node:
     """One node line: costs in ms per minibatch and bytes, and where it was declared."""
 
@@ -103,12 +103,10 @@ def load_pipedream_graph(path: str | os.PathLike, batch_size: int | None = None)
         for i, node_id in enumerate(order)
     )
     profile_edges = tuple(sorted((index[u], index[v]) for u, v in graph.edges))
-    return Profile(
-        model=None, batch_size=batch_size, inputs=(), device=DEVICE, torch_version="",
-        fingerprint=hashlib.sha256(data).hexdigest(), method="pipedream", granularity="module",
-        depth=None, repeats=0, step_ms=0.0, step_ms_spread=0.0, layers=layers, edges=profile_edges,
-        source=source,
-    )
+    return Profile(model=None, batch_size=batch_size, inputs=(), device=DEVICE, torch_version="",
+                   fingerprint=hashlib.sha256(data).hexdigest(), method="pipedream", granularity="module",
+                   depth=None, repeats=0, step_ms=0.0, step_ms_spread=0.0, layers=layers, edges=profile_edges,
+                   source=source)
 
 
 def layer_order(graph: nx.DiGraph) -> list[str]:
@@ -241,7 +239,8 @@ def _parse_node(line: str, where: str, number: int) -> _Node:
                                     "fix the value (ms for times, bytes for sizes)")
             total += value
         values.append(total)
-    return _Node(node_id, desc, values[0], values[1], values[2], values[3], number)
+    return _Node(id=node_id, desc=desc, fwd_ms=values[0], bwd_ms=values[1], act_bytes=values[2],
+                 param_bytes=values[3], line=number)
 
 
 def _kind(desc: str) -> str:

@@ -33,7 +33,9 @@ RECOMPUTE = ("auto", "none", "all")  # pd plan --recompute: which stages recompu
 DOWN_SETS, PREFIXES = "down-sets", "prefixes"  # the planner's state spaces (`planner.states`)
 
 
-LAYER_IDS = ListOf(Int(), "expected a list of layer ids, found {value!r:.40}", "list the stage's layer ids", sort=True)
+LAYER_IDS = ListOf(
+    item=Int(), problem="expected a list of layer ids, found {value!r:.40}", fix="list the stage's layer ids", sort=True
+)
 """Layer ids, read sorted (a repeated id stays, for `_validate` to name)."""
 
 
@@ -49,7 +51,7 @@ class LayerSet:
         return self.layers[-1]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanStage(LayerSet):
     """One pipeline stage: the layer ids `layers` (ascending; `first`/`last` are the lowest and
     highest, named `first_name`/`last_name`), replicated on `ranks`.
@@ -81,8 +83,9 @@ class PlanStage(LayerSet):
     layers: tuple[int, ...] = field(LAYER_IDS, doc="layer ids, ascending")
     first_name: str = field(Str(), key="first_layer")
     last_name: str = field(Str(), key="last_layer")
-    ranks: tuple[int, ...] = field(ListOf(Int(), "every rank must be a non-negative integer", "fix the list",
-                                          min_items=1))
+    ranks: tuple[int, ...] = field(
+        ListOf(item=Int(), problem="every rank must be a non-negative integer", fix="fix the list", min_items=1)
+    )
     in_flight: int = field(Int(1))
     fwd_ms: float = field(Num())
     bwd_ms: float = field(Num())
@@ -133,7 +136,7 @@ class PlanStage(LayerSet):
 
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanGroup(LayerSet):
     """A stage of an outer cluster level (e.g. across servers): the layer ids `layers` on
     `units` units of `level`, each running the inner stages it contains; ms per minibatch.
@@ -164,7 +167,7 @@ def compact_ranges(layers: tuple[int, ...] | list[int]) -> str:
     return ",".join(parts)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Prediction:
     """What the cost model predicts for the whole plan (ms per minibatch of the profile's size),
     and what the simulator predicts for the plan's schedule (`simulated_*`; None when the plan
@@ -183,7 +186,7 @@ class Prediction:
     simulated_minibatches: int | None = field(Int(1), None, key="simulated.minibatches", required=True)
     simulated_steady: bool = field(Bool(), False, key="simulated.steady", omit=False,
                                    doc="The simulated figures are the schedule's steady state, computed from one "
-                                   "period of `simulated.minibatches` minibatches (pdtool.steady), not a run of "
+                                   "period of `simulated.minibatches` minibatches (pdtool.sim.steady), not a run of "
                                    "that many (absent: a run).")
     candidates: int | None = field(Int(1), None, key="simulated.candidates", null=True,
                                    doc="Plans pd plan compared in simulation (null: not compared).")
@@ -227,7 +230,7 @@ class Prediction:
                 else (0.0, 0.0))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProfileRef:
     """What the plan needs of its profile: identity, how to rebuild the model's layers, and the
     host's cost of a message (`message_ms_per_mib`, the profile's: charged by the simulator)."""
@@ -254,7 +257,7 @@ class ProfileRef:
         round_float_fields(self)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan(Artifact):
     """A plan (module doc). `state_space` says which stages the planner considered: "down-sets"
     (differences of down-sets of the layer graph) or "prefixes" (contiguous ranges of the

@@ -63,11 +63,13 @@ class ModelRef:
 class TensorSpec:
     """Shape (batch dimension first) and dtype name (e.g. "float32") of one model input."""
 
-    shape: tuple[int, ...] = field(ListOf(Int(), "every dimension must be a non-negative integer", "fix the shape"))
+    shape: tuple[int, ...] = field(
+        ListOf(item=Int(), problem="every dimension must be a non-negative integer", fix="fix the shape")
+    )
     dtype: str = field(Str())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Layer:
     """One layer of the profiled graph; times in ms per minibatch, sizes in bytes."""
 
@@ -80,7 +82,7 @@ class Layer:
     param_bytes: int = field(Int())
     fwd_ms_spread: float = field(Num(), 0.0, required=True)
     bwd_ms_spread: float = field(Num(), 0.0, required=True)
-    ops: tuple[str, ...] = field(ListOf(Str(), "every op must be a string", "fix the list"), ())
+    ops: tuple[str, ...] = field(ListOf(item=Str(), problem="every op must be a string", fix="fix the list"), ())
     wgrad_ms: float | None = field(Num(), None, null=True, doc="The part of bwd_ms that computes the weight "
                                    "gradients (null: not measured).")
     saved_bytes: int | None = field(Int(), None, null=True, omit=None, doc="What its forward saves for its "
@@ -120,7 +122,7 @@ def estimate_wgrad_ms(bwd_ms: float, param_bytes: int) -> float:
     return bwd_ms / 2 if param_bytes else 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Profile(Artifact):
     """A measured layer graph of one model at one minibatch size on one device.
 
@@ -160,9 +162,11 @@ class Profile(Artifact):
     layers: tuple[Layer, ...] = field(Records(Layer, min_items=1), doc="One layer each: forward/backward ms per "
                                       "minibatch (median, and the interquartile range as spread), output activation "
                                       "bytes, parameter bytes, the traced ops it covers.")
-    edges: tuple[tuple[int, int], ...] = field(ListOf(Pair(), "expected a pair of layer ids [src, dst], found "
-                                                      "{value!r:.40}", "fix the edge", each=True),
-                                               doc="[source layer id, destination layer id] each")
+    edges: tuple[tuple[int, int], ...] = field(
+        ListOf(item=Pair(), problem="expected a pair of layer ids [src, dst], found " "{value!r:.40}",
+               fix="fix the edge", each=True),
+        doc="[source layer id, destination layer id] each",
+    )
     update_ms: float = field(Num(), 0.0)
     data_ms: float = field(Num(), 0.0)
     reduce_ms: float = field(Num(), 0.0)

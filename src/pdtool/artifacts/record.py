@@ -147,7 +147,7 @@ class Obj(Kind):
         return dict(value)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ListOf(Kind):
     """A list of `item`s, read as a tuple (`sort`: sorted); a wrong item is `problem` (with the
     list as {value}, or with `each` the item at its own place); `fix` says what to do."""
@@ -269,9 +269,15 @@ class Shared(Kind):
     types = ("array",)
 
     def _members(self) -> tuple[Member, ...]:
-        return (Member("param", "param", Str()),
-                Member(self.ids, self.ids, ListOf(Int(), f"expected a list of {self.ids[:-1]} ids",
-                                                  f"list the {self.ids} that use the parameter", min_items=2)))
+        return (
+            Member(name="param", key="param", kind=Str()),
+            Member(
+                name=self.ids,
+                key=self.ids,
+                kind=ListOf(item=Int(), problem=f"expected a list of {self.ids[:-1]} ids",
+                            fix=f"list the {self.ids} that use the parameter", min_items=2),
+            ),
+        )
 
     def read(self, value: list, at: At) -> tuple:
         found = []
@@ -287,7 +293,7 @@ class Shared(Kind):
         return {"type": "array", "items": _object_schema(self._members())}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Member:
     """One JSON field of a record: attribute `name`, JSON `key` (inside its group), `kind`;
     `required` in a file, `absent` the value when it is not, written unless it equals `omit`.
@@ -322,7 +328,7 @@ def field(kind: Kind, default: Any = MISSING, *, key: str | None = None, null: b
 def derived(key: str, kind: Kind, get: Callable, *, null: bool = False, required: bool = False,
             doc: str = "") -> Member:
     """A figure derived from the record (`get(record, owner, index)`), written for readers."""
-    return Member(key, key, kind, null=null, required=required, doc=doc, get=get)
+    return Member(name=key, key=key, kind=kind, null=null, required=required, doc=doc, get=get)
 
 
 @dataclass(frozen=True)
@@ -350,7 +356,8 @@ def layout(cls: type) -> tuple[Member | Group, ...]:
             absent = f.default
         required = f.default is MISSING and f.default_factory is MISSING if spec["required"] is None else spec["required"]
         group, _, key = (spec["key"] or f.name).rpartition(".")
-        member = Member(f.name, key, spec["kind"], spec["null"], required, absent, spec["omit"], spec["doc"])
+        member = Member(name=f.name, key=key, kind=spec["kind"], null=spec["null"], required=required, absent=absent,
+                        omit=spec["omit"], doc=spec["doc"])
         if group and group not in groups:
             groups[group] = []
             items.append(Group(group, (), False))

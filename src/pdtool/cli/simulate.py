@@ -40,7 +40,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
     from ..artifacts.plan import SCHEMA as PLAN_SCHEMA, Plan
     from ..artifacts.profile import SCHEMA as PROFILE_SCHEMA
     from ..views.show import simulation_table
-    from ..simulate import simulate as run_simulation
+    from ..sim.simulate import simulate as run_simulation
     from ..views.trace import chrome_trace, write_trace
 
     if trace_path is not None:

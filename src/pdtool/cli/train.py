@@ -176,8 +176,9 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     if max_restarts and (nnodes > 1 or rdzv_endpoint):
         raise click.UsageError("--max-restarts restarts the workers of one machine; across machines, restart the "
                                "job with --resume")
-    recipe = OptimizerConfig(optimizer, lr, momentum, weight_decay, betas, eps,
-                             LrSchedule(lr_schedule, warmup_steps, min_lr, lr_decay_steps), clip_grad_norm)
+    recipe = OptimizerConfig(name=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay, betas=betas,
+                             eps=eps, schedule=LrSchedule(lr_schedule, warmup_steps, min_lr, lr_decay_steps),
+                             clip_grad_norm=clip_grad_norm)
     if recipe.problem():
         raise click.UsageError(recipe.problem())
     plan = Plan.load(plan_path)
@@ -213,33 +214,39 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     talk = (lambda message: None) if quiet else (lambda message: click.echo(f"pd: {message}", err=True))  # noqa: E731
     warn = lambda message: click.echo(f"pd: warning: {message}", err=True)  # noqa: E731
     say = lambda message: click.echo(f"pd: {message}", err=True)  # noqa: E731
-    nodes = Nodes(nnodes, node_rank, nproc_per_node, master_addr, master_port, rdzv_endpoint, rdzv_id, iface)
+    nodes = Nodes(nnodes=nnodes, node_rank=node_rank, nproc_per_node=nproc_per_node, master_addr=master_addr,
+                  master_port=master_port, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, interface=iface)
     ran = run_training(plan, config, where=where, nodes=nodes, epochs=epochs, resume=resume, restarts=max_restarts,
                        verbose=verbose, warn=warn, say=say, talk=talk)  # every check before any worker starts
     if ran is None:
         return  # a worker of torchrun or srun that is not rank 0: rank 0 reports
-    result, job = ran
-    config = job.config
+    _report(*ran, metrics_path=metrics_path, trace_path=trace_path, checkpoint_dir=checkpoint_dir)
+
+
+def _report(result, job, *, metrics_path: str | None, trace_path: str | None, checkpoint_dir: str | None) -> None:
+    """What pd train writes and prints when its workers are done (`result`: the job's
+    `TrainResult`, `job`: the resolved run): the metrics CSV and its settings JSON, the trace,
+    the summary lines, the held-out figures and where the outputs are. A metrics file a full
+    disk kept from being written is said last, as the one error, after everything else."""
+    from ..runtime.run import recorded_settings
     from ..views.summary import train_summary
 
-    shared = (config.threads, job.local, job.cores, job.on_cpu)  # what gap_reasons needs to explain a measurement
     lost = None
     if metrics_path:
-        from ..runtime.run import recorded_settings
         from ..views.metrics import write_metrics, write_settings
 
         try:
             write_metrics(metrics_path, result)
-            write_settings(metrics_path, recorded_settings(plan, config))
+            write_settings(metrics_path, recorded_settings(job.config, job.run))
         except PdtoolError as exc:  # a full disk: the training's own figures still follow
             lost = f"--metrics {metrics_path} was not written ({exc}); the training itself finished"
     if trace_path:
         from ..views.trace import write_measured_trace
 
         write_measured_trace(trace_path, result)
-    for line in train_summary(result, plan, config, shared):
+    for line in train_summary(result, job):
         click.echo(line)
-    if evaluate:
+    if job.config.evaluate:
         evals = result.evals
         if evals:
             held_loss, accuracy, samples = evals[max(evals)][:3]

@@ -31,7 +31,7 @@ Spec = tuple[str, tuple[int, ...], str]
 """A message tensor: (name, shape, dtype name)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageInfo:
     """What every worker knows of stage `index` (see `model.stages.Stage`); `program` is its
     graph as `model.program` text (None: the worker cuts the stage itself); `out_spec` the
@@ -149,9 +149,12 @@ def describe(stages: list[Stage], model: nn.Module, specs=(), modules=()) -> Cap
                 check(program, modules, resolve=True)
             except (Unwritable, Refused):
                 program = None
-        infos.append(StageInfo(stage.index, stage.inputs, stage.outputs, dict(stage.param_names),
-                               dict(stage.buffer_names), stage.layers, dict(stage.tied), dict(stage.shared_buffers),
-                               program, out_spec))
+        infos.append(
+            StageInfo(index=stage.index, inputs=stage.inputs, outputs=stage.outputs,
+                      param_names=dict(stage.param_names), buffer_names=dict(stage.buffer_names), layers=stage.layers,
+                      tied=dict(stage.tied), shared_buffers=dict(stage.shared_buffers), program=program,
+                      out_spec=out_spec)
+        )
     shapes = {stage.param_names[n]: tuple(p.shape) for stage in stages for n, p in stage.module.named_parameters()}
     dtypes = {stage.param_names[n]: str(p.dtype).removeprefix("torch.")
               for stage in stages for n, p in stage.module.named_parameters()}
@@ -211,7 +214,7 @@ def _attribute(model: nn.Module, target: str):
     return value
 
 
-def own_stage(capture: Capture, index: int, plan, bundle, seed: int, device: torch.device | None = None,
+def own_stage(capture: Capture, index: int, *, plan, bundle, seed: int, device: torch.device | None = None,
               on_meta: bool = True, weights=None) -> Stage:
     """Stage `index` of `capture` on this process's `bundle` (its model built by `model.build`):
     its parameters given values by the rule, or read from `weights` (`model.weights.WeightFiles`:
@@ -233,8 +236,8 @@ def own_stage(capture: Capture, index: int, plan, bundle, seed: int, device: tor
     # without a program (a model split by module selection, a graph the format cannot write) it is cut here
     module = stage_module(info, model, device, None if info.program is not None else cut(plan, bundle),
                           model_modules(bundle))
-    stage = Stage(index, module, info.inputs, info.outputs, {}, {}, info.layers, dict(info.tied),
-                  dict(info.shared_buffers))
+    stage = Stage(index=index, module=module, inputs=info.inputs, outputs=info.outputs, param_names={},
+                  buffer_names={}, layers=info.layers, tied=dict(info.tied), shared_buffers=dict(info.shared_buffers))
     _names(model, stage)
     _release(model, stage.module)
     return stage

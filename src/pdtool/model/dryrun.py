@@ -38,14 +38,15 @@ def described(stages, bundle, inputs, target, data: str, seed: int, on_meta: boo
                                                          for info in capture.stages],
                                      model, inputs, target, bundle.loss_fn)
     except Exception:  # noqa: BLE001 - fake tensors cannot follow this model: the real run says what is wrong
-        specs, loss = _run_real(capture, stages, bundle, inputs, target, data, seed, on_meta)
+        specs, loss = _run_real(capture=capture, stages=stages, bundle=bundle, inputs=inputs, target=target,
+                                data=data, seed=seed, on_meta=on_meta)
     if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
         raise LaunchError(f"the loss function returned {type(loss).__name__} for --data {data}, not a scalar tensor; "
                           "fix the model factory's loss function")
     return dataclasses.replace(capture, specs=specs)
 
 
-def _run_real(capture: Capture, stages, bundle, inputs, target, data: str, seed: int, on_meta: bool):
+def _run_real(*, capture: Capture, stages, bundle, inputs, target, data: str, seed: int, on_meta: bool):
     """The same for real, holding one stage's parameters at a time."""
     shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in inputs
                        if isinstance(t, torch.Tensor))

@@ -52,11 +52,9 @@ from torch.fx.passes.split_module import split_module
 from torch.nn import functional as F
 
 # Leaf modules that never make a layer of their own under "module" granularity.
-TRIVIAL_MODULES = (
-    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Hardswish,
-    nn.Hardsigmoid, nn.Mish, nn.Softmax, nn.LogSoftmax, nn.Dropout, nn.Dropout1d, nn.Dropout2d,
-    nn.Dropout3d, nn.Identity, nn.Flatten, nn.Unflatten,
-)
+TRIVIAL_MODULES = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Hardswish,
+                   nn.Hardsigmoid, nn.Mish, nn.Softmax, nn.LogSoftmax, nn.Dropout, nn.Dropout1d, nn.Dropout2d,
+                   nn.Dropout3d, nn.Identity, nn.Flatten, nn.Unflatten)
 # Functions (and tensor methods, by name) that compute enough to be a layer of their own.
 HEAVY_FUNCTIONS = {
     F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
@@ -94,7 +92,7 @@ class Group:
     params: tuple[str, ...]  # qualified names of the parameters it owns (a shared one: first user)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LayerGraph:
     """A model's traced graph (`traced`) grouped into layers; `split()` makes one `submod_<i>`
     per group (what the profiler times); the runtime splits `traced` by stage instead.
@@ -403,7 +401,8 @@ def build_layer_graph(module: nn.Module, granularity: str = "module", depth: int
     groups = _named_groups(anchors, members, describe, owned)
     edges = sorted({(group[p], group[n]) for n in group for p in n.all_input_nodes
                     if p in group and group[p] != group[n]})
-    return LayerGraph(groups, edges, gm, module, group, method, root, out_spec, shared)
+    return LayerGraph(groups=groups, edges=edges, traced=gm, module=module, group_of=group, method=method, root=root,
+                      out_spec=out_spec, shared=shared)
 
 
 def _attribute_reads_per_group(gm: fx.GraphModule, group: dict[fx.Node, int]) -> None:

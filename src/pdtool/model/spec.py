@@ -54,7 +54,7 @@ def model_loss(output: Any, target: Any = None) -> torch.Tensor:
     return loss
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelBundle:
     """What a model factory returns: the module, a batch maker and the loss function.
 
@@ -246,7 +246,7 @@ def _load_model(ref: ModelRef, given: bool) -> ModelBundle:
     if loss_fn is not None and not callable(loss_fn):
         raise ModelError(f"model {ref.spec!r}: the loss function the factory returned is not callable")
     if callable(sample):
-        return _keyword_inputs(ModelBundle(module, sample, loss_fn), ref.spec)
+        return _keyword_inputs(ModelBundle(module=module, make_batch=sample, loss_fn=loss_fn), ref.spec)
     if not (isinstance(sample, dict) or (isinstance(sample, tuple) and len(sample) == 2)):
         raise ModelError(f"model {ref.spec!r}: the sample must be a pair (inputs, target), a dict of keyword inputs "
                          "or a function making one")
@@ -255,7 +255,10 @@ def _load_model(ref: ModelRef, given: bool) -> ModelBundle:
              inputs[0] if isinstance(inputs, tuple) else inputs)
     if not isinstance(first, torch.Tensor) or first.dim() == 0:
         raise ModelError(f"model {ref.spec!r}: the sample inputs must be tensors with a batch dimension")
-    return _keyword_inputs(ModelBundle(module, lambda _size: sample, loss_fn, fixed_batch_size=first.shape[0]), ref.spec)
+    return _keyword_inputs(
+        ModelBundle(module=module, make_batch=lambda _size: sample, loss_fn=loss_fn, fixed_batch_size=first.shape[0]),
+        ref.spec,
+    )
 
 
 def file_model(model: dict[str, Any], override: str | None = None) -> ModelBundle:

@@ -55,7 +55,7 @@ OUTPUT = "output"
 _REPROFILE = "re-run pd profile and pd plan for this model"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Stage:
     """One pipeline stage: `module(values)` maps the dict of boundary `index - 1` (named
     `inputs`) to the dict of boundary `index` (named `outputs`).
@@ -119,7 +119,10 @@ def build_stages(module: nn.Module, layer_sets: Sequence[Sequence[int]], *, meth
         stage_module: nn.Module = fx.GraphModule(gm, graph, class_name=f"Stage{s}")
         if s == len(layer_sets) - 1 and layers.out_spec is not None:
             stage_module = _Rebuilt(stage_module, layers.out_spec)
-        stages.append(Stage(s, stage_module, inputs, outputs, {}, {}, ids))
+        stages.append(
+            Stage(index=s, module=stage_module, inputs=inputs, outputs=outputs, param_names={}, buffer_names={},
+                  layers=ids)
+        )
     _name_state(module, stages)
     return stages
 
@@ -166,7 +169,8 @@ class _Whole(nn.Module):
 
 def _whole_stage(module: nn.Module, layers: tuple[int, ...], count: int) -> Stage:
     names = tuple(f"input{i}" for i in range(count))
-    stage = Stage(0, _Whole(module, names), names, (OUTPUT,), {}, {}, layers)
+    stage = Stage(index=0, module=_Whole(module, names), inputs=names, outputs=(OUTPUT,), param_names={},
+                  buffer_names={}, layers=layers)
     _name_state(module, [stage])
     return stage
 
@@ -221,7 +225,10 @@ def _sequential_stages(module: nn.Module, layer_sets: list[tuple[int, ...]], lay
         source = "input" if s == 0 else f"stage{s - 1}"
         target = OUTPUT if s == len(layer_sets) - 1 else f"stage{s}"
         slice_ = _SequentialSlice(children[bounds[s]:bounds[s + 1]], source, target)
-        stages.append(Stage(s, slice_, (source,), (target,), {}, {}, layer_sets[s]))
+        stages.append(
+            Stage(index=s, module=slice_, inputs=(source,), outputs=(target,), param_names={}, buffer_names={},
+                  layers=layer_sets[s])
+        )
     _name_state(module, stages)
     return stages
 

@@ -69,7 +69,7 @@ from ..memory import COMPUTE_COPY, OPTIMIZER_SLOTS, Memory, memory_model, step_t
 SECONDS_PER_MS = 1e-3  # profiles are in ms, the planner works in seconds
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChainCosts:
     """Per-layer costs of a profile in planner units (seconds, bytes), and its layer graph.
 

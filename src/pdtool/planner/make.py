@@ -12,14 +12,14 @@ import dataclasses
 import numpy as np
 
 from .. import __version__
-from .. import simulate as simulator
+from ..sim import simulate as simulator
 from ..artifacts.cluster import Cluster
 from ..artifacts.plan import (
     MS_PER_S, Plan, PlanGroup, PlanStage, Prediction, ProfileRef, compact_ranges, profile_sha256, with_boundaries,
 )
 from ..artifacts.profile import Profile
 from ..errors import PlanError
-from ..steady import applies as steady_applies, steady_state
+from ..sim.steady import applies as steady_applies, steady_state
 from ..schedule.modes import DEFAULT, DEFAULT_TIED, MODES, listed, modes_where, resolve, rules
 from ..units import format_bytes
 from .background import background
@@ -89,8 +89,10 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     states = _splittable(build_states(costs, followers=not model.exact_workers and memory is None), profile, say)
     if data_parallel:
         states = states.restricted(lambda mask: False)
-    describe = lambda pipeline, s: _as_plan(pipeline, s, profile, cluster, costs, model, memory,  # noqa: E731
-                                            optimizer_slots, cost_model, straight, mode, command, profile_file)
+    def describe(pipeline, s) -> Plan:
+        return _as_plan(pipeline=pipeline, solver=s, profile=profile, cluster=cluster, costs=costs, model=model,
+                        memory=memory, optimizer_slots=optimizer_slots, cost_model=cost_model, straight=straight,
+                        mode=mode, command=command, profile_file=profile_file)
 
     def straight_plans() -> list[Plan]:  # straight pipelines: the cost model undervalues them most
         lined = Solver(states, counts, bandwidths, model, straight=True, memory=memory, recompute=recompute)
@@ -102,8 +104,9 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
                         every_worker=data_parallel, recompute=recompute)
         pipelines = solver.candidates(CANDIDATES) if simulate else [solver.solve()]
         if not pipelines or pipelines[0] is None:
-            raise PlanError(_no_plan_reason(profile, costs, states, counts, bandwidths, model, straight, memory,
-                                            cluster, recompute))
+            raise PlanError(_no_plan_reason(profile=profile, costs=costs, states=states, counts=counts,
+                                            bandwidths=bandwidths, model=model, straight=straight, memory=memory,
+                                            cluster=cluster, recompute=recompute))
         plans = [describe(p, solver) for p in pipelines]
         if not simulate:
             return _trainable(plans[0], mode, say)
@@ -142,8 +145,9 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
         full = hybrid.predicted.simulated_steady or any(_key(p) == _key(hybrid) for p in ranked[:FINALISTS])
         hybrid = (f"{_shape(hybrid)}: {hybrid.predicted.simulated_ms:.3f} ms per minibatch simulated"
                   + ("" if full else f" (on a run of {hybrid.predicted.simulated_minibatches} minibatches)"))
-    over = None if baseline is not None else _data_parallel_excess(profile, costs, states, counts, bandwidths, model,
-                                                                    memory, optimizer_slots)
+    over = None if baseline is not None else _data_parallel_excess(
+        profile=profile, costs=costs, states=states, counts=counts, bandwidths=bandwidths, model=model, memory=memory,
+        optimizer_slots=optimizer_slots)
     best = dataclasses.replace(best, predicted=dataclasses.replace(
         best.predicted, candidates=len(ranked), why=why, data_parallel_over_bytes=over, hybrid=hybrid,
         simulated_data_parallel_ms=baseline.predicted.simulated_ms if baseline is not None else None))
@@ -222,7 +226,7 @@ def _data_parallel_solver(states: States, counts, bandwidths, model: CostModel, 
                   recompute=recompute)
 
 
-def _data_parallel_excess(profile, costs, states, counts, bandwidths, model, memory, optimizer_slots) -> int | None:
+def _data_parallel_excess(*, profile, costs, states, counts, bandwidths, model, memory, optimizer_slots) -> int | None:
     """Bytes per worker by which data parallelism on every worker exceeds the memory limit."""
     if memory is None:
         return None
@@ -242,7 +246,7 @@ def _shape(plan: Plan) -> str:
             + (f" of {plan.workers}" if used < plan.workers else "") + " workers")
 
 
-def _as_plan(pipeline: Pipeline, solver: Solver, profile: Profile, cluster: Cluster, costs: ChainCosts,
+def _as_plan(*, pipeline: Pipeline, solver: Solver, profile: Profile, cluster: Cluster, costs: ChainCosts,
              model: CostModel, memory: Memory | None, optimizer_slots: int, cost_model: str, straight: bool,
              mode: str | None, command: str, profile_file: str | None) -> Plan:
     """The plan of one of the dynamic program's pipelines, with the cost model's figures."""
@@ -260,11 +264,12 @@ def _as_plan(pipeline: Pipeline, solver: Solver, profile: Profile, cluster: Clus
     prediction = Prediction(time_ms=pipeline.time * MS_PER_S, bottleneck=bottleneck,
                             single_worker_ms=float(costs.compute.sum()) * MS_PER_S,
                             data_parallel_ms=model.data_parallel(costs, counts, bandwidths) * MS_PER_S)
-    ref = ProfileRef(profile_sha256(profile), profile.fingerprint,
-                     None if profile.model is None else {"spec": profile.model.spec, "kwargs": dict(profile.model.kwargs)},
-                     profile.batch_size, len(profile.layers), profile.method, profile.granularity, profile.depth,
-                     profile.split, profile.device, profile.layer_sum_over_step, profile.message_ms_per_mib,
-                     profile.precision)
+    ref = ProfileRef(sha256=profile_sha256(profile), fingerprint=profile.fingerprint,
+                     model=None if profile.model is None else {"spec": profile.model.spec, "kwargs": dict(profile.model.kwargs)},
+                     batch_size=profile.batch_size, layers=len(profile.layers), method=profile.method,
+                     granularity=profile.granularity, depth=profile.depth, split=profile.split, device=profile.device,
+                     layer_sum_over_step=profile.layer_sum_over_step, message_ms_per_mib=profile.message_ms_per_mib,
+                     precision=profile.precision)
     plan = Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=mode or DEFAULT,
                 stages=tuple(stages), groups=tuple(groups), predicted=prediction, command=command,
                 profile_file=profile_file,
@@ -363,25 +368,27 @@ def _describe(pipeline: Pipeline, profile: Profile, costs: ChainCosts, model: Co
             units = range(stage.units_before, stage.units_before + stage.replicas)
             here = [base + u * size for base in bases for u in units]
             if stage.inner is None:
-                stages.append(_leaf(stage, terms, outer, sorted(here), profile, costs, solver, memory, stages,
-                                    placed[0], total_params))
+                stages.append(
+                    _leaf(stage, terms=terms, outer=outer, ranks=sorted(here), profile=profile, costs=costs,
+                          solver=solver, memory=memory, earlier=stages, before=placed[0], total_params=total_params)
+                )
                 placed[0] += len(here)
             else:
-                groups.append(PlanGroup(p.level, stage.layers, stage.replicas,
-                                        *_term_ms(terms, outer)))
+                groups.append(PlanGroup(level=p.level, layers=stage.layers, units=stage.replicas,
+                                        **_term_ms(terms, outer)))
                 walk(stage.inner, here, outer * stage.replicas)
 
     walk(pipeline, [0], 1)
     return stages, groups
 
 
-def _term_ms(terms: dict, outer: int) -> tuple[float, float, float, float]:
-    """(compute, allreduce, transfer, time) of a stage's cost-model terms, ms per minibatch over
-    the `outer` replicas of the levels above it."""
-    return tuple(terms[k] / outer * MS_PER_S for k in ("compute", "allreduce", "transfer", "time"))
+def _term_ms(terms: dict, outer: int) -> dict[str, float]:
+    """A stage's cost-model terms (compute_ms, allreduce_ms, transfer_ms, time_ms), ms per
+    minibatch over the `outer` replicas of the levels above it."""
+    return {f"{k}_ms": terms[k] / outer * MS_PER_S for k in ("compute", "allreduce", "transfer", "time")}
 
 
-def _leaf(stage: PipelineStage, terms: dict, outer: int, ranks: list[int], profile: Profile, costs: ChainCosts,
+def _leaf(stage: PipelineStage, *, terms: dict, outer: int, ranks: list[int], profile: Profile, costs: ChainCosts,
           solver: Solver, memory: Memory, earlier: list[PlanStage], before: int, total_params: int) -> PlanStage:
     """One plan stage: `before` workers run the `earlier` stages; `total_params` is the profile's."""
     k = Memory.in_flight(solver.workers, before, len(ranks))
@@ -393,17 +400,17 @@ def _leaf(stage: PipelineStage, terms: dict, outer: int, ranks: list[int], profi
                        cut=(float(solver.states.cut[a]), float(solver.states.cut[b])), largest=largest)
     params = sum(l.param_bytes for l in layers)
     share = params / total_params if total_params else 0.0
-    return PlanStage(stage.layers, layers[0].name, layers[-1].name, tuple(ranks), k,
-                     sum(l.fwd_ms for l in layers), sum(l.bwd_ms for l in layers), params,
-                     int(solver.states.cut[a]), int(solver.states.cut[b]), int(solver.stashed[a, b]),
-                     *_term_ms(terms, outer), int(round(need)),
-                     update_ms=profile.update_ms * share, largest_layer_bytes=largest,
+    return PlanStage(layers=stage.layers, first_name=layers[0].name, last_name=layers[-1].name, ranks=tuple(ranks),
+                     in_flight=k, fwd_ms=sum(l.fwd_ms for l in layers), bwd_ms=sum(l.bwd_ms for l in layers),
+                     param_bytes=params, in_bytes=int(solver.states.cut[a]), out_bytes=int(solver.states.cut[b]),
+                     activation_bytes=int(solver.stashed[a, b]), **_term_ms(terms, outer),
+                     memory_bytes=int(round(need)), update_ms=profile.update_ms * share, largest_layer_bytes=largest,
                      data_ms=profile.data_ms if not earlier else 0.0,
                      wgrad_ms=sum(l.weight_gradient_ms for l in layers), reduce_ms=profile.reduce_ms * share,
                      recompute=stage.recompute)
 
 
-def _no_plan_reason(profile: Profile, costs: ChainCosts, states: States, counts, bandwidths, model, straight, memory,
+def _no_plan_reason(*, profile: Profile, costs: ChainCosts, states: States, counts, bandwidths, model, straight, memory,
                     cluster, recompute: str = "none") -> str:
     """Why no plan exists: name the stage that does not fit and by how much, when memory is why."""
     if memory is not None:

@@ -49,7 +49,7 @@ _AROUND = np.array([[-1], [0], [1]])  # the even split's state and its two neigh
 Context = tuple[int, int]  # (workers before, replication of the enclosing stages)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PipelineStage(LayerSet):
     """One stage of the partition at some level: the layers of state `end` not in state
     `start` (`layers`, ascending), on r units of that level.
@@ -214,7 +214,7 @@ class Solver:
         self._recomputing[key] = recomputing
         return np.where(fits, times, INF)
 
-    def recomputes(self, level: int, context: Context | None, r: int, before: int, first: bool, final: bool,
+    def recomputes(self, *, level: int, context: Context | None, r: int, before: int, first: bool, final: bool,
                    k: int, j: int) -> bool:
         """Whether the worker-level stage (k, j) recomputes in that place of the pipeline."""
         self._stage(level, context, r, before, first, final)
@@ -250,14 +250,15 @@ class Solver:
                     suffixes[m - r] = np.minimum.accumulate(F[m - r][a + 1:S - 1][::-1])[::-1]
                 for table, choices, final in ((F, choice_F, False), (T, choice_T, True)):
                     stage = self._stage(level, context, r, m - r, False, final)
-                    self._relax(table, choices, F[m - r], stage, level, a, m, r, suffixes[m - r])
+                    self._relax(table=table, choices=choices, prev=F[m - r], stage=stage, level=level, a=a, m=m, r=r,
+                                suffix_min=suffixes[m - r])
         if self.exact:
             best = T[M]
         else:
             best = T[1:].min(axis=0)
         return (best, F, T, choice_F, choice_T) if track else (best,)
 
-    def _relax(self, table, choices, prev, stage, level, a, m, r, suffix_min) -> None:
+    def _relax(self, *, table, choices, prev, stage, level, a, m, r, suffix_min) -> None:
         """table[m][j] = min(table[m][j], min over a < k < j of max(prev[k], stage[k, j])).
 
         Only a band of states k is evaluated for each j: the cost model's lower bound on the
@@ -276,7 +277,7 @@ class Solver:
         lo, hi = self._band(table, suffix_min, level, a, m, r, j)
         if np.maximum(hi - lo + 1, 0).sum() > _GUESS_WIDTH * len(j):
             # wide bands: the time known so far is poor; try the even splits first, then narrow
-            self._relax_guesses(table, choices, prev, stage, a, m, r, j)
+            self._relax_guesses(table=table, choices=choices, prev=prev, stage=stage, a=a, m=m, r=r, j=j)
             lo, hi = self._band(table, suffix_min, level, a, m, r, j)
         width = np.maximum(hi - lo + 1, 0)
         keep = np.nonzero(width > 0)[0]
@@ -322,7 +323,7 @@ class Solver:
                 lo = np.maximum(lo, params.searchsorted(params[j] - known / beta, side="right"))
         return np.maximum(lo, a + 1), hi
 
-    def _relax_guesses(self, table, choices, prev, stage, a, m, r, j) -> None:
+    def _relax_guesses(self, *, table, choices, prev, stage, a, m, r, j) -> None:
         """Try, for every j, the states that split the compute from a to j evenly between the
         prefix's m - r units and the stage's r units: a good time found this way narrows the
         bands `_relax` has to search."""
@@ -376,8 +377,13 @@ class Solver:
                     outer_before, outer = context
                     inner_context = (outer_before + outer * (m - r) * self.inner[level], outer * r)
                 inner = self._reconstruct(level - 1, inner_context, k, j)
-            recompute = level == 0 and self.recomputes(level, context, r, m - r, k == a, table is T, k, j)
-            stages.append(PipelineStage(k, j, self.states.layers(k, j), r, float(time), m - r, inner, recompute))
+            recompute = level == 0 and self.recomputes(
+                level=level, context=context, r=r, before=m - r, first=k == a, final=table is T, k=k, j=j
+            )
+            stages.append(
+                PipelineStage(start=k, end=j, layers=self.states.layers(k, j), replicas=r, time=float(time),
+                              units_before=m - r, inner=inner, recompute=recompute)
+            )
             if k == a:
                 break
             table, choices, j, m = F, choice_F, k, m - r

@@ -49,7 +49,7 @@ a graph with more down-sets is planned over the prefixes of the profile's order 
 
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class States:
     """The DP states of one profile, in the order described in the module doc.
 

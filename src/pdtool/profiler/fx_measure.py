@@ -34,7 +34,7 @@ from .timing import (EXTRA_ROUNDS, MIN_EXTRA, Clock, backward_from, nbytes, root
                      tensors_in)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerCost:
     """Measured cost of one layer: ms (median and spread) and output bytes."""
 
@@ -48,7 +48,7 @@ class LayerCost:
     saved_bytes: int | None = None  # its share of a stage's stash (`stashes`; None: not recorded)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Saved:
     """What one layer's forward saved for its backward: `own` bytes of storages it made, which of
     its inputs (positions among `tensors_in((args, kwargs))`) and of its outputs (among
@@ -292,8 +292,8 @@ class _LayerTimer:
             wgrad = min(max(0.0, bwd_ms - inputs_ms), bwd_ms)
         else:  # no parameters: no weight gradients; inputs that need none: all of the backward is
             wgrad = bwd_ms if owns else 0.0
-        return LayerCost(fwd_ms, fwd_spread, bwd_ms, bwd_spread, act_bytes=nbytes(self.out), wgrad_ms=wgrad,
-                         saved=self.saved)
+        return LayerCost(fwd_ms=fwd_ms, fwd_ms_spread=fwd_spread, bwd_ms=bwd_ms, bwd_ms_spread=bwd_spread,
+                         act_bytes=nbytes(self.out), wgrad_ms=wgrad, saved=self.saved)
 
 
 def _less(seconds: float, fixed: float) -> float:

@@ -36,7 +36,7 @@ from .timing import Clock, tensors_in, time_sgd_steps
 class _Streaming(fx.Interpreter):
     """Runs the split model with one layer's weights real at a time, timing each layer."""
 
-    def __init__(self, split: fx.GraphModule, model: nn.Module, names: dict[int, str], real: dict[int, torch.Tensor],
+    def __init__(self, *, split: fx.GraphModule, model: nn.Module, names: dict[int, str], real: dict[int, torch.Tensor],
                  seed: int, timing: dict, reuse: bool, progress: Callable[[str], None], device: torch.device):
         super().__init__(split, garbage_collect_values=True)
         self.device = device
@@ -156,9 +156,9 @@ def measure_layerwise(graph: LayerGraph, model: nn.Module, standins: dict[int, t
     for gm in [split] + [m for m in split.modules() if isinstance(m, fx.GraphModule) and m is not split]:
         retarget(gm.graph, device)  # captured on meta
         gm.recompile()
-    stream = _Streaming(split, model, names, standins,
-                        seed, dict(repeats=repeats, warmup=warmup, clock=clock), reuse, progress, device)
+    stream = _Streaming(split=split, model=model, names=names, real=standins, seed=seed,
+                        timing=dict(repeats=repeats, warmup=warmup, clock=clock), reuse=reuse, progress=progress,
+                        device=device)
     stream.producers = Producers(inputs)
     stream.run(*inputs)
     return stashes(stream.costs, stream.producers.links), stream.same_as, stream.update_ms
-

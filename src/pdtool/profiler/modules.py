@@ -29,7 +29,7 @@ from ..artifacts.profile import noisy
 from .timing import EXTRA_ROUNDS, MIN_EXTRA, Clock, nbytes, summarize, tensors_in
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Event:
     name: str
     module: nn.Module
@@ -40,7 +40,7 @@ class _Event:
     params: list[nn.Parameter] = field(default_factory=list)  # every parameter this call uses
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModuleLayers:
     """Layers found by the fallback: names, kinds, folded calls, edges, costs and parameters
     (`params`: per layer, the parameters it is the first to use, by object; `shared`: the
@@ -122,7 +122,7 @@ class _Tracker:
 
     def pre(self, name: str, module: nn.Module, args: tuple) -> None:
         calls = sum(1 for e in self.events if e.module is module)
-        event = _Event(name if calls == 0 else f"{name}#{calls + 1}", module)
+        event = _Event(name=name if calls == 0 else f"{name}#{calls + 1}", module=module)
         for t in tensors_in(args):
             event.sources |= self.origin(t)
         event.params = list(module.parameters()) + list(self.loose_params.values())
@@ -206,7 +206,9 @@ def measure_modules(module: nn.Module, inputs: tuple[torch.Tensor, ...], target:
         params.append(sum(e.param_bytes for e in members))
         act.append(members[-1].act_bytes)
     edges = sorted({(events[s].layer, e.layer) for e in events for s in e.sources if events[s].layer != e.layer})
-    costs = [LayerCost(*summarize(fwd[i]), *summarize(bwd[i]), act_bytes=act[i]) for i in range(count)]
+    costs = [LayerCost(**dict(zip(("fwd_ms", "fwd_ms_spread"), summarize(fwd[i]))),
+                       **dict(zip(("bwd_ms", "bwd_ms_spread"), summarize(bwd[i]))), act_bytes=act[i])
+             for i in range(count)]
     users: dict[int, tuple[nn.Parameter, set[int]]] = {}
     for e in events:
         for p in e.params:
@@ -215,7 +217,9 @@ def measure_modules(module: nn.Module, inputs: tuple[torch.Tensor, ...], target:
     for p, layers in users.values():
         owned[min(layers)].append(p)
     shared = [(p, tuple(sorted(layers))) for p, layers in users.values() if len(layers) > 1]
-    return ModuleLayers(names, kinds, ops, edges, params, costs, owned, shared)
+    return ModuleLayers(
+        names=names, kinds=kinds, ops=ops, edges=edges, param_bytes=params, costs=costs, params=owned, shared=shared
+    )
 
 
 def _timed_step(module, inputs, target, loss_fn, leaves, events, clock: Clock) -> tuple[list[float], list[float]]:

@@ -171,11 +171,12 @@ def wait_for_peers(store, rank: int, world: int, silence_s: float, startup_s: fl
     """Say this worker's stage is built; return once every worker's is. A peer that gives no beat
     for `silence_s` seconds is `PeerTimeout`; one not done after `startup_s` is `LaunchError`."""
     store.set(f"pdtool/ready/{rank}", "1")
-    wait_for(store, rank, {r: f"pdtool/ready/{r}" for r in range(world) if r != rank}, silence_s, startup_s,
-             "start", "while it imported, built or cut the model", "build their stages (import, model, stage)")
+    wait_for(store, rank=rank, keys={r: f"pdtool/ready/{r}" for r in range(world) if r != rank}, silence_s=silence_s,
+             startup_s=startup_s, task="start", during="while it imported, built or cut the model",
+             tasks="build their stages (import, model, stage)")
 
 
-def wait_for(store, rank: int, keys: dict[int, str], silence_s: float, startup_s: float, task: str, during: str,
+def wait_for(store, *, rank: int, keys: dict[int, str], silence_s: float, startup_s: float, task: str, during: str,
              tasks: str) -> None:
     """Return once every peer of `keys` (rank -> the key it sets when done) has set its key, while
     they beat (`Beacon`). One that gives no beat for `silence_s` seconds is `PeerTimeout` ("rank

@@ -64,7 +64,7 @@ class LrSchedule:
         return ", ".join(parts)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """The recipe shared by every stage: `name` (sgd, adam, adamw, or a pkg.module:factory named
     on the command line), base `lr`, `momentum` (sgd; None: its default 0.9), `weight_decay`

@@ -30,7 +30,7 @@ INITS = ("rule", "factory")  # initial weights: `model.build`'s initialization r
 TRANSPORTS = ("auto", "shared-memory", "process-group")  # how neighbours' messages travel (`worker.shm.use_shared_memory`)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything a worker needs besides the plan file (picklable: it crosses the launcher)."""
 
@@ -76,7 +76,7 @@ class RunConfig:
         return self.optimizer.with_horizon(self.first_step + self.steps)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WorkerReport:
     """What a worker reports when it ends: its losses (last stage), time spent computing and
     waiting, the most weight versions it stashed, its memory, and (on request) its final weights."""
@@ -113,11 +113,10 @@ def resolved(plan: Plan, config: RunConfig) -> Run:
     return resolve(config.mode, plan.mode, [s.replicas for s in plan.stages], config.group)
 
 
-def recorded_settings(plan: Plan, config: RunConfig) -> dict:
+def recorded_settings(config: RunConfig, run: Run) -> dict:
     """What a run records of how it was configured (a checkpoint's manifest, the JSON beside
     --metrics): its options as given (`config.settings`: value and source of each) and what the
-    launcher resolved them to (mode, group, steps, precision, threads, the recipe)."""
-    run = resolved(plan, config)
+    launcher resolved them to (`run`: mode, group; and steps, precision, threads, the recipe)."""
     return {**(config.settings or {}), "resolved": {
         "mode": run.name, "group": run.group, "minibatches_per_step": run.per_step,
         "first_step": config.first_step, "steps": config.steps,
@@ -219,7 +218,7 @@ def _ranges(ranks) -> str:
     return f"0..{max(ranks)}" if ranks == tuple(range(len(ranks))) else ",".join(map(str, ranks))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Nodes:
     """Where the workers run: `nnodes` machines of `nproc_per_node` workers, this one `node_rank`."""
 
@@ -233,7 +232,7 @@ class Nodes:
     interface: str | None = None      # the network interface of the job's traffic (default: the route to the rendezvous)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainResult:
     plan: Plan
     reports: dict[int, WorkerReport]

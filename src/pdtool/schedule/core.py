@@ -78,7 +78,7 @@ class Action:
 
 
 # ----- the schedule ----------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Schedule:
     """Every worker's actions, in order, for a run of `minibatches` minibatches in `mode`.
 

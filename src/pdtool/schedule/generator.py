@@ -50,7 +50,8 @@ def generate(mode: str, replicas: Sequence[int], minibatches: int, group: int | 
     if group is None:
         group = resolve(mode, mode, replicas).group
     check_parameters(mode, replicas, minibatches, group)
-    shell = Schedule(mode, tuple(replicas), minibatches, group, tuple(() for _ in range(sum(replicas))))
+    shell = Schedule(mode=mode, replicas=tuple(replicas), minibatches=minibatches, group=group,
+                     workers=tuple(() for _ in range(sum(replicas))))
     span = _batch_span(shell, drain_every)
     workers = []
     for stage, count in enumerate(shell.replicas):
@@ -60,7 +61,7 @@ def generate(mode: str, replicas: Sequence[int], minibatches: int, group: int | 
                 batches[b // span].append(b)
             order = [action for batch in batches for action in _forward_backward_order(shell, stage, batch)]
             workers.append(_with_steps(shell, stage, order))
-    return Schedule(mode, shell.replicas, minibatches, group, tuple(workers))
+    return Schedule(mode=mode, replicas=shell.replicas, minibatches=minibatches, group=group, workers=tuple(workers))
 
 
 def _batch_span(shell: Schedule, drain_every: int | None) -> int:

@@ -36,7 +36,7 @@ COMPUTE = ("F", "B", "W")
 OP_KINDS = ("recv", "send", "F", "B", "W", "allreduce", "tie", "step")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Op:
     """One thing a worker does.
 
@@ -122,25 +122,33 @@ def lower(schedule: Schedule, ties: Sequence[tuple[int, ...]] = (), ranks: Seque
             b = action.minibatch
             if action.kind == "F":
                 if stage > 0:
-                    ops.append(Op("recv", stage, b, peer(stage - 1, b), ACTIVATION, at=at))
-                ops.append(Op("F", stage, b, at=at))
+                    ops.append(
+                        Op(kind="recv", stage=stage, minibatch=b, peer=peer(stage - 1, b), direction=ACTIVATION, at=at)
+                    )
+                ops.append(Op(kind="F", stage=stage, minibatch=b, at=at))
                 if stage < last:
-                    ops.append(Op("send", stage, b, peer(stage + 1, b), ACTIVATION, at=at))
+                    ops.append(
+                        Op(kind="send", stage=stage, minibatch=b, peer=peer(stage + 1, b), direction=ACTIVATION, at=at)
+                    )
             elif action.kind == "B":
                 if stage < last:
-                    ops.append(Op("recv", stage, b, peer(stage + 1, b), GRADIENT, at=at))
-                ops.append(Op("B", stage, b, weights=b not in split, at=at))
+                    ops.append(
+                        Op(kind="recv", stage=stage, minibatch=b, peer=peer(stage + 1, b), direction=GRADIENT, at=at)
+                    )
+                ops.append(Op(kind="B", stage=stage, minibatch=b, weights=b not in split, at=at))
                 if stage > 0:
-                    ops.append(Op("send", stage, b, peer(stage - 1, b), GRADIENT, at=at))
+                    ops.append(
+                        Op(kind="send", stage=stage, minibatch=b, peer=peer(stage - 1, b), direction=GRADIENT, at=at)
+                    )
             elif action.kind == "W":
-                ops.append(Op("W", stage, b, at=at))
+                ops.append(Op(kind="W", stage=stage, minibatch=b, at=at))
             else:
-                ops.append(Op("allreduce", stage, group=tuple(sorted(replicas[stage])), at=at))
+                ops.append(Op(kind="allreduce", stage=stage, group=tuple(sorted(replicas[stage])), at=at))
                 for users in ties:
                     if stage in users:
                         group = tuple(sorted(r for s in users for r in replicas[s]))
-                        ops.append(Op("tie", stage, group=group, stages=users, at=at))
-                ops.append(Op("step", stage, at=at))
+                        ops.append(Op(kind="tie", stage=stage, group=group, stages=users, at=at))
+                ops.append(Op(kind="step", stage=stage, at=at))
         workers.append(tuple(ops))
     return Lowered(schedule, tuple(workers), ranks)
 

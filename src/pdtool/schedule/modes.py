@@ -35,7 +35,7 @@ VERTICAL = "vertical"  # one staleness at every stage, fixed when the minibatch 
 ENTRY = "entry"        # every microbatch of a batch on stage 0's live version when the batch entered
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Mode:
     """One mode's rules.
 
@@ -74,18 +74,31 @@ class Mode:
 
 
 _ROWS = (
-    Mode("pipedream", "1F1B with weight stashing (PipeDream SOSP'19 sections 3.2-3.3)", ROUND),
-    Mode("vsync", "1F1B, one staleness for all stages (vertical sync, SOSP'19 section 3.3)", ROUND, version=VERTICAL),
-    Mode("2bw", "1F1B, double-buffered weights, a step every m microbatches (arXiv 2006.09503 section 3.1)", GROUP,
-         version=ENTRY, ties=True, group_floor=True, versions_kept=2),
-    Mode("flush", "1F1B per batch of m, then a flush and a step (PipeDream-Flush, arXiv 2006.09503 section 3.2)",
-         GROUP, flushes=True, ties=True, versions_kept=1),
-    Mode("gpipe", "all forwards, all backwards, a step, per batch of m (GPipe)", GROUP, order=ALL_FORWARD,
-         flushes=True, ties=True, versions_kept=1),
-    Mode("zb", "flush with every backward split in two, the weight gradients filling the drain (ZB-H1, Qi et al. "
-         "2023)", GROUP, flushes=True, split=True, lag=1, ties=True, versions_kept=1),
-    Mode("zb2", "zb with twice the warm-up forwards and weight lag, filling the start of a batch too (ZB-H2)", GROUP,
-         flushes=True, split=True, warmup=2, lag=2, ties=True, versions_kept=1),
+    Mode(name="pipedream", about="1F1B with weight stashing (PipeDream SOSP'19 sections 3.2-3.3)", steps=ROUND),
+    Mode(name="vsync", about="1F1B, one staleness for all stages (vertical sync, SOSP'19 section 3.3)", steps=ROUND,
+         version=VERTICAL),
+    Mode(name="2bw",
+         about="1F1B, double-buffered weights, a step every m microbatches (arXiv 2006.09503 section 3.1)",
+         steps=GROUP, version=ENTRY, ties=True, group_floor=True, versions_kept=2),
+    Mode(name="flush",
+         about="1F1B per batch of m, then a flush and a step (PipeDream-Flush, arXiv 2006.09503 section 3.2)",
+         steps=GROUP, flushes=True, ties=True, versions_kept=1),
+    Mode(name="gpipe", about="all forwards, all backwards, a step, per batch of m (GPipe)", steps=GROUP,
+         order=ALL_FORWARD, flushes=True, ties=True, versions_kept=1),
+    Mode(
+        name="zb",
+        about="flush with every backward split in two, the weight gradients filling the drain (ZB-H1, Qi et al. "
+        "2023)",
+        steps=GROUP,
+        flushes=True,
+        split=True,
+        lag=1,
+        ties=True,
+        versions_kept=1,
+    ),
+    Mode(name="zb2",
+         about="zb with twice the warm-up forwards and weight lag, filling the start of a batch too (ZB-H2)",
+         steps=GROUP, flushes=True, split=True, warmup=2, lag=2, ties=True, versions_kept=1),
 )
 TABLE: dict[str, Mode] = {mode.name: mode for mode in _ROWS}
 MODES = tuple(TABLE)

@@ -40,7 +40,7 @@ class Group:
         return f"{self.name}: {self.what}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Instance:
     key: str                      # the block's qualified name (or the layer's own, outside any block)
     container: str | None         # the module holding numbered blocks (None: a layer of its own)
@@ -95,7 +95,10 @@ def _instances(stage_layers, names, kinds, sizes) -> list[_Instance]:
     for key, layers in zip(keys, found):
         _, container, index = block_of(names[layers[0]])
         signature = tuple((names[i][len(key):].lstrip("."), kinds[i]) for i in layers)
-        instances.append(_Instance(key, container, index, tuple(layers), signature, len(layers) == sizes.get(key)))
+        instances.append(
+            _Instance(key=key, container=container, index=index, layers=tuple(layers), signature=signature,
+                      whole=len(layers) == sizes.get(key))
+        )
     return instances
 
 

@@ -6,7 +6,7 @@ import pandas as pd
 from ..artifacts.plan import Plan, compact_ranges
 from ..artifacts.profile import Profile
 from ..schedule.modes import rules
-from ..simulate import SimResult
+from ..sim.simulate import SimResult
 from ..units import format_bytes
 
 MB = 1e6

@@ -3,16 +3,17 @@ minibatch beside the plan's predictions, with the reasons for a gap. Pure: no to
 from __future__ import annotations
 
 from ..artifacts.plan import Plan
-from ..prediction import expected_ms, gap_reasons, measured_beyond, memory_gap, planned_for_run
+from ..sim.prediction import expected_ms, gap_reasons, measured_beyond, memory_gap, planned_for_run
 from ..units import format_bytes
-from ..runtime.run import RunConfig, resolved
+from ..runtime.run import RunConfig
 
 
-def train_summary(result, plan: Plan, config: RunConfig, shared: tuple) -> list[str]:
-    """The lines pd train prints when the workers are done (`result`: a `session.TrainResult`):
-    steps, loss, and the measured time per minibatch beside the plan's predictions for the mode
-    and group that ran, and why they differ when they differ by more than 1.5x (`shared`:
-    threads, local workers, cores, on the CPU)."""
+def train_summary(result, job) -> list[str]:
+    """The lines pd train prints when the workers are done (`result`: a `session.TrainResult`,
+    `job`: the `launcher.job.Job` that ran): steps, loss, and the measured time per minibatch
+    beside the plan's predictions for the mode and group that ran, and why they differ when they
+    differ by more than 1.5x (the job's threads, local workers, cores, whether on the CPU)."""
+    plan, config = job.plan, job.config
     losses = result.losses
     if not losses:
         return []
@@ -30,12 +31,12 @@ def train_summary(result, plan: Plan, config: RunConfig, shared: tuple) -> list[
     rate = lambda ms: f"{ms:.3f} ms" + (f" ({plan.profile.batch_size / ms * 1e3:.0f} samples/s)" if ms > 0 else "")  # noqa: E731
     simulated, cost_model = expected_ms(plan, config.mode, config.group)
     expected = simulated if simulated is not None else cost_model
-    predicted = (f"predicted {rate(simulated)} (simulated, {resolved(plan, config).name}), {rate(plan.predicted.time_ms)} "
+    predicted = (f"predicted {rate(simulated)} (simulated, {job.run.name}), {rate(plan.predicted.time_ms)} "
                  "by the cost model" if simulated is not None else f"predicted {rate(expected)} by the cost model")
     lines.append(f"time per minibatch: measured {rate(measured)}, {predicted}" if measured else
                  f"time per minibatch: too few minibatches to measure; {predicted}")
     if measured:
-        reasons = gap_reasons(measured, expected, plan, *shared)
+        reasons = gap_reasons(measured, expected, plan, config.threads, job.local, job.cores, job.on_cpu)
         if reasons:
             lines.append(f"measured {measured / expected:.1f}x the prediction, because:")
             lines += [f"  - {reason}" for reason in reasons]

@@ -14,7 +14,7 @@ from ..jsonio import write_text_atomic
 
 if TYPE_CHECKING:
     from ..artifacts.plan import Plan
-    from ..simulate import SimResult
+    from ..sim.simulate import SimResult
 
 US_PER_MS = 1e3
 

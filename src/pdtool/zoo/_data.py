@@ -13,4 +13,4 @@ def classifier_bundle(module: torch.nn.Module, input_shape: tuple[int, ...], cla
     def make_batch(batch_size: int):
         return torch.randn(batch_size, *input_shape), torch.randint(0, classes, (batch_size,))
 
-    return ModelBundle(module, make_batch, F.cross_entropy)
+    return ModelBundle(module=module, make_batch=make_batch, loss_fn=F.cross_entropy)

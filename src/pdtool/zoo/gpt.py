@@ -74,4 +74,4 @@ def gpt(vocab: int = 50257, seq_len: int = 1024, d_model: int = 768, heads: int 
         tokens = torch.randint(0, vocab, (batch_size, seq_len + 1))
         return tokens[:, :-1], tokens[:, 1:]
 
-    return ModelBundle(module, make_batch, _next_token_loss)
+    return ModelBundle(module=module, make_batch=make_batch, loss_fn=_next_token_loss)

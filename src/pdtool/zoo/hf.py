@@ -68,8 +68,8 @@ def gpt2(vocab: int = 2048, seq_len: int = 64, n_embd: int = 256, n_head: int = 
                            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False,
                            tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0)
     if labels:
-        return ModelBundle(hf.GPT2LMHeadModel(config), _labelled(vocab, seq_len))
-    return ModelBundle(hf.GPT2LMHeadModel(config), _tokens(vocab, seq_len), _next_token_loss)
+        return ModelBundle(module=hf.GPT2LMHeadModel(config), make_batch=_labelled(vocab, seq_len))
+    return ModelBundle(module=hf.GPT2LMHeadModel(config), make_batch=_tokens(vocab, seq_len), loss_fn=_next_token_loss)
 
 
 @factory
@@ -84,7 +84,9 @@ def bert(vocab: int = 2048, seq_len: int = 64, hidden: int = 256, heads: int = 4
     def make_batch(batch_size: int):
         return torch.randint(0, vocab, (batch_size, seq_len)), torch.randint(0, classes, (batch_size,))
 
-    return ModelBundle(hf.BertForSequenceClassification(config), make_batch, _classification_loss)
+    return ModelBundle(
+        module=hf.BertForSequenceClassification(config), make_batch=make_batch, loss_fn=_classification_loss
+    )
 
 
 @factory
@@ -98,8 +100,8 @@ def llama(vocab: int = 2048, seq_len: int = 64, hidden: int = 256, heads: int = 
                             max_position_embeddings=seq_len, use_cache=False, bos_token_id=0, eos_token_id=0,
                             pad_token_id=0)
     if labels:
-        return ModelBundle(hf.LlamaForCausalLM(config), _labelled(vocab, seq_len))
-    return ModelBundle(hf.LlamaForCausalLM(config), _tokens(vocab, seq_len), _next_token_loss)
+        return ModelBundle(module=hf.LlamaForCausalLM(config), make_batch=_labelled(vocab, seq_len))
+    return ModelBundle(module=hf.LlamaForCausalLM(config), make_batch=_tokens(vocab, seq_len), loss_fn=_next_token_loss)
 
 
 @factory
@@ -113,7 +115,7 @@ def t5(vocab: int = 2048, seq_len: int = 64, d_model: int = 256, heads: int = 4,
                          num_decoder_layers=layers, d_ff=d_ff or 4 * d_model, d_kv=d_kv or d_model // heads,
                          dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0,
                          eos_token_id=1)
-    return ModelBundle(hf.T5ForConditionalGeneration(config), _labelled(vocab, seq_len))
+    return ModelBundle(module=hf.T5ForConditionalGeneration(config), make_batch=_labelled(vocab, seq_len))
 
 
 @factory
@@ -127,7 +129,9 @@ def mixtral(vocab: int = 2048, seq_len: int = 64, hidden: int = 256, heads: int 
                               intermediate_size=intermediate or 2 * hidden, num_local_experts=experts,
                               num_experts_per_tok=per_token, max_position_embeddings=seq_len, use_cache=False,
                               bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return ModelBundle(hf.MixtralForCausalLM(config), _tokens(vocab, seq_len), _next_token_loss)
+    return ModelBundle(
+        module=hf.MixtralForCausalLM(config), make_batch=_tokens(vocab, seq_len), loss_fn=_next_token_loss
+    )
 
 
 @factory
@@ -138,7 +142,7 @@ def mamba(vocab: int = 2048, seq_len: int = 64, hidden: int = 256, layers: int =
     config = hf.MambaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, state_size=state,
                             use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
                             tie_word_embeddings=False)
-    return ModelBundle(hf.MambaForCausalLM(config), _tokens(vocab, seq_len), _next_token_loss)
+    return ModelBundle(module=hf.MambaForCausalLM(config), make_batch=_tokens(vocab, seq_len), loss_fn=_next_token_loss)
 
 
 @factory
@@ -153,4 +157,4 @@ def vit(image_size: int = 64, patch: int = 8, hidden: int = 256, heads: int = 4,
     def make_batch(batch_size: int):
         return torch.randn(batch_size, 3, image_size, image_size), torch.randint(0, classes, (batch_size,))
 
-    return ModelBundle(hf.ViTForImageClassification(config), make_batch, _classification_loss)
+    return ModelBundle(module=hf.ViTForImageClassification(config), make_batch=make_batch, loss_fn=_classification_loss)

@@ -167,7 +167,7 @@ class Reads:
                     paths.add(full)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Entry:
     """A cached capture (module doc): the `Capture` as JSON text, the first minibatch's
     `signature`, the model's `modules`, its keyword inputs, what the checks said (`warnings`), the

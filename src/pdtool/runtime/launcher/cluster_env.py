@@ -23,7 +23,7 @@ _SPECIAL_STEPS = 4294967290
 """SLURM's step ids from here on are not srun's steps (the batch script's, the extern and interactive steps)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Place:
     """Where this process sits in a job that a cluster's launcher started."""
 
@@ -63,9 +63,12 @@ def place(launcher: str, env: Mapping[str, str] = os.environ) -> Place | None:
         if not env.get("RANK"):
             raise LaunchError("--launcher torchrun, but RANK is not set: start pd train with torchrun ... --no-python "
                               "pd train PLAN ... (or drop --launcher)")
-        return _checked(Place("torchrun", _number(env, "RANK"), _number(env, "WORLD_SIZE"), _number(env, "LOCAL_RANK"),
-                     _number(env, "LOCAL_WORLD_SIZE"), _number(env, "GROUP_WORLD_SIZE", 1),
-                     env.get("MASTER_ADDR") or "127.0.0.1", _number(env, "MASTER_PORT")))
+        return _checked(
+            Place(launcher="torchrun", rank=_number(env, "RANK"), world=_number(env, "WORLD_SIZE"),
+                  local_rank=_number(env, "LOCAL_RANK"), local_world=_number(env, "LOCAL_WORLD_SIZE"),
+                  machines=_number(env, "GROUP_WORLD_SIZE", 1), master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
+                  master_port=_number(env, "MASTER_PORT"))
+        )
     if launcher == "slurm":
         return _slurm_place(env)
     return None
@@ -98,10 +101,13 @@ def _slurm_place(env: Mapping[str, str]) -> Place:
     node = hosts.index(here) if here in hosts else _number(env, "SLURM_NODEID", 0)  # this machine in the step
     port = (_number(env, "MASTER_PORT") if env.get("MASTER_PORT") else
             slurm_port(_number(env, "SLURM_JOB_ID")))
-    return _checked(Place("slurm", _number(env, "SLURM_PROCID"), _number(env, "SLURM_NTASKS"),
-                          _number(env, "SLURM_LOCALID", 0), per_node[node] if node < len(per_node) else per_node[0],
-                          _number(env, "SLURM_STEP_NUM_NODES", _number(env, "SLURM_NNODES", max(len(hosts), 1))),
-                          addr, port))
+    return _checked(
+        Place(launcher="slurm", rank=_number(env, "SLURM_PROCID"), world=_number(env, "SLURM_NTASKS"),
+              local_rank=_number(env, "SLURM_LOCALID", 0),
+              local_world=per_node[node] if node < len(per_node) else per_node[0],
+              machines=_number(env, "SLURM_STEP_NUM_NODES", _number(env, "SLURM_NNODES", max(len(hosts), 1))),
+              master_addr=addr, master_port=port)
+    )
 
 
 MOST_MACHINES = 65536

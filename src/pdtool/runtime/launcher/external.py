@@ -138,7 +138,9 @@ def train(where: Place, plan, config, *, epochs: int | None = None, resume: bool
     _use_interface(where, iface)
     store = peers.join(where.rank, where.world, config.startup_timeout_s)
     if where.rank == 0:
-        job, config, per_step, folder = _decide(store, where, plan, config, epochs, resume, warn, say)
+        job, config, per_step, folder = _decide(
+            store, where=where, plan=plan, config=config, epochs=epochs, resume=resume, warn=warn, say=say
+        )
         if folder is not None:
             ending.before.append(folder.writer.stop)
             ending.checkpoint_dir = config.checkpoint_dir
@@ -163,8 +165,11 @@ def train(where: Place, plan, config, *, epochs: int | None = None, resume: bool
     finally:
         if folder is not None:
             folder.close()
-    return TrainResult(plan, reports, wall_s, config.first_step, config.steps, per_step,
-                       eval_steps(config, per_step)), job
+    return (
+        TrainResult(plan=plan, reports=reports, wall_s=wall_s, first_step=config.first_step, steps=config.steps,
+                    per_step=per_step, eval_steps=eval_steps(config, per_step)),
+        job,
+    )
 
 
 def _use_interface(where: Place, named: str | None) -> None:
@@ -187,7 +192,7 @@ def _use_interface(where: Place, named: str | None) -> None:
     os.environ.update(GLOO_SOCKET_IFNAME=interface, NCCL_SOCKET_IFNAME=interface)
 
 
-def _decide(store, where: Place, plan, config, epochs, resume, warn, say):
+def _decide(store, *, where: Place, plan, config, epochs, resume, warn, say):
     """Rank 0: the launcher's part (`job.prepare`'s checks, the checkpoint folder, --resume, the
     run id), published in the store for the other ranks, also when it fails (then the others end
     with the same line). (job, config, minibatches per step, `_Folder` or None)."""
@@ -239,8 +244,9 @@ def _decision(store, rank: int, config):
     from .. import peers
 
     try:
-        peers.wait_for(store, rank, {0: _DECISION}, config.timeout_s, config.startup_timeout_s,
-                       "check the plan", "while it ran pd train's checks", "check the plan (pd train's checks)")
+        peers.wait_for(store, rank=rank, keys={0: _DECISION}, silence_s=config.timeout_s,
+                       startup_s=config.startup_timeout_s, task="check the plan",
+                       during="while it ran pd train's checks", tasks="check the plan (pd train's checks)")
         decision = json.loads(store.get(_DECISION))
         capture = store.get(_CAPTURE).decode() if "error" not in decision else None
         store.add(_READ, 1)

@@ -21,16 +21,21 @@ from ...errors import LaunchError
 from ...signals import deadline
 from ..worker import shm
 from .preflight import Checked, preflight
+from ...schedule import Run
 from ...schedule.modes import GROUP, listed, modes_where
 from ..run import RunConfig, checked_run, resolved
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Job:
-    """A run ready to start: its config, the launcher's checks, and this machine's share
-    (`threads` per worker, `local` workers, `cores`, `on_cpu`) for explaining a measurement."""
+    """A run ready to start, resolved once: its plan (read once), its config, what the settings
+    resolve to (`run`: the mode's row, the group, minibatches per step), the launcher's checks,
+    and this machine's share (`local` workers, `cores`, `on_cpu`) for explaining a measurement.
+    The session, the views and the settings record read it; nobody resolves the run again."""
 
+    plan: Plan
     config: RunConfig
+    run: Run
     checked: Checked
     local: int
     cores: int
@@ -46,11 +51,12 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
     overdue = LaunchError(f"the launcher's checks (importing and building the model, its first minibatch) took more "
                           f"than --startup-timeout {config.startup_timeout_s:g} s; raise it if the model takes that "
                           "long to build, else look at what its factory waits for")
+    run = resolved(plan, config)  # mode, group, minibatches per step: the only place the launcher resolves them
     with deadline(config.startup_timeout_s, overdue):
-        checked = preflight(plan, config.plan_path, resolved(plan, config).name, config.data, config.seed, config.model,
-                            config.init, warn, imports, config.init_from)
+        checked = preflight(plan, plan_path=config.plan_path, mode=run.name, data=config.data, seed=config.seed,
+                            model=config.model, init=config.init, warn=warn, imports=imports,
+                            init_from=config.init_from)
     config = dataclasses.replace(config, capture=checked.capture, precision=config.precision or plan.profile.precision)
-    run = resolved(plan, config)
     if config.precision == "fp16" and run.mode.per_round and len(plan.stages) > 1:
         raise LaunchError(f"--precision fp16 skips a step whose gradients overflow on every stage at once, and in mode "
                           f"{run.name} the stages step after different minibatches; use --precision bf16 (no loss "
@@ -59,11 +65,11 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
         from ..worker.optim import check_optimizer
 
         check_optimizer(config.optimizer)
-    check_memory(plan, config)
+    check_memory(plan, config, run)
     config = dataclasses.replace(config, eval_batches=held_out_batches(plan, config, checked.keywords))
     if epochs:
-        per_step = checked_run(plan, config).per_step
-        config = dataclasses.replace(config, steps=steps_for_epochs(epochs, checked.batches_per_epoch, per_step))
+        checked_run(plan, config)  # a mode or group that cannot run is one line before the epochs are counted
+        config = dataclasses.replace(config, steps=steps_for_epochs(epochs, checked.batches_per_epoch, run.per_step))
     check_warmup(config)
     local = nproc_per_node or len(plan.used_ranks) // nnodes
     cores = os.cpu_count() or 1
@@ -82,7 +88,7 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
     if config.transport == "shared-memory" and not (on_cpu and shm.available(torch.device("cpu"))):
         warn("--transport shared-memory needs CPU workers on x86 and a writable /dev/shm, which this machine's "
              "workers lack: their messages go through the process group")
-    return Job(config, checked, local, cores, on_cpu)
+    return Job(plan=plan, config=config, run=run, checked=checked, local=local, cores=cores, on_cpu=on_cpu)
 
 
 def check_warmup(config: RunConfig) -> None:
@@ -137,7 +143,7 @@ def _tensors_of(held, trained):
         yield "a target", held_target, target
 
 
-def check_memory(plan: Plan, config: RunConfig) -> None:
+def check_memory(plan: Plan, config: RunConfig, run: Run) -> None:
     """Refuse, in one line, a run whose mode and group hold more than the plan's cluster gives a
     worker (`cluster.memory`): the planner counts 1F1B's weight versions and minibatches in
     flight, and `--mode gpipe` or `zb2`, or a larger `--group`, hold more."""
@@ -145,10 +151,9 @@ def check_memory(plan: Plan, config: RunConfig) -> None:
     if not limit:
         return
     from ...memory import memory_model
-    from ...simulate import simulate
+    from ...sim.simulate import simulate
     from ...units import format_bytes
 
-    run = resolved(plan, config)
     result = simulate(plan, mode=run.name, group=config.group)
     needs = memory_model(limit, config.optimizer.state_slots, config.precision or plan.profile.precision, run.name,
                          config.optimizer.weight_decay > 0, config.optimizer.name == "adamw").per_worker(plan, result)

@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 from ...errors import Interrupted, LaunchError, PdtoolError
@@ -34,6 +35,9 @@ from .. import peers
 from ..worker import shm
 from ..run import Nodes, RunConfig, WorkerReport
 
+if TYPE_CHECKING:
+    from .job import Job
+
 
 """Seconds a worker whose error only reports a peer's disappearance waits before it exits."""
 SHUTDOWN_S = 2
@@ -41,9 +45,10 @@ SHUTDOWN_S = 2
 
 
 def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: bool = False,
-           talk=lambda message: None, warn=lambda message: None) -> dict[int, WorkerReport]:
+           talk=lambda message: None, warn=lambda message: None, job: Job | None = None) -> dict[int, WorkerReport]:
     """Run the plan's workers; returns this machine's reports by global rank (`warn` hears what
-    the live metrics could not write).
+    the live metrics could not write; `job`: the plan and run `job.prepare` resolved, which the
+    live metrics read; without one, as config says).
 
     The launcher's own logging (and a failing worker's traceback) is shown only when
     `verbose`; otherwise a failure is the one line of `LaunchError`.
@@ -73,11 +78,9 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     node = scratch.launcher_id(logs)  # the workers of this launcher: their links may use shared memory (runtime.worker.shm)
     network_env[peers.NODE_ENV] = node
     method = forked.start_method(config.device, per_node)
-    settings = LaunchConfig(
-        min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=per_node, **rendezvous,
-        max_restarts=0, monitor_interval=0.1, start_method=method, shutdown_timeout=SHUTDOWN_S,
-        logs_specs=DefaultLogsSpecs(log_dir=logs),
-    )
+    settings = LaunchConfig(min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=per_node, **rendezvous,
+                            max_restarts=0, monitor_interval=0.1, start_method=method, shutdown_timeout=SHUTDOWN_S,
+                            logs_specs=DefaultLogsSpecs(log_dir=logs))
     quiet = [] if verbose else [logging.getLogger(name) for name in _NOISY] + [
         logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith(_NOISY)]
     levels = [logger.level for logger in quiet]
@@ -89,7 +92,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     handlers = {signum: signal.getsignal(signum) for signum in SIGNALS}  # torch's launcher replaces them
     reaper = _Reaper(logs)
     reaper.start()
-    live = _live(store, config, nodes, warn)
+    live = _live(store, config, nodes, warn, job)
     try:
         results = elastic_launch(settings, entry)(config, LaunchState() if method == forked.FORKSERVER else None)
     except ChildFailedError as failure:
@@ -120,19 +123,25 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     return {report.rank: report for report in results.values()}
 
 
-def _live(store, config: RunConfig, nodes: Nodes, warn=lambda message: None):
+def _live(store, config: RunConfig, nodes: Nodes, warn=lambda message: None, job: Job | None = None):
     """The live metrics writer of this launcher's job (`launcher.live`): where it holds the store."""
     if not config.live or store is None or nodes.node_rank != 0:
         return None
-    from ...artifacts.plan import Plan
-    from ..run import resolved
     from .live import LiveMetrics
 
-    plan = Plan.load(config.plan_path)
-    live = LiveMetrics(peers.attempt_store(store), plan, config, resolved(plan, config).per_step,  # the workers' keys
-                       warn)
+    plan, run = (job.plan, job.run) if job is not None else _read(config)
+    live = LiveMetrics(peers.attempt_store(store), plan, config, run, warn)  # the workers' keys
     live.start()
     return live
+
+
+def _read(config: RunConfig):
+    """(plan, run) of a launch without a `job` (tests and benches call `launch` directly)."""
+    from ...artifacts.plan import Plan
+    from ..run import resolved
+
+    plan = Plan.load(config.plan_path)
+    return plan, resolved(plan, config)
 
 
 class _Reaper(threading.Thread):

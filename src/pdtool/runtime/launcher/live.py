@@ -20,6 +20,7 @@ from ...artifacts.plan import Plan
 from ...errors import PdtoolError
 from ...views.metrics import header, metric_rows, write_settings
 from ..peers import LIVE_KEY as KEY
+from ...schedule import Run
 from ..run import RunConfig, WorkerReport, eval_steps, recorded_settings
 
 POLL_S = 0.5
@@ -28,15 +29,17 @@ POLL_S = 0.5
 class LiveMetrics(threading.Thread):
     """The launcher's thread that writes the rows of a running job (see the module docstring)."""
 
-    def __init__(self, store, plan: Plan, config: RunConfig, per_step: int, warn=lambda message: None):
+    def __init__(self, store, plan: Plan, config: RunConfig, run: Run, warn=lambda message: None):
         super().__init__(name="pdtool-live-metrics", daemon=True)
         self.warn = warn  # told once per output that cannot be written (a full disk): training goes on
         self.store, self.config = store, config
         places = {r: (s, st.ranks.index(r)) for s, st in enumerate(plan.stages) for r in st.ranks}
         from ..run import TrainResult  # what metric_rows reads, filled as the records arrive
 
-        self.result = TrainResult(plan, {r: WorkerReport(rank=r, stage=s, replica=i) for r, (s, i) in places.items()},
-                                  0.0, config.first_step, config.steps, per_step, eval_steps(config, per_step))
+        self.result = TrainResult(plan=plan,
+                                  reports={r: WorkerReport(rank=r, stage=s, replica=i) for r, (s, i) in places.items()},
+                                  wall_s=0.0, first_step=config.first_step, steps=config.steps, per_step=run.per_step,
+                                  eval_steps=eval_steps(config, run.per_step))
         self.next = dict.fromkeys(places, 0)
         self.known = dict.fromkeys(places, 0.0)
         self.rows = 0
@@ -45,7 +48,7 @@ class LiveMetrics(threading.Thread):
         self.board = None
         if config.metrics:
             self._writing("--metrics", config.metrics, lambda: self._open(header(sorted(places)),
-                                                                          recorded_settings(plan, config)))
+                                                                          recorded_settings(config, run)))
         if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -27,7 +27,7 @@ from ..worker import tied
 from . import capture_cache
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Checked:
     """What the checks learnt that the launcher needs: minibatches in one epoch of the data
     (None for endless synthetic data), the whole-model names and shapes of the parameters
@@ -41,7 +41,7 @@ class Checked:
     cached: str | None = None  # the capture cache's entry the capture came from (`capture_cache`), if it did
 
 
-def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model: str | None = None,
+def preflight(plan: Plan, *, plan_path: str, mode: str, data: str, seed: int, model: str | None = None,
               init: str = "rule", warn: Callable[[str], None] = lambda message: None,
               imports: Callable[[tuple[str, ...]], None] = lambda modules: None,
               init_from: str | None = None) -> Checked:
@@ -60,7 +60,9 @@ def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model
     name = capture_cache.key(plan.to_json(), data, model, init)
     entry = capture_cache.lookup(name, warn)
     if entry is not None:
-        checked = _from_cache(entry, plan, mode, data, seed, model, warn, imports)
+        checked = _from_cache(
+            entry=entry, plan=plan, mode=mode, data=data, seed=seed, model=model, warn=warn, imports=imports
+        )
         if checked is not None:
             _check_init_from(init_from, checked.capture)
             return checked
@@ -80,13 +82,18 @@ def preflight(plan: Plan, plan_path: str, mode: str, data: str, seed: int, model
     batch = capture_cache.signature(inputs, target, bundle.keywords)
     if batch is not None:
         files = capture_cache.loaded_files(read)
-        capture_cache.store(name, capture_cache.Entry(capture.to_json(), batch, list(modules), list(bundle.keywords),
-                                                      said, files, capture_cache.content_hashes(files)))
+        capture_cache.store(
+            name,
+            capture_cache.Entry(capture=capture.to_json(), batch=batch, modules=list(modules),
+                                keywords=list(bundle.keywords), warnings=said, files=files,
+                                hashes=capture_cache.content_hashes(files)),
+        )
     _check_init_from(init_from, capture)
-    return Checked(source.batches_per_epoch, dict(capture.parameters), capture, bundle.keywords)
+    return Checked(batches_per_epoch=source.batches_per_epoch, parameters=dict(capture.parameters), capture=capture,
+                   keywords=bundle.keywords)
 
 
-def _from_cache(entry: capture_cache.Entry, plan: Plan, mode: str, data: str, seed: int, model: str | None,
+def _from_cache(*, entry: capture_cache.Entry, plan: Plan, mode: str, data: str, seed: int, model: str | None,
                 warn: Callable[[str], None], imports: Callable[[tuple[str, ...]], None]) -> Checked | None:
     """The checks of a run whose capture is in the cache (`capture_cache`), without building the
     model: what they found is what they found for the same plan, model files and options, except
@@ -114,8 +121,8 @@ def _from_cache(entry: capture_cache.Entry, plan: Plan, mode: str, data: str, se
     for message in entry.warnings:
         warn(message)
     tied.check_mode(capture.stages, mode)
-    return Checked(source.batches_per_epoch if source is not None else None, dict(capture.parameters), capture,
-                   keywords, entry.path)
+    return Checked(batches_per_epoch=source.batches_per_epoch if source is not None else None,
+                   parameters=dict(capture.parameters), capture=capture, keywords=keywords, cached=entry.path)
 
 
 def _check_init_from(init_from: str | None, capture: Capture) -> None:

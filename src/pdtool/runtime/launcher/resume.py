@@ -19,7 +19,7 @@ from ..run import Nodes, RunConfig, checked_run, recorded_settings
 from .folder_lock import FolderLock
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Start:
     """A run whose starting point is settled: its `config` (run id, first step, checkpoint to
     resume from), minibatches per step, the `meta` its manifests carry, the `record` claimed in
@@ -43,7 +43,7 @@ def settle(plan: Plan, config: RunConfig, nodes: "Nodes", resume: bool, warn, ne
     try:
         config = starting_point(config, plan, resume, lock.previous if lock else None, warn, needs, say)
         meta = {"mode": run.name, "data": config.data, "seed": config.seed, "recipe": config.recipe.summary(),
-                "settings": recorded_settings(plan, config)}
+                "settings": recorded_settings(config, run)}
         record = {"run": config.run_id, "stages": len(plan.stages), "plan_sha256": plan_sha256(config.plan_path),
                   "meta": meta}
         if lock is not None:
@@ -52,7 +52,7 @@ def settle(plan: Plan, config: RunConfig, nodes: "Nodes", resume: bool, warn, ne
         if lock is not None:
             lock.release()
         raise
-    return Start(config, run.per_step, meta, record, lock)
+    return Start(config=config, per_step=run.per_step, meta=meta, record=record, lock=lock)
 
 
 def plan_sha256(path: str) -> str:

@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...artifacts.plan import Plan
 from ...errors import Interrupted, LaunchError
 from ..run import Nodes, RunConfig, TrainResult, WorkerReport, eval_steps
 from .launch import launch
+
+if TYPE_CHECKING:
+    from .job import Job
 from .manifests import ManifestWriter
 from .resume import kept, plan_sha256, restart_point, settle
 
 
 def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume: bool = False,
         warn=lambda message: None, needs: set[str] | None = None, say=lambda message: None,
-        talk=lambda message: None, restarts: int = 0) -> TrainResult:
+        talk=lambda message: None, restarts: int = 0, job: Job | None = None) -> TrainResult:
     """Run `config` (config.steps = the step the run should reach) and complete its checkpoints.
 
     With a checkpoint folder, the run holds its lock (`folder_lock`: one writer per folder) and
@@ -30,14 +34,17 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
     interrupted run left with every shard written; with none, it sets aside what is there and
     starts from step 0. `say` is told which; `talk` hears what the run is doing while the
     workers start. With `restarts` (and a checkpoint folder), a failed job starts again from the
-    newest complete checkpoint, up to that many times, each restart one `say` line."""
-    plan = Plan.load(config.plan_path)
+    newest complete checkpoint, up to that many times, each restart one `say` line. `job`: the
+    plan and run `job.prepare` resolved (pd train's), so that neither is read or resolved again;
+    without one (tests, benches), the plan is read from config.plan_path."""
+    plan = job.plan if job is not None else Plan.load(config.plan_path)
     start = settle(plan, config, nodes, resume, warn, needs, say, hold=nodes.node_rank == 0)
     config, per_step, meta, lock = start.config, start.per_step, start.meta, start.lock
     try:
         for restart in range(restarts + 1):
             try:
-                return _run_from(config, plan, per_step, nodes, verbose, meta, talk, warn)
+                return _run_from(config, plan=plan, per_step=per_step, nodes=nodes, verbose=verbose, meta=meta,
+                                 talk=talk, warn=warn, job=job)
             except LaunchError as failure:
                 if restart == restarts or not config.checkpoint_dir:
                     if lock is None:
@@ -52,8 +59,8 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
             lock.release()
 
 
-def _run_from(config: RunConfig, plan: Plan, per_step: int, nodes: Nodes, verbose: bool, meta: dict,
-              talk, warn=lambda message: None) -> TrainResult:
+def _run_from(config: RunConfig, *, plan: Plan, per_step: int, nodes: Nodes, verbose: bool, meta: dict,
+              talk, warn=lambda message: None, job: Job | None = None) -> TrainResult:
     """Launch the workers of a run whose starting point is settled, completing its checkpoints."""
     writer = None
     if config.checkpoint_dir and nodes.node_rank == 0:
@@ -62,7 +69,7 @@ def _run_from(config: RunConfig, plan: Plan, per_step: int, nodes: Nodes, verbos
         writer.start()
     began = time.perf_counter()
     try:
-        reports = launch(config, len(plan.used_ranks), nodes, verbose=verbose, talk=talk, warn=warn)
+        reports = launch(config, len(plan.used_ranks), nodes, verbose=verbose, talk=talk, warn=warn, job=job)
     except Interrupted as stop:
         if writer is not None:
             writer.stop()
@@ -72,7 +79,5 @@ def _run_from(config: RunConfig, plan: Plan, per_step: int, nodes: Nodes, verbos
             writer.stop()
     if writer is not None and writer.error is not None:  # e.g. a full disk after the workers' last shard
         raise writer.error
-    return TrainResult(plan, reports, time.perf_counter() - began, config.first_step, config.steps, per_step,
-                       eval_steps(config, per_step))
-
-
+    return TrainResult(plan=plan, reports=reports, wall_s=time.perf_counter() - began, first_step=config.first_step,
+                       steps=config.steps, per_step=per_step, eval_steps=eval_steps(config, per_step))

@@ -34,7 +34,7 @@ def train(plan: Plan, config: RunConfig, *, where: Place | None, nodes: Nodes, e
         talk = _first_saying(talk, f"the model's capture and checks come from {job.checked.cached} (this plan, model "
                                    "and data ran before; PDTOOL_CACHE_DIR=off checks and captures again)")
     result = session.run(job.config, nodes, verbose=verbose, resume=resume, warn=warn, needs=job.checked.parameters,
-                         say=say, talk=talk, restarts=restarts)
+                         say=say, talk=talk, restarts=restarts, job=job)
     return result, job
 
 

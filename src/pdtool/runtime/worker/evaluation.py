@@ -55,10 +55,10 @@ def with_evaluations(ops: tuple[Op, ...], stage: int, replica: int, stages: int,
         for i in range(evaluation.batches):
             key = evaluation.minibatches + r * evaluation.batches + i
             if stage > 0:
-                found.append(Op("recv", stage, key, before, ACTIVATION))
-            found.append(Op("E", stage, key))
+                found.append(Op(kind="recv", stage=stage, minibatch=key, peer=before, direction=ACTIVATION))
+            found.append(Op(kind="E", stage=stage, minibatch=key))
             if stage < stages - 1:
-                found.append(Op("send", stage, key, after, ACTIVATION))
+                found.append(Op(kind="send", stage=stage, minibatch=key, peer=after, direction=ACTIVATION))
         return found
 
     result: list[Op] = []

@@ -63,7 +63,7 @@ class StageWorker:
     in the reference executor.
     """
 
-    def __init__(self, stage, schedule: Schedule, replica: int, optimizer: OptimizerConfig,
+    def __init__(self, *, stage, schedule: Schedule, replica: int, optimizer: OptimizerConfig,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, seed: int = 0, first: int = 0,
                  no_decay: frozenset[str] = frozenset(), model_parameters: int | None = None,
                  precision: str = "fp32", recompute: bool = False):

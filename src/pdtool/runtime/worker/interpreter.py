@@ -28,7 +28,7 @@ from .evaluation import Evaluation, Scores
 from .executor import StageWorker
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Context:
     """What one worker's loop runs with: its `schedule` and lowered `ops`, every stage's
     boundary `specs` (from the launcher's capture, `model.capture`), `batch` (minibatch -> (inputs, target) on the

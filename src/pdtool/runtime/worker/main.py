@@ -53,10 +53,26 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
     ops, link, collectives, norm = _connect(config, plan, built, rank, device, store)
     worker, saver = _stage_worker(config, built, device)
     publish = peers.publisher(store, rank) if config.live else None
-    context = Context(built.schedule, ops, built.specs, _on_device(built.batch, device), collectives, link, saver,
-                      built.first, config.progress, plan.profile.batch_size, norm, publish, built.evaluation,
-                      _on_device(built.evaluation.source.batch, device)
-                      if built.evaluation is not None and built.evaluation.source is not None else None)
+    context = Context(
+        schedule=built.schedule,
+        ops=ops,
+        specs=built.specs,
+        batch=_on_device(built.batch, device),
+        collectives=collectives,
+        link=link,
+        saver=saver,
+        first=built.first,
+        show_progress=config.progress,
+        batch_size=plan.profile.batch_size,
+        norm=norm,
+        publish=publish,
+        evaluation=built.evaluation,
+        held_out=(
+            _on_device(built.evaluation.source.batch, device)
+            if built.evaluation is not None and built.evaluation.source is not None
+            else None
+        ),
+    )
     startup_peak = memory.training_starts(device)
     try:
         report = Interpreter(worker, context).run()
@@ -78,7 +94,7 @@ def _environment(config: RunConfig) -> tuple[int, int, Placement]:
     return rank, world, placement
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Built:
     """This worker's place in the plan and what it builds from the launcher's capture: its own
     `stage` (only its parameters hold memory), the `capture` (every stage's description and
@@ -116,7 +132,8 @@ def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _B
         from ...model.weights import WeightFiles
 
         weights = WeightFiles.open(config.init_from)
-    stage = own_stage(capture, stage_index, plan, bundle, config.seed, device, on_meta, weights)
+    stage = own_stage(capture, stage_index, plan=plan, bundle=bundle, seed=config.seed, device=device,
+                      on_meta=on_meta, weights=weights)
     schedule = make_schedule(plan, config)
     tied.check_mode(capture.stages, schedule.mode)
     first = config.first_step * minibatches_per_step(schedule)
@@ -124,9 +141,12 @@ def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _B
     precision = config.precision or plan.profile.precision
     specs = [[BoundaryTensor(name, tuple(shape), message_dtype(getattr(torch, dtype), precision))
               for name, shape, dtype in boundary] for boundary in capture.specs]
-    return _Built(stage_index, replica, stage, capture, schedule, bundle.loss_fn, first, batch, specs,
-                  optim.no_decay(bundle.module), sum(p.numel() for p in bundle.module.parameters()), precision,
-                  plan.stages[stage_index].recompute, _evaluation(config, plan, schedule, bundle, stage_index))
+    return _Built(stage_index=stage_index, replica=replica, stage=stage, capture=capture, schedule=schedule,
+                  loss_fn=bundle.loss_fn, first=first, batch=batch, specs=specs,
+                  no_decay=optim.no_decay(bundle.module),
+                  model_parameters=sum(p.numel() for p in bundle.module.parameters()), precision=precision,
+                  recompute=plan.stages[stage_index].recompute,
+                  evaluation=_evaluation(config, plan, schedule, bundle, stage_index))
 
 
 def _evaluation(config: RunConfig, plan: Plan, schedule, bundle, stage_index: int):
@@ -183,7 +203,8 @@ def _connect(config: RunConfig, plan: Plan, built: _Built, rank: int, device: to
     links = link_groups(lowered, rank)
     ties = tied.make_ties(built.capture.stages, built.stage, [st.ranks for st in plan.stages])
     windows = lowered.windows(rank)
-    rings = _rings(config, lowered, ops, rank, built.specs, windows, device, store)
+    rings = _rings(config=config, lowered=lowered, ops=ops, rank=rank, specs=built.specs, windows=windows,
+                   device=device, store=store)
     collectives = _collectives(ops, groups.get(built.stage_index), ties)
     return ops, Link(device, windows, links, config.timeout_s, rank, rings), collectives, norm
 
@@ -214,9 +235,10 @@ def _stage_worker(config: RunConfig, built: _Built, device: torch.device):
     loss_fn = built.loss_fn
     if last and isinstance(loss_fn, torch.nn.Module):
         loss_fn.to(device)  # e.g. class weights
-    worker = StageWorker(stage, built.schedule, built.replica, config.recipe, loss_fn if last else None,
-                         config.seed, built.first, built.no_decay, built.model_parameters, built.precision,
-                         built.recompute)
+    worker = StageWorker(stage=stage, schedule=built.schedule, replica=built.replica, optimizer=config.recipe,
+                         loss_fn=loss_fn if last else None, seed=config.seed, first=built.first,
+                         no_decay=built.no_decay, model_parameters=built.model_parameters, precision=built.precision,
+                         recompute=built.recompute)
     if config.resume:
         from .shards import restore
 
@@ -248,7 +270,7 @@ def _on_device(batch: Callable[[int], tuple], device: torch.device) -> Callable[
     return lambda b: tuple(_to(x, device) for x in batch(b))
 
 
-def _rings(config: RunConfig, lowered: Lowered, ops, rank: int, specs, windows: dict, device: torch.device,
+def _rings(*, config: RunConfig, lowered: Lowered, ops, rank: int, specs, windows: dict, device: torch.device,
            store) -> dict:
     """Shared-memory rings (`runtime.worker.shm`) for the directions of this worker's links (its send
     and recv ops) whose peer the same launcher started (`--transport`); the rest go through the
@@ -264,12 +286,12 @@ def _rings(config: RunConfig, lowered: Lowered, ops, rank: int, specs, windows: 
         if pids[peer][2] != node:
             continue
         message = message_specs(specs, lowered, op)
-        directions.append(shm.Direction(peer, direction, op.kind == "recv",
-                                        layout([(t.shape, t.dtype) for t in message], pack_all=True).size,
-                                        windows[(peer, direction)]))
+        directions.append(shm.Direction(peer=peer, direction=direction, receiving=op.kind == "recv",
+                                        nbytes=layout([(t.shape, t.dtype) for t in message], pack_all=True).size,
+                                        slots=windows[(peer, direction)]))
     rings, made = shm.open_rings(
         store, node, rank, directions,
-        lambda peer: shm.Waiter(spin, config.timeout_s, rank, peer, pids[peer][1]))
+        lambda peer: shm.Waiter(spin=spin, timeout_s=config.timeout_s, rank=rank, peer=peer, peer_pid=pids[peer][1]))
     dist.barrier()  # every ring is mapped: its file can go
     shm.remove(made)
     return rings

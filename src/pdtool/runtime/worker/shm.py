@@ -68,7 +68,7 @@ def use_shared_memory(transport: str, device: torch.device, local_workers: int) 
     return transport == "shared-memory" or cores_for_each(local_workers)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Waiter:
     """How a worker waits for a ring's counter: `spin` (yield between polls) or sleep."""
 
@@ -180,7 +180,7 @@ def create(path: str, nbytes: int) -> bool:
         os.close(fd)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Direction:
     """One direction of one of this worker's links that stays on this machine."""
 

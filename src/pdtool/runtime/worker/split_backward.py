@@ -26,7 +26,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Pending:
     """What `weight_gradients` needs: per group of parameters, the nodes where their paths
     leave the inputs' paths and the gradients saved there; the parameters reached otherwise."""
@@ -77,7 +77,7 @@ def input_gradients(roots: list[torch.Tensor], seeds, inputs: list[torch.Tensor]
                 parents.setdefault(child, []).append(node)
                 stack.append(child)
     feeds_inputs = _closure([_node(x) for x in inputs], parents)
-    pending = Pending(params, roots=roots, seeds=seeds)
+    pending = Pending(params=params, roots=roots, seeds=seeds)
     by_nodes: dict[frozenset, int] = {}
     for index, p in enumerate(params):
         start = nodes(p)

@@ -41,10 +41,10 @@ from functools import reduce
 
 import numpy as np
 
-from .artifacts.plan import MS_PER_S, Plan
-from .schedule import generate
-from .schedule.lower import ACTIVATION, collective_key, lower, message
-from .schedule.modes import ONE_F_ONE_B, resolve, rules, warmup_forwards
+from ..artifacts.plan import MS_PER_S, Plan
+from ..schedule import generate
+from ..schedule.lower import ACTIVATION, collective_key, lower, message
+from ..schedule.modes import ONE_F_ONE_B, resolve, rules, warmup_forwards
 from .simulate import MIB, allreduce_ms, link_bandwidth, link_latency
 
 MAX_NODES = 400_000
@@ -293,7 +293,7 @@ def _build(plan: Plan, g: int, reduced: list[int], period: int, graph: _Graph, g
         own = (b - i) // reduced[s] - shift
         return i, own % units[s], own // units[s]
 
-    def message(s: int, i: int, u: int, kind: str, to: int, b: int, shift: int, size: int) -> bool:
+    def message(s: int, i: int, u: int, kind: str, *, to: int, b: int, shift: int, size: int) -> bool:
         """Arcs of one message: the sender's link (after its op, FIFO on the link), then the receiver."""
         j, v, p = place(to, b, shift)
         if p < 0:
@@ -313,9 +313,9 @@ def _build(plan: Plan, g: int, reduced: list[int], period: int, graph: _Graph, g
             for u in range(units[s]):
                 b_f = i + (u + k[s]) * reduced[s]
                 b_b = i + u * reduced[s]
-                if s < last and not message(s, i, u, "sa", s + 1, b_f, k[s + 1], stages[s].out_bytes):
+                if s < last and not message(s, i, u, "sa", to=s + 1, b=b_f, shift=k[s + 1], size=stages[s].out_bytes):
                     return None
-                if s > 0 and not message(s, i, u, "sg", s - 1, b_b, 0, stages[s].in_bytes):
+                if s > 0 and not message(s, i, u, "sg", to=s - 1, b=b_b, shift=0, size=stages[s].in_bytes):
                     return None
             # a link carries one message at a time, in the order sent (the previous one may be a period back)
             for kind in ("sa", "sg"):

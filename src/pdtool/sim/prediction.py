@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from .artifacts.plan import Plan
+from ..artifacts.plan import Plan
 
 
 def expected_ms(plan: Plan, mode: str | None, group: int | None) -> tuple[float | None, float]:
@@ -77,7 +77,7 @@ def planned_memory(plan: Plan, mode: str | None, group: int | None, optimizer: s
     for the schedule of `mode` and `group` (None: the plan's) with `optimizer`'s state and
     `weight_decay`, computing in `precision`; `rings` says per rank whether its messages went
     through shared-memory rings (`WorkerReport.rings`; absent: they did)."""
-    from .memory import OPTIMIZER_SLOTS, memory_model
+    from ..memory import OPTIMIZER_SLOTS, memory_model
     from .simulate import simulate
 
     result = simulate(plan, mode=mode, group=group)
@@ -107,7 +107,7 @@ def measured_beyond(measured: dict[str, int]) -> int:
 def memory_gap(measured: dict[str, int], planned: dict[str, int]) -> str | None:
     """Why a worker's measured memory beyond its start (`worker.memory.measure`) is more than
     `MEMORY_GAP` times off the plan's (`planned_memory`), naming the term most off; None within it."""
-    from .units import format_bytes
+    from ..units import format_bytes
 
     beyond, total = measured_beyond(measured), sum(planned.values())
     if total <= 0 or 1 / MEMORY_GAP <= beyond / total <= MEMORY_GAP:

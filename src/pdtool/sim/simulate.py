@@ -41,10 +41,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .errors import ScheduleError
-from .artifacts.plan import MS_PER_S, Plan
-from .schedule import Schedule, generate, peak_versions, resolve, stash_depth, step_group
-from .schedule.lower import ACTIVATION, Op, collective_key, lower, message
+from ..errors import ScheduleError
+from ..artifacts.plan import MS_PER_S, Plan
+from ..schedule import Schedule, generate, peak_versions, resolve, stash_depth, step_group
+from ..schedule.lower import ACTIVATION, Op, collective_key, lower, message
 
 MIB = 2 ** 20
 
@@ -54,7 +54,7 @@ __all__ = ["SimEvent", "SimResult", "SimTransfer", "allreduce_ms", "default_mini
 
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SimEvent:
     """One action of one worker in simulated time: plan rank `rank`, `name` the action's compact
     text ("0F3", "1B3", "0U"), `kind` "F", "B" or "U", its `stage` and `minibatch` (None for U),
@@ -69,7 +69,7 @@ class SimEvent:
     end_ms: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SimTransfer:
     """One message on the directed link `src` -> `dst` (plan ranks): the output of action `name`
     ("0F3": stage 0's activations of minibatch 3, going to stage 1; "2B3": stage 2's input
@@ -83,7 +83,7 @@ class SimTransfer:
     end_ms: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SimResult:
     """What a simulated run predicts. Times in ms, per-rank dicts keyed by plan rank.
 
@@ -306,7 +306,8 @@ class _Run:
 
     def _record(self, worker: int, op: Op, start: float, end: float) -> None:
         action = self.schedule.workers[worker][op.at]
-        event = SimEvent(self.ranks[worker], str(action), action.kind, action.stage, action.minibatch, start, end)
+        event = SimEvent(rank=self.ranks[worker], name=str(action), kind=action.kind, stage=action.stage,
+                         minibatch=action.minibatch, start_ms=start, end_ms=end)
         self.events.append((start, worker, op.at, event))
 
     def _step(self, worker: int) -> bool:
@@ -354,7 +355,7 @@ class _Run:
         self.link_free[link] = end
         if size:
             name = str(self.schedule.workers[worker][op.at])
-            self.transfers.append(SimTransfer(src, to, name, size, start, end))
+            self.transfers.append(SimTransfer(src=src, dst=to, name=name, bytes=size, start_ms=start, end_ms=end))
         self.arrived[message(op, worker)] = end + latency_ms
         self._wake(dst)
 
