@@ -49,7 +49,7 @@ from pdtool.planner import make_plan
 from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
 from pdtool.runtime.launcher import session
-from pdtool.runtime.worker.optim import build_optimizer
+from pdtool.runtime.optimizers import build_optimizer
 from pdtool.runtime.run import OptimizerConfig, RunConfig, checked_run
 from pdtool.schedule import rules
 from record import recorded  # bench/record.py: the dated result file

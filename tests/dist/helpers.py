@@ -9,7 +9,7 @@ from pdtool.model.build import initial_model
 from pdtool.planner import make_plan, shared_parameters
 from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
-from pdtool.runtime.worker.optim import build_optimizer, no_decay
+from pdtool.runtime.optimizers import build_optimizer, no_decay
 from pdtool.model.stages import plan_stages, sample_inputs
 from pdtool.model.data import load_source, synthetic_source
 from pdtool.runtime.run import OptimizerConfig, RunConfig, make_schedule

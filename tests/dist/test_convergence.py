@@ -6,7 +6,7 @@ from helpers import config_for, plan_with
 from pdtool.model.data import dataset_source, digits, evaluate
 from pdtool.model.build import initial_model
 from pdtool.artifacts.profile import ModelRef
-from pdtool.runtime.worker.optim import build_optimizer
+from pdtool.runtime.optimizers import build_optimizer
 from pdtool.runtime.run import OptimizerConfig
 from pdtool.runtime.launcher.session import run
 

@@ -100,3 +100,20 @@ def test_nothing_imports_the_cli():
     graph = _imports(module_level_only=False)
     assert sorted(module for module in MODULES if "pdtool.cli" in graph[module]) == []
 
+
+
+CROSSING = {"pdtool.runtime.worker.entry", "pdtool.runtime.worker.main", "pdtool.runtime.worker.shm",
+            "pdtool.runtime.worker.preload_model"}
+"""What crosses the process boundary: the entry a worker process runs (and its state and failure
+handling), the worker itself (under torchrun or srun the launcher's process is one), the
+shared-memory rings whose files the launcher removes, and the forkserver's preload."""
+
+
+def test_the_launcher_imports_from_the_worker_package_only_what_crosses_the_process_boundary():
+    """Issue 36: the launcher imported 8 names from the worker package; the rules both sides read
+    (tied weights: `runtime.ties`; the optimizer: `runtime.optimizers`) live below both."""
+    graph = _imports(module_level_only=False)
+    found = sorted({f"{module} imports {target}" for module in MODULES if _under(module, "pdtool.runtime.launcher")
+                    for target in graph[module] if _under(target, "pdtool.runtime.worker") and target not in CROSSING
+                    and target != "pdtool.runtime.worker"})
+    assert found == []

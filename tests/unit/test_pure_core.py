@@ -9,7 +9,7 @@ CORE = ["pdtool.errors", "pdtool.fields", "pdtool.jsonio", "pdtool.units",
         "pdtool.planner", "pdtool.planner.costmodel", "pdtool.planner.states", "pdtool.planner.partition",
         "pdtool.planner.make", "pdtool.schedule", "pdtool.schedule.core", "pdtool.schedule.generator",
         "pdtool.schedule.check", "pdtool.schedule.lower", "pdtool.schedule.modes", "pdtool.sim.simulate",
-        "pdtool.sim.prediction", "pdtool.runtime.run", "pdtool.runtime.recipe", "pdtool.views.metrics",
+        "pdtool.sim.prediction", "pdtool.sim.steady", "pdtool.runtime.run", "pdtool.runtime.recipe", "pdtool.runtime.ties", "pdtool.views.metrics",
         "pdtool.artifacts.record", "pdtool.views", "pdtool.views.trace", "pdtool.views.render", "pdtool.views.show",
         "pdtool.consent", "pdtool.signals", "pdtool.runtime.launcher.cluster_env", "pdtool.runtime.launcher.folder_lock"]
 

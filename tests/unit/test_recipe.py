@@ -9,7 +9,8 @@ from click.testing import CliRunner
 from pdtool.cli import cli
 from pdtool.errors import LaunchError
 from pdtool.runtime.recipe import LrSchedule, OptimizerConfig
-from pdtool.runtime.worker.optim import build_optimizer, check_optimizer, clip, no_decay, squared_norm
+from pdtool.runtime.optimizers import build_optimizer, check_optimizer, no_decay
+from pdtool.runtime.worker.optim import clip, squared_norm
 
 
 def test_warm_up_then_cosine_or_linear_decay_to_the_floor():
@@ -175,7 +176,7 @@ def test_an_optimizer_factory_that_ignores_its_parameter_groups_is_refused():
 
     from pdtool.errors import LaunchError
     from pdtool.runtime.recipe import OptimizerConfig
-    from pdtool.runtime.worker.optim import check_optimizer
+    from pdtool.runtime.optimizers import check_optimizer
 
     with pytest.raises(LaunchError, match="does not hold 1 of the 1 parameters it was given") as info:
         check_optimizer(OptimizerConfig(name="toymodels:ignores_its_groups"))

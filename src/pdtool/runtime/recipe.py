@@ -1,6 +1,6 @@
 """The training recipe every stage shares: optimizer, weight decay, learning-rate schedule and
 gradient clipping (`OptimizerConfig`), as plain values the launcher checks and the workers apply
-(`runtime.worker.optim` builds the torch side). Pure: no torch.
+(`runtime.optimizers` builds the optimizer, `runtime.worker.optim` clips). Pure: no torch.
 
 **Learning rate.** `LrSchedule.lr(base, t)` is the learning rate of the optimizer step taken
 after `t` steps of stage 0 (t = 0: the first step); a stage's own step count drives it
@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
-OPTIMIZERS = ("sgd", "adam", "adamw")  # built in (`worker.optim.build_optimizer`); else a pkg.module:factory
+OPTIMIZERS = ("sgd", "adam", "adamw")  # built in (`runtime.optimizers.build_optimizer`); else a pkg.module:factory
 MOMENTUM = {"sgd": 0.9}  # the default momentum of the built-in optimizers that have one
 ADAM_LIKE = ("adam", "adamw")  # they take --betas and --eps
 
@@ -68,7 +68,7 @@ class LrSchedule:
 class OptimizerConfig:
     """The recipe shared by every stage: `name` (sgd, adam, adamw, or a pkg.module:factory named
     on the command line), base `lr`, `momentum` (sgd; None: its default 0.9), `weight_decay`
-    (not on biases, norms and embeddings: `worker.optim.no_decay`), `betas`/`eps` (adam,
+    (not on biases, norms and embeddings: `runtime.optimizers.no_decay`), `betas`/`eps` (adam,
     adamw; None: torch's defaults), the learning-rate `schedule`, and `clip_grad_norm` (None:
     no clipping; see `worker.optim` for what the norm is in each mode)."""
 

@@ -62,7 +62,7 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
                           f"{run.name} the stages step after different minibatches; use --precision bf16 (no loss "
                           f"scaling) or a mode whose stages step together ({listed(modes_where(steps=GROUP))})")
     if config.optimizer.is_factory:  # the user's optimizer factory, called once here rather than in every worker
-        from ..worker.optim import check_optimizer
+        from ..optimizers import check_optimizer
 
         check_optimizer(config.optimizer)
     check_memory(plan, config, run)

@@ -23,7 +23,7 @@ from ...model.program import check
 from ...model.data import load_source, named_dataset_source
 from ...consent import consent
 from ...model.dryrun import described
-from ..worker import tied
+from .. import ties
 from . import capture_cache
 
 
@@ -75,7 +75,7 @@ def preflight(plan: Plan, *, plan_path: str, mode: str, data: str, seed: int, mo
     if on_meta:
         check_initialisable(bundle.module)
     stages = cut(plan, bundle)
-    tied.check_mode(stages, mode)
+    ties.check_mode(stages, mode)
     source = load_source(data, bundle, plan.profile.batch_size, seed)
     inputs, target = source.batch(0)
     capture = described(stages, bundle, inputs, target, data, seed, on_meta)
@@ -120,7 +120,7 @@ def _from_cache(*, entry: capture_cache.Entry, plan: Plan, mode: str, data: str,
             return None
     for message in entry.warnings:
         warn(message)
-    tied.check_mode(capture.stages, mode)
+    ties.check_mode(capture.stages, mode)
     return Checked(batches_per_epoch=source.batches_per_epoch if source is not None else None,
                    parameters=dict(capture.parameters), capture=capture, keywords=keywords, cached=entry.path)
 

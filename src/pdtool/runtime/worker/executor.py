@@ -39,6 +39,7 @@ from ...precision import autocast, message_dtype
 from ...errors import LaunchError
 from ...schedule import Action, Schedule, step_group
 from ..run import OptimizerConfig
+from .. import optimizers
 from . import optim
 from .split_backward import ParameterNodes, input_gradients, weight_gradients
 
@@ -87,7 +88,7 @@ class StageWorker:
         # loss / m; the mean over the step's backwards then leaves the gradients scale / m times the true mean
         self.per_step_last = step_group(schedule, schedule.stages - 1)
         named = [(stage.param_names.get(n, n), p) for n, p in zip(self.names, self.live)]
-        self.optimizer = (optim.build_optimizer(optimizer, named, lr_scale(schedule, stage.index), no_decay)
+        self.optimizer = (optimizers.build_optimizer(optimizer, named, lr_scale(schedule, stage.index), no_decay)
                           if self.live else None)
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
         # the learning-rate clock: steps of stage 0 before this stage's next step (`runtime.recipe`)

@@ -25,6 +25,8 @@ from ...schedule import Schedule, lower
 from ...schedule.lower import Lowered, collective_key
 from .comm import BoundaryTensor, Link, layout, link_groups, message_specs
 from .. import peers
+from .. import optimizers
+from ..ties import check_mode, sets
 from . import evaluation, memory, optim, shm, tied
 from ..device import Placement, choose
 from .executor import StageWorker
@@ -110,7 +112,7 @@ class _Built:
     first: int
     batch: Callable[[int], tuple]
     specs: list[list[BoundaryTensor]]
-    no_decay: frozenset = frozenset()  # whole-model names without weight decay (`worker.optim.no_decay`)
+    no_decay: frozenset = frozenset()  # whole-model names without weight decay (`runtime.optimizers.no_decay`)
     model_parameters: int = 0          # the whole model's parameter count (the clipping budget's share)
     precision: str = "fp32"            # what the stage computes in and its messages travel in (`pdtool.precision`)
     recompute: bool = False            # the plan's stage recomputes its forward in each backward
@@ -135,7 +137,7 @@ def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _B
     stage = own_stage(capture, stage_index, plan=plan, bundle=bundle, seed=config.seed, device=device,
                       on_meta=on_meta, weights=weights)
     schedule = make_schedule(plan, config)
-    tied.check_mode(capture.stages, schedule.mode)
+    check_mode(capture.stages, schedule.mode)
     first = config.first_step * minibatches_per_step(schedule)
     batch = lambda b: source.batch(first + b)  # noqa: E731
     precision = config.precision or plan.profile.precision
@@ -143,7 +145,7 @@ def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _B
               for name, shape, dtype in boundary] for boundary in capture.specs]
     return _Built(stage_index=stage_index, replica=replica, stage=stage, capture=capture, schedule=schedule,
                   loss_fn=bundle.loss_fn, first=first, batch=batch, specs=specs,
-                  no_decay=optim.no_decay(bundle.module),
+                  no_decay=optimizers.no_decay(bundle.module),
                   model_parameters=sum(p.numel() for p in bundle.module.parameters()), precision=precision,
                   recompute=plan.stages[stage_index].recompute,
                   evaluation=_evaluation(config, plan, schedule, bundle, stage_index))
@@ -190,7 +192,7 @@ def _connect(config: RunConfig, plan: Plan, built: _Built, rank: int, device: to
     rings), its collectives and the whole model's gradient norm where the recipe clips it across
     stages (else None). Every rank makes every process group, in one order."""
     ranks = [r for st in plan.stages for r in st.ranks]  # stage-major, as the schedule numbers its workers
-    lowered = lower(built.schedule, tied.sets(built.capture.stages), ranks)
+    lowered = lower(built.schedule, sets(built.capture.stages), ranks)
     ops = lowered.workers[lowered.index(rank)]
     if built.evaluation is not None:
         s = built.stage_index

@@ -25,7 +25,7 @@ import torch
 from ...artifacts.checkpoint import checkpoint_folder, load_checkpoint, save_shard
 from ...errors import LaunchError
 from ...schedule import step_group
-from . import tied
+from ..ties import owner
 from .executor import StageWorker
 
 SEPARATOR = "::"
@@ -37,11 +37,11 @@ def stage_state(worker: StageWorker) -> tuple[dict[str, torch.Tensor], dict[str,
     its lowest stage."""
     stage = worker.stage
     ties = stage.tied
-    mine = {n for n, _ in stage.module.named_parameters() if n not in ties or tied.owner(ties[n]) == stage.index}
+    mine = {n for n, _ in stage.module.named_parameters() if n not in ties or owner(ties[n]) == stage.index}
     tensors = {stage.param_names[n]: p.detach() for n, p in stage.module.named_parameters() if n in mine}
     buffer_names, shared = stage.buffer_names, stage.shared_buffers
     tensors.update({buffer_names[n]: b.detach() for n, b in stage.module.named_buffers()
-                    if n in buffer_names and (n not in shared or tied.owner(shared[n]) == stage.index)})
+                    if n in buffer_names and (n not in shared or owner(shared[n]) == stage.index)})
     extra: dict[str, torch.Tensor] = {}
     if worker.optimizer is not None:
         for name, p in zip(worker.names, worker.live):
