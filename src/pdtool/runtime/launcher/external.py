@@ -202,7 +202,7 @@ def _decide(store, *, where: Place, plan, config, epochs, resume, warn, say):
     try:
         with peers.Beacon(store, 0):  # the others wait while it beats
             job = prepare(plan, config, epochs=epochs, nproc_per_node=where.local_world, warn=warn)
-            config, per_step, folder = _start(plan, job.config, resume, job.checked.parameters, warn, say)
+            config, per_step, folder = _start(job, resume, warn, say)
     except PdtoolError as exc:
         store.set(_DECISION, json.dumps({"error": str(exc)}))
         _wait_until_read(store, where.world, config.timeout_s)  # the store is rank 0's under SLURM
@@ -212,16 +212,18 @@ def _decide(store, *, where: Place, plan, config, epochs, resume, warn, say):
     return job, config, per_step, folder
 
 
-def _start(plan, config, resume: bool, needs, warn, say):
-    """Where the run starts, as `session.run` settles it: (config with its run id and starting
-    point, minibatches per step, `_Folder` holding the checkpoint folder or None)."""
+def _start(job, resume: bool, warn, say):
+    """Where the run of `job` (`job.prepare`'s) starts, as `session.run` settles it: (config with
+    its run id and starting point, minibatches per step, `_Folder` holding the checkpoint folder or None)."""
     from pathlib import Path
 
     from ..run import Nodes
     from .manifests import ManifestWriter
     from .resume import plan_sha256, settle
 
-    start = settle(plan, config, Nodes(), resume, warn, needs, say)  # the run id is random: only rank 0 decides it
+    plan = job.plan
+    start = settle(plan, job.config, Nodes(), resume, warn, job.checked.parameters, say,  # the run id is random:
+                   run=job.run)  # only rank 0 decides it
     config, per_step, lock = start.config, start.per_step, start.lock
     if lock is None:
         return config, per_step, None

@@ -67,8 +67,8 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
         check_optimizer(config.optimizer)
     check_memory(plan, config, run)
     config = dataclasses.replace(config, eval_batches=held_out_batches(plan, config, checked.keywords))
+    checked_run(plan, config)  # a mode, group or drain that cannot run: one line (the session does not check again)
     if epochs:
-        checked_run(plan, config)  # a mode or group that cannot run is one line before the epochs are counted
         config = dataclasses.replace(config, steps=steps_for_epochs(epochs, checked.batches_per_epoch, run.per_step))
     check_warmup(config)
     local = nproc_per_node or len(plan.used_ranks) // nnodes

@@ -14,6 +14,7 @@ from ...artifacts.checkpoint import (
     MANIFEST, complete_run, existing_steps, latest_complete, read_manifest, set_aside_after,
 )
 from ...artifacts.plan import Plan
+from ...schedule import Run
 from ...errors import LaunchError
 from ..run import Nodes, RunConfig, checked_run, recorded_settings
 from .folder_lock import FolderLock
@@ -33,11 +34,13 @@ class Start:
     lock: FolderLock | None
 
 
-def settle(plan: Plan, config: RunConfig, nodes: "Nodes", resume: bool, warn, needs, say, hold: bool = True) -> Start:
-    """Check the run's schedule (`checked_run`), give it a run id, take the checkpoint folder's
-    lock when `hold` (the machine that owns the folder) and settle where it starts
-    (`starting_point`), claiming the folder for this run. On any error the lock is released."""
-    run = checked_run(plan, config)  # a schedule it cannot run: refused here
+def settle(plan: Plan, config: RunConfig, nodes: "Nodes", resume: bool, warn, needs, say, hold: bool = True,
+           run: Run | None = None) -> Start:
+    """Check the run's schedule (`checked_run`; `run`: what `job.prepare` resolved and checked
+    already), give it a run id, take the checkpoint folder's lock when `hold` (the machine that
+    owns the folder) and settle where it starts (`starting_point`), claiming the folder for this
+    run. On any error the lock is released."""
+    run = run if run is not None else checked_run(plan, config)  # a schedule it cannot run: refused here
     config = dataclasses.replace(config, run_id=config.run_id or run_id(config, nodes))
     lock = FolderLock.acquire(config.checkpoint_dir) if config.checkpoint_dir and hold else None
     try:

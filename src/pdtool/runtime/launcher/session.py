@@ -38,7 +38,8 @@ def run(config: RunConfig, nodes: Nodes = Nodes(), verbose: bool = False, resume
     plan and run `job.prepare` resolved (pd train's), so that neither is read or resolved again;
     without one (tests, benches), the plan is read from config.plan_path."""
     plan = job.plan if job is not None else Plan.load(config.plan_path)
-    start = settle(plan, config, nodes, resume, warn, needs, say, hold=nodes.node_rank == 0)
+    start = settle(plan, config, nodes, resume, warn, needs, say, hold=nodes.node_rank == 0,
+                   run=job.run if job is not None else None)
     config, per_step, meta, lock = start.config, start.per_step, start.meta, start.lock
     try:
         for restart in range(restarts + 1):
