@@ -81,60 +81,108 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
                         "give one of them")
     model = MODELS[cost_model]()
     costs = ChainCosts.from_profile(profile)
-    counts = [level.count for level in cluster.levels]
-    bandwidths = [level.bandwidth for level in cluster.levels]
     # what the plan's mode keeps (the default mode's when none is given: PipeDream's weight versions, the most)
     memory = memory_model(cluster.memory, optimizer_slots, profile.precision, mode) if cluster.memory else None
     # zero-time layers follow their producers only where that is safe (states.py, `_followers`)
     states = _splittable(build_states(costs, followers=not model.exact_workers and memory is None), profile, say)
     if data_parallel:
         states = states.restricted(lambda mask: False)
-    def describe(pipeline, s) -> Plan:
-        return _as_plan(pipeline=pipeline, solver=s, profile=profile, cluster=cluster, costs=costs, model=model,
-                        memory=memory, optimizer_slots=optimizer_slots, cost_model=cost_model, straight=straight,
-                        mode=mode, command=command, profile_file=profile_file)
-
-    def straight_plans() -> list[Plan]:  # straight pipelines: the cost model undervalues them most
-        lined = Solver(states, counts, bandwidths, model, straight=True, memory=memory, recompute=recompute)
-        return [describe(p, lined) for p in lined.candidates(CANDIDATES) if p is not None]
-
-    with background(straight_plans, simulate and not straight and not data_parallel
-                    and len(states) * cluster.workers >= BACKGROUND_SIZE) as lined_plans:
-        solver = Solver(states, counts, bandwidths, model, straight=straight, memory=memory,
-                        every_worker=data_parallel, recompute=recompute)
-        pipelines = solver.candidates(CANDIDATES) if simulate else [solver.solve()]
-        if not pipelines or pipelines[0] is None:
-            raise PlanError(_no_plan_reason(profile=profile, costs=costs, states=states, counts=counts,
-                                            bandwidths=bandwidths, model=model, straight=straight, memory=memory,
-                                            cluster=cluster, recompute=recompute))
-        plans = [describe(p, solver) for p in pipelines]
-        if not simulate:
-            return _trainable(plans[0], mode, say)
-        ranking = cluster.workers <= RANKED_WORKERS or steady_applies(plans[0])  # the candidates share a mode
-        if ranking and not straight and not data_parallel:
-            plans += lined_plans()
-    dp_solver = None if data_parallel else _data_parallel_solver(states, counts, bandwidths, model, memory, recompute)
+    search = _Search(profile=profile, cluster=cluster, cost_model=cost_model, model=model, costs=costs, states=states,
+                     memory=memory, optimizer_slots=optimizer_slots, straight=straight, data_parallel=data_parallel,
+                     mode=mode, recompute=recompute, command=command, profile_file=profile_file)
+    plans, ranking = _candidates(search, ranked=simulate)
+    if not simulate:  # the cost model's optimum, as PipeDream's optimizer gives it
+        return _trainable(plans[0], mode, say)
+    dp_solver = None if data_parallel else search.solver(states=states.restricted(lambda mask: False),
+                                                         every_worker=True)
     dp = dp_solver.solve() if dp_solver is not None else None
-    baseline = describe(dp, dp_solver) if dp is not None else None
+    baseline = search.describe(dp, dp_solver) if dp is not None else None
     if ranking and baseline is not None and not straight:
         plans.append(baseline)
     ranked = _ranked(plans, cluster.workers) if ranking else [_with_simulation(plans[0])]
-    in_full = cluster.workers <= RANKED_WORKERS  # finalists simulated in full; beyond, their steady state
+    best = _explained(search, ranked, baseline, ranking=ranking, in_full=cluster.workers <= RANKED_WORKERS)
+    _warn_noisy(profile, best, say)
+    if cluster.workers <= RANKED_WORKERS:
+        best = _mode_memory(best, optimizer_slots, memory)
+    return _trainable(best, mode, say)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Search:
+    """One `make_plan`: its profile, cluster and options, and what it derives from them once (the
+    cost model, the per-layer costs, the states the model can be cut at, the memory model)."""
+
+    profile: Profile
+    cluster: Cluster
+    cost_model: str
+    model: CostModel
+    costs: ChainCosts
+    states: States
+    memory: Memory | None
+    optimizer_slots: int
+    straight: bool
+    data_parallel: bool
+    mode: str | None
+    recompute: str
+    command: str
+    profile_file: str | None
+
+    def solver(self, **options) -> Solver:
+        """The dynamic program over this search's states and cluster (`options`: Solver's)."""
+        options = {"states": self.states, "memory": self.memory, "recompute": self.recompute, **options}
+        return Solver(options.pop("states"), [level.count for level in self.cluster.levels],
+                      [level.bandwidth for level in self.cluster.levels], self.model, **options)
+
+    def describe(self, pipeline: Pipeline, solver: Solver) -> Plan:
+        return _as_plan(self, pipeline, solver)
+
+
+def _candidates(search: _Search, *, ranked: bool) -> tuple[list[Plan], bool]:
+    """The plans to compare, and whether they are ranked by simulation: the dynamic program's best
+    plan for each number of workers it may use (only its optimum unless `ranked`), and the best
+    straight pipelines (the cost model undervalues them most; solved in a second process beside
+    the others on a large search). A search with no plan is a `PlanError` saying why."""
+    straight, data_parallel = search.straight, search.data_parallel
+
+    def straight_plans() -> list[Plan]:
+        lined = search.solver(straight=True)
+        return [search.describe(p, lined) for p in lined.candidates(CANDIDATES) if p is not None]
+
+    with background(straight_plans, ranked and not straight and not data_parallel
+                    and len(search.states) * search.cluster.workers >= BACKGROUND_SIZE) as lined_plans:
+        solver = search.solver(straight=straight, every_worker=data_parallel)
+        pipelines = solver.candidates(CANDIDATES) if ranked else [solver.solve()]
+        if not pipelines or pipelines[0] is None:
+            raise PlanError(_no_plan_reason(search))
+        plans = [search.describe(p, solver) for p in pipelines]
+        if not ranked:
+            return plans, False
+        ranking = search.cluster.workers <= RANKED_WORKERS or steady_applies(plans[0])  # the candidates share a mode
+        if ranking and not straight and not data_parallel:
+            plans += lined_plans()
+    return plans, ranking
+
+
+def _explained(search: _Search, ranked: list[Plan], baseline: Plan | None, *, ranking: bool, in_full: bool) -> Plan:
+    """The winner of `ranked` (fastest first) with its prediction explained: why it won, the
+    data-parallel baseline's simulated time (or by how much data parallelism does not fit), and the
+    best hybrid plan when a straight one won. Beyond the ranked sizes (not `ranking`), never a plan
+    that its own simulation puts behind data parallelism."""
     best = ranked[0]
-    if data_parallel:
+    if search.data_parallel:
         baseline = best
     elif baseline is not None:  # simulated already if it was a finalist
         baseline = next((p for p in ranked[:FINALISTS] if _key(p) == _key(baseline)), None) or \
             _with_simulation(baseline, steady=not in_full)
     if not ranking:
         why = f"the cost model's optimum (clusters over {RANKED_WORKERS} workers are not ranked by simulation)"
-        if baseline is not None and not data_parallel and baseline.predicted.simulated_ms < best.predicted.simulated_ms:
-            # never an answer that its own simulation puts behind data parallelism
+        if baseline is not None and not search.data_parallel and \
+                baseline.predicted.simulated_ms < best.predicted.simulated_ms:
             why = (f"data parallelism: the cost model's optimum ({_shape(best)}) simulates slower, "
                    f"{best.predicted.simulated_ms:.3f} ms per minibatch against {baseline.predicted.simulated_ms:.3f} "
                    f"(clusters over {RANKED_WORKERS} workers are not ranked by simulation)")
             ranked, best = [baseline, best], baseline
-        elif baseline is not None and not data_parallel:
+        elif baseline is not None and not search.data_parallel:
             ranked = [best, baseline]  # both simulated: the candidates compared
     else:
         why = f"fastest of {len(ranked)} candidate plans in simulation" + (
@@ -145,16 +193,10 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
         full = hybrid.predicted.simulated_steady or any(_key(p) == _key(hybrid) for p in ranked[:FINALISTS])
         hybrid = (f"{_shape(hybrid)}: {hybrid.predicted.simulated_ms:.3f} ms per minibatch simulated"
                   + ("" if full else f" (on a run of {hybrid.predicted.simulated_minibatches} minibatches)"))
-    over = None if baseline is not None else _data_parallel_excess(
-        profile=profile, costs=costs, states=states, counts=counts, bandwidths=bandwidths, model=model, memory=memory,
-        optimizer_slots=optimizer_slots)
-    best = dataclasses.replace(best, predicted=dataclasses.replace(
+    over = None if baseline is not None else _data_parallel_excess(search)
+    return dataclasses.replace(best, predicted=dataclasses.replace(
         best.predicted, candidates=len(ranked), why=why, data_parallel_over_bytes=over, hybrid=hybrid,
         simulated_data_parallel_ms=baseline.predicted.simulated_ms if baseline is not None else None))
-    _warn_noisy(profile, best, say)
-    if in_full:
-        best = _mode_memory(best, optimizer_slots, memory)
-    return _trainable(best, mode, say)
 
 
 def _mode_memory(plan: Plan, optimizer_slots: int, memory: Memory | None) -> Plan:
@@ -219,23 +261,18 @@ def _ranked(plans: list[Plan], workers: int) -> list[Plan]:
     return finalists + ranked[FINALISTS:]
 
 
-def _data_parallel_solver(states: States, counts, bandwidths, model: CostModel, memory: Memory | None,
-                          recompute: str = "none") -> Solver:
-    """The solver whose only plan is one stage of all layers on every worker."""
-    return Solver(states.restricted(lambda mask: False), counts, bandwidths, model, memory=memory, every_worker=True,
-                  recompute=recompute)
-
-
-def _data_parallel_excess(*, profile, costs, states, counts, bandwidths, model, memory, optimizer_slots) -> int | None:
+def _data_parallel_excess(search: _Search) -> int | None:
     """Bytes per worker by which data parallelism on every worker exceeds the memory limit."""
-    if memory is None:
+    if search.memory is None:
         return None
-    solver = _data_parallel_solver(states, counts, bandwidths, model, None)
+    solver = search.solver(states=search.states.restricted(lambda mask: False), memory=None, every_worker=True,
+                           recompute="none")
     free = solver.solve()
     if free is None:
         return None
-    stages, _ = _describe(free, profile, costs, model, solver, memory_model(None, optimizer_slots, profile.precision))
-    return int(max(s.memory_bytes for s in stages) - memory.limit)
+    stages, _ = _describe(free, search.profile, search.costs, search.model, solver,
+                          memory_model(None, search.optimizer_slots, search.profile.precision))
+    return int(max(s.memory_bytes for s in stages) - search.memory.limit)
 
 
 def _shape(plan: Plan) -> str:
@@ -246,10 +283,10 @@ def _shape(plan: Plan) -> str:
             + (f" of {plan.workers}" if used < plan.workers else "") + " workers")
 
 
-def _as_plan(*, pipeline: Pipeline, solver: Solver, profile: Profile, cluster: Cluster, costs: ChainCosts,
-             model: CostModel, memory: Memory | None, optimizer_slots: int, cost_model: str, straight: bool,
-             mode: str | None, command: str, profile_file: str | None) -> Plan:
+def _as_plan(search: _Search, pipeline: Pipeline, solver: Solver) -> Plan:
     """The plan of one of the dynamic program's pipelines, with the cost model's figures."""
+    profile, cluster, costs, model, mode = search.profile, search.cluster, search.costs, search.model, search.mode
+    memory, optimizer_slots = search.memory, search.optimizer_slots
     stages, groups = _describe(pipeline, profile, costs, model, solver,
                                memory or memory_model(None, optimizer_slots, profile.precision, mode))
     stages = with_boundaries(profile, stages)
@@ -270,9 +307,9 @@ def _as_plan(*, pipeline: Pipeline, solver: Solver, profile: Profile, cluster: C
                      granularity=profile.granularity, depth=profile.depth, split=profile.split, device=profile.device,
                      layer_sum_over_step=profile.layer_sum_over_step, message_ms_per_mib=profile.message_ms_per_mib,
                      precision=profile.precision)
-    plan = Plan(profile=ref, cluster=cluster, cost_model=cost_model, straight=straight, mode=mode or DEFAULT,
-                stages=tuple(stages), groups=tuple(groups), predicted=prediction, command=command,
-                profile_file=profile_file,
+    plan = Plan(profile=ref, cluster=cluster, cost_model=search.cost_model, straight=search.straight,
+                mode=mode or DEFAULT, stages=tuple(stages), groups=tuple(groups), predicted=prediction,
+                command=search.command, profile_file=search.profile_file,
                 pdtool_version=__version__, state_space=solver.states.space, shared=shared_parameters(profile, stages))
     if mode is None and plan.untrainable() is not None:
         plan = dataclasses.replace(plan, mode=DEFAULT_TIED)  # `_trainable` says why, for the plan chosen
@@ -410,11 +447,12 @@ def _leaf(stage: PipelineStage, *, terms: dict, outer: int, ranks: list[int], pr
                      recompute=stage.recompute)
 
 
-def _no_plan_reason(*, profile: Profile, costs: ChainCosts, states: States, counts, bandwidths, model, straight, memory,
-                    cluster, recompute: str = "none") -> str:
+def _no_plan_reason(search: _Search) -> str:
     """Why no plan exists: name the stage that does not fit and by how much, when memory is why."""
+    profile, costs, model, memory, straight = search.profile, search.costs, search.model, search.memory, search.straight
+    recompute = search.recompute
     if memory is not None:
-        solver = Solver(states, counts, bandwidths, model, straight=straight)
+        solver = search.solver(straight=straight, memory=None, recompute="none")
         free = solver.solve()
         if free is not None:
             fake = dataclasses.replace(memory, limit=float("inf"))
@@ -429,6 +467,6 @@ def _no_plan_reason(*, profile: Profile, costs: ChainCosts, states: States, coun
                     + " or profile a smaller batch")
     if model.exact_workers:
         return (f"the pipedream cost model uses exactly every worker and no partition of {len(profile.layers)} layers "
-                f"does on {cluster.workers} workers{' with --straight' if straight else ''}; "
+                f"does on {search.cluster.workers} workers{' with --straight' if straight else ''}; "
                 "use fewer workers, drop --straight, or use --cost-model pdtool")
     return "no partition exists for this profile and cluster; check the cluster description"
