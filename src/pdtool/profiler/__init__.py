@@ -43,6 +43,36 @@ weights, their gradients, the momentum of the timed optimizer step and a copy of
 model is profiled one layer at a time."""
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfileRequest:
+    """What `pd profile` was asked (`profile_model`'s options), handed to each of its steps."""
+
+    ref: ModelRef
+    batch_size: int | None = None
+    device: torch.device
+    repeats: int = 10
+    warmup: int = 2
+    granularity: str = "module"
+    depth: int | None = None
+    method: str = "auto"
+    progress: Callable[[str], None] = _no_progress
+    warn: Callable[[str], None] = _no_progress
+    reuse_identical: bool = False
+    precision: str = "fp32"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Timed:
+    """The layers a whole-model profile timed: how they were found (`method`), the layers and their
+    edges, the parameters several layers use, and the parameter names the layers cover."""
+
+    method: str
+    layers: list[Layer]
+    edges: tuple
+    shared: tuple
+    planned: set[str]
+
+
 def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str = "cpu", repeats: int = 10,
                   warmup: int = 2, granularity: str = "module", depth: int | None = None,
                   method: str = "auto", progress: Callable[[str], None] = _no_progress,
@@ -58,12 +88,14 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
     keep_freed_memory()  # as the workers do, so that the profile measures what they run
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup}); fix the flags")
-    dev = _device(device)
+    request = ProfileRequest(ref=ref, batch_size=batch_size, device=_device(device), repeats=repeats, warmup=warmup,
+                             granularity=granularity, depth=depth, method=method, progress=progress, warn=warn,
+                             reuse_identical=reuse_identical, precision=precision)
     from ..model.build import build_model
 
     waiting, on_meta = build_model({"spec": ref.spec, "kwargs": ref.kwargs}, ref.spec, 0, warn=warn)
     need = WHOLE_MODEL_FACTOR * sum(p.numel() * p.element_size() for p in waiting.module.parameters())
-    budget = memory if memory is not None else _free_bytes(dev)
+    budget = memory if memory is not None else _free_bytes(request.device)
     if layerwise or reuse_identical or need > budget:
         if not on_meta:
             raise ProfileError(f"{ref.spec}: its factory cannot build it with parameters on the meta device, so it "
@@ -75,66 +107,29 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
         if not (layerwise or reuse_identical):
             warn(f"profiling the whole of {ref.spec} would need about {format_bytes(need)}, more than the "
                  f"{format_bytes(budget)} budget (--memory): profiling it one layer's weights at a time")
-        found = _profile_layerwise(ref, waiting, batch_size, dev, repeats=repeats, warmup=warmup,
-                                   granularity=granularity, depth=depth, method=method, progress=progress, warn=warn,
-                                   reuse=reuse_identical, precision=precision)
-        return dataclasses.replace(found, precision=precision)
+        return dataclasses.replace(_profile_layerwise(request, waiting), precision=precision)
     del waiting
+    return _profile_whole(request)
+
+
+def _profile_whole(request: ProfileRequest) -> Profile:
+    """The model built whole and timed: whole training steps before and after its layers (a machine
+    whose speed drifts while the layers are timed moves both sides of `layer_sum_over_step`
+    alike), its layers (`_timed_layers`), then the optimizer step, all-reduce work, messages, data."""
+    ref, dev, repeats, warmup, precision = request.ref, request.device, request.repeats, request.warmup, request.precision
     bundle = load_model(ref, given=True)  # the caller names the model (pd profile -m): consented
-    size, inputs, target = bundle.batch(batch_size, ref.spec)
+    size, inputs, target = bundle.batch(request.batch_size, ref.spec)
     module = bundle.module.to(dev).train()
     inputs = tuple(t.to(dev) for t in inputs)
     target = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, target)
     _check_runs(ref.spec, module, inputs, target, bundle.loss_fn)
     clock = Clock(dev)
-    # whole steps are timed before the layers and after them, and summarised together: a machine whose
-    # speed drifts while the layers are timed moves both sides of `layer_sum_over_step` alike
     with computing_in(dev, precision):
         early = step_samples(module, inputs, target, bundle.loss_fn, repeats=(repeats + 1) // 2, warmup=warmup,
                              clock=clock)
-
-    used, reasons, shared = method, {}, ()
-    for tracer in (TRACERS if method == "auto" else (method,) if method in TRACERS else ()):
-        try:
-            graph = capture(module, inputs, tracer, granularity, depth)
-        except Untraceable as exc:
-            reasons[tracer] = str(exc)
-            continue
-        try:
-            with computing_in(dev, precision):
-                layers, edges = _profile_graph(graph, module, inputs, repeats, warmup, clock, progress)
-        except ProfileError:
-            raise
-        except Exception as exc:  # a graph that captured but does not run layer by layer
-            text = str(exc).strip()
-            raise ProfileError(f"{ref.spec}: timing the layers of its torch.{tracer} graph failed with "
-                               f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}; profile it with "
-                               "--method modules (and please report it)") from None
-        shared, used = tuple(sorted(graph.shared.items())), tracer
-        planned = {name for group in graph.groups for name in group.params}
-        break
-    else:
-        if method in TRACERS:
-            verb = "trace" if method == "fx" else "export"
-            raise ProfileError(f"{ref.spec}: torch.{method} cannot {verb} this model ({reasons[method]}); use "
-                               "--method auto (which also tries the other tracer, then leaf modules)")
-        if method == "auto":
-            warn(f"neither torch.fx ({reasons['fx']}) nor torch.export ({reasons['export']}) captures {ref.spec}; "
-                 "profiling its leaf modules in execution order: plans of it train as one stage (data parallel)"
-                 + (", or split between the children of its nn.Sequential" if isinstance(module, nn.Sequential) else ""))
-        used = "modules"
-        with computing_in(dev, precision):
-            found = measure_modules(module, inputs, target, bundle.loss_fn, depth=depth, repeats=repeats,
-                                    warmup=warmup, clock=clock, progress=progress,
-                                    fold=granularity == "module")
-        layers = [_layer(i, name, kind, cost, pb, ops) for i, (name, kind, cost, pb, ops) in
-                  enumerate(zip(found.names, found.kinds, found.costs, found.param_bytes, found.ops))]
-        edges = found.edges
-        names = _parameter_names(module)
-        shared = tuple(sorted((names[id(p)], layers_) for p, layers_ in found.shared if id(p) in names))
-        planned = {names[id(p)] for owned in found.params for p in owned if id(p) in names}
-    _warn_unused(module, planned, warn)
-    progress("timing whole training steps, optimizer steps, all-reduce work, messages and data")
+    timed = _timed_layers(request, module, inputs, target, bundle.loss_fn, clock)
+    _warn_unused(module, timed.planned, request.warn)
+    request.progress("timing whole training steps, optimizer steps, all-reduce work, messages and data")
     with computing_in(dev, precision):
         late = step_samples(module, inputs, target, bundle.loss_fn, repeats=repeats, warmup=warmup, clock=clock)
     step_ms, step_spread = summarize(early + late)
@@ -145,18 +140,66 @@ def profile_model(ref: ModelRef, *, batch_size: int | None = None, device: str =
     data_ms = measure_data(lambda: bundle.batch(size, ref.spec), repeats=repeats, warmup=warmup, clock=clock)
     return Profile(
         model=ref, batch_size=size, inputs=tensor_specs(inputs), device=_device_name(dev),
-        torch_version=torch.__version__, fingerprint=fingerprint(module), method=used, shared=shared,
-        split="graph" if used in TRACERS else "children" if isinstance(module, nn.Sequential) else "none",
-        granularity=granularity, depth=depth, repeats=repeats, step_ms=step_ms, step_ms_spread=step_spread,
-        layers=tuple(layers), edges=tuple(edges), update_ms=update_ms, data_ms=data_ms,
-        reduce_ms=reduce_ms, message_ms_per_mib=message_ms, precision=precision,
-        classes=module_classes(module, [layer.name for layer in layers]),
+        torch_version=torch.__version__, fingerprint=fingerprint(module), method=timed.method, shared=timed.shared,
+        split="graph" if timed.method in TRACERS else "children" if isinstance(module, nn.Sequential) else "none",
+        granularity=request.granularity, depth=request.depth, repeats=repeats, step_ms=step_ms,
+        step_ms_spread=step_spread, layers=tuple(timed.layers), edges=tuple(timed.edges), update_ms=update_ms,
+        data_ms=data_ms, reduce_ms=reduce_ms, message_ms_per_mib=message_ms, precision=precision,
+        classes=module_classes(module, [layer.name for layer in timed.layers]),
     )
 
 
-def _profile_layerwise(ref: ModelRef, bundle, batch_size, dev: torch.device, *, repeats, warmup, granularity, depth,
-                       method, progress, warn, reuse: bool, precision: str) -> Profile:
+def _timed_layers(request: ProfileRequest, module: nn.Module, inputs, target, loss_fn, clock: Clock) -> _Timed:
+    """The layers of one traced graph (torch.fx, then torch.export, or the one `--method` names),
+    each timed; where no tracer captures the model (`--method auto`), its leaf modules in execution
+    order (`modules`), with a warning saying what that allows."""
+    ref, dev, method = request.ref, request.device, request.method
+    reasons = {}
+    for tracer in (TRACERS if method == "auto" else (method,) if method in TRACERS else ()):
+        try:
+            graph = capture(module, inputs, tracer, request.granularity, request.depth)
+        except Untraceable as exc:
+            reasons[tracer] = str(exc)
+            continue
+        try:
+            with computing_in(dev, request.precision):
+                layers, edges = _profile_graph(graph, module, inputs, request.repeats, request.warmup, clock,
+                                               request.progress)
+        except ProfileError:
+            raise
+        except Exception as exc:  # a graph that captured but does not run layer by layer
+            text = str(exc).strip()
+            raise ProfileError(f"{ref.spec}: timing the layers of its torch.{tracer} graph failed with "
+                               f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}; profile it with "
+                               "--method modules (and please report it)") from None
+        return _Timed(method=tracer, layers=layers, edges=edges, shared=tuple(sorted(graph.shared.items())),
+                      planned={name for group in graph.groups for name in group.params})
+    if method in TRACERS:
+        verb = "trace" if method == "fx" else "export"
+        raise ProfileError(f"{ref.spec}: torch.{method} cannot {verb} this model ({reasons[method]}); use "
+                           "--method auto (which also tries the other tracer, then leaf modules)")
+    if method == "auto":
+        request.warn(f"neither torch.fx ({reasons['fx']}) nor torch.export ({reasons['export']}) captures {ref.spec}; "
+                     "profiling its leaf modules in execution order: plans of it train as one stage (data parallel)"
+                     + (", or split between the children of its nn.Sequential" if isinstance(module, nn.Sequential)
+                        else ""))
+    with computing_in(dev, request.precision):
+        found = measure_modules(module, inputs, target, loss_fn, depth=request.depth, repeats=request.repeats,
+                                warmup=request.warmup, clock=clock, progress=request.progress,
+                                fold=request.granularity == "module")
+    layers = [_layer(i, name, kind, cost, pb, ops) for i, (name, kind, cost, pb, ops) in
+              enumerate(zip(found.names, found.kinds, found.costs, found.param_bytes, found.ops))]
+    names = _parameter_names(module)
+    return _Timed(method="modules", layers=layers, edges=found.edges,
+                  shared=tuple(sorted((names[id(p)], layers_) for p, layers_ in found.shared if id(p) in names)),
+                  planned={names[id(p)] for owned in found.params for p in owned if id(p) in names})
+
+
+def _profile_layerwise(request: ProfileRequest, bundle) -> Profile:
     """`profile_model` one layer's weights at a time (`profiler.layerwise`)."""
+    ref, dev, repeats, warmup, precision = request.ref, request.device, request.repeats, request.warmup, request.precision
+    batch_size, granularity, depth, method = request.batch_size, request.granularity, request.depth, request.method
+    progress, warn, reuse = request.progress, request.warn, request.reuse_identical
     from ..model.capture import all_on_meta
     from .layerwise import measure_layerwise
 
