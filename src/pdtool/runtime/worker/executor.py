@@ -107,16 +107,8 @@ class StageWorker:
         # skipped steps, where every stage steps after the same minibatches (fp16 needs that: `job.prepare`)
         self.whole_norm = optim.norm_across_stages(optimizer, precision, schedule)
         self.step_log: list[tuple] = []  # (lr, norm clipped at or None, whole model's?, skipped?) per step
-        version = schedule.versions()
-        self.version_of = {(a.kind, a.minibatch): version[(a.kind, a.stage, a.minibatch)]
-                           for a in self.actions if a.kind != "U"}
-        self.uses: dict[int, int] = {}
-        for key, v in self.version_of.items():
-            self.uses[v] = self.uses.get(v, 0) + 1
-        self.live_ok = self._versions_done_before_their_step()
-        self.current = 0          # version of the live weights
-        self.versions: dict[int, dict[str, torch.Tensor]] = {}
-        self.peak_versions = 0    # most stashed versions held at once (live weights not counted)
+        self.weights = VersionStore(names=self.names, live=self.live, actions=self.actions,
+                                    versions=schedule.versions())
         # minibatch -> (input leaves, outputs, version, weights); recomputing, (inputs, target, version, weights)
         self.stash: dict[int, tuple[dict, Any, int, dict]] = {}
         self._unchanged: dict[int, dict[str, int]] = {}  # recomputing: each stashed input's version counter
@@ -126,50 +118,18 @@ class StageWorker:
         self.losses: dict[int, float] = {}
         self._flat: torch.Tensor | None = None  # the gradient buffer of replica all-reduces (gradient_buffer)
 
-    # ----- versions ------------------------------------------------------------------------
-    def _snapshot(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in zip(self.names, self.live)}
-
-    def _versions_done_before_their_step(self) -> set[int]:
-        """Versions whose every use comes before the step that replaces them: those can run
-        on the live weights themselves, with no copy (always in flush and gpipe, and on the
-        last stage in pipedream)."""
-        last_use: dict[int, int] = {}
-        steps: list[int] = []
-        for index, action in enumerate(self.actions):
-            if action.kind == "U":
-                steps.append(index)
-            else:
-                last_use[self.version_of[(action.kind, action.minibatch)]] = index
-        return {v for v, index in last_use.items() if v >= len(steps) or index < steps[v]}
-
-    def _is_live(self, v: int) -> bool:
-        """Whether version v runs on the live weights themselves."""
-        return v == self.current and v in self.live_ok
-
-    def _version(self, v: int) -> dict[str, torch.Tensor]:
-        if self._is_live(v):
-            return dict(zip(self.names, self.live))
-        if v not in self.versions:
-            if v != self.current:
-                raise LaunchError(f"worker {self.rank}: weight version {v} was needed but not kept "
-                                  f"(live version {self.current}); the schedule is inconsistent")
-            self.versions[v] = self._snapshot()
-            self.peak_versions = max(self.peak_versions, len(self.versions))
-        return self.versions[v]
-
-    def _used(self, v: int) -> None:
-        self.uses[v] -= 1
-        if self.uses[v] == 0:
-            self.versions.pop(v, None)
+    @property
+    def peak_versions(self) -> int:
+        """The most stashed weight versions this worker held at once (live weights not counted)."""
+        return self.weights.peak
 
     # ----- actions -------------------------------------------------------------------------
     def forward(self, b: int, inputs: dict[str, torch.Tensor], target: Any = None):
         """Forward of minibatch b on its version; returns the outputs to send (detached),
         or on the last stage the loss (a float). A stage that recomputes runs it without
         recording anything for the backward and stashes only its inputs (and target)."""
-        v = self.version_of[("F", b)]
-        params = self._version(v)
+        v = self.weights.version_of[("F", b)]
+        params = self.weights.get(v)
         if self.recompute:
             with torch.no_grad():
                 outputs = self._run(b, inputs, target, v, params)
@@ -183,7 +143,7 @@ class StageWorker:
             with torch.enable_grad():
                 outputs = self._run(b, leaves, target, v, params)
             self.stash[b] = (leaves, outputs, v, params)
-        self._used(v)
+        self.weights.used(v)
         if self.last:
             loss = float(outputs.detach())
             self.losses[b] = loss
@@ -261,11 +221,11 @@ class StageWorker:
         modes `zb`, `zb2`) it also adds the parameter gradients to the live weights; without,
         `weight_backward(b)` does that later."""
         if weights is None:
-            weights = ("W", b) not in self.version_of
+            weights = ("W", b) not in self.weights.version_of
         leaves, outputs, v, params = self._recomputed(b) if self.recompute else self.stash.pop(b)
-        if self.version_of[("B", b)] != v:
+        if self.weights.version_of[("B", b)] != v:
             raise LaunchError(f"worker {self.rank}: minibatch {b} ran forward on version {v} but the schedule "
-                              f"puts its backward on version {self.version_of[('B', b)]}")
+                              f"puts its backward on version {self.weights.version_of[('B', b)]}")
         if self.last:
             scaled = outputs if self.loss_scale is None else outputs * (self.loss_scale.value / self.per_step_last)
             roots, seeds = [scaled], [None]
@@ -274,7 +234,7 @@ class StageWorker:
             roots, seeds = [p[0] for p in pairs], [p[1] for p in pairs]
         wanted_inputs = [k for k, t in leaves.items() if t.requires_grad]
         inputs = [leaves[k] for k in wanted_inputs]
-        self._used(v)
+        self.weights.used(v)
         if not weights:
             found, pending = (input_gradients(roots, seeds, inputs, list(params.values()), self.parameter_nodes)
                               if roots else ([], None))
@@ -297,12 +257,12 @@ class StageWorker:
         """The weight gradients of minibatch b, whose `backward(b, weights=False)` ran: added to
         the live weights (the W of modes `zb`, `zb2`)."""
         pending, v = self.split.pop(b)
-        if self.version_of[("W", b)] != v:
+        if self.weights.version_of[("W", b)] != v:
             raise LaunchError(f"worker {self.rank}: minibatch {b} ran its backward on version {v} but the schedule "
-                              f"puts its weight gradients on version {self.version_of[('W', b)]}")
+                              f"puts its weight gradients on version {self.weights.version_of[('W', b)]}")
         if pending is not None:
             self._add_gradients(weight_gradients(pending))
-        self._used(v)
+        self.weights.used(v)
         self.backwards += 1
 
     def _add_gradients(self, grads) -> None:
@@ -314,7 +274,7 @@ class StageWorker:
         """First half of a step: `.grad` of every live weight becomes the mean gradient of the
         backwards since the last step, over the replicas (`allreduce` sums a flat buffer)."""
         if allreduce is None:  # one replica: scale the gradients in place, no flat buffer
-            self._keep_current_version()
+            self.weights.keep_current()
             if self.backwards > 1:
                 for p in self.live:
                     if p.grad is not None:
@@ -322,7 +282,7 @@ class StageWorker:
         else:
             buffer = self.gradient_buffer()
             allreduce(buffer)
-            self._keep_current_version()
+            self.weights.keep_current()
             self._set_mean_gradients(buffer)
 
     def finish_step(self, norm: float | None = None) -> None:
@@ -397,11 +357,6 @@ class StageWorker:
             p.grad = summed[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
 
-    def _keep_current_version(self) -> None:
-        if self.uses.get(self.current, 0) > 0 and self.current not in self.versions:
-            self.versions[self.current] = self._snapshot()  # a later action still needs this version
-            self.peak_versions = max(self.peak_versions, len(self.versions))
-
     def _step_optimizer(self, skip: bool = False) -> None:
         if self.optimizer is not None:
             if not skip:
@@ -409,6 +364,71 @@ class StageWorker:
             self.optimizer.zero_grad(set_to_none=True)
         self.unscaled = False
         self.backwards = 0
+        self.weights.advance()
+
+
+class VersionStore:
+    """The weight versions one worker keeps (PipeDream's weight stashing): which version each of its
+    forwards, backwards and weight-gradient passes uses (`Schedule.versions`), the live weights'
+    version, and a copy of every older version some action still needs, dropped after its last
+    use. A version whose every use comes before the step that replaces it runs on the live weights
+    themselves, with no copy (always in flush and gpipe, and on the last stage in pipedream)."""
+
+    def __init__(self, *, names: list[str], live: list[torch.nn.Parameter], actions: tuple[Action, ...],
+                 versions: dict):
+        self.names, self.live = names, live
+        self.version_of = {(a.kind, a.minibatch): versions[(a.kind, a.stage, a.minibatch)]
+                           for a in actions if a.kind != "U"}
+        self.uses: dict[int, int] = {}
+        for v in self.version_of.values():
+            self.uses[v] = self.uses.get(v, 0) + 1
+        self.live_ok = self._done_before_their_step(actions)
+        self.current = 0  # version of the live weights
+        self.stashed: dict[int, dict[str, torch.Tensor]] = {}
+        self.peak = 0     # most stashed versions held at once (live weights not counted)
+
+    def _done_before_their_step(self, actions: tuple[Action, ...]) -> set[int]:
+        """Versions whose every use comes before the step that replaces them."""
+        last_use: dict[int, int] = {}
+        steps: list[int] = []
+        for index, action in enumerate(actions):
+            if action.kind == "U":
+                steps.append(index)
+            else:
+                last_use[self.version_of[(action.kind, action.minibatch)]] = index
+        return {v for v, index in last_use.items() if v >= len(steps) or index < steps[v]}
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in zip(self.names, self.live)}
+
+    def _stash(self, v: int) -> None:
+        self.stashed[v] = self._snapshot()
+        self.peak = max(self.peak, len(self.stashed))
+
+    def get(self, v: int) -> dict[str, torch.Tensor]:
+        """The weights of version v by name: the live ones, or the copy kept of it."""
+        if v == self.current and v in self.live_ok:
+            return dict(zip(self.names, self.live))
+        if v not in self.stashed:
+            if v != self.current:
+                raise LaunchError(f"weight version {v} was needed but not kept (live version {self.current}); the "
+                                  "schedule is inconsistent")
+            self._stash(v)
+        return self.stashed[v]
+
+    def used(self, v: int) -> None:
+        """One use of version v is done; its copy goes with its last."""
+        self.uses[v] -= 1
+        if self.uses[v] == 0:
+            self.stashed.pop(v, None)
+
+    def keep_current(self) -> None:
+        """Before the live weights change: keep a copy of their version if a later action needs it."""
+        if self.uses.get(self.current, 0) > 0 and self.current not in self.stashed:
+            self._stash(self.current)
+
+    def advance(self) -> None:
+        """The live weights took a step: a new version, the old one's copy gone if nothing needs it."""
         self.current += 1
         if self.uses.get(self.current - 1, 0) == 0:
-            self.versions.pop(self.current - 1, None)
+            self.stashed.pop(self.current - 1, None)
