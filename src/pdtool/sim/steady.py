@@ -224,114 +224,140 @@ def _build(plan: Plan, g: int, reduced: list[int], period: int, graph: _Graph, g
     after each round of its stage's replicas (`per_round`: pipedream, vsync) or after every
     `group` minibatches of the pipeline, `group / r_s` of its own (2bw); the acting time (compute and
     steps) of its workers per period; None where an arc would point forward."""
-    stages = plan.stages
-    last = len(stages) - 1
-    per_mib = plan.profile.message_ms_per_mib
-    ranks = [s.ranks[::g] for s in stages]
-    k = [warmup_forwards(reduced, s) + 1 for s in range(len(stages))]
-    units = [period // r for r in reduced]
-    took = [allreduce_ms(plan, s) for s in range(len(stages))]
-    links: dict[tuple[int, int], tuple[float, float]] = {}
-
-    def link(x: int, y: int) -> tuple[float, float]:
-        if (x, y) not in links:
-            links[(x, y)] = (MS_PER_S / link_bandwidth(plan, x, y), link_latency(plan, x, y) * MS_PER_S)
-        return links[(x, y)]
-
-    # nodes: per (stage, replica, unit) the ops of one unit, in the worker's order
-    nodes: dict[tuple[int, int, int], dict[str, int]] = {}
-    acting = 0.0
-    for s, stage in enumerate(stages):
-        fwd = stage.fwd_ms + stage.data_ms
-        bwd = stage.bwd_ms + (stage.fwd_ms if stage.recompute else 0.0)
-        every = 1 if per_round else group // reduced[s]  # own minibatches between two steps
-        collective = [graph.node() if (u + 1) % every == 0 else None for u in range(units[s])]
+    period_graph = _OneFOneB(plan, g, reduced, period, graph)
+    acting = period_graph.units(group, per_round)
+    for s in range(len(plan.stages)):
         for i in range(reduced[s]):
-            previous = None
-            first = None
-            for u in range(units[s]):
-                ops = {}
+            if not period_graph.messages(s, i):
+                return None
+            period_graph.link_order(s, i)
+    return acting
 
-                def chain(name: str, weight: float) -> int:
-                    nonlocal previous, first
-                    node = graph.node()
-                    if previous is not None:
-                        graph.arc(previous, node, weight)
-                    else:
-                        first = (node, weight)
-                    ops[name] = node
-                    previous = node
-                    return node
 
-                if s < last:
-                    chain("rg", stage.out_bytes / MIB * per_mib)
-                before_send = chain("B", bwd)
-                if s > 0:
-                    chain("sg", stage.in_bytes / MIB * per_mib)
-                    ops["sg_from"] = before_send
-                if collective[u] is not None:
-                    graph.arc(previous, collective[u], 0.0)
-                    ops["AR"] = node = graph.node()
-                    graph.arc(collective[u], node, took[s])
-                    previous = node
-                    chain("U", stage.update_ms)
-                if s > 0:
-                    chain("ra", stage.in_bytes / MIB * per_mib)
-                before_send = chain("F", fwd)
-                if s < last:
-                    chain("sa", stage.out_bytes / MIB * per_mib)
-                    ops["sa_from"] = before_send
-                nodes[(s, i, u)] = ops
-                acting += fwd + bwd + (took[s] + stage.update_ms if collective[u] is not None else 0.0)
-            node, weight = first
-            graph.arc(previous, node, weight, 1)  # the next period's first op follows this one's last
+class _OneFOneB:
+    """`_build`'s steps: the ops of each worker's units in its order (`units`), the arcs of the
+    messages between them (`messages`), and each link carrying one message at a time in the
+    order sent (`link_order`)."""
 
-    def place(s: int, b: int, shift: int) -> tuple[int, int, int] | None:
+    def __init__(self, plan: Plan, g: int, reduced: list[int], period: int, graph: _Graph):
+        self.plan, self.graph, self.reduced = plan, graph, reduced
+        self.stages = plan.stages
+        self.last = len(self.stages) - 1
+        self.per_mib = plan.profile.message_ms_per_mib
+        self.ranks = [s.ranks[::g] for s in self.stages]
+        self.k = [warmup_forwards(reduced, s) + 1 for s in range(len(self.stages))]
+        self.unit_count = [period // r for r in reduced]
+        self.took = [allreduce_ms(plan, s) for s in range(len(self.stages))]
+        self._links: dict[tuple[int, int], tuple[float, float]] = {}
+        self.nodes: dict[tuple[int, int, int], dict[str, int]] = {}  # (stage, replica, unit): its ops' nodes
+
+    def link(self, x: int, y: int) -> tuple[float, float]:
+        """(ms per byte, latency ms) between plan ranks x and y."""
+        if (x, y) not in self._links:
+            self._links[(x, y)] = (MS_PER_S / link_bandwidth(self.plan, x, y), link_latency(self.plan, x, y) * MS_PER_S)
+        return self._links[(x, y)]
+
+    def units(self, group: int, per_round: bool) -> float:
+        """Per (stage, replica, unit) the ops of one unit, in the worker's order, the next period's
+        first op after this one's last; the acting time of the workers per period."""
+        graph, acting = self.graph, 0.0
+        for s, stage in enumerate(self.stages):
+            fwd = stage.fwd_ms + stage.data_ms
+            bwd = stage.bwd_ms + (stage.fwd_ms if stage.recompute else 0.0)
+            every = 1 if per_round else group // self.reduced[s]  # own minibatches between two steps
+            collective = [graph.node() if (u + 1) % every == 0 else None for u in range(self.unit_count[s])]
+            for i in range(self.reduced[s]):
+                previous = None
+                first = None
+                for u in range(self.unit_count[s]):
+                    ops = {}
+
+                    def chain(name: str, weight: float) -> int:
+                        nonlocal previous, first
+                        node = graph.node()
+                        if previous is not None:
+                            graph.arc(previous, node, weight)
+                        else:
+                            first = (node, weight)
+                        ops[name] = node
+                        previous = node
+                        return node
+
+                    if s < self.last:
+                        chain("rg", stage.out_bytes / MIB * self.per_mib)
+                    before_send = chain("B", bwd)
+                    if s > 0:
+                        chain("sg", stage.in_bytes / MIB * self.per_mib)
+                        ops["sg_from"] = before_send
+                    if collective[u] is not None:
+                        graph.arc(previous, collective[u], 0.0)
+                        ops["AR"] = node = graph.node()
+                        graph.arc(collective[u], node, self.took[s])
+                        previous = node
+                        chain("U", stage.update_ms)
+                    if s > 0:
+                        chain("ra", stage.in_bytes / MIB * self.per_mib)
+                    before_send = chain("F", fwd)
+                    if s < self.last:
+                        chain("sa", stage.out_bytes / MIB * self.per_mib)
+                        ops["sa_from"] = before_send
+                    self.nodes[(s, i, u)] = ops
+                    acting += fwd + bwd + (self.took[s] + stage.update_ms if collective[u] is not None else 0.0)
+                node, weight = first
+                graph.arc(previous, node, weight, 1)  # the next period's first op follows this one's last
+        return acting
+
+    def _place(self, s: int, b: int, shift: int) -> tuple[int, int, int]:
         """(replica, unit, period) of stage s's unit holding minibatch b's op (its own index minus
         `shift`: k for a forward, 0 for a backward)."""
-        i = b % reduced[s]
-        own = (b - i) // reduced[s] - shift
-        return i, own % units[s], own // units[s]
+        i = b % self.reduced[s]
+        own = (b - i) // self.reduced[s] - shift
+        return i, own % self.unit_count[s], own // self.unit_count[s]
 
-    def message(s: int, i: int, u: int, kind: str, *, to: int, b: int, shift: int, size: int) -> bool:
+    def _message(self, s: int, i: int, u: int, kind: str, *, to: int, b: int, shift: int, size: int) -> bool:
         """Arcs of one message: the sender's link (after its op, FIFO on the link), then the receiver."""
-        j, v, p = place(to, b, shift)
+        j, v, p = self._place(to, b, shift)
         if p < 0:
             return False
-        sender = nodes[(s, i, u)]
-        ms_per_byte, latency = link(ranks[s][i], ranks[to][j])
-        wire = graph.node()
+        sender = self.nodes[(s, i, u)]
+        ms_per_byte, latency = self.link(self.ranks[s][i], self.ranks[to][j])
+        wire = self.graph.node()
         sender[f"{kind}_wire"] = wire
-        graph.arc(sender[f"{kind}_from"], wire, size * ms_per_byte)
-        graph.arc(sender[f"{kind}_from"], wire, size / MIB * per_mib)
-        graph.arc(wire, nodes[(to, j, v)]["ra" if kind == "sa" else "rg"], latency, p)
+        self.graph.arc(sender[f"{kind}_from"], wire, size * ms_per_byte)
+        self.graph.arc(sender[f"{kind}_from"], wire, size / MIB * self.per_mib)
+        self.graph.arc(wire, self.nodes[(to, j, v)]["ra" if kind == "sa" else "rg"], latency, p)
         sender[f"{kind}_peer"] = (to, j)
         return True
 
-    for s in range(len(stages)):
-        for i in range(reduced[s]):
-            for u in range(units[s]):
-                b_f = i + (u + k[s]) * reduced[s]
-                b_b = i + u * reduced[s]
-                if s < last and not message(s, i, u, "sa", to=s + 1, b=b_f, shift=k[s + 1], size=stages[s].out_bytes):
-                    return None
-                if s > 0 and not message(s, i, u, "sg", to=s - 1, b=b_b, shift=0, size=stages[s].in_bytes):
-                    return None
-            # a link carries one message at a time, in the order sent (the previous one may be a period back)
-            for kind in ("sa", "sg"):
-                by_peer: dict[tuple[int, int], list[int]] = {}
-                for u in range(units[s]):
-                    ops = nodes[(s, i, u)]
-                    if f"{kind}_wire" in ops:
-                        by_peer.setdefault(ops[f"{kind}_peer"], []).append(u)
-                size = stages[s].out_bytes if kind == "sa" else stages[s].in_bytes
-                for (to, j), sent in by_peer.items():
-                    ms_per_byte = link(ranks[s][i], ranks[to][j])[0]
-                    for n, u in enumerate(sent):
-                        before = sent[n - 1]
-                        graph.arc(nodes[(s, i, before)][f"{kind}_wire"], nodes[(s, i, u)][f"{kind}_wire"],
-                                  size * ms_per_byte, 1 if n == 0 else 0)
-    return acting
+    def messages(self, s: int, i: int) -> bool:
+        """The messages replica i of stage s sends in a period; False where one would arrive in an
+        earlier period than it was sent (an arc pointing forward)."""
+        stage, k = self.stages[s], self.k
+        for u in range(self.unit_count[s]):
+            b_f = i + (u + k[s]) * self.reduced[s]
+            b_b = i + u * self.reduced[s]
+            if s < self.last and not self._message(s, i, u, "sa", to=s + 1, b=b_f, shift=k[s + 1],
+                                                   size=stage.out_bytes):
+                return False
+            if s > 0 and not self._message(s, i, u, "sg", to=s - 1, b=b_b, shift=0, size=stage.in_bytes):
+                return False
+        return True
+
+    def link_order(self, s: int, i: int) -> None:
+        """A link carries one message at a time, in the order sent (the previous one may be a period back)."""
+        for kind in ("sa", "sg"):
+            by_peer: dict[tuple[int, int], list[int]] = {}
+            for u in range(self.unit_count[s]):
+                ops = self.nodes[(s, i, u)]
+                if f"{kind}_wire" in ops:
+                    by_peer.setdefault(ops[f"{kind}_peer"], []).append(u)
+            size = self.stages[s].out_bytes if kind == "sa" else self.stages[s].in_bytes
+            for (to, j), sent in by_peer.items():
+                ms_per_byte = self.link(self.ranks[s][i], self.ranks[to][j])[0]
+                for n, u in enumerate(sent):
+                    before = sent[n - 1]
+                    self.graph.arc(self.nodes[(s, i, before)][f"{kind}_wire"], self.nodes[(s, i, u)][f"{kind}_wire"],
+                                   size * ms_per_byte, 1 if n == 0 else 0)
 
 
 def _build_batch(plan: Plan, mode: str, g: int, reduced: list[int], group: int, graph: _Graph) -> float | None:
