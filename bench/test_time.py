@@ -59,7 +59,8 @@ def main() -> int:
             took, code, summaries, slow = _timed(name.split(), clone)
             slowest = slowest or slow
             within = "yes" if took <= BUDGETS[name] and code == 0 else "NO"
-            print(f"| `{name}` | {took / 60:.0f} min {took % 60:02.0f} s | {BUDGETS[name] // 60} min {BUDGETS[name] % 60:02d} s "
+            minutes, seconds = divmod(round(took), 60)
+            print(f"| `{name}` | {minutes} min {seconds:02d} s | {BUDGETS[name] // 60} min {BUDGETS[name] % 60:02d} s "
                   f"| {within} | {'; '.join(summaries) or f'exit {code}'} |", flush=True)
             failed |= code
         if slowest:
