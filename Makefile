@@ -67,12 +67,12 @@ demo: install graphviz
 	@echo "  checkpoint        $$(ls -d $(OUT)/demo.checkpoints/step-* | tail -1)"
 
 test: install graphviz
-	$(PY) -m pytest -q -m "not workers" -n auto
-	$(PY) -m pytest -q -m workers -n auto --durations=15
+	$(PY) -m pytest -q -m "not workers and not slow" -n auto
+	$(PY) -m pytest -q -m "workers or slow" -n auto --durations=15
 
-# The fast tier for your loop: every test that starts no worker process (tests/README.md).
+# The fast tier for your loop: every test that starts no worker process and takes milliseconds (tests/README.md).
 test-fast: install graphviz
-	$(PY) -m pytest -q -m "not workers" -n auto
+	$(PY) -m pytest -q -m "not workers and not slow" -n auto
 
 # ----- shipped profiles, measured on this machine: `make profiles` regenerates them all -----
 PROFILES := mlp vgg16-small vgg16 resnet50-small resnet50 gpt-small gpt

@@ -88,6 +88,7 @@ from pdtool.profiler import profile_model
 from pdtool.runtime.run import OptimizerConfig
 from pdtool.runtime.worker import shm
 from pdtool.runtime.worker.comm import BoundaryTensor, layout
+from pdtool.runtime.launcher.forked import PRELOAD
 from pdtool.runtime.launcher.launch import launch
 from pdtool.model.stages import plan_stages
 from pdtool.runtime.run import RunConfig
@@ -133,12 +134,19 @@ def _free_port() -> int:
 
 
 def _spawn(fn, setup: Setup, *extra):
-    """Run fn(rank, world, setup, queue, *extra) on 2 processes; returns what rank 0 puts in the queue."""
-    context = mp.get_context("spawn")
+    """Run fn(rank, world, setup, queue, *extra) on 2 processes; returns what rank 0 puts in the queue.
+    They are forked from multiprocessing's forkserver, as pd train's CPU workers are: it imports torch,
+    its pipelining and DDP, and pdtool's worker modules once (`FORKED`), not each contender's two
+    processes again (2 s of CPU each); the forkserver serves pdtool's in-process launches too."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(FORKED)  # before the forkserver's first start, which keeps it
     queue = context.SimpleQueue()
     port = _free_port()
-    mp.start_processes(_entry, args=(fn, port, setup, queue, extra), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_entry, args=(fn, port, setup, queue, extra), nprocs=2, join=True, start_method="forkserver")
     return queue.get()
+
+
+FORKED = [PRELOAD, "torch.distributed.pipelining", "torch.nn.parallel"]
 
 
 def _entry(rank: int, fn, port: int, setup: Setup, queue, extra) -> None:

@@ -28,3 +28,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.fspath).startswith(dist):
             item.add_marker(pytest.mark.workers)
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs as many test processes as cores: one thread each,
+    import torch                           # as pd train gives its workers (torch's default: every core each)
+
+    torch.set_num_threads(1)

@@ -17,6 +17,7 @@ def make(folder, *targets, question=False):
     return subprocess.run(args, cwd=folder, capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_touching_the_profile_remakes_the_plan_and_nothing_else(tmp_path):
     (tmp_path / "Makefile").write_text(
         f"include {ROOT / 'cli' / 'pd.mk'}\n"
@@ -38,6 +39,7 @@ def test_touching_the_profile_remakes_the_plan_and_nothing_else(tmp_path):
     assert (tmp_path / "tiny.plan.json").stat().st_mtime_ns > plan_mtime
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz's dot is missing: pictures fall back to .dot")
 def test_a_picture_keeps_the_profile_and_plan_it_was_made_from(tmp_path):
     (tmp_path / "Makefile").write_text(

@@ -164,6 +164,7 @@ except ImportError:
 TOLERANCES = {"fp32": dict(rtol=1e-5, atol=1e-6), "bf16": dict(rtol=3e-2, atol=3e-2), "fp16": dict(rtol=1e-2, atol=1e-2)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, starts", CASES, ids=[c[0]["spec"].split(":")[1] for c in CASES])
 def test_stages_built_from_their_programs_compute_the_whole_model(tmp_path, model, starts):
     """Every transformers family of the zoo, in fp32 and under autocast in bf16 and fp16 (issue 35

@@ -43,6 +43,7 @@ def test_synthetic_batches_leave_the_callers_random_state_alone():
     assert torch.equal(torch.rand(3), expected)
 
 
+@pytest.mark.slow
 def test_synthetic_batches_are_the_same_in_another_process():
     source = synthetic_source(mlp(in_features=6, hidden=4, depth=1), 5, seed=7)
     code = ("from pdtool.model.data import synthetic_source; from pdtool.zoo import mlp; "

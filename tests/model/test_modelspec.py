@@ -83,6 +83,7 @@ def test_a_model_spec_from_a_file_resolves_only_to_a_marked_factory(spec, tmp_pa
     assert "\n" not in str(info.value) and not (tmp_path / "PWNED").exists()
 
 
+@pytest.mark.slow
 def test_the_current_folder_never_shadows_an_installed_module(tmp_path):
     """A file of the current folder named like an importable module is not what gets imported."""
     import os

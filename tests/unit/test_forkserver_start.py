@@ -10,6 +10,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 LAUNCHER = textwrap.dedent("""
     import json, multiprocessing, os, sys, time
     from types import SimpleNamespace
@@ -41,6 +43,7 @@ def _marks(tmp_path) -> dict[int, float]:
     return {int(pid): float(when) for pid, when in (line.split() for line in lines if line)}
 
 
+@pytest.mark.slow
 def test_the_forkserver_imports_the_models_modules_once_told_and_before_it_forks_a_worker(tmp_path):
     body = """
     import pathlib

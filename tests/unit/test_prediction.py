@@ -12,6 +12,8 @@ from pdtool.planner import make_plan
 from pdtool.artifacts.profile import Profile
 from pdtool.sim.simulate import simulate
 
+pytestmark = pytest.mark.slow  # the planner on every shipped profile and cluster: the full suite's, not the fast tier's
+
 ROOT = Path(__file__).resolve().parents[2] / "profiles"
 PROFILES = {name: (lambda n=name: load_pipedream_graph(ROOT / "pipedream" / f"{n}.graph.txt", 64 if n == "gnmt" else None))
             for name in ("alexnet", "vgg16", "resnet18", "gnmt")}

@@ -94,6 +94,7 @@ def echo(there, back, count):
         outbox.put(LAYOUT, inbox.take(LAYOUT, SPECS, b, "w"), b, "w")
 
 
+@pytest.mark.slow
 def test_two_processes_exchange_messages_through_two_rings(tmp_path):
     """A ping-pong with a spawned process: what one writes, the other reads whole and in order."""
     import multiprocessing

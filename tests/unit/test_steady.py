@@ -23,6 +23,7 @@ def _profiles():
         yield path.name, lambda path=path: load_pipedream_graph(path, 64 if "gnmt" in path.name else None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,load", list(_profiles()), ids=[name for name, _ in _profiles()])
 def test_the_steady_state_of_every_shipped_profile_and_cluster_is_the_simulations_within_two_percent(name, load):
     """The cost model's optimum and the straight pipeline, in pipedream and vsync (their steady
