@@ -64,7 +64,7 @@ def main() -> int:
                   f"| {within} | {'; '.join(summaries) or f'exit {code}'} |", flush=True)
             failed |= code
         if slowest:
-            print("\nthe slowest tests of the workers tier (`make test` prints them):")
+            print("\nthe slowest tests of make test's second run, the workers tier and the slow tests (`make test` prints them):")
             print("\n".join(f"    {line}" for line in slowest))
     return 1 if failed else 0
 

@@ -124,14 +124,14 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
                 joined = sorted(together[s])
                 for t in joined:
                     peers = [schedule.rank(t, i) for i in range(schedule.replicas[t])]
-                    total = sum(workers[p].gradient_buffer() for p in peers) if len(peers) > 1 else None
+                    total = sum(workers[p].stepper.gradient_buffer() for p in peers) if len(peers) > 1 else None
                     for p in peers:
-                        workers[p].mean_gradients(None if total is None else (lambda buffer, total=total: buffer.copy_(total)))
+                        workers[p].stepper.mean_gradients(None if total is None else (lambda buffer, total=total: buffer.copy_(total)))
                 _add_tied_gradients([workers[schedule.rank(t, i)] for t in joined for i in range(schedule.replicas[t])])
                 norm = _norm([workers[schedule.rank(t, 0)] for t in joined]) if whole_norm else None
                 for t in joined:
                     for p in (schedule.rank(t, i) for i in range(schedule.replicas[t])):
-                        workers[p].finish_step(norm)
+                        workers[p].stepper.finish_step(norm)
                         position[p] += 1
                         steps_done[p] += 1
             progressed = True
@@ -151,7 +151,7 @@ def _norm(workers: list[StageWorker]) -> float:
     """The gradient norm of the whole model: every parameter once (by its whole-model name)."""
     grads = {}
     for worker in workers:
-        worker.unscale()  # fp16: the gradients without the loss scale
+        worker.stepper.unscale()  # fp16: the gradients without the loss scale
         for name, p in worker.stage.module.named_parameters():
             if p.grad is not None:
                 grads.setdefault(worker.stage.param_names[name], p.grad)

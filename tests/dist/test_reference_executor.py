@@ -90,7 +90,7 @@ def test_adam_with_weight_decay_is_gradient_accumulation_too(tmp_path):
 
 
 def test_replicated_stages_scale_their_learning_rate_by_r_s_over_r_0():
-    from pdtool.runtime.worker.executor import lr_scale
+    from pdtool.runtime.worker.stepper import lr_scale
     from pdtool.schedule import generate
 
     assert lr_scale(generate("pipedream", (2, 1), 8), 0) == 1.0

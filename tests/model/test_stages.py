@@ -359,5 +359,5 @@ def test_a_buffer_read_by_two_stages_is_saved_once():
 
     stages = build_stages(SharedShift(), spans([(0, 0), (1, 1)]), **FX)
     assert [s.shared_buffers for s in stages] == [{"shift": (0, 1)}, {"shift": (0, 1)}]
-    saved = [stage_state(SimpleNamespace(stage=s, index=s.index, optimizer=None))[0] for s in stages]
+    saved = [stage_state(SimpleNamespace(stage=s, index=s.index, stepper=SimpleNamespace(optimizer=None)))[0] for s in stages]
     assert "shift" in saved[0] and "shift" not in saved[1]  # so the shards merge without a clash

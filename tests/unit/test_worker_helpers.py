@@ -27,7 +27,7 @@ def test_a_workers_measured_memory_leaves_out_file_pages(monkeypatch):
     cpu = torch.device("cpu")
     base = memory.start(cpu)
     assert base == 290 * MB
-    worker = SimpleNamespace(live=[torch.zeros(MB // 4)], peak_versions=0, optimizer=None)
+    worker = SimpleNamespace(live=[torch.zeros(MB // 4)], peak_versions=0, stepper=SimpleNamespace(optimizer=None))
     measured = memory.measure(worker, cpu, base, startup=350 * MB)
     assert measured["files"] == 40 * MB and measured["peak"] == 400 * MB  # the whole process's, as before
     assert measured["training"] == 360 * MB

@@ -1,6 +1,6 @@
 """The recipe's optimizer, built over a stage's parameters (`runtime.recipe` holds its settings):
 the launcher builds it once on a probe parameter before any worker starts (`check_optimizer`), every
-worker over its stage (`worker.executor`).
+worker over its stage (`worker.stepper`).
 
 **Weight decay** applies to every parameter except (`no_decay`): those with fewer than two
 dimensions (biases, the scales and shifts of norms), the weights of embedding modules (any

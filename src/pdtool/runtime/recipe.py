@@ -4,7 +4,7 @@ gradient clipping (`OptimizerConfig`), as plain values the launcher checks and t
 
 **Learning rate.** `LrSchedule.lr(base, t)` is the learning rate of the optimizer step taken
 after `t` steps of stage 0 (t = 0: the first step); a stage's own step count drives it
-(`StageWorker`: in the modes whose stages step at other rates, a stage's k-th step is at
+(`stepper.Stepper`: in the modes whose stages step at other rates, a stage's k-th step is at
 t = k * its minibatches per step / stage 0's), counted from the start of training (a resumed
 run goes on from its checkpoint's step):
 

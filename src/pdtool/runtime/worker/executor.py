@@ -1,4 +1,4 @@
-"""One worker's share of training: forward, backward and optimizer step of one stage replica.
+"""One worker's share of training: forward and backward of one stage replica, and its weight versions.
 
 `StageWorker` is the numerical core that both interpreters of a schedule use that run
 tensors: the distributed runtime (one `StageWorker` per process, messages over
@@ -15,20 +15,12 @@ stashing without swapping `.data`). Versions are copies of the live weights, mad
 live weights are copied when a forward needs the current version, and before a step when a
 later action still needs the current version. A version is freed after its last use.
 
-**Gradients and learning rate.** Each backward adds its parameter gradients to the live
-weights' `.grad`. A step first sums the gradients over the stage's replicas (the caller's
-`allreduce`, with the number of backwards they cover) and divides by that number: every step
-applies the mean gradient of the minibatches of its step group. In the asynchronous modes
-(`pipedream`, `vsync`) a replicated stage steps once per round of its r_s replicas where an
-unreplicated one steps every minibatch; as in the original PipeDream, its learning rate is
-scaled by r_s / r_0 (r_0: replicas of the input stage) so that stages move at the same pace.
-In `2bw`, `flush` and `gpipe` every stage steps once per group of m microbatches with the
-plain learning rate: `flush` and `gpipe` are then exactly single-process gradient
-accumulation over m microbatches (mean of the m losses' gradients).
+**Gradients.** Each backward adds its parameter gradients to the live weights' `.grad` and is
+counted; the step (`stepper.Stepper`: the mean over the replicas, clipping, the learning rate,
+the optimizer) applies the mean gradient of the backwards since the last one.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -37,20 +29,10 @@ from torch.func import functional_call
 from ...model.data import derive_seed
 from ...precision import autocast, message_dtype
 from ...errors import LaunchError
-from ...schedule import Action, Schedule, step_group
+from ...schedule import Action, Schedule
 from ..run import OptimizerConfig
-from .. import optimizers
-from . import optim
 from .split_backward import ParameterNodes, input_gradients, weight_gradients
-
-
-
-def lr_scale(schedule: Schedule, stage: int) -> float:
-    """The learning-rate factor of `stage` (see the module docstring; the mode's `lr_scale`)."""
-    return schedule.rules.lr_scale(schedule.replicas, stage)
-
-
-Allreduce = Callable[[torch.Tensor], None]  # sums a flat gradient buffer over the stage's replicas, in place
+from .stepper import Stepper
 
 
 class StageWorker:
@@ -79,44 +61,19 @@ class StageWorker:
         self.loss_fn = loss_fn
         self.names = [name for name, _ in stage.module.named_parameters()]
         self.live = [p for _, p in stage.module.named_parameters()]
-        self.recipe = optimizer
         self.precision = precision
         self.recompute = recompute
-        self.loss_scale = optim.LossScale(optimizer.initial_loss_scale) if precision == "fp16" else None
-        self.unscaled = False  # this step's gradients were divided by the loss scale already
-        # fp16: the last stage seeds each backward with scale / (minibatches per step), as one process scales
-        # loss / m; the mean over the step's backwards then leaves the gradients scale / m times the true mean
-        self.per_step_last = step_group(schedule, schedule.stages - 1)
-        named = [(stage.param_names.get(n, n), p) for n, p in zip(self.names, self.live)]
-        self.optimizer = (optimizers.build_optimizer(optimizer, named, lr_scale(schedule, stage.index), no_decay)
-                          if self.live else None)
-        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
-        # the learning-rate clock: steps of stage 0 before this stage's next step (`runtime.recipe`)
-        per_step = step_group(schedule, 0)
-        self.clock = (first / per_step, step_group(schedule, stage.index) / per_step)
-        self.steps_taken = 0
-        ties = getattr(stage, "tied", {})
-        self.owned = [p for n, p in zip(self.names, self.live) if n not in ties or min(ties[n]) == stage.index]
-        # where stages step on their own (pipedream, vsync) each clips to its share of the budget (`worker.optim`)
-        self.clip_budget = None
-        if optimizer.clip_grad_norm is not None:
-            alone = schedule.rules.per_round or schedule.stages == 1
-            self.clip_budget = (optim.stage_budget(optimizer.clip_grad_norm, sum(p.numel() for p in self.owned),
-                                                   model_parameters) if alone else optimizer.clip_grad_norm)
-        # the whole model's gradient norm, measured across the stages by the caller: for clipping and for fp16's
-        # skipped steps, where every stage steps after the same minibatches (fp16 needs that: `job.prepare`)
-        self.whole_norm = optim.norm_across_stages(optimizer, precision, schedule)
-        self.step_log: list[tuple] = []  # (lr, norm clipped at or None, whole model's?, skipped?) per step
         self.weights = VersionStore(names=self.names, live=self.live, actions=self.actions,
                                     versions=schedule.versions())
+        self.stepper = Stepper(stage=stage, schedule=schedule, names=self.names, live=self.live, weights=self.weights,
+                               optimizer=optimizer, first=first, no_decay=no_decay, model_parameters=model_parameters,
+                               precision=precision)
         # minibatch -> (input leaves, outputs, version, weights); recomputing, (inputs, target, version, weights)
         self.stash: dict[int, tuple[dict, Any, int, dict]] = {}
         self._unchanged: dict[int, dict[str, int]] = {}  # recomputing: each stashed input's version counter
         self.split: dict[int, tuple[Any, int]] = {}  # minibatch -> (what its W needs, version) between B and W
         self.parameter_nodes = ParameterNodes()  # zb, zb2: the live weights' gradient accumulators, found once
-        self.backwards = 0        # backwards since the last step
         self.losses: dict[int, float] = {}
-        self._flat: torch.Tensor | None = None  # the gradient buffer of replica all-reduces (gradient_buffer)
 
     @property
     def peak_versions(self) -> int:
@@ -227,7 +184,8 @@ class StageWorker:
             raise LaunchError(f"worker {self.rank}: minibatch {b} ran forward on version {v} but the schedule "
                               f"puts its backward on version {self.weights.version_of[('B', b)]}")
         if self.last:
-            scaled = outputs if self.loss_scale is None else outputs * (self.loss_scale.value / self.per_step_last)
+            seed = self.stepper.loss_seed()
+            scaled = outputs if seed is None else outputs * seed
             roots, seeds = [scaled], [None]
         else:
             pairs = [(outputs[k], grads[k]) for k in outputs if outputs[k].requires_grad and grads.get(k) is not None]
@@ -250,7 +208,7 @@ class StageWorker:
             found = torch.autograd.grad(roots, targets, seeds, allow_unused=True)
             self._add_gradients(found[:len(params)])
             found = found[len(params):]
-        self.backwards += 1
+        self.stepper.backwards += 1
         return {k: g for k, g in zip(wanted_inputs, found) if g is not None}
 
     def weight_backward(self, b: int) -> None:
@@ -263,108 +221,12 @@ class StageWorker:
         if pending is not None:
             self._add_gradients(weight_gradients(pending))
         self.weights.used(v)
-        self.backwards += 1
+        self.stepper.backwards += 1
 
     def _add_gradients(self, grads) -> None:
         for live, grad in zip(self.live, grads):
             if grad is not None:
                 live.grad = grad.detach() if live.grad is None else live.grad.add_(grad)
-
-    def mean_gradients(self, allreduce: Allreduce | None = None) -> None:
-        """First half of a step: `.grad` of every live weight becomes the mean gradient of the
-        backwards since the last step, over the replicas (`allreduce` sums a flat buffer)."""
-        if allreduce is None:  # one replica: scale the gradients in place, no flat buffer
-            self.weights.keep_current()
-            if self.backwards > 1:
-                for p in self.live:
-                    if p.grad is not None:
-                        p.grad.div_(self.backwards)
-        else:
-            buffer = self.gradient_buffer()
-            allreduce(buffer)
-            self.weights.keep_current()
-            self._set_mean_gradients(buffer)
-
-    def finish_step(self, norm: float | None = None) -> None:
-        """Second half of a step (between the halves, the `tie` ops of tied weights): the gradients
-        clipped (`--clip-grad-norm`; `norm`: the whole model's gradient norm, which the caller
-        measures across stages where they step together, `whole_norm`), the learning rate of this
-        step set, the optimizer applies `.grad`; the live weights become the next version."""
-        lr = self._set_lr()
-        self.unscale()
-        whole = norm is not None
-        if norm is None and (self.clip_budget is not None or self.loss_scale is not None):
-            norm = math.sqrt(self.squared_norm())
-        skipped = self.loss_scale is not None and not math.isfinite(norm)  # fp16: an overflow skips the step
-        if self.loss_scale is not None:
-            self.loss_scale.update(skipped)
-        if self.clip_budget is not None and not skipped:
-            optim.clip([p.grad for p in self.live if p.grad is not None], self.clip_budget, norm)
-        self.step_log.append((lr, norm if self.clip_budget is not None else None,
-                              whole or self.schedule.stages == 1, skipped))
-        self._step_optimizer(skipped)
-        self.steps_taken += 1
-
-    def unscale(self) -> None:
-        """fp16: divide this step's gradients by the loss scale (once per step)."""
-        if self.loss_scale is not None and not self.unscaled:
-            grads = [p.grad for p in self.live if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, self.per_step_last / self.loss_scale.value)
-            self.unscaled = True
-
-    def squared_norm(self) -> float:
-        """The squared norm of this stage's gradients (a tied parameter's only in its owner stage),
-        unscaled; not finite when one overflowed."""
-        self.unscale()
-        return optim.squared_norm([p.grad for p in self.owned if p.grad is not None])
-
-    def lr_now(self) -> float:
-        """The learning rate of this stage's next step (its first group's, with the mode's factor)."""
-        return self.base_lrs[0] * self._lr_factor() if self.base_lrs else 0.0
-
-    def _lr_factor(self) -> float:
-        start, per = self.clock
-        return self.recipe.schedule.factor(self.recipe.lr, start + self.steps_taken * per)
-
-    def _set_lr(self) -> float:
-        """Every parameter group's learning rate for the step about to be taken; the first's."""
-        factor = self._lr_factor()
-        for group, base in zip(self.optimizer.param_groups if self.optimizer else [], self.base_lrs):
-            group["lr"] = base * factor
-        return self.lr_now()
-
-    def gradient_buffer(self) -> torch.Tensor:
-        """This replica's gradients, flattened, followed by how many backwards they sum.
-
-        One buffer per worker, reused by every step: a fresh one of a large stage costs more to
-        fill (page faults) than the copy itself (51 MB of gradients: 33 ms against 10 ms)."""
-        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.live]
-        like = self.live[0] if self.live else torch.empty(0)
-        grads.append(torch.tensor([float(self.backwards)], dtype=like.dtype, device=like.device))
-        size = sum(g.numel() for g in grads)
-        if self._flat is None or self._flat.numel() != size:
-            self._flat = torch.empty(size, dtype=like.dtype, device=like.device)
-        return torch.cat(grads, out=self._flat)
-
-    def _set_mean_gradients(self, summed: torch.Tensor) -> None:
-        """`.grad` of every live weight becomes its part of `summed` divided by the backwards it
-        counts: views of the buffer, divided in place (the optimizer's zero_grad lets them go
-        before the next step refills the buffer)."""
-        summed.div_(max(float(summed[-1]), 1.0))
-        offset = 0
-        for p in self.live:
-            p.grad = summed[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-
-    def _step_optimizer(self, skip: bool = False) -> None:
-        if self.optimizer is not None:
-            if not skip:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.unscaled = False
-        self.backwards = 0
-        self.weights.advance()
 
 
 class VersionStore:

@@ -195,7 +195,7 @@ class Interpreter:
         if self.last:
             self.report.finished[first + b] = self.report.events[-1][2]
             if self.progress is not None:
-                self.progress.update(first + b, self.worker.losses.get(b), self.worker.lr_now())
+                self.progress.update(first + b, self.worker.losses.get(b), self.worker.stepper.lr_now())
         if s > 0:
             device = self.context.link.device
             self.outbox[(GRADIENT, b)] = [input_grads.get(t.name, torch.zeros(t.shape, dtype=t.dtype, device=device))
@@ -219,10 +219,10 @@ class Interpreter:
     def step(self, op: Op) -> None:  # noqa: ARG002 - every op's method takes its op
         """The optimizer step, then the checkpoint that falls after it (replica 0 saves)."""
         norm = self.context.norm
-        self.worker.finish_step(norm(self.worker) if norm is not None else None)
+        self.worker.stepper.finish_step(norm(self.worker) if norm is not None else None)
         self.report.events.append((f"{self.s}U", self.step_began, self.clock()))
         self.report.step_memory.append((self.report.events[-1][2], memory.in_use(self.context.link.device)))
-        self.report.step_log.append((self.report.events[-1][2],) + self.worker.step_log[-1])
+        self.report.step_log.append((self.report.events[-1][2],) + self.worker.stepper.step_log[-1])
         began = self.clock()
         saver = self.context.saver
         if saver is not None and saver.after_step():

@@ -221,7 +221,7 @@ def _whole_norm(config: RunConfig, built: _Built, plan: Plan, device: torch.devi
     replicas = plan.stages[built.stage_index].replicas
 
     def norm(worker: StageWorker) -> float:
-        total = torch.tensor([worker.squared_norm() / replicas], dtype=torch.float64, device=device)
+        total = torch.tensor([worker.stepper.squared_norm() / replicas], dtype=torch.float64, device=device)
         dist.all_reduce(total, group=group)
         return float(total.clamp_min(0).sqrt())
 
@@ -312,10 +312,10 @@ def _collectives(ops, replicas_group, ties: dict) -> dict:
     found = {}
     for op in {collective_key(op): op for op in ops if op.kind in ("allreduce", "tie")}.values():
         if op.kind == "allreduce" and len(op.group) > 1:
-            found[collective_key(op)] = lambda w: w.mean_gradients(
+            found[collective_key(op)] = lambda w: w.stepper.mean_gradients(
                 lambda buffer: dist.all_reduce(buffer, group=replicas_group))
         elif op.kind == "allreduce":
-            found[collective_key(op)] = lambda w: w.mean_gradients(None)
+            found[collective_key(op)] = lambda w: w.stepper.mean_gradients(None)
         elif op.kind == "tie":
             found[collective_key(op)] = ties[op.stages]
     return found

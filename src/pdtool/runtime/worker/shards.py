@@ -43,11 +43,11 @@ def stage_state(worker: StageWorker) -> tuple[dict[str, torch.Tensor], dict[str,
     tensors.update({buffer_names[n]: b.detach() for n, b in stage.module.named_buffers()
                     if n in buffer_names and (n not in shared or owner(shared[n]) == stage.index)})
     extra: dict[str, torch.Tensor] = {}
-    if worker.optimizer is not None:
+    if worker.stepper.optimizer is not None:
         for name, p in zip(worker.names, worker.live):
             if name not in mine:
                 continue  # a tied copy: the owner's shard holds it (runtime.worker.tied)
-            for key, value in worker.optimizer.state.get(p, {}).items():
+            for key, value in worker.stepper.optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
                     extra[f"{stage.param_names[name]}{SEPARATOR}{key}"] = value.detach()
     return tensors, extra
@@ -111,13 +111,13 @@ def restore(worker: StageWorker, folder: str) -> None:
         for name, b in stage.module.named_buffers():
             if buffer_names.get(name) in tensors:
                 b.copy_(tensors[buffer_names[name]])
-    if worker.optimizer is not None:
+    if worker.stepper.optimizer is not None:
         for name, p in zip(worker.names, worker.live):
             prefix = f"{stage.param_names[name]}{SEPARATOR}"
             state = {key[len(prefix):]: _state_value(key[len(prefix):], value, p)
                      for key, value in extra.items() if key.startswith(prefix)}
             if state:
-                worker.optimizer.state[p].update(state)
+                worker.stepper.optimizer.state[p].update(state)
 
 
 def _state_value(key: str, value, param: torch.Tensor):
