@@ -1,5 +1,5 @@
 """How long the test suite takes from a fresh clone: `make test` (what CI runs, the install
-included) and `make test-fast` (the tests that start no worker process), against their budgets
+included) and `make test-fast` (the fast tier: no worker process, no `slow` test), against their budgets
 of 8 minutes and 60 seconds on the 2-core development machine.
 
 The repository is cloned into a temporary folder (its committed state: commit first), then
@@ -64,7 +64,8 @@ def main() -> int:
                   f"| {within} | {'; '.join(summaries) or f'exit {code}'} |", flush=True)
             failed |= code
         if slowest:
-            print("\nthe slowest tests of make test's second run, the workers tier and the slow tests (`make test` prints them):")
+            print("\nthe slowest tests of make test's second run, the workers tier and the slow tests "
+                  "(`make test` prints them):")
             print("\n".join(f"    {line}" for line in slowest))
     return 1 if failed else 0
 
