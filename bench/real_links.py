@@ -54,6 +54,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -326,34 +327,50 @@ def main() -> int:
     rows = []
     for bandwidth in BANDWIDTHS:  # a switch of that speed for each
         with links.machines(2, bandwidth) as machines:
-            rate = links.throughput(machines[0], machines[1], seconds=THROUGHPUT_S, bandwidth=bandwidth,
-                                    both_ways=True)
-            latency = links.collective_latency(machines[0], machines[1])
-            link = f"{rate / 1e6:.0f}Mbit/s+{latency * 1e6:.0f}us"
-            print(f"--- {bandwidth} link: a TCP stream each way at once measures {rate / 1e6:.0f} Mbit/s each, a "
-                  f"small message between the busy machines {latency * 1e3:.2f} ms; planned as --cluster 2x{link}",
-                  flush=True)
-            rows += speed_rows_at(args.out, machines, bandwidth, link)
-    with links.machines(2, BANDWIDTHS[-1]) as machines:
-        accuracy = accuracy_rows(args.out, machines)
+            link = measured_link(machines, bandwidth)
+            print(f"--- {bandwidth} link: {link}", flush=True)
+            rows += speed_rows_at(args.out, machines, bandwidth, link.cluster)
+            if bandwidth == BANDWIDTHS[-1]:  # the slowest link's machines: the accuracy and precision rows too
+                accuracy = accuracy_rows(args.out, machines)
+                precision = precision_rows(args.out, machines, link.cluster)
     with open(args.out / "real_links.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     print(plot(rows, args.plot))
     print()
-    results = verdicts(rows, accuracy) + [precision_verdict(_precision(args.out))]
+    results = verdicts(rows, accuracy) + [precision_verdict(precision)]
     for ok, text in results:
         print(f"[{'met' if ok else 'NOT met'}] {text}")
     return 0
 
 
+@dataclass(frozen=True)
+class Link:
+    """A link as measured between two emulated machines: a TCP stream each way at once (bits/s
+    each) and a small message between the busy machines (s)."""
+
+    rate: float
+    latency: float
+
+    @property
+    def cluster(self) -> str:
+        """The link as `pd plan --cluster` takes it (bandwidth + latency)."""
+        return f"{self.rate / 1e6:.0f}Mbit/s+{self.latency * 1e6:.0f}us"
+
+    def __str__(self) -> str:
+        return (f"a TCP stream each way at once measures {self.rate / 1e6:.0f} Mbit/s each, a small message between "
+                f"the busy machines {self.latency * 1e3:.2f} ms; planned as --cluster 2x{self.cluster}")
+
+
+def measured_link(machines, bandwidth: str) -> Link:
+    rate = links.throughput(machines[0], machines[1], seconds=THROUGHPUT_S, bandwidth=bandwidth, both_ways=True)
+    return Link(rate, links.collective_latency(machines[0], machines[1]))
+
+
 def _precision(out: Path) -> list[dict]:
     with links.machines(2, BANDWIDTHS[-1]) as machines:
-        rate = links.throughput(machines[0], machines[1], seconds=THROUGHPUT_S, bandwidth=BANDWIDTHS[-1],
-                                both_ways=True)
-        latency = links.collective_latency(machines[0], machines[1])
-        return precision_rows(out, machines, f"{rate / 1e6:.0f}Mbit/s+{latency * 1e6:.0f}us")
+        return precision_rows(out, machines, measured_link(machines, BANDWIDTHS[-1]).cluster)
 
 
 if __name__ == "__main__":
