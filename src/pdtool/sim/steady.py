@@ -254,7 +254,7 @@ class _OneFOneB:
     def link(self, x: int, y: int) -> tuple[float, float]:
         """(ms per byte, latency ms) between plan ranks x and y."""
         if (x, y) not in self._links:
-            self._links[(x, y)] = (MS_PER_S / link_bandwidth(self.plan, x, y), link_latency(self.plan, x, y) * MS_PER_S)
+            self._links[(x, y)] = _link_ms(self.plan, x, y)
         return self._links[(x, y)]
 
     def units(self, group: int, per_round: bool) -> float:
@@ -365,96 +365,133 @@ def _build_batch(plan: Plan, mode: str, g: int, reduced: list[int], group: int, 
     minibatches on sub-pipeline 0, every op of the lowered schedule a node (as `simulate._Run`
     runs it), its messages inside the batch, and one token from each worker's last op, each
     link's last message and each collective's last round to the next batch's first. The acting
-    time (compute and steps) of its workers per batch."""
-    stages = plan.stages
-    per_mib = plan.profile.message_ms_per_mib
-    ranks = [s.ranks[::g] for s in stages]
-    took = [allreduce_ms(plan, s) for s in range(len(stages))]
-    schedule = generate(mode, tuple(reduced), group, group)
-    workers = lower(schedule).workers
-    positions = [schedule.position(w) for w in range(len(workers))]
-    plan_rank = [ranks[s][i] for s, i in positions]
-    sent: dict[tuple, int] = {}      # message key -> the wire node of its send
-    received: dict[tuple, int] = {}  # message key -> its recv node
-    on_link: dict[tuple[int, int], list[tuple[int, float]]] = {}  # (sender, receiver) -> (wire, transfer ms)
-    rounds: dict[tuple, list[int]] = {}  # (collective key, count) -> the members' nodes before it
-    collectives: dict[tuple, int] = {}
-    acting = 0.0
-    for w, ops in enumerate(workers):
+    time (compute and steps) of its workers per batch; None where a message has no sender."""
+    batch = _FlushBatch(plan, mode, g, reduced, group, graph)
+    for w, ops in enumerate(batch.workers):
+        batch.worker(w, ops)
+    if not batch.messages():
+        return None
+    batch.link_order()
+    batch.collective_rounds()
+    return batch.acting
+
+
+class _FlushBatch:
+    """`_build_batch`'s steps: each worker's ops in its order (`worker`), the arcs of the messages
+    between them (`messages`), each link carrying one message at a time in the order sent
+    (`link_order`), and each collective's round joined by its members (`collective_rounds`)."""
+
+    def __init__(self, plan: Plan, mode: str, g: int, reduced: list[int], group: int, graph: _Graph):
+        self.plan, self.graph = plan, graph
+        self.stages = plan.stages
+        self.per_mib = plan.profile.message_ms_per_mib
+        ranks = [s.ranks[::g] for s in self.stages]
+        self.took = [allreduce_ms(plan, s) for s in range(len(self.stages))]
+        schedule = generate(mode, tuple(reduced), group, group)
+        self.workers = lower(schedule).workers
+        self.plan_rank = [ranks[s][i] for s, i in (schedule.position(w) for w in range(len(self.workers)))]
+        self.sent: dict[tuple, tuple[int, float]] = {}  # message key -> (the wire node of its send, latency)
+        self.received: dict[tuple, int] = {}  # message key -> its recv node
+        self.on_link: dict[tuple[int, int], list[tuple[int, float]]] = {}  # (sender, receiver) -> (wire, transfer)
+        self.rounds: dict[tuple, list[tuple[int, int]]] = {}  # (collective key, count) -> members' (node, tokens)
+        self.collectives: dict[tuple, int] = {}
+        self.acting = 0.0  # the workers' compute and steps per batch
+
+    def worker(self, w: int, ops) -> None:
+        """Worker w's ops as a chain of nodes, its first op after its last (the next batch's)."""
         first = previous = None
         met: dict[tuple, int] = {}
         for op in ops:
-            s = stages[op.stage]
-            kind = op.kind
-            if kind in ("allreduce", "tie"):
-                key = collective_key(op)
-                count = met.get(key, 0)
-                met[key] = count + 1
-                instance = (key, count)
-                if instance not in collectives:
-                    collectives[instance] = graph.node()
-                node = graph.node()
-                graph.arc(collectives[instance], node, took[op.stage] if kind == "allreduce" else 0.0)
-                if kind == "allreduce":
-                    acting += took[op.stage]
+            if op.kind in ("allreduce", "tie"):
+                node, instance = self._collective(op, met)
                 if previous is None:  # the batch's first op: the worker arrives from the last batch's end
                     first = (instance, None)
                 else:
-                    rounds.setdefault(instance, []).append((previous, 0))
+                    self.rounds.setdefault(instance, []).append((previous, 0))
                 previous = node
                 continue
-            if kind in ("send", "recv"):
-                leaving = kind == "send"
-                size = s.out_bytes if (op.direction == ACTIVATION) == leaving else s.in_bytes
-                weight = size / MIB * per_mib
-            elif kind == "step":
-                weight = s.update_ms
-                acting += weight
-            elif kind == "F":
-                weight = s.fwd_ms + s.data_ms
-                acting += weight
-            elif kind == "W":
-                weight = s.wgrad_ms
-                acting += weight
-            else:  # B: the input gradients only where a W follows; a recomputing stage's forward first
-                weight = (s.fwd_ms if s.recompute else 0.0) + s.bwd_ms - (0.0 if op.weights else s.wgrad_ms)
-                acting += weight
-            node = graph.node()
+            weight, size = self._weight(op)
+            node = self.graph.node()
             if previous is not None:
-                graph.arc(previous, node, weight)
+                self.graph.arc(previous, node, weight)
             else:
                 first = (node, weight)
-            if kind == "send":
-                ms_per_byte, latency = _link_ms(plan, plan_rank[w], plan_rank[op.peer])
-                wire = graph.node()
-                if previous is not None:
-                    graph.arc(previous, wire, size * ms_per_byte)
-                    graph.arc(previous, wire, weight)
-                key = message(op, w)
-                sent[key] = (wire, latency)
-                on_link.setdefault((w, op.peer), []).append((wire, size * ms_per_byte))
-            elif kind == "recv":
-                received[message(op, w)] = node
+            if op.kind == "send":
+                self._send(op, w, previous, weight, size)
+            elif op.kind == "recv":
+                self.received[message(op, w)] = node
             previous = node
         if first is None:
-            continue
+            return
         node, weight = first
         if weight is None:  # a collective first: the worker joins it from the previous batch's last op
-            rounds.setdefault(node, []).append((previous, 1))
+            self.rounds.setdefault(node, []).append((previous, 1))
         else:
-            graph.arc(previous, node, weight, 1)
-    for key, node in received.items():
-        if key not in sent:
-            return None
-        wire, latency = sent[key]
-        graph.arc(wire, node, latency)
-    for wires in on_link.values():
-        for n, (wire, transfer) in enumerate(wires):
-            graph.arc(wires[n - 1][0], wire, transfer, 1 if n == 0 else 0)
-    for instance, members in rounds.items():
-        for member, tokens in members:
-            graph.arc(member, collectives[instance], 0.0, tokens)
-    return acting
+            self.graph.arc(previous, node, weight, 1)
+
+    def _collective(self, op, met: dict[tuple, int]) -> tuple[int, tuple]:
+        """An all-reduce or tie: the worker's node after it and the collective's instance (its
+        key and how often the worker met it before)."""
+        key = collective_key(op)
+        count = met.get(key, 0)
+        met[key] = count + 1
+        instance = (key, count)
+        if instance not in self.collectives:
+            self.collectives[instance] = self.graph.node()
+        node = self.graph.node()
+        took = self.took[op.stage] if op.kind == "allreduce" else 0.0
+        self.graph.arc(self.collectives[instance], node, took)
+        self.acting += took
+        return node, instance
+
+    def _weight(self, op) -> tuple[float, float]:
+        """(the time of a compute, step or message op, the message's bytes: 0 for the others); a
+        compute or step's time counts as acting."""
+        s = self.stages[op.stage]
+        if op.kind in ("send", "recv"):
+            size = s.out_bytes if (op.direction == ACTIVATION) == (op.kind == "send") else s.in_bytes
+            return size / MIB * self.per_mib, size
+        if op.kind == "step":
+            weight = s.update_ms
+        elif op.kind == "F":
+            weight = s.fwd_ms + s.data_ms
+        elif op.kind == "W":
+            weight = s.wgrad_ms
+        else:  # B: the input gradients only where a W follows; a recomputing stage's forward first
+            weight = (s.fwd_ms if s.recompute else 0.0) + s.bwd_ms - (0.0 if op.weights else s.wgrad_ms)
+        self.acting += weight
+        return weight, 0.0
+
+    def _send(self, op, w: int, previous: int | None, weight: float, size: float) -> None:
+        """A send's wire node: the transfer starts after the worker's previous op and the send's own time."""
+        ms_per_byte, latency = _link_ms(self.plan, self.plan_rank[w], self.plan_rank[op.peer])
+        wire = self.graph.node()
+        if previous is not None:
+            self.graph.arc(previous, wire, size * ms_per_byte)
+            self.graph.arc(previous, wire, weight)
+        self.sent[message(op, w)] = (wire, latency)
+        self.on_link.setdefault((w, op.peer), []).append((wire, size * ms_per_byte))
+
+    def messages(self) -> bool:
+        """Each receive after its send's transfer and latency; False where a receive has no send."""
+        for key, node in self.received.items():
+            if key not in self.sent:
+                return False
+            wire, latency = self.sent[key]
+            self.graph.arc(wire, node, latency)
+        return True
+
+    def link_order(self) -> None:
+        """A link carries one message at a time, in the order sent (the first after the last of the batch before)."""
+        for wires in self.on_link.values():
+            for n, (wire, transfer) in enumerate(wires):
+                self.graph.arc(wires[n - 1][0], wire, transfer, 1 if n == 0 else 0)
+
+    def collective_rounds(self) -> None:
+        """A collective's round starts when its last member reaches it."""
+        for instance, members in self.rounds.items():
+            for member, tokens in members:
+                self.graph.arc(member, self.collectives[instance], 0.0, tokens)
 
 
 def _link_ms(plan: Plan, x: int, y: int) -> tuple[float, float]:
