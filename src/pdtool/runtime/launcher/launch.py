@@ -10,6 +10,7 @@ others at once; the failing rank's error comes back as one `LaunchError` line.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import json
@@ -64,14 +65,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
                           f"make {per_node * nodes.nnodes}; set --nproc-per-node so that they match")
     join_timeout = int(config.timeout_s) + 60
     store, network_env = _meet(nodes, join_timeout, talk)
-    if nodes.rdzv_endpoint:
-        rendezvous = dict(run_id=nodes.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=nodes.rdzv_endpoint,
-                          rdzv_configs={"join_timeout": join_timeout, "last_call_timeout": 1})
-    else:
-        port = store.port  # a free one on one machine; --master-port across machines
-        rendezvous = dict(run_id=f"pdtool-{uuid.uuid4().hex[:8]}" if nodes.nnodes == 1 else "pdtool",
-                          rdzv_backend="static", rdzv_endpoint=f"{nodes.master_addr}:{port}",
-                          rdzv_configs={"rank": nodes.node_rank, "timeout": join_timeout})
+    rendezvous = _rendezvous(nodes, store, join_timeout)
     # the workers' error files; removed when the job ends (or, after a SIGKILL, by the next launch, which also
     # removes the shared-memory files of that launcher's workers)
     logs = scratch.make(lambda gone: shm.remove_node(scratch.launcher_id(gone)))
@@ -81,20 +75,14 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     settings = LaunchConfig(min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=per_node, **rendezvous,
                             max_restarts=0, monitor_interval=0.1, start_method=method, shutdown_timeout=SHUTDOWN_S,
                             logs_specs=DefaultLogsSpecs(log_dir=logs))
-    quiet = [] if verbose else [logging.getLogger(name) for name in _NOISY] + [
-        logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith(_NOISY)]
-    levels = [logger.level for logger in quiet]
-    for logger in quiet:
-        logger.setLevel(logging.CRITICAL)
-    saved_env = {name: os.environ.get(name) for name in network_env}
-    os.environ.update(network_env)
     talk(f"starting {per_node} worker process(es) on this machine: each builds its stage, then training begins")
     handlers = {signum: signal.getsignal(signum) for signum in SIGNALS}  # torch's launcher replaces them
     reaper = _Reaper(logs)
     reaper.start()
     live = _live(store, config, nodes, warn, job)
     try:
-        results = elastic_launch(settings, entry)(config, LaunchState() if method == forked.FORKSERVER else None)
+        with _quiet(verbose), _environment(network_env):
+            results = elastic_launch(settings, entry)(config, LaunchState() if method == forked.FORKSERVER else None)
     except ChildFailedError as failure:
         line, raised = _explain(failure, logs)
         if verbose and raised:
@@ -110,17 +98,52 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
         for signum, handler in handlers.items():
             if handler is not None:
                 signal.signal(signum, handler)
-        for logger, level in zip(quiet, levels):
-            logger.setLevel(level)
-        for name, value in saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
         del store  # the rendezvous store's server closes with its last reference
         shutil.rmtree(logs, ignore_errors=True)
         shm.remove_node(node)  # rings of workers that were killed before they removed their files
     return {report.rank: report for report in results.values()}
+
+
+def _rendezvous(nodes: Nodes, store, join_timeout: int) -> dict:
+    """torchelastic's rendezvous settings: torch's c10d rendezvous at `--rdzv-endpoint`, else the
+    static one on the store this launcher holds or joins (`_meet`)."""
+    if nodes.rdzv_endpoint:
+        return dict(run_id=nodes.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=nodes.rdzv_endpoint,
+                    rdzv_configs={"join_timeout": join_timeout, "last_call_timeout": 1})
+    port = store.port  # a free one on one machine; --master-port across machines
+    return dict(run_id=f"pdtool-{uuid.uuid4().hex[:8]}" if nodes.nnodes == 1 else "pdtool",
+                rdzv_backend="static", rdzv_endpoint=f"{nodes.master_addr}:{port}",
+                rdzv_configs={"rank": nodes.node_rank, "timeout": join_timeout})
+
+
+@contextlib.contextmanager
+def _quiet(verbose: bool):
+    """torch's launcher logs nothing meanwhile unless `verbose` (a failure is pdtool's one line)."""
+    quiet = [] if verbose else [logging.getLogger(name) for name in _NOISY] + [
+        logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith(_NOISY)]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]):
+    """This process's environment with `variables` set meanwhile (the workers inherit it)."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _live(store, config: RunConfig, nodes: Nodes, warn=lambda message: None, job: Job | None = None):
