@@ -221,21 +221,10 @@ def export(checkpoint: str | os.PathLike, output: str | os.PathLike,
     import shutil
     import tempfile
 
-    from safetensors.torch import save_file
+    from ..artifacts.checkpoint import MANIFEST, latest_complete, read_manifest
 
-    from ..artifacts.checkpoint import MANIFEST, latest_complete, read_manifest, shard_tensors
-
-    for folder, what in ((checkpoint, "checkpoint"), (config_from, "--config-from")):
-        if folder is not None and not Path(folder).is_dir():
-            raise ArtifactError(f"{folder}: no such folder; give a {what} folder")
     output = Path(output)
-    earlier = earlier_export(output)
-    configs = [name for name in CONFIGS if config_from is not None and (Path(config_from) / name).is_file()]
-    kept = earlier + [name for name in configs if os.path.lexists(output / name)]
-    if kept and not force:
-        raise ArtifactError(f"{output} already holds an export ({', '.join(kept[:2])}"
-                            f"{' ...' if len(kept) > 2 else ''}), which pd export does not overwrite; give another "
-                            "-o, or --force to replace it")
+    earlier, configs = _export_checked(checkpoint, output, config_from, force)
     if not (Path(checkpoint) / MANIFEST).exists() and latest_complete(checkpoint) is not None:
         checkpoint = latest_complete(checkpoint)
     manifest = read_manifest(checkpoint)
@@ -249,15 +238,7 @@ def export(checkpoint: str | os.PathLike, output: str | os.PathLike,
         raise ArtifactError(f"cannot write {output} ({exc.strerror or exc}); give a folder you can write to") from None
     moved: list[str] = []
     try:
-        weight_map, total = {}, 0
-        for k, stage in enumerate(stages, 1):
-            name = f"model-{k:05d}-of-{len(stages):05d}.safetensors"
-            tensors = {n: t.contiguous().clone() for n, t in shard_tensors(checkpoint, manifest, stage).items()}
-            save_file(tensors, str(staging / name), metadata={"format": "pt"})
-            weight_map.update({n: name for n in tensors})
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
-            del tensors
-        write_json(staging / INDEX, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+        total = _write_stages(checkpoint, manifest, stages, staging)
         for name in configs:
             shutil.copyfile(Path(config_from) / name, staging / name)
         written = sorted(os.listdir(staging), key=lambda name: name == INDEX)  # the index last
@@ -278,6 +259,41 @@ def export(checkpoint: str | os.PathLike, output: str | os.PathLike,
     for name in set(earlier) - set(written):  # the earlier export's own shards (--force): the new index names none
         (output / name).unlink(missing_ok=True)
     return len(stages), total
+
+
+def _export_checked(checkpoint, output: Path, config_from, force: bool) -> tuple[list[str], list[str]]:
+    """`export`'s refusals before it writes anything: folders that are not there, an earlier
+    export in `output` without `force`. (The earlier export's files, the config files to copy.)"""
+    for folder, what in ((checkpoint, "checkpoint"), (config_from, "--config-from")):
+        if folder is not None and not Path(folder).is_dir():
+            raise ArtifactError(f"{folder}: no such folder; give a {what} folder")
+    earlier = earlier_export(output)
+    configs = [name for name in CONFIGS if config_from is not None and (Path(config_from) / name).is_file()]
+    kept = earlier + [name for name in configs if os.path.lexists(output / name)]
+    if kept and not force:
+        raise ArtifactError(f"{output} already holds an export ({', '.join(kept[:2])}"
+                            f"{' ...' if len(kept) > 2 else ''}), which pd export does not overwrite; give another "
+                            "-o, or --force to replace it")
+    return earlier, configs
+
+
+def _write_stages(checkpoint, manifest, stages: list, staging: Path) -> int:
+    """Each stage's shard as one safetensors file in `staging`, one stage in memory at a time, and
+    the index naming every tensor's file; the bytes written."""
+    from safetensors.torch import save_file
+
+    from ..artifacts.checkpoint import shard_tensors
+
+    weight_map, total = {}, 0
+    for k, stage in enumerate(stages, 1):
+        name = f"model-{k:05d}-of-{len(stages):05d}.safetensors"
+        tensors = {n: t.contiguous().clone() for n, t in shard_tensors(checkpoint, manifest, stage).items()}
+        save_file(tensors, str(staging / name), metadata={"format": "pt"})
+        weight_map.update({n: name for n in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+    write_json(staging / INDEX, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    return total
 
 
 def _remove(path: Path | None) -> None:
