@@ -101,6 +101,8 @@ BENCHES := profile_speed plan_speed train_speed recompute big_model startup time
 bench: install
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[plot]'
 	set -e; for b in $(BENCHES); do $(PY) bench/$$b.py; done
+	@if $(PY) -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then $(PY) bench/gpu.py; \
+	  else echo "bench/gpu.py skipped: this torch sees no CUDA GPU"; fi
 
 clean:
 	rm -rf $(OUT) .pytest_cache

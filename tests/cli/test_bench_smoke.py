@@ -29,11 +29,13 @@ def test_time_to_accuracy_runs_and_prints_its_table(tmp_path):
     ("startup", "start-up after/before"),
     ("real_links", "bf16 / fp32 time per minibatch"),  # or its one line saying it cannot emulate machines here
     ("test_time", "smoke: cloned, make test and test-fast resolve"),
+    ("gpu", "pdtool / plain:"),  # on the CPU here: its GPU run is bench/results/gpu_*.md
 ])
 def test_every_bench_runs_to_its_end_at_tiny_sizes(tmp_path, bench, expect):
     """Issue 35 item 20: bench/train_speed.py crashed at its overhead rows after an interface change, and no
     test ran it. Each bench's `--smoke` runs every part of it at tiny sizes (its figures mean nothing)."""
-    extra = ["--out", str(tmp_path), "--plot", str(tmp_path / "plot.png")] if bench == "real_links" else []
+    extra = {"real_links": ["--out", str(tmp_path), "--plot", str(tmp_path / "plot.png")],
+             "gpu": ["--device", "cpu"]}.get(bench, [])
     result = subprocess.run([sys.executable, str(ROOT / "bench" / f"{bench}.py"), "--smoke", *extra],
                             capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

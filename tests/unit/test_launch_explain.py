@@ -84,3 +84,16 @@ def test_verbose_shows_the_reported_workers_own_traceback(tmp_path):
     text = _callstack(failure)
     assert text.startswith("worker rank 1's traceback:\nTraceback (most recent call last):")
     assert text.rstrip().endswith("RuntimeError: dtype mismatch")
+
+
+def test_torch_launch_config_gets_the_shutdown_timeout_only_where_it_has_one():
+    """torch 2.13's LaunchConfig takes `shutdown_timeout`; the torch of a GPU image may be older (2.11 on the
+    H200 that ran bench/gpu.py lacks it): the launcher passes it only where the field exists."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from pdtool.runtime.launcher.launch import SHUTDOWN_S, _shutdown
+
+    assert _shutdown(LaunchConfig) == {"shutdown_timeout": SHUTDOWN_S}
+    assert _shutdown(dataclasses.make_dataclass("Older", [("min_nodes", int)])) == {}

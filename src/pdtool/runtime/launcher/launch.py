@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 from pathlib import Path
 
@@ -43,6 +43,11 @@ if TYPE_CHECKING:
 """Seconds a worker whose error only reports a peer's disappearance waits before it exits."""
 SHUTDOWN_S = 2
 """Seconds the workers get to exit after SIGTERM when pd train itself is interrupted; then SIGKILL."""
+
+
+def _shutdown(launch_config) -> dict:
+    """torch 2.13's `shutdown_timeout` (older torch, e.g. a GPU image's, lacks it and waits its default)."""
+    return {"shutdown_timeout": SHUTDOWN_S} if "shutdown_timeout" in {f.name for f in fields(launch_config)} else {}
 
 
 def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: bool = False,
@@ -73,8 +78,8 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     network_env[peers.NODE_ENV] = node
     method = forked.start_method(config.device, per_node)
     settings = LaunchConfig(min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=per_node, **rendezvous,
-                            max_restarts=0, monitor_interval=0.1, start_method=method, shutdown_timeout=SHUTDOWN_S,
-                            logs_specs=DefaultLogsSpecs(log_dir=logs))
+                            max_restarts=0, monitor_interval=0.1, start_method=method,
+                            logs_specs=DefaultLogsSpecs(log_dir=logs), **_shutdown(LaunchConfig))
     talk(f"starting {per_node} worker process(es) on this machine: each builds its stage, then training begins")
     handlers = {signum: signal.getsignal(signum) for signum in SIGNALS}  # torch's launcher replaces them
     reaper = _Reaper(logs)
