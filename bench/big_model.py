@@ -6,7 +6,7 @@ of 4096, 10 classes: 470M parameters, 1.88 GB), profiled whole (`pd profile`) an
 weights at a time (`pd profile --memory` half the model's parameter bytes: the layer times of the
 two are compared, and again on the same model 8 layers deep, which profiles whole with room to
 spare), planned from the second as a straight
-4-stage pipeline for `4x10GB/s` (`pd plan --straight`) and trained 2 steps of `flush` with 4
+4-stage pipeline (2 with --smoke) for `4x10GB/s` (`pd plan --straight`) and trained 2 steps of `flush` with 4
 microbatches a step, plain SGD (no momentum: an optimizer state would add a copy of each stage,
 and `flush` stashes no weight versions), on 4 local CPU workers (`pd train`, in-process calls).
 Every process runs in a fresh Python process of its own; its peak resident set is VmHWM from
@@ -56,10 +56,13 @@ def _pd(args: list[str]) -> None:
         print(json.dumps({"peak": _peak(), "rank": os.environ.get("RANK")}), flush=True)
 
 
+WORKERS = 4  # the pipeline's stages and workers (--smoke: 2)
+
+
 def _torchrun(plan_path: str, checkpoints: str) -> dict[str, int]:
     """The recipe run (AdamW, a checkpoint after each step) under torchrun, 4 processes on this
     machine: each rank's peak RSS (rank 0 also completes the checkpoints: hashes every shard)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORKERS),
                __file__, "--as", "pd", "train", plan_path, "--mode", "flush", "--group", "4", "--steps", "2",
                "--optimizer", "adamw", "--lr", "1e-4", "--weight-decay", "0.01", "--checkpoint-dir", checkpoints,
                "--checkpoint-every", "1", "--threads", "1", "--quiet"]
@@ -68,8 +71,8 @@ def _torchrun(plan_path: str, checkpoints: str) -> dict[str, int]:
         raise SystemExit(f"torchrun failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     # the ranks share one stdout: their lines may run into one another
     peaks = [json.loads(found) for found in re.findall(r'\{"peak": \d+, "rank": "\d+"\}', done.stdout)]
-    if len(peaks) != 4:
-        raise SystemExit(f"torchrun: {len(peaks)} of its 4 ranks reported their peak:\n{done.stdout[-2000:]}")
+    if len(peaks) != WORKERS:
+        raise SystemExit(f"torchrun: {len(peaks)} of its {WORKERS} ranks reported their peak:\n{done.stdout[-2000:]}")
     return {str(p["rank"]): p["peak"] for p in sorted(peaks, key=lambda p: int(p["rank"]))}
 
 
@@ -158,7 +161,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: that it runs to its end (the tests run it), not its figures")
     args = parser.parse_args()
     if args.smoke:
+        global WORKERS
         args.in_features, args.hidden, args.depth = 64, 64, 4
+        WORKERS = 2
     kwargs = dict(in_features=args.in_features, hidden=args.hidden, depth=args.depth, classes=10)
     params = args.in_features * args.hidden + args.hidden + (args.depth - 1) * (args.hidden ** 2 + args.hidden) \
         + args.hidden * 10 + 10
@@ -182,7 +187,7 @@ def main() -> None:
             _child("--as", "pd", *small_common, "-o", small[0])
             _child("--as", "pd", *small_common, "--layerwise", "-o", small[1])
             small_agreement = _agreement(*small)
-        planned = _child("--as", "pd", "plan", profile, "-c", "4x10GB/s", "--straight", "-o", plan)
+        planned = _child("--as", "pd", "plan", profile, "-c", f"{WORKERS}x10GB/s", "--straight", "-o", plan)
         trained = _child("--as", "train", plan)
         reference = _child("--as", "reference", plan)
         checkpoints = os.path.join(folder, "ckpt")
