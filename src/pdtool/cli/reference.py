@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from ..schedule.modes import TABLE
+from ..schedule.modes import MODES, TABLE
 from .group import cli  # the package (pdtool.cli) has added every command to it by now
 
 WIDTH = 100  # the help text's width, whatever the terminal's
@@ -82,12 +82,15 @@ def config_keys(command: click.Command) -> str:
 
 def mode_table() -> str:
     """The mode table (`schedule.modes.TABLE`) as Markdown."""
-    rows = ["| mode | what it runs | steps | order | flushes | split backward | weight versions kept | tied weights |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| mode | what it runs | steps | order | flushes | split backward | weight versions kept | tied weights "
+            "| stages per worker | in pd plan and pd train |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for mode in TABLE.values():
+        chunks = "one" if mode.placement is None else f"several, {mode.placement}"
+        offered = "yes" if mode.name in MODES else "not yet (schedule, validator and simulator only)"
         rows.append(f"| `{mode.name}` | {mode.about} | {mode.steps} | {mode.order} | {'yes' if mode.flushes else 'no'} "
                     f"| {'yes' if mode.split else 'no'} | {mode.versions_kept or 'one per minibatch in flight'} "
-                    f"| {'yes' if mode.ties else 'no'} |")
+                    f"| {'yes' if mode.ties else 'no'} | {chunks} | {offered} |")
     return "\n".join(rows)
 
 

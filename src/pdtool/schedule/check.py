@@ -14,7 +14,8 @@ naming the worker ("w3 s1r0"), the action and the fix:
 6. no deadlock: all workers execute their lists in order; an action runs once its dependencies
    have (forward of b on stage s-1 before forward on s; backward on s+1 before backward on s;
    own forward before backward), and the k-th U of the replicas of a replicated stage is one
-   collective all of them must reach;
+   collective all of them must reach; where one worker holds both stages (several stages a
+   worker), the producing action comes first in its list (it hands the tensors to itself);
 7. weight versions (`Schedule.versions`): no action uses a version its worker does not have
    yet; 2bw holds at most two versions per worker (arXiv 2006.09503 section 3.1); flush and
    gpipe run every microbatch of batch t on version t (gradient accumulation);
@@ -48,16 +49,20 @@ def validate(schedule: Schedule) -> None:
 def _check_placement(schedule: Schedule) -> None:
     n = schedule.minibatches
     for rank, actions in enumerate(schedule.workers):
-        stage, replica = schedule.position(rank)
+        own = schedule.stages_of(rank)
         for action in actions:
-            if action.stage != stage:
+            if action.stage not in own:
+                runs = f"stage {own[0]}" if len(own) == 1 else f"stages {', '.join(map(str, own))}"
                 raise ScheduleError(f"{schedule.label(rank)}: {action} is an action of stage {action.stage}, but this "
-                                    f"worker runs stage {stage}; move it to a worker of stage {action.stage}")
+                                    f"worker runs {runs}; move it to a worker of stage {action.stage}")
             if action.kind == "U":
                 continue
             if action.minibatch >= n:
                 raise ScheduleError(f"{schedule.label(rank)}: {action} names minibatch {action.minibatch}, but the run "
                                     f"has {n} (0..{n - 1}); remove it or raise minibatches")
+            if schedule.placement:
+                continue
+            stage, replica = schedule.position(rank)
             owner = schedule.replica_of(stage, action.minibatch)
             if owner != replica:
                 raise ScheduleError(
@@ -105,12 +110,20 @@ def _check_forward_first(schedule: Schedule, where: dict[Action, tuple[int, int]
             if where[before][1] > index:
                 raise ScheduleError(f"{schedule.label(rank)}: {action} (action {index}) comes before its "
                                     f"{_NAMES[before.kind]} {before} (action {where[before][1]}); run the {_NAMES[before.kind]} first")
+        neighbour = {"F": action.stage - 1, "B": action.stage + 1}.get(action.kind)
+        if neighbour is None or not 0 <= neighbour < schedule.stages:
+            continue
+        source = Action(action.kind, neighbour, action.minibatch)
+        there, at = where[source]
+        if there == rank and at > index:  # one worker holds both stages: it hands the tensors to itself
+            raise ScheduleError(f"{schedule.label(rank)}: {action} (action {index}) needs what {source} (action {at}) "
+                                f"of this same worker makes; run {source} first")
 
 
 def _check_steps(schedule: Schedule) -> None:
     for stage in range(schedule.stages):
         ranks = [schedule.rank(stage, i) for i in range(schedule.replicas[stage])]
-        counts = [sum(a.kind == "U" for a in schedule.workers[rank]) for rank in ranks]
+        counts = [sum(a.kind == "U" and a.stage == stage for a in schedule.workers[rank]) for rank in ranks]
         for rank, count in zip(ranks, counts):
             if count != counts[0]:
                 raise ScheduleError(
@@ -126,6 +139,8 @@ def _check_steps(schedule: Schedule) -> None:
         for rank in ranks:
             done = 0
             for action in schedule.workers[rank]:
+                if action.stage != stage:
+                    continue
                 if action.kind == "U":
                     done += 1
                 elif action.kind in ("B", "W") and done != action.minibatch // size:
@@ -138,19 +153,23 @@ def _check_steps(schedule: Schedule) -> None:
 
 def _check_in_flight(schedule: Schedule) -> None:
     for rank, actions in enumerate(schedule.workers):
-        stage, _ = schedule.position(rank)
-        depth = stash_depth(schedule, stage)
-        flight: list[int] = []
-        for action in actions:
-            if action.kind == "F":
-                flight.append(action.minibatch)
-                if len(flight) > depth:
-                    raise ScheduleError(
-                        f"{schedule.label(rank)}: {len(flight)} minibatches in flight after {action} "
-                        f"({', '.join(map(str, flight))}), but mode {schedule.mode!r} lets stage {stage} hold at most "
-                        f"{depth}; run a backward before this forward")
-            elif action.kind == _kinds(schedule)[-1]:  # held until its last backward part
-                flight.remove(action.minibatch)
+        for stage in schedule.stages_of(rank):
+            _check_stage_in_flight(schedule, rank, stage, [a for a in actions if a.stage == stage])
+
+
+def _check_stage_in_flight(schedule: Schedule, rank: int, stage: int, actions: list[Action]) -> None:
+    depth = stash_depth(schedule, stage)
+    flight: list[int] = []
+    for action in actions:
+        if action.kind == "F":
+            flight.append(action.minibatch)
+            if len(flight) > depth:
+                raise ScheduleError(
+                    f"{schedule.label(rank)}: {len(flight)} minibatches in flight after {action} "
+                    f"({', '.join(map(str, flight))}), but mode {schedule.mode!r} lets stage {stage} hold at most "
+                    f"{depth}; run a backward before this forward")
+        elif action.kind == _kinds(schedule)[-1]:  # held until its last backward part
+            flight.remove(action.minibatch)
 
 
 def _check_deadlock(schedule: Schedule, workers) -> None:
@@ -205,11 +224,12 @@ def _check_deadlock(schedule: Schedule, workers) -> None:
 def _check_versions(schedule: Schedule) -> None:
     table = schedule.versions()
     for rank, actions in enumerate(schedule.workers):
-        live = 0
+        made: dict[int, int] = {}  # stage -> its steps so far on this worker
         for action in actions:
             if action.kind == "U":
-                live += 1
+                made[action.stage] = made.get(action.stage, 0) + 1
                 continue
+            live = made.get(action.stage, 0)
             version = table[(action.kind, action.stage, action.minibatch)]
             if action.kind == "F" and version > live:
                 raise ScheduleError(

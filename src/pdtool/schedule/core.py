@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import ScheduleError
+from . import chunked
+from .placement import make, shape_of
 from .modes import (
     ALL_FORWARD, ENTRY, GROUP, NEWEST, ROUND, VERTICAL, default_group, listed, modes_where, rules, warmup_forwards,
     weight_lag,
@@ -37,8 +39,9 @@ TIE_MODES = modes_where(ties=True)       # the copies of a tied weight step afte
 KINDS = ("F", "B", "W", "U")
 
 _ACTION_RE = re.compile(r"(\d+)([FBW])(\d+)|(\d+)U")
-_WORKER_RE = re.compile(r"w(\d+)\s+s(\d+)r(\d+):(.*)")
+_WORKER_RE = re.compile(r"w(\d+)\s+s([\d,]+)r(\d+):(.*)")
 _HEADER_KEYS = ("mode", "replicas", "minibatches", "group")
+_OPTIONAL_KEYS = ("placement",)
 
 
 # ----- actions ---------------------------------------------------------------------------------
@@ -87,6 +90,10 @@ class Schedule:
     that worker's action list. `group` is the microbatches per optimizer step for 2bw, flush and
     gpipe (m) and 1 for pipedream and vsync. Construction checks these parameters, not the
     actions: `validate` does that.
+
+    `placement` (modes with a placement rule, `Mode.placement`): the worker of every stage, where
+    a worker holds several stages (chunks, `placement.chunks`), each of one replica; ranks are
+    then the workers 0 .. p - 1 and `workers[rank]` mixes the actions of its stages.
     """
 
     mode: str
@@ -94,15 +101,17 @@ class Schedule:
     minibatches: int
     group: int
     workers: tuple[tuple[Action, ...], ...]
+    placement: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        check_parameters(self.mode, self.replicas, self.minibatches, self.group)
+        check_parameters(self.mode, self.replicas, self.minibatches, self.group, self.placement)
         object.__setattr__(self, "replicas", tuple(self.replicas))  # lists in, tuples kept: hashable, comparable
+        object.__setattr__(self, "placement", tuple(self.placement))
         object.__setattr__(self, "workers", tuple(tuple(actions) for actions in self.workers))
-        if len(self.workers) != sum(self.replicas):
-            raise ScheduleError(
-                f"schedule has {len(self.workers)} workers but replicas {self.replicas} need {sum(self.replicas)}; "
-                "give one action list per worker")
+        if len(self.workers) != self.worker_count:
+            need = f"placement {self.placement}" if self.placement else f"replicas {self.replicas}"
+            raise ScheduleError(f"schedule has {len(self.workers)} workers but {need} need {self.worker_count}; "
+                                "give one action list per worker")
         for rank, actions in enumerate(self.workers):
             for action in actions:
                 if not isinstance(action, Action):
@@ -113,15 +122,33 @@ class Schedule:
     def stages(self) -> int:
         return len(self.replicas)
 
+    @property
+    def worker_count(self) -> int:
+        """The workers: one per replica of every stage, or a placement's workers."""
+        return max(self.placement) + 1 if self.placement else sum(self.replicas)
+
     def rank(self, stage: int, replica: int) -> int:
-        """Rank of replica `replica` of stage `stage` (stage-major numbering)."""
+        """Rank of replica `replica` of stage `stage` (stage-major numbering, or the placement's worker)."""
         if not (0 <= stage < self.stages and 0 <= replica < self.replicas[stage]):
             raise ScheduleError(f"no worker s{stage}r{replica} in replicas {self.replicas}; use a stage "
                                 f"0..{self.stages - 1} and a replica 0..r_s - 1 of it")
+        if self.placement:
+            return self.placement[stage]
         return sum(self.replicas[:stage]) + replica
 
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages that worker `rank` runs, in stage order (one unless the schedule has a placement)."""
+        if self.placement:
+            if not 0 <= rank < self.worker_count:
+                raise ScheduleError(f"rank {rank} is out of range for {self.worker_count} workers; use "
+                                    f"0..{self.worker_count - 1}")
+            return tuple(s for s, w in enumerate(self.placement) if w == rank)
+        return (self.position(rank)[0],)
+
     def position(self, rank: int) -> tuple[int, int]:
-        """(stage, replica) of `rank`."""
+        """(stage, replica) of `rank`; a worker of several stages (a placement) has no one position."""
+        if self.placement:
+            raise ScheduleError(f"w{rank} runs stages {self.stages_of(rank)}, not one: ask stages_of({rank})")
         if not 0 <= rank < len(self.workers):
             raise ScheduleError(f"rank {rank} is out of range for {len(self.workers)} workers; use 0..{len(self.workers) - 1}")
         for stage, count in enumerate(self.replicas):
@@ -137,7 +164,10 @@ class Schedule:
         return minibatch % self.replicas[stage]
 
     def label(self, rank: int) -> str:
-        """"w<rank> s<stage>r<replica>", how errors and the text form name a worker."""
+        """"w<rank> s<stage>r<replica>", how errors and the text form name a worker ("w0 s0,4r0": the
+        stages of a worker of several)."""
+        if self.placement:
+            return f"w{rank} s{','.join(map(str, self.stages_of(rank)))}r0"
         stage, replica = self.position(rank)
         return f"w{rank} s{stage}r{replica}"
 
@@ -146,6 +176,8 @@ class Schedule:
         """A header line, then one line per worker: "w0 s0r0: 0F0 0F1 0B0 0U ..."; `from_text` reads it back."""
         header = (f"schedule mode={self.mode} replicas={','.join(map(str, self.replicas))} "
                   f"minibatches={self.minibatches} group={self.group}")
+        if self.placement:
+            header += f" placement={','.join(map(str, self.placement))}"
         lines = [header]
         for rank, actions in enumerate(self.workers):
             lines.append(f"{self.label(rank)}: {' '.join(map(str, actions))}".rstrip())
@@ -166,15 +198,16 @@ class Schedule:
             if match is None:
                 raise ScheduleError(f"schedule text line {n}: expected 'w<rank> s<stage>r<replica>: <actions>', "
                                     f"found {line!r:.60}")
-            rank, stage, replica = (int(match.group(i)) for i in (1, 2, 3))
+            rank, stages, replica = int(match.group(1)), match.group(2), int(match.group(3))
             if rank != len(workers):
                 raise ScheduleError(f"schedule text line {n}: worker w{rank} out of order; expected w{len(workers)}")
-            workers.append((n, stage, replica, tuple(Action.parse(a) for a in match.group(4).split())))
+            workers.append((n, f"w{rank} s{stages}r{replica}", tuple(Action.parse(a) for a in match.group(4).split())))
         schedule = cls(**params, workers=tuple(actions for *_, actions in workers))
-        for rank, (n, stage, replica, _) in enumerate(workers):
-            if schedule.position(rank) != (stage, replica):
+        for rank, (n, label, _) in enumerate(workers):
+            if schedule.label(rank) != label:
                 raise ScheduleError(f"schedule text line {n}: w{rank} is {schedule.label(rank)} for replicas "
-                                    f"{schedule.replicas}, not s{stage}r{replica}")
+                                    f"{schedule.replicas}" + (f" and placement {schedule.placement}" if schedule.placement
+                                                               else "") + f", not {label.split()[1]}")
         return schedule
 
     # ----- weight versions -----------------------------------------------------------------
@@ -200,12 +233,12 @@ class Schedule:
         """
         live: dict[tuple[int, int], int] = {}
         for actions in self.workers:
-            made = 0
+            made: dict[int, int] = {}  # stage -> its steps so far on this worker
             for action in actions:
                 if action.kind == "U":
-                    made += 1
+                    made[action.stage] = made.get(action.stage, 0) + 1
                 elif action.kind == "F":
-                    live[(action.stage, action.minibatch)] = made
+                    live[(action.stage, action.minibatch)] = made.get(action.stage, 0)
         table: dict[tuple[str, int, int], int] = {}
         for (stage, minibatch), version in live.items():
             table[("F", stage, minibatch)] = self._rule(stage, minibatch, version, live)
@@ -261,6 +294,9 @@ def stash_depth(schedule: Schedule, stage: int) -> int:
     if not 0 <= stage < schedule.stages:
         raise ScheduleError(f"stage {stage} is out of range for {schedule.stages} stages; use 0..{schedule.stages - 1}")
     r, rule = schedule.replicas[stage], schedule.rules
+    if schedule.placement:  # several stages a worker: what the mode's own order holds (`chunked.depths`)
+        workers = schedule.worker_count
+        return chunked.depths(schedule.mode, workers, schedule.stages // workers, schedule.group)[stage]
     share = -(-(schedule.group if rule.flushes else schedule.minibatches) // r)
     if rule.order == ALL_FORWARD:
         return share
@@ -275,37 +311,41 @@ def peak_versions(schedule: Schedule) -> dict[int, int]:
     and done with (its last forward or backward on the worker has run); the live weights count.
     """
     table = schedule.versions()
-    peaks = {}
-    for rank, actions in enumerate(schedule.workers):
-        created = [0]  # created[v]: the point (actions done) from which version v exists
-        first, last = {}, {}
-        for index, action in enumerate(actions):
-            if action.kind == "U":
-                created.append(index + 1)
-            else:
-                version = table[(action.kind, action.stage, action.minibatch)]
-                first.setdefault(version, index)
-                last[version] = index
-        delta = [0] * (len(actions) + 2)
-        for version in set(range(len(created))) | set(last):
-            if version < len(created):  # made here: held until superseded (or the end) and done with
-                start = created[version]
-                end = created[version + 1] if version + 1 < len(created) else len(actions) + 1
-            else:  # used but never made (a broken schedule; validate reports it): held while used
-                start, end = first[version], 0
-            delta[start] += 1
-            delta[max(end, last.get(version, -1) + 1)] -= 1
-        held = peak = 0
-        for change in delta:
-            held += change
-            peak = max(peak, held)
-        peaks[rank] = peak
-    return peaks
+    return {rank: max(_peak(table, [a for a in actions if a.stage == stage]) for stage in schedule.stages_of(rank))
+            for rank, actions in enumerate(schedule.workers)}
+
+
+def _peak(table: dict[tuple[str, int, int], int], actions: list[Action]) -> int:
+    """The most versions of one stage that its actions on one worker (in order) hold at once."""
+    created = [0]  # created[v]: the point (actions done) from which version v exists
+    first, last = {}, {}
+    for index, action in enumerate(actions):
+        if action.kind == "U":
+            created.append(index + 1)
+        else:
+            version = table[(action.kind, action.stage, action.minibatch)]
+            first.setdefault(version, index)
+            last[version] = index
+    delta = [0] * (len(actions) + 2)
+    for version in set(range(len(created))) | set(last):
+        if version < len(created):  # made here: held until superseded (or the end) and done with
+            start = created[version]
+            end = created[version + 1] if version + 1 < len(created) else len(actions) + 1
+        else:  # used but never made (a broken schedule; validate reports it): held while used
+            start, end = first[version], 0
+        delta[start] += 1
+        delta[max(end, last.get(version, -1) + 1)] -= 1
+    held = peak = 0
+    for change in delta:
+        held += change
+        peak = max(peak, held)
+    return peak
 
 
 # ----- parameters ------------------------------------------------------------------------------
-def check_parameters(mode: str, replicas: Sequence[int], minibatches: int, group: int) -> None:
-    """Raise ScheduleError (one line) unless mode, replicas, minibatches and group fit together."""
+def check_parameters(mode: str, replicas: Sequence[int], minibatches: int, group: int,
+                     placement: Sequence[int] = ()) -> None:
+    """Raise ScheduleError (one line) unless mode, replicas, minibatches, group and placement fit together."""
     rule = rules(mode)
     if not isinstance(replicas, (tuple, list)) or not replicas:
         raise ScheduleError(f"replicas {replicas!r} is empty or not a sequence; give one replica count >= 1 "
@@ -318,6 +358,7 @@ def check_parameters(mode: str, replicas: Sequence[int], minibatches: int, group
         raise ScheduleError(f"minibatches={minibatches!r}; the run needs an integer number of minibatches >= 1")
     if not _is_count(group) or group < 1:
         raise ScheduleError(f"group={group!r}; the microbatches per step must be an integer >= 1")
+    _check_placement(rule, tuple(replicas), tuple(placement), group)
     if rule.per_round:
         if group != 1:
             raise ScheduleError(f"group={group} does not apply to mode {mode!r}, which steps after every minibatch "
@@ -337,15 +378,48 @@ def check_parameters(mode: str, replicas: Sequence[int], minibatches: int, group
                             f"(every step accumulates exactly {group} microbatches); use {hint}, or another group")
 
 
+def _check_placement(rule, replicas: tuple, placement: tuple, group: int) -> None:
+    """A placement exactly where the mode has a placement rule, of its shape, with one replica a stage."""
+    if rule.placement is None:
+        if placement:
+            raise ScheduleError(f"mode {rule.name!r} runs one stage per worker, but the schedule places several on "
+                                f"a worker ({placement}); drop the placement, or use a mode of several chunks")
+        return
+    if not placement:
+        raise ScheduleError(f"mode {rule.name!r} runs several stages (chunks) on every worker and needs their "
+                            f"placement ({rule.placement}); give one worker per stage")
+    if len(placement) != len(replicas) or any(r != 1 for r in replicas):
+        raise ScheduleError(f"placement {placement} for replicas {replicas}: a worker's chunks are not replicated "
+                            "here, so give every stage one replica and one worker")
+    workers = max(placement) + 1
+    expected = None
+    try:
+        expected = make(rule.placement, len(placement), workers)
+    except ScheduleError:
+        pass
+    if expected != placement:
+        found = shape_of(placement)
+        raise ScheduleError(f"mode {rule.name!r} needs the {rule.placement} placement of {len(placement)} stages "
+                            f"on {workers} workers" + (f" ({expected})" if expected else "") + ", but the stages are "
+                            f"placed {placement}" + (f" ({found})" if found else "") + "; plan the stages for this mode")
+    if rule.group_multiple and group % workers:
+        raise ScheduleError(f"group={group} for mode {rule.name!r} on {workers} workers: it sends the microbatches "
+                            f"through the chunks in rounds of one per worker, so the group must be a multiple of "
+                            f"{workers}; use {max(workers, group - group % workers)} or "
+                            f"{group - group % workers + workers}")
+
+
 def _parse_header(line_number: int, line: str) -> dict:
     words = line.split()
     fields = dict(word.split("=", 1) for word in words[1:] if "=" in word)
-    if not words or words[0] != "schedule" or sorted(fields) != sorted(_HEADER_KEYS) or len(fields) != len(words) - 1:
+    if (not words or words[0] != "schedule" or not set(_HEADER_KEYS) <= set(fields)
+            or not set(fields) <= set(_HEADER_KEYS + _OPTIONAL_KEYS) or len(fields) != len(words) - 1):
         raise ScheduleError(f"schedule text line {line_number}: expected 'schedule mode=<mode> replicas=<r0,r1,...> "
-                            f"minibatches=<N> group=<m>', found {line!r:.80}")
+                            f"minibatches=<N> group=<m> [placement=<w0,w1,...>]', found {line!r:.80}")
     try:
+        placement = tuple(int(w) for w in fields["placement"].split(",")) if "placement" in fields else ()
         return dict(mode=fields["mode"], replicas=tuple(int(r) for r in fields["replicas"].split(",")),
-                    minibatches=int(fields["minibatches"]), group=int(fields["group"]))
+                    minibatches=int(fields["minibatches"]), group=int(fields["group"]), placement=placement)
     except ValueError:
         raise ScheduleError(f"schedule text line {line_number}: replicas, minibatches and group must be integers "
                             f"(replicas comma-separated, e.g. replicas=3,1), found {line!r:.80}") from None

@@ -17,6 +17,8 @@ PipeDream SOSP'19 section 3.2), in one of two orders:
   remaining Ws at the end of the batch, where they fill the drain (`weight_lag`).
 - zb2 (ZB-H2): zb with twice the warm-up forwards and twice the lag, so that the start of a
   batch is filled too, holding 2p - 1 minibatches on p stages where zb holds p.
+- the modes of several stages (chunks) per worker (`interleaved`): the order of their own
+  function in `chunked`, batch by batch, each batch closed by a step of every chunk of the worker.
 Then the optimizer steps go in: the step closing step group t (`step_group` minibatches) comes
 right after the worker's last backward of a minibatch of groups 0..t, or first of all if it has
 none. On a replicated stage every replica thus runs one U per group, including groups it had no
@@ -29,12 +31,13 @@ import math
 from typing import Sequence
 
 from ..errors import ScheduleError
+from . import chunked
 from .core import Action, Schedule, check_parameters, step_group, steps
 from .modes import ALL_FORWARD, resolve, warmup_forwards, weight_lag
 
 
 def generate(mode: str, replicas: Sequence[int], minibatches: int, group: int | None = None,
-             drain_every: int | None = None) -> Schedule:
+             drain_every: int | None = None, placement: Sequence[int] = ()) -> Schedule:
     """The schedule of `mode` for `minibatches` minibatches on stages with `replicas` replicas each.
 
     `group` is m, the microbatches per optimizer step, for 2bw, flush and gpipe; it defaults to
@@ -46,10 +49,15 @@ def generate(mode: str, replicas: Sequence[int], minibatches: int, group: int | 
     ids shifted by the segment's start. It must be a multiple of every stage's step group (r_s in
     pipedream and vsync, m otherwise), so that no step spans two segments. flush, gpipe, zb and
     zb2 drain after every step anyway: there it changes nothing.
+
+    `placement`: the worker of every stage, for the modes that run several stages per worker
+    (`Mode.placement`; `placement.make` builds it).
     """
     if group is None:
         group = resolve(mode, mode, replicas).group
-    check_parameters(mode, replicas, minibatches, group)
+    check_parameters(mode, replicas, minibatches, group, placement)
+    if placement:
+        return _chunked(mode, tuple(replicas), minibatches, group, tuple(placement))
     shell = Schedule(mode=mode, replicas=tuple(replicas), minibatches=minibatches, group=group,
                      workers=tuple(() for _ in range(sum(replicas))))
     span = _batch_span(shell, drain_every)
@@ -62,6 +70,24 @@ def generate(mode: str, replicas: Sequence[int], minibatches: int, group: int | 
             order = [action for batch in batches for action in _forward_backward_order(shell, stage, batch)]
             workers.append(_with_steps(shell, stage, order))
     return Schedule(mode=mode, replicas=shell.replicas, minibatches=minibatches, group=group, workers=tuple(workers))
+
+
+def _chunked(mode: str, replicas: tuple[int, ...], minibatches: int, group: int,
+             placement: tuple[int, ...]) -> Schedule:
+    """Every worker's order of a multi-chunk mode (`chunked.ORDERS`), batch by batch, each batch
+    closed by a step of every one of the worker's stages."""
+    workers = max(placement) + 1
+    chunks = len(placement) // workers
+    lists = []
+    for worker in range(workers):
+        one = chunked.ORDERS[mode](workers, chunks, group, worker)
+        own = [Action("U", stage) for stage, w in enumerate(placement) if w == worker]
+        order: list[Action] = []
+        for start in range(0, minibatches, group):
+            order += [Action(kind, stage, start + b) for kind, stage, b in one] + own
+        lists.append(tuple(order))
+    return Schedule(mode=mode, replicas=replicas, minibatches=minibatches, group=group, workers=tuple(lists),
+                    placement=placement)
 
 
 def _batch_span(shell: Schedule, drain_every: int | None) -> int:

@@ -15,7 +15,9 @@ order, with every peer resolved:
   add the shared parameters' gradients), then `step` (the optimizer).
 
 Minibatch b runs on replica b mod r_s of every stage (1F1B-RR, PipeDream SOSP'19 section 3.2),
-which resolves every peer. The runtime (`runtime.worker.main`), the simulator, the validator's
+which resolves every peer. Where one worker holds both ends of a stage boundary (several stages a
+worker, `Schedule.placement`), nothing is sent: the worker hands the tensors over to itself, and
+its list must run the producing action first (`check`). The runtime (`runtime.worker.main`), the simulator, the validator's
 deadlock and link-order checks and the message-protocol test all read these lists; none of them
 re-derives routing or the per-mode rules. Pure standard library.
 
@@ -77,9 +79,9 @@ class Lowered:
         """The position in `workers` of the worker with rank `rank`."""
         return self.ranks.index(rank)
 
-    def stage_of(self, rank: int) -> int:
-        """The stage that the worker with rank `rank` runs."""
-        return self.schedule.position(self.index(rank))[0]
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages that the worker with rank `rank` runs."""
+        return self.schedule.stages_of(self.index(rank))
 
     def links(self) -> list[tuple[int, int, int]]:
         """(sender, receiver, direction) of every link some message takes, sorted: the same list
@@ -92,13 +94,18 @@ class Lowered:
         messages may be unconfirmed at once (`runtime.worker.comm`): the most minibatches either end
         of the link holds in flight (`stash_depth`). Never more travel on it at once, and a worker's
         buffers then grow with its own depth, not with the deepest worker of the pipeline."""
-        own = stash_depth(self.schedule, self.stage_of(rank))
-        return {(op.peer, op.direction): max(own, stash_depth(self.schedule, self.stage_of(op.peer)))
+        own = self._depth(rank)
+        return {(op.peer, op.direction): max(own, self._depth(op.peer))
                 for op in self.workers[self.index(rank)] if op.kind in ("send", "recv")}
+
+    def _depth(self, rank: int) -> int:
+        return max(stash_depth(self.schedule, stage) for stage in self.stages_of(rank))
 
     def receiver_stage(self, op: Op) -> int:
         """The stage that receives the message of a `send`/`recv` op."""
-        return op.stage if op.kind == "recv" else self.stage_of(op.peer)
+        if op.kind == "recv":
+            return op.stage
+        return op.stage + 1 if op.direction == ACTIVATION else op.stage - 1
 
 
 def lower(schedule: Schedule, ties: Sequence[tuple[int, ...]] = (), ranks: Sequence[int] | None = None) -> Lowered:
@@ -115,28 +122,27 @@ def lower(schedule: Schedule, ties: Sequence[tuple[int, ...]] = (), ranks: Seque
 
     workers = []
     for index, actions in enumerate(schedule.workers):
-        stage, _ = schedule.position(index)
-        split = {a.minibatch for a in actions if a.kind == "W"}
+        split = {(a.stage, a.minibatch) for a in actions if a.kind == "W"}
         ops: list[Op] = []
         for at, action in enumerate(actions):
-            b = action.minibatch
+            b, stage = action.minibatch, action.stage
             if action.kind == "F":
-                if stage > 0:
+                if stage > 0 and peer(stage - 1, b) != ranks[index]:
                     ops.append(
                         Op(kind="recv", stage=stage, minibatch=b, peer=peer(stage - 1, b), direction=ACTIVATION, at=at)
                     )
                 ops.append(Op(kind="F", stage=stage, minibatch=b, at=at))
-                if stage < last:
+                if stage < last and peer(stage + 1, b) != ranks[index]:
                     ops.append(
                         Op(kind="send", stage=stage, minibatch=b, peer=peer(stage + 1, b), direction=ACTIVATION, at=at)
                     )
             elif action.kind == "B":
-                if stage < last:
+                if stage < last and peer(stage + 1, b) != ranks[index]:
                     ops.append(
                         Op(kind="recv", stage=stage, minibatch=b, peer=peer(stage + 1, b), direction=GRADIENT, at=at)
                     )
-                ops.append(Op(kind="B", stage=stage, minibatch=b, weights=b not in split, at=at))
-                if stage > 0:
+                ops.append(Op(kind="B", stage=stage, minibatch=b, weights=(stage, b) not in split, at=at))
+                if stage > 0 and peer(stage - 1, b) != ranks[index]:
                     ops.append(
                         Op(kind="send", stage=stage, minibatch=b, peer=peer(stage - 1, b), direction=GRADIENT, at=at)
                     )

@@ -47,6 +47,9 @@ class Mode:
     sharing stage steps after the same minibatches). `group_floor`: the group must be at least
     `core.default_group` (two versions suffice only then). `versions_kept`: the most weight
     versions a worker may hold at once (None: as many as it has minibatches in flight).
+    `placement`: None (one stage per worker), or the shape of a plan with several stages (chunks)
+    per worker that the mode runs (`placement.LOOPED`, `placement.V`), its order in `chunked`.
+    `group_multiple`: the group must be a multiple of the workers (Megatron's interleaving).
     """
 
     name: str
@@ -61,6 +64,8 @@ class Mode:
     ties: bool = False
     group_floor: bool = False
     versions_kept: int | None = None
+    placement: str | None = None
+    group_multiple: bool = False
 
     @property
     def per_round(self) -> bool:
@@ -99,9 +104,21 @@ _ROWS = (
     Mode(name="zb2",
          about="zb with twice the warm-up forwards and weight lag, filling the start of a batch too (ZB-H2)",
          steps=GROUP, flushes=True, split=True, warmup=2, lag=2, ties=True, versions_kept=1),
+    Mode(name="interleaved",
+         about="1F1B over v chunks per worker, stage s on worker s mod p, a flush and a step per batch of m "
+         "(Megatron-LM's interleaved schedule, Narayanan et al. SC'21 section 2.2)",
+         steps=GROUP, flushes=True, versions_kept=1, placement="looped", group_multiple=True),
 )
 TABLE: dict[str, Mode] = {mode.name: mode for mode in _ROWS}
-MODES = tuple(TABLE)
+
+
+def _offered(row: Mode) -> bool:
+    """Whether `pd plan` and `pd train` offer the mode: the multi-chunk rows (a `placement`) are
+    generated, validated and simulated, and are offered once the workers run them (issue 37)."""
+    return row.placement is None
+
+
+MODES = tuple(m.name for m in _ROWS if _offered(m))
 DEFAULT = "pipedream"     # what `pd plan` writes without --mode
 DEFAULT_TIED = "2bw"      # ... when stages share a parameter: the 1F1B mode that trains tied weights
 
@@ -115,8 +132,10 @@ def rules(mode: str) -> Mode:
 
 
 def modes_where(**fields) -> tuple[str, ...]:
-    """The modes whose rows have the given field values, in table order: `modes_where(ties=True)`."""
-    return tuple(m.name for m in TABLE.values() if all(getattr(m, k) == v for k, v in fields.items()))
+    """The offered modes (as `MODES`) whose rows have the given field values, in table order:
+    `modes_where(ties=True)`."""
+    return tuple(m.name for m in TABLE.values()
+                 if _offered(m) and all(getattr(m, k) == v for k, v in fields.items()))
 
 
 def listed(names: Sequence[str]) -> str:

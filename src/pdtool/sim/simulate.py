@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Sequence
 
 from ..errors import ScheduleError
 from ..artifacts.plan import MS_PER_S, Plan
@@ -216,23 +217,35 @@ def steady_state_ms(completions: dict[int, float], minibatches: int, period: int
 
 
 def simulate(plan: Plan, mode: str | None = None, minibatches: int | None = None,
-             group: int | None = None) -> SimResult:
+             group: int | None = None, placement: Sequence[int] = ()) -> SimResult:
     """Simulate `minibatches` minibatches of `plan` under schedule `mode` (default: the plan's).
 
     `group` is the microbatches per step of 2bw, flush and gpipe (default: the schedule's
     `default_group`, the number of stages on a straight pipeline); `minibatches` defaults to
     `default_minibatches`. An unknown mode, minibatches < 1 or a group the mode refuses raise
     `ScheduleError` (the schedule's own checks).
+
+    `placement` (a mode of several stages per worker, `schedule.placement`): the worker of each
+    stage; worker w then sits at the plan rank of its first stage (its links are that rank's).
     """
     replicas = tuple(s.replicas for s in plan.stages)
     run = resolve(mode, plan.mode, replicas, group)
     mode, group = run.name, run.group
     if minibatches is None:  # a bad group is reported by the schedule's checks, not here
         minibatches = default_minibatches(sum(replicas), group if isinstance(group, int) and group >= 1 else 1)
-    schedule = generate(mode, replicas, minibatches, group)
+    schedule = generate(mode, replicas, minibatches, group, placement=placement)
     run = _Run(plan, schedule)
     run.go()
     return run.result()
+
+
+def _plan_rank(plan: Plan, schedule: Schedule, worker: int) -> int:
+    """The plan rank of schedule worker `worker`: its stage's replica's, or (several stages a
+    worker) its first stage's."""
+    if schedule.placement:
+        return plan.stages[schedule.stages_of(worker)[0]].ranks[0]
+    stage, replica = schedule.position(worker)
+    return plan.stages[stage].ranks[replica]
 
 
 def _compute_ms(op: Op, s) -> float:
@@ -269,8 +282,7 @@ class _Run:
         self.plan, self.schedule = plan, schedule
         self.ops = lower(schedule).workers
         n = len(schedule.workers)
-        self.positions = [schedule.position(w) for w in range(n)]
-        self.ranks = [plan.stages[s].ranks[i] for s, i in self.positions]  # schedule rank -> plan rank
+        self.ranks = [_plan_rank(plan, schedule, w) for w in range(n)]  # schedule rank -> plan rank
         self.allreduce = [allreduce_ms(plan, s) for s in range(len(plan.stages))]
         self.next = [0] * n            # index of each worker's next op
         self.free = [0.0] * n          # when each worker is free, ms
@@ -278,6 +290,8 @@ class _Run:
         self.met = [dict() for _ in range(n)]  # collectives done: key -> count
         self.held = [0] * n            # minibatches in flight on each worker now
         self.peak_held = [0] * n
+        self.stage_held = [dict.fromkeys(schedule.stages_of(w), 0) for w in range(n)]  # ... of each of its stages
+        self.peak_bytes = [0] * n      # the most activation bytes each worker held
         self.arrived: dict[tuple, float] = {}                 # message key (lower.message): at its receiver
         self.link_free: dict[tuple[int, int], float] = {}     # (src, dst) schedule ranks: link idle from
         self.links: dict[tuple[int, int], tuple[float, float]] = {}  # (src, dst) plan ranks: `_link`
@@ -330,12 +344,22 @@ class _Run:
         else:
             start = self.free[worker]
             end = start + _compute_ms(op, s)
-            self.held[worker] += 1 if op.kind == "F" else -1 if op.kind == "W" or op.weights else 0
-            self.peak_held[worker] = max(self.peak_held[worker], self.held[worker])
+            change = 1 if op.kind == "F" else -1 if op.kind == "W" or op.weights else 0
+            if change:
+                self._hold(worker, op.stage, change)
             self._record(worker, op, start, end)
             self.free[worker] = end
         self.next[worker] += 1
         return True
+
+    def _hold(self, worker: int, stage: int, change: int) -> None:
+        """One minibatch more (or fewer) in flight on `stage` of `worker`: its peaks."""
+        self.held[worker] += change
+        self.peak_held[worker] = max(self.peak_held[worker], self.held[worker])
+        held = self.stage_held[worker]
+        held[stage] += change
+        now = sum(_stashed(self.plan.stages[s], count) for s, count in held.items())
+        self.peak_bytes[worker] = max(self.peak_bytes[worker], now)
 
     def _copy_ms(self, size: int) -> float:
         """CPU ms that a message of `size` bytes costs one of its ends (the profile's host cost)."""
@@ -409,7 +433,7 @@ class _Run:
         per_minibatch = steady_state_ms(completions, schedule.minibatches, step_group(schedule, 0), tail, first)
         versions = peak_versions(schedule)
         in_flight = {self.ranks[w]: self.peak_held[w] for w in range(workers)}
-        activations = {self.ranks[w]: _stashed(plan.stages[s], self.peak_held[w]) for w, (s, _) in enumerate(self.positions)}
+        activations = {self.ranks[w]: self.peak_bytes[w] for w in range(workers)}
         return SimResult(
             mode=schedule.mode, minibatches=schedule.minibatches, group=schedule.group, makespan_ms=makespan,
             time_per_minibatch_ms=per_minibatch,
