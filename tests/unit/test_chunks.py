@@ -91,3 +91,83 @@ def test_interleaving_shortens_the_batch_it_simulates():
     interleaved = simulate(halves, "interleaved", minibatches=8, group=8, placement=looped(8, 4))
     assert interleaved.makespan_ms < four.makespan_ms
     assert rules("interleaved").placement == LOOPED
+
+
+def _uniform(stages, f, b, w):
+    """A plan of `stages` equal stages whose backward is b (input gradients) + w (weight gradients)."""
+    import dataclasses
+
+    plan = make_plan([(f, b + w, 1)] * stages, levels=[(stages, 1e15)])
+    return dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, wgrad_ms=w) for s in plan.stages))
+
+
+def test_zbv_is_torchs_order_on_the_v():
+    s = generate("zbv", (1,) * 4, 4, 4, placement=v_shape(4))
+    validate(s)
+    # torch's ScheduleZBVZeroBubble._calculate_single_rank_operations for 2 ranks, 4 microbatches (torch's I is B here)
+    assert " ".join(map(str, s.workers[1])) == ("1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1F3 1B1 1W1 2F3 2B2 "
+                                                "2W2 1B2 2B3 1B3 1W2 2W3 1W3 1U 2U")
+    assert s.stages_of(0) == (0, 3) and rules("zbv").split
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 6])
+def test_every_zbv_schedule_is_sound(workers):
+    for group in range(1, 3 * workers + 2):
+        validate(generate("zbv", (1,) * (2 * workers), 2 * group, group, placement=v_shape(2 * workers)))
+
+
+@pytest.mark.parametrize("workers, group", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_zbv_with_equal_f_b_w_reaches_the_fill_bound_at_1f1bs_memory(workers, group):
+    """With F = B = W per chunk, ZB-V idles only where it must: the last worker's first forward waits
+    (p - 1) F for the pipeline to fill, and nothing else (Qi et al. section 6: zero bubble); its
+    activations in flight stay within 1F1B's: 2p chunk-microbatches, p stage-microbatches."""
+    plan = _uniform(2 * workers, 1.0, 1.0, 1.0)
+    result = simulate(plan, "zbv", minibatches=group, group=group, placement=v_shape(2 * workers))
+    ideal = group * 2 * 3.0
+    assert result.makespan_ms == pytest.approx(ideal + (workers - 1) * 1.0, rel=1e-9)
+    assert max(result.peak_in_flight.values()) <= 2 * workers
+    one_f_one_b = simulate(_uniform(workers, 2.0, 2.0, 2.0), "zb", minibatches=group, group=group)
+    assert result.makespan_ms < one_f_one_b.makespan_ms
+
+
+def _torchs_order(schedule_class, workers, group, rank):
+    """torch.distributed.pipelining's own action list for `rank` (its I is pdtool's split B, its full
+    backward pdtool's whole B, an overlapped F and B the two one after the other), as "<stage><kind><mb>"."""
+    from types import SimpleNamespace
+
+    shell = SimpleNamespace(pp_group_size=workers, _n_microbatches=group, num_stages=2 * workers)
+    names = {"F": "F", "I": "B", "B": "B", "W": "W"}
+    found = []
+    for action in schedule_class._calculate_single_rank_operations(shell, rank):
+        if action is None:
+            continue
+        for one in action.sub_actions or (action,):
+            found.append(f"{one.stage_index}{names[one.computation_type.value]}{one.microbatch_index}")
+    return found
+
+
+@pytest.mark.parametrize("mode, torch_class", [("zbv", "ScheduleZBVZeroBubble"), ("dualpipev", "ScheduleDualPipeV")])
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 5])
+def test_the_v_orders_are_torchs(mode, torch_class, workers):
+    """pdtool writes these orders itself (pure Python, no torch in the schedule package); torch 2.13's
+    schedules are the oracle: the same actions in the same order on every rank, for every group torch takes."""
+    from torch.distributed.pipelining import schedules
+
+    low = 2 * workers if rules(mode).group_stages else 1
+    for group in range(low, 4 * workers + 2):
+        s = generate(mode, (1,) * (2 * workers), group, group, placement=v_shape(2 * workers))
+        for rank in range(workers):
+            ours = [str(a) for a in s.workers[rank] if a.kind != "U"]
+            assert ours == _torchs_order(getattr(schedules, torch_class), workers, group, rank), (group, rank)
+
+
+def test_dualpipev_needs_a_group_of_the_stages_and_splits_some_backwards():
+    with pytest.raises(ScheduleError, match=r"group=3 for mode 'dualpipev' on 4 stages: .* use a group >= 4"):
+        generate("dualpipev", (1,) * 4, 3, 3, placement=v_shape(4))
+    s = generate("dualpipev", (1,) * 8, 8, 8, placement=v_shape(8))
+    validate(s)
+    whole = [a for ops in s.workers for a in ops if a.kind == "B"]
+    split = [a for ops in s.workers for a in ops if a.kind == "W"]
+    assert 0 < len(split) < len(whole)
+    ops = lower(s).workers
+    assert sum(op.kind == "B" and not op.weights for w in ops for op in w) == len(split)

@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "pdtool"
 def test_the_table_is_the_list_of_modes_and_every_row_is_consistent():
     assert MODES == ("pipedream", "vsync", "2bw", "flush", "gpipe", "zb", "zb2")
     # the multi-chunk rows are planned, checked and simulated; they join MODES once workers run them (issue 37)
-    assert tuple(TABLE) == MODES + ("interleaved",) and all(TABLE[m].placement for m in TABLE if m not in MODES)
+    assert tuple(TABLE) == MODES + ("interleaved", "zbv", "dualpipev") and all(TABLE[m].placement for m in TABLE if m not in MODES)
     for name, row in TABLE.items():
         assert row.name == name and rules(name) is row
         assert row.steps in (modes.ROUND, modes.GROUP) and row.order in (modes.ONE_F_ONE_B, modes.ALL_FORWARD)

@@ -89,7 +89,7 @@ def _check_once(schedule: Schedule) -> dict[Action, tuple[int, int]]:
             where[action] = (rank, index)
     for stage in range(schedule.stages):
         for minibatch in range(schedule.minibatches):
-            for kind in ("F", "B", "W") if schedule.rules.split else ("F", "B"):
+            for kind in _kinds(schedule):
                 action = Action(kind, stage, minibatch)
                 if action not in where:
                     owner = schedule.label(schedule.rank(stage, schedule.replica_of(stage, minibatch)))
@@ -100,7 +100,8 @@ def _check_once(schedule: Schedule) -> dict[Action, tuple[int, int]]:
 
 
 def _kinds(schedule: Schedule) -> tuple[str, ...]:
-    return ("F", "B", "W") if schedule.rules.split else ("F", "B")
+    """What every minibatch runs on every stage (a W only where the mode splits every backward)."""
+    return ("F", "B", "W") if schedule.rules.split and not schedule.rules.some_whole else ("F", "B")
 
 
 def _check_forward_first(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> None:
@@ -159,6 +160,7 @@ def _check_in_flight(schedule: Schedule) -> None:
 
 def _check_stage_in_flight(schedule: Schedule, rank: int, stage: int, actions: list[Action]) -> None:
     depth = stash_depth(schedule, stage)
+    split = {a.minibatch for a in actions if a.kind == "W"}
     flight: list[int] = []
     for action in actions:
         if action.kind == "F":
@@ -168,7 +170,7 @@ def _check_stage_in_flight(schedule: Schedule, rank: int, stage: int, actions: l
                     f"{schedule.label(rank)}: {len(flight)} minibatches in flight after {action} "
                     f"({', '.join(map(str, flight))}), but mode {schedule.mode!r} lets stage {stage} hold at most "
                     f"{depth}; run a backward before this forward")
-        elif action.kind == _kinds(schedule)[-1]:  # held until its last backward part
+        elif action.kind == "W" or (action.kind == "B" and action.minibatch not in split):  # its last backward part
             flight.remove(action.minibatch)
 
 

@@ -402,6 +402,9 @@ def _check_placement(rule, replicas: tuple, placement: tuple, group: int) -> Non
         raise ScheduleError(f"mode {rule.name!r} needs the {rule.placement} placement of {len(placement)} stages "
                             f"on {workers} workers" + (f" ({expected})" if expected else "") + ", but the stages are "
                             f"placed {placement}" + (f" ({found})" if found else "") + "; plan the stages for this mode")
+    if rule.group_stages and group < len(placement):
+        raise ScheduleError(f"group={group} for mode {rule.name!r} on {len(placement)} stages: its warm-up and "
+                            f"cool-down need at least as many microbatches as stages; use a group >= {len(placement)}")
     if rule.group_multiple and group % workers:
         raise ScheduleError(f"group={group} for mode {rule.name!r} on {workers} workers: it sends the microbatches "
                             f"through the chunks in rounds of one per worker, so the group must be a multiple of "
