@@ -171,3 +171,24 @@ def test_dualpipev_needs_a_group_of_the_stages_and_splits_some_backwards():
     assert 0 < len(split) < len(whole)
     ops = lower(s).workers
     assert sum(op.kind == "B" and not op.weights for w in ops for op in w) == len(split)
+
+
+@pytest.mark.parametrize("mode, shape, workers", [("interleaved", "looped", 2), ("interleaved", "looped", 4),
+                                                  ("zbv", "v", 2), ("zbv", "v", 4), ("dualpipev", "v", 3)])
+def test_the_steady_state_is_the_event_simulation(mode, shape, workers):
+    """Unequal stages and a slow link: the period graph of one batch (`sim.steady`) gives the event
+    simulation's time per minibatch over many batches within 2%."""
+    from pdtool.sim.steady import steady_state
+
+    stages = 2 * workers
+    times = [(1.0 + 0.3 * (s % 3), 2.0 + 0.5 * (s % 2), 1, 0, 40_000) for s in range(stages)]
+    import dataclasses
+
+    plan = make_plan(times, levels=[(stages, 2e7)])
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(s, wgrad_ms=s.bwd_ms / 2) for s in plan.stages))
+    placement = make(shape, stages, workers)
+    group = 2 * stages
+    steady = steady_state(plan, mode, group=group, placement=placement)
+    long = simulate(plan, mode, minibatches=8 * group, group=group, placement=placement)
+    assert steady is not None
+    assert steady.time_per_minibatch_ms == pytest.approx(long.time_per_minibatch_ms, rel=0.02)

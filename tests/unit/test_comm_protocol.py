@@ -132,8 +132,8 @@ def test_the_replay_finds_a_deadlock_when_sends_wait_for_their_receive():
     while stage 1 waits for stage 0 to take minibatch 0's gradient. The runtime's posting ahead
     (`Prefetch`) avoids it even with window 0; a window of 1 avoids it even without posting ahead."""
     schedule = generate("pipedream", (1, 1), 6)
-    assert replay(schedule, 0, posting=JustInTime) == {"w0 s0r0": ("send", 1, ACTIVATION, 1),
-                                                       "w1 s1r0": ("send", 0, GRADIENT, 0)}
+    assert replay(schedule, 0, posting=JustInTime) == {"w0 s0r0": ("send", 1, ACTIVATION, 1, 0),
+                                                       "w1 s1r0": ("send", 0, GRADIENT, 0, 0)}
     assert replay(schedule, 0) is None
     assert replay(schedule, 1, posting=JustInTime) is None
 

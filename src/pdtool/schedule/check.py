@@ -255,13 +255,14 @@ _NAMES = {"F": "forward", "B": "backward", "W": "weight gradients"}
 
 
 def _check_link_order(schedule: Schedule, workers) -> None:
-    """Per (sender, receiver, direction), the minibatches sent and received come in one order."""
-    order: dict[str, dict[tuple[int, int, int], list[int]]] = {"send": {}, "recv": {}}
+    """Per (sender, receiver, direction), the minibatches sent and received come in one order (a
+    worker of several stages: (minibatch, boundary) pairs where its messages cross more than one)."""
+    order: dict[str, dict[tuple[int, int, int], list]] = {"send": {}, "recv": {}}
     for rank, ops in enumerate(workers):
         for op in ops:
             if op.kind in order:
-                source, dest, direction, b = message(op, rank)
-                order[op.kind].setdefault((source, dest, direction), []).append(b)
+                source, dest, direction, b, joins = message(op, rank)
+                order[op.kind].setdefault((source, dest, direction), []).append((b, joins) if schedule.placement else b)
     for key, sent in order["send"].items():
         received = order["recv"].get(key)
         if received != sent:

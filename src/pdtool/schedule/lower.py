@@ -164,11 +164,19 @@ def collective_key(op: Op) -> tuple:
     return (op.kind, op.group, op.stages)
 
 
-def message(op: Op, rank: int) -> tuple[int, int, int, int]:
-    """(sender, receiver, direction, minibatch) of the message a `send`/`recv` op of worker
-    `rank` moves: a send and the recv that takes it have the same key."""
+def message(op: Op, rank: int) -> tuple[int, int, int, int, int]:
+    """(sender, receiver, direction, minibatch, boundary) of the message a `send`/`recv` op of
+    worker `rank` moves: a send and the recv that takes it have the same key. `boundary` is the
+    lower stage of the two it joins: a worker of several stages sends one peer the messages of
+    several boundaries for one minibatch."""
     sender, receiver = (rank, op.peer) if op.kind == "send" else (op.peer, rank)
-    return sender, receiver, op.direction, op.minibatch
+    return sender, receiver, op.direction, op.minibatch, boundary(op)
+
+
+def boundary(op: Op) -> int:
+    """The lower stage of the two that a `send`/`recv` op's message joins."""
+    below = (op.kind == "send") == (op.direction == ACTIVATION)  # leaves downward or arrives from above
+    return op.stage if below else op.stage - 1
 
 
 def sender_action(op: Op) -> str:

@@ -239,7 +239,7 @@ def simulate(plan: Plan, mode: str | None = None, minibatches: int | None = None
     return run.result()
 
 
-def _plan_rank(plan: Plan, schedule: Schedule, worker: int) -> int:
+def worker_rank(plan: Plan, schedule: Schedule, worker: int) -> int:
     """The plan rank of schedule worker `worker`: its stage's replica's, or (several stages a
     worker) its first stage's."""
     if schedule.placement:
@@ -282,7 +282,7 @@ class _Run:
         self.plan, self.schedule = plan, schedule
         self.ops = lower(schedule).workers
         n = len(schedule.workers)
-        self.ranks = [_plan_rank(plan, schedule, w) for w in range(n)]  # schedule rank -> plan rank
+        self.ranks = [worker_rank(plan, schedule, w) for w in range(n)]  # schedule rank -> plan rank
         self.allreduce = [allreduce_ms(plan, s) for s in range(len(plan.stages))]
         self.next = [0] * n            # index of each worker's next op
         self.free = [0.0] * n          # when each worker is free, ms

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import reduce
+from typing import Sequence
 
 import numpy as np
 
@@ -45,7 +46,7 @@ from ..artifacts.plan import MS_PER_S, Plan
 from ..schedule import generate
 from ..schedule.lower import ACTIVATION, collective_key, lower, message
 from ..schedule.modes import ONE_F_ONE_B, resolve, rules, warmup_forwards
-from .simulate import MIB, allreduce_ms, link_bandwidth, link_latency
+from .simulate import MIB, allreduce_ms, link_bandwidth, link_latency, worker_rank
 
 MAX_NODES = 400_000
 """Largest period graph computed (about 2 s here); beyond, the planner simulates instead."""
@@ -73,16 +74,23 @@ def applies(plan: Plan, mode: str | None = None) -> bool:
     return row.flushes or (not row.split and row.order == ONE_F_ONE_B)
 
 
-def steady_state(plan: Plan, mode: str | None = None) -> SteadyState | None:
-    """The steady state of `plan` under `mode` (default: the plan's); None where it cannot be
-    computed from one period (see the module doc)."""
+def steady_state(plan: Plan, mode: str | None = None, group: int | None = None,
+                 placement: Sequence[int] = ()) -> SteadyState | None:
+    """The steady state of `plan` under `mode` (default: the plan's) and `group` (default: the
+    mode's); None where it cannot be computed from one period (see the module doc). `placement`:
+    the worker of each stage, for a mode of several stages per worker (as `simulate` takes it)."""
     if not applies(plan, mode):
         return None
     replicas = [s.replicas for s in plan.stages]
-    run = resolve(mode, plan.mode, replicas)
+    run = resolve(mode, plan.mode, replicas, group)
     g = reduce(math.gcd, replicas)
     graph = _Graph()
-    if run.mode.flushes:
+    if placement:  # one replica a stage: one batch of the group is the period, on the placement's workers
+        if len(replicas) * run.group * 10 > MAX_NODES:
+            return None
+        reduced, period = [1] * len(replicas), run.group
+        acting = _build_batch(plan, run.name, 1, reduced, period, graph, tuple(placement))
+    elif run.mode.flushes:
         g = math.gcd(g, run.group)  # the sub-pipelines must split the batch too
         reduced = [r // g for r in replicas]
         period = run.group // g
@@ -106,7 +114,7 @@ def steady_state(plan: Plan, mode: str | None = None) -> SteadyState | None:
     ratio = graph.max_cycle_ratio()
     if ratio is None or ratio <= 0:
         return None
-    workers = sum(reduced)
+    workers = max(placement) + 1 if placement else sum(reduced)
     return SteadyState(time_per_minibatch_ms=ratio / (period * g),
                        bubble_fraction=max(0.0, 1 - acting / (workers * ratio)),
                        period_minibatches=period * g, nodes=graph.count)
@@ -360,13 +368,14 @@ class _OneFOneB:
                                    size * ms_per_byte, 1 if n == 0 else 0)
 
 
-def _build_batch(plan: Plan, mode: str, g: int, reduced: list[int], group: int, graph: _Graph) -> float | None:
+def _build_batch(plan: Plan, mode: str, g: int, reduced: list[int], group: int, graph: _Graph,
+                 placement: tuple[int, ...] = ()) -> float | None:
     """The period graph of a mode that flushes before every step: one batch of `group`
     minibatches on sub-pipeline 0, every op of the lowered schedule a node (as `simulate._Run`
     runs it), its messages inside the batch, and one token from each worker's last op, each
     link's last message and each collective's last round to the next batch's first. The acting
     time (compute and steps) of its workers per batch; None where a message has no sender."""
-    batch = _FlushBatch(plan, mode, g, reduced, group, graph)
+    batch = _FlushBatch(plan, mode, g, reduced, group, graph, placement)
     for w, ops in enumerate(batch.workers):
         batch.worker(w, ops)
     if not batch.messages():
@@ -381,15 +390,19 @@ class _FlushBatch:
     between them (`messages`), each link carrying one message at a time in the order sent
     (`link_order`), and each collective's round joined by its members (`collective_rounds`)."""
 
-    def __init__(self, plan: Plan, mode: str, g: int, reduced: list[int], group: int, graph: _Graph):
+    def __init__(self, plan: Plan, mode: str, g: int, reduced: list[int], group: int, graph: _Graph,
+                 placement: tuple[int, ...] = ()):
         self.plan, self.graph = plan, graph
         self.stages = plan.stages
         self.per_mib = plan.profile.message_ms_per_mib
         ranks = [s.ranks[::g] for s in self.stages]
         self.took = [allreduce_ms(plan, s) for s in range(len(self.stages))]
-        schedule = generate(mode, tuple(reduced), group, group)
+        schedule = generate(mode, tuple(reduced), group, group, placement=placement)
         self.workers = lower(schedule).workers
-        self.plan_rank = [ranks[s][i] for s, i in (schedule.position(w) for w in range(len(self.workers)))]
+        if placement:
+            self.plan_rank = [worker_rank(plan, schedule, w) for w in range(len(self.workers))]
+        else:
+            self.plan_rank = [ranks[s][i] for s, i in (schedule.position(w) for w in range(len(self.workers)))]
         self.sent: dict[tuple, tuple[int, float]] = {}  # message key -> (the wire node of its send, latency)
         self.received: dict[tuple, int] = {}  # message key -> its recv node
         self.on_link: dict[tuple[int, int], list[tuple[int, float]]] = {}  # (sender, receiver) -> (wire, transfer)
