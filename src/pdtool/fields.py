@@ -47,11 +47,12 @@ class At:
             self.fail(f"unknown {what} {value!r}", f"use one of {', '.join(map(str, allowed))}", key)
 
 
-def check_schema(data: Any, expected: str, source: str) -> None:
-    """Refuse a file whose `schema` field is not `expected`, naming what it is instead."""
+def check_schema(data: Any, expected: str, source: str, older: tuple[str, ...] = ()) -> None:
+    """Refuse a file whose `schema` field is not `expected` (or one of the `older` formats it
+    reads), naming what it is instead."""
     if not isinstance(data, dict) or "schema" not in data:
         raise ArtifactError(f"{source}: no 'schema' field; this is not a pdtool artifact (expected {expected})")
-    if data["schema"] != expected:
+    if data["schema"] != expected and data["schema"] not in older:
         found, wanted = _KINDS.get(data["schema"]), _KINDS.get(expected, expected)
         if found is not None:  # another pdtool artifact: say what it is and what to do with it
             raise ArtifactError(f"{source}: this is a {found[0]} ({data['schema']}), not a {wanted[0]}; {found[1]}")
@@ -64,6 +65,7 @@ def check_schema(data: Any, expected: str, source: str) -> None:
 _KINDS = {
     "pdtool.profile/1": ("profile", "plan it with pd plan PROFILE.json --cluster SPEC -o PLAN.json, then use the plan"),
     "pdtool.plan/1": ("plan", "train it with pd train PLAN.json, or give the profile it was made from"),
+    "pdtool.plan/2": ("plan", "train it with pd train PLAN.json, or give the profile it was made from"),
     "pdtool.cluster/1": ("cluster description", "give it to pd plan --cluster"),
     "pdtool.checkpoint/1": ("checkpoint manifest", "give its folder's parent to pd train --checkpoint-dir"),
 }

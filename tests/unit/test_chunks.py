@@ -39,7 +39,7 @@ def test_interleaved_is_megatrons_order_and_hands_over_in_the_worker():
 
 
 @pytest.mark.parametrize("workers", [2, 3, 4])
-@pytest.mark.parametrize("chunks_per_worker", [1, 2, 4])
+@pytest.mark.parametrize("chunks_per_worker", [2, 3, 4])
 @pytest.mark.parametrize("rounds", [1, 2, 3])
 def test_every_interleaved_schedule_is_sound(workers, chunks_per_worker, rounds):
     group = rounds * workers
@@ -70,7 +70,7 @@ def test_a_local_handover_out_of_order_is_one_line():
                           placement=(0, 0)))
 
 
-@pytest.mark.parametrize("workers, chunks_per_worker, group", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (3, 2, 6), (4, 1, 8)])
+@pytest.mark.parametrize("workers, chunks_per_worker, group", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (3, 2, 6), (3, 3, 9)])
 def test_the_simulated_bubble_is_the_closed_form(workers, chunks_per_worker, group):
     """Uniform stages, free links: a batch takes m v (f + b) + (p - 1)(f + b), the bubble (p - 1) / (v m)
     of the ideal time (Narayanan et al. SC'21, section 2.2.1), within 2%."""
@@ -192,3 +192,89 @@ def test_the_steady_state_is_the_event_simulation(mode, shape, workers):
     long = simulate(plan, mode, minibatches=8 * group, group=group, placement=placement)
     assert steady is not None
     assert steady.time_per_minibatch_ms == pytest.approx(long.time_per_minibatch_ms, rel=0.02)
+
+
+def _chunked_plan(mode="interleaved", ranks=((0,), (1,), (0,), (1,))):
+    return make_plan([(1.0, 2.0, 1, 0, 4000)] * len(ranks), levels=[(max(max(r) for r in ranks) + 1, 1e9)],
+                     mode=mode, ranks=ranks)
+
+
+def test_a_plan_puts_several_stages_on_a_worker_where_its_mode_places_them(tmp_path):
+    from pdtool.artifacts.plan import Plan
+    from pdtool.sim.steady import steady_state
+
+    plan = _chunked_plan()
+    assert plan.placement == (0, 1, 0, 1) and plan.used_ranks == (0, 1) and plan.schema == "pdtool.plan/2"
+    path = tmp_path / "chunks.plan.json"
+    plan.save(path)
+    again = Plan.load(path)
+    assert again == plan
+    result = simulate(again, group=4)  # the plan's placement: no argument needed
+    assert set(result.busy_ms) == {0, 1} and {e.stage for e in result.events if e.rank == 0} == {0, 2}
+    assert steady_state(again, group=4).time_per_minibatch_ms == pytest.approx(
+        simulate(again, minibatches=32, group=4).time_per_minibatch_ms, rel=0.02)
+    v = _chunked_plan("zbv", ((0,), (1,), (1,), (0,)))
+    assert v.placement == (0, 1, 1, 0) and simulate(v, group=4).mode == "zbv"
+    assert "do not run yet" in plan.untrainable()
+
+
+@pytest.mark.parametrize("mode, ranks, message", [
+    ("flush", ((0,), (1,), (0,), (1,)), r"stages\[2\]: rank 0 is also in stages\[0\]; give every rank to one stage only"),
+    ("interleaved", ((0,), (1,), (1,), (0,)), r"places the stages looped over the workers, but the stages' ranks place "
+                                              r"them 0, 1, 1, 0 \(v\)"),
+    ("zbv", ((0,), (1,), (0,), (1,)), r"places the stages v over the workers, but .* 0, 1, 0, 1 \(looped\)"),
+    ("interleaved", ((0, 2), (1,), (0,), (1,)), r"stages\[0\]: 2 ranks: mode 'interleaved' .* does not replicate them"),
+])
+def test_a_plan_whose_chunks_do_not_suit_its_mode_is_one_line(mode, ranks, message):
+    from pdtool.errors import ArtifactError
+
+    with pytest.raises(ArtifactError, match=message):
+        _chunked_plan(mode, ranks)
+
+
+def test_pd_show_and_the_picture_give_each_worker_its_chunks(tmp_path):
+    from pdtool.views.render import STAGE_COLOURS, plan_graph
+    from pdtool.views.show import plan_table, simulation_table
+    from test_plan import chain_profile
+
+    plan = _chunked_plan()
+    text = plan_table(plan)
+    assert "chunks       looped placement, 2 stages on each worker: rank 0 holds stages 0, 2; rank 1 holds stages 1, 3" \
+        in text
+    sim = simulation_table(simulate(plan, group=4), plan)
+    assert "2 workers in 4 stages, 2 on each worker (interleaved's placement)" in sim
+    assert [line.split()[:2] for line in sim.splitlines()[-2:]] == [["0", "0,2"], ["1", "1,3"]]
+    import dataclasses
+
+    from pdtool.artifacts.cluster import parse_cluster
+    from pdtool.planner import make_plan as plan_for
+
+    profile = chain_profile([1.0] * 4, [1000] * 4, [4000] * 4)
+    straight = plan_for(profile, parse_cluster("4x1GB/s"), straight=True, mode="flush")
+    assert len(straight.stages) == 4
+    chunked = dataclasses.replace(straight, mode="interleaved", stages=tuple(
+        dataclasses.replace(stage, ranks=(s % 2,)) for s, stage in enumerate(straight.stages)))
+    source = plan_graph(chunked, profile).source
+    # stages 0 and 2 (rank 0) share a colour, 1 and 3 (rank 1) another
+    assert source.count(f'fillcolor="{STAGE_COLOURS[0]}"') == 2 and source.count(f'fillcolor="{STAGE_COLOURS[1]}"') == 2
+    assert "chunk 2 of rank 0" in source and "chunk 1 of rank 1" in source
+
+
+def test_pd_train_refuses_a_multi_chunk_plan_in_one_line_before_any_worker(tmp_path):
+    from click.testing import CliRunner
+
+    from pdtool.cli import cli
+
+    path = tmp_path / "chunks.plan.json"
+    _chunked_plan().save(path)
+    result = CliRunner().invoke(cli, ["train", str(path), "--steps", "1"])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (f"pd: error: {path}: the plan puts several stages on a worker (mode interleaved), "
+                                     "which pd simulate and pd show read but pd train's workers do not run yet (one "
+                                     "stage per worker); train a plan of one stage per worker")
+
+
+def test_interleaving_one_chunk_a_worker_is_flush_and_refused():
+    with pytest.raises(ScheduleError, match=r"one stage a worker is what the modes of one chunk run .* give each worker 2 "
+                                            r"or more stages"):
+        generate("interleaved", (1,) * 4, 4, 4, placement=looped(4, 4))

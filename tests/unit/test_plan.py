@@ -173,7 +173,7 @@ def _plan_json():
     (lambda d: d.update(stages=[]), "at least one stage"),
     (lambda d: d.update(mode="fast"), "unknown mode 'fast'"),
     (lambda d: d.update(schema="pdtool.profile/1"), r"this is a profile \(pdtool.profile/1\), not a plan"),
-    (lambda d: d.update(schema="pdtool.plan/9"), "expected 'pdtool.plan/1'"),
+    (lambda d: d.update(schema="pdtool.plan/9"), "expected 'pdtool.plan/2'"),
     (lambda d: d["stages"][0].pop("ranks"), r"stages\[0\].ranks: missing field"),
     (lambda d: d["stages"][1].update(receives=[1, 1]), r"stages\[1\].receives: layer 1 is listed twice"),
     (lambda d: d["stages"][1].update(receives=[99]), r"stages\[1\]: receives layer 99, which does not exist"),

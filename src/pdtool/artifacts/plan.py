@@ -1,4 +1,4 @@
-"""The plan artifact (`pdtool.plan/1`); `planner.make_plan` makes it from a profile.
+"""The plan artifact (`pdtool.plan/2`, reads `/1`); `planner.make_plan` makes it from a profile.
 
 A plan says which layers each stage runs (a set of layer ids: the difference of two down-sets
 of the layer graph, on a chain a contiguous range), on how many replicas and on which ranks,
@@ -20,11 +20,15 @@ from .cluster import Cluster
 from ..errors import ArtifactError, PdtoolError
 from ..fields import At, check_schema
 from ..jsonio import canonical_json, round_float_fields
-from ..schedule.modes import MODES, ties_refusal
+from ..schedule.modes import TABLE, rules, ties_refusal
+from ..schedule.placement import shape_of
 from .profile import METHODS, PRECISIONS, SPLITS, ModelRef, Profile, default_split, estimate_wgrad_ms
 from .record import Artifact, Bool, Const, Int, ListOf, Num, Record, Records, Shared, Str, derived, field
 
-SCHEMA = "pdtool.plan/1"
+SCHEMA = "pdtool.plan/2"
+OLDER = ("pdtool.plan/1",)
+"""The formats read as they were: /1 gave every rank one stage; /2 lets a worker hold several
+stages (chunks) where the mode places them (`schedule.placement`)."""
 MS_PER_S = 1e3  # the planner works in seconds, plans and the simulator in ms
 
 
@@ -270,7 +274,7 @@ class Plan(Artifact):
     cluster: Cluster = field(Record(Cluster))
     cost_model: str = field(Str(COST_MODELS))
     straight: bool = field(Bool())
-    mode: str = field(Str(MODES))
+    mode: str = field(Str(tuple(TABLE)))
     stages: tuple[PlanStage, ...] = field(Records(PlanStage, min_items=1), doc="One stage each: its layers, "
                                           "replicated on `ranks`; times are ms per minibatch as the cost model "
                                           "charges them.")
@@ -285,7 +289,7 @@ class Plan(Artifact):
                                                             "step (modes 2bw, flush, gpipe, zb, zb2)")
     profile_file: str | None = field(Str(), None, key="provenance.profile", omit=None, doc="The profile's file as "
                                      "pd plan was given it, without its folder (where pd show looks for it).")
-    schema: str = field(Const(SCHEMA, ""), SCHEMA, required=True)
+    schema: str = field(Const(SCHEMA, "", OLDER), SCHEMA, required=True)
     source: InitVar[str] = "plan"
 
     def __post_init__(self, source: str) -> None:
@@ -303,6 +307,9 @@ class Plan(Artifact):
         refusal = ties_refusal(mode)
         if self.shared and refusal:
             return f"{self.describe_shared()} (tied weights), and {refusal}"
+        if self.placement or rules(mode).placement is not None:
+            return (f"the plan puts several stages on a worker (mode {self.mode}), which pd simulate and pd show read but "
+                    "pd train's workers do not run yet (one stage per worker); train a plan of one stage per worker")
         return None
 
     def describe_shared(self) -> str:
@@ -318,7 +325,19 @@ class Plan(Artifact):
 
     @property
     def used_ranks(self) -> tuple[int, ...]:
-        return tuple(sorted(r for s in self.stages for r in s.ranks))
+        """The ranks that hold a stage, each once, ascending."""
+        return tuple(sorted({r for s in self.stages for r in s.ranks}))
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """Where the mode puts several stages on a worker (`schedule.placement`): each stage's worker,
+        the workers numbered in the order their ranks first appear; () in a mode of one stage per worker."""
+        if rules(self.mode).placement is None:
+            return ()
+        order: dict[int, int] = {}
+        for stage in self.stages:
+            order.setdefault(stage.ranks[0], len(order))
+        return tuple(order[stage.ranks[0]] for stage in self.stages)
 
     @property
     def samples_per_s(self) -> float:
@@ -328,7 +347,7 @@ class Plan(Artifact):
     def _check_raw(cls, data: Any, source: str) -> None:
         """The kind of file; a plan from before stages recorded what they receive and send is
         refused in one line that says to make it again (with the command that made it)."""
-        check_schema(data, SCHEMA, source)
+        check_schema(data, SCHEMA, source, OLDER)
         stages = data.get("stages")
         for index, stage in enumerate(stages if isinstance(stages, list) else []):
             if isinstance(stage, dict) and "receives" not in stage and "sends" not in stage:
@@ -344,7 +363,7 @@ class Plan(Artifact):
 def _validate(plan: Plan, source: str) -> None:
     """The invariants a plan holds; a hand edit that breaks one gets one clear line."""
     top = At(source)
-    top.one_of(plan.mode, MODES, "mode", "mode")
+    top.one_of(plan.mode, tuple(TABLE), "mode", "mode")
     top.one_of(plan.cost_model, COST_MODELS, "cost model", "cost_model")
     top.one_of(plan.state_space, (DOWN_SETS, PREFIXES), "state space", "state_space")
     if not plan.stages:
@@ -375,9 +394,10 @@ def _validate(plan: Plan, source: str) -> None:
             if not 0 <= rank < plan.cluster.workers:
                 top.fail(f"rank {rank} does not exist in a cluster of {plan.cluster.workers} workers",
                          f"use ranks 0..{plan.cluster.workers - 1}", where)
-            if rank in seen:
-                top.fail(f"rank {rank} is also in stages[{seen[rank]}]", "give every rank to one stage only", where)
-            seen[rank] = index
+            if rank in seen and rules(plan.mode).placement is None:
+                top.fail(f"rank {rank} is also in stages[{seen[rank]}]", "give every rank to one stage only (a worker "
+                         "holds several stages only in a mode of several chunks: interleaved, zbv, dualpipev)", where)
+            seen.setdefault(rank, index)
     for index, (name, stages) in enumerate(plan.shared):
         if len(set(stages)) < 2 or not all(0 <= s < len(plan.stages) for s in stages):
             top.fail(f"parameter {name!r} must list two or more distinct stage ids in 0..{len(plan.stages) - 1}, "
@@ -387,6 +407,24 @@ def _validate(plan: Plan, source: str) -> None:
         top.fail(f"layer{'s' if len(missing) > 1 else ''} {compact_ranges(missing)} "
                  f"{'are' if len(missing) > 1 else 'is'} in no stage", "put every layer in exactly one stage", "stages")
     _check_data_flow(plan, owner, top)
+    _check_chunks(plan, top)
+
+
+def _check_chunks(plan: Plan, top: At) -> None:
+    """A mode of several stages per worker: one rank a stage, placed as the mode places them."""
+    shape = rules(plan.mode).placement
+    if shape is None:
+        return
+    for index, stage in enumerate(plan.stages):
+        if len(stage.ranks) != 1:
+            top.fail(f"{len(stage.ranks)} ranks: mode {plan.mode!r} puts several stages (chunks) on each worker and "
+                     "does not replicate them", "give every stage one rank", f"stages[{index}]")
+    placement = plan.placement
+    if shape_of(placement) != shape:
+        found = shape_of(placement)
+        top.fail(f"mode {plan.mode!r} places the stages {shape} over the workers, but the stages' ranks place them "
+                 f"{', '.join(str(s.ranks[0]) for s in plan.stages)}" + (f" ({found})" if found else ""),
+                 "plan the stages for this mode, or use a mode of one stage per worker", "stages")
 
 
 def _check_data_flow(plan: Plan, owner: dict[int, int], top: At) -> None:

@@ -119,19 +119,21 @@ class Str(Kind):
 
 @dataclass(frozen=True)
 class Const(Kind):
-    """The string `value` and no other (an artifact's `schema`)."""
+    """The string `value` and no other (an artifact's `schema`), or one of the `older` values
+    (formats written before, read as they were)."""
 
     value: str
     fix: str
+    older: tuple[str, ...] = ()
     types = ("string",)
 
     def read(self, value: str, at: At) -> str:
-        if value != self.value:
+        if value != self.value and value not in self.older:
             at.wrong(f"schema is {value!r}, expected {self.value!r}", self.fix)
         return value
 
     def schema(self) -> dict[str, Any]:
-        return {"const": self.value}
+        return {"enum": [*self.older, self.value]} if self.older else {"const": self.value}
 
 
 class Bool(Kind):

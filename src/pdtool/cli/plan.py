@@ -42,7 +42,7 @@ GROUPS = {"cluster": ("cluster_spec", "memory"),
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
               help="Plan JSON to write ('-' for stdout). Written atomically.")
 def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model, mode, optimizer, recompute, output):
-    """Partition a profiled model over a cluster with PipeDream's optimizer (pdtool.plan/1).
+    """Partition a profiled model over a cluster with PipeDream's optimizer (pdtool.plan/2).
 
     Chooses stage boundaries and replicas per stage to minimise the time per minibatch of the
     slowest stage, level by level over the cluster, and records the prediction.

@@ -402,6 +402,10 @@ def _check_placement(rule, replicas: tuple, placement: tuple, group: int) -> Non
         raise ScheduleError(f"mode {rule.name!r} needs the {rule.placement} placement of {len(placement)} stages "
                             f"on {workers} workers" + (f" ({expected})" if expected else "") + ", but the stages are "
                             f"placed {placement}" + (f" ({found})" if found else "") + "; plan the stages for this mode")
+    if workers == len(placement):
+        raise ScheduleError(f"mode {rule.name!r} on {workers} stages of {workers} workers: one stage a worker is "
+                            "what the modes of one chunk run (flush is interleaving with one chunk); give each worker "
+                            "2 or more stages")
     if rule.group_stages and group < len(placement):
         raise ScheduleError(f"group={group} for mode {rule.name!r} on {len(placement)} stages: its warm-up and "
                             f"cool-down need at least as many microbatches as stages; use a group >= {len(placement)}")

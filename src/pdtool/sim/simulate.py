@@ -225,15 +225,16 @@ def simulate(plan: Plan, mode: str | None = None, minibatches: int | None = None
     `default_minibatches`. An unknown mode, minibatches < 1 or a group the mode refuses raise
     `ScheduleError` (the schedule's own checks).
 
-    `placement` (a mode of several stages per worker, `schedule.placement`): the worker of each
-    stage; worker w then sits at the plan rank of its first stage (its links are that rank's).
+    `placement` (a mode of several stages per worker, `schedule.placement`; default: the plan's):
+    the worker of each stage; worker w then sits at the plan rank of its first stage (its links
+    are that rank's).
     """
     replicas = tuple(s.replicas for s in plan.stages)
     run = resolve(mode, plan.mode, replicas, group)
     mode, group = run.name, run.group
     if minibatches is None:  # a bad group is reported by the schedule's checks, not here
         minibatches = default_minibatches(sum(replicas), group if isinstance(group, int) and group >= 1 else 1)
-    schedule = generate(mode, replicas, minibatches, group, placement=placement)
+    schedule = generate(mode, replicas, minibatches, group, placement=placement or plan.placement)
     run = _Run(plan, schedule)
     run.go()
     return run.result()

@@ -85,6 +85,7 @@ def steady_state(plan: Plan, mode: str | None = None, group: int | None = None,
     run = resolve(mode, plan.mode, replicas, group)
     g = reduce(math.gcd, replicas)
     graph = _Graph()
+    placement = placement or plan.placement
     if placement:  # one replica a stage: one batch of the group is the period, on the placement's workers
         if len(replicas) * run.group * 10 > MAX_NODES:
             return None

@@ -102,7 +102,7 @@ def plan_graph(plan: Plan, profile: Profile) -> graphviz.Digraph:
             box.attr(label=_stage_label(index, stage, plan, is_bottleneck), fontsize="13",
                      fontcolor=BOTTLENECK_COLOUR if is_bottleneck else "black",
                      style="filled,rounded,bold" if is_bottleneck else "filled,rounded",
-                     fillcolor=STAGE_COLOURS[index % len(STAGE_COLOURS)],
+                     fillcolor=_colour(plan, index),
                      color=BOTTLENECK_COLOUR if is_bottleneck else "#888888",
                      penwidth="4" if is_bottleneck else "1", margin="12")
             for layer in (profile.layers[i] for i in stage.layers):
@@ -147,7 +147,7 @@ def blocks_graph(plan: Plan, profile: Profile) -> graphviz.Digraph:
             box.attr(label=_stage_label(index, stage, plan, is_bottleneck, wrap=True), fontsize="13",
                      fontcolor=BOTTLENECK_COLOUR if is_bottleneck else "black",
                      style="filled,rounded,bold" if is_bottleneck else "filled,rounded",
-                     fillcolor=STAGE_COLOURS[index % len(STAGE_COLOURS)],
+                     fillcolor=_colour(plan, index),
                      color=BOTTLENECK_COLOUR if is_bottleneck else "#888888",
                      penwidth="4" if is_bottleneck else "1", margin="12")
             for number, group in enumerate(stage_groups(stage.layers, names, kinds, profile.classes, sizes)):
@@ -254,6 +254,13 @@ def _ms(value: float) -> str:
     return f"{value:.{digits}f}"
 
 
+def _colour(plan: Plan, index: int) -> str:
+    """Stage `index`'s fill: one colour a stage, or (several stages a worker) one colour a worker,
+    so that a worker's chunks are visibly its own."""
+    key = plan.placement[index] if plan.placement else index
+    return STAGE_COLOURS[key % len(STAGE_COLOURS)]
+
+
 def _stage_label(index: int, stage: PlanStage, plan: Plan, is_bottleneck: bool, wrap: bool = False) -> str:
     """'stage S: layers a-b, R replicas (ranks ...), T ms', plus the recomputation and bottleneck
     marks; `wrap`: the layers and the rest on lines of their own (a narrow box)."""
@@ -264,6 +271,8 @@ def _stage_label(index: int, stage: PlanStage, plan: Plan, is_bottleneck: bool, 
         label = f"stage {index}: {_ms(stage.time_ms)} ms\\l{where[0]}\\l{where[1]}\\l"
     else:
         label = f"stage {index}: {where[0]}, {where[1]}, {_ms(stage.time_ms)} ms\\l"
+    if plan.placement:
+        label += f"chunk {plan.placement[:index].count(plan.placement[index]) + 1} of rank {stage.ranks[0]}\\l"
     if stage.recompute:
         label += "recomputes its activations (keeps only its input per minibatch in flight)\\l"
     if is_bottleneck:

@@ -87,6 +87,9 @@ def plan_table(plan: Plan) -> str:
           "gradients are added before every step" for name, stages in plan.shared],
         *(["recompute    a stage marked so runs its forward again before each backward: a minibatch in flight "
            "keeps only its input (its compute ms counts the forward twice)"] if recomputing else []),
+        *([f"chunks       {rules(plan.mode).placement} placement, {len(plan.stages) // len(plan.used_ranks)} stages "
+           "on each worker: " + "; ".join(f"rank {rank} holds stages {', '.join(map(str, stages))}"
+                                          for rank, stages, _ in _workers(plan))] if plan.placement else []),
         "",
         table,
     ]
@@ -124,22 +127,30 @@ def plan_table(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _workers(plan: Plan) -> list[tuple[int, tuple[int, ...], int]]:
+    """(rank, its stages, replica) of every worker, in the order of their first stage."""
+    found: dict[int, tuple[list[int], int]] = {}
+    for s, stage in enumerate(plan.stages):
+        for i, rank in enumerate(stage.ranks):
+            found.setdefault(rank, ([], i))[0].append(s)
+    return [(rank, tuple(stages), i) for rank, (stages, i) in found.items()]
+
+
 def simulation_table(result: SimResult, plan: Plan) -> str:
     """What `pd simulate` prints: the predicted steady state beside the plan's cost-model figure,
     the bubble fraction, and per worker its busy share, weight versions, in-flight minibatches
     and stashed activations."""
     rows = []
-    for s, stage in enumerate(plan.stages):
-        for i, rank in enumerate(stage.ranks):
-            rows.append({
-                "rank": rank,
-                "stage": s,
-                "replica": i,
-                "busy %": 100.0 * result.busy_ms[rank] / result.makespan_ms if result.makespan_ms else 0.0,
-                "peak versions": result.peak_versions[rank],
-                "peak in-flight": result.peak_in_flight[rank],
-                "peak act MB": result.peak_activation_bytes[rank] / MB,
-            })
+    for rank, stages, i in _workers(plan):
+        rows.append({
+            "rank": rank,
+            "stage": ",".join(map(str, stages)),
+            "replica": i,
+            "busy %": 100.0 * result.busy_ms[rank] / result.makespan_ms if result.makespan_ms else 0.0,
+            "peak versions": result.peak_versions[rank],
+            "peak in-flight": result.peak_in_flight[rank],
+            "peak act MB": result.peak_activation_bytes[rank] / MB,
+        })
     table = pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.1f}")
     model = plan.predicted.time_ms
     ratio = f", simulated / cost model = {result.time_per_minibatch_ms / model:.3f}" if model else ""
@@ -147,7 +158,9 @@ def simulation_table(result: SimResult, plan: Plan) -> str:
     copies = plan.profile.message_ms_per_mib
     lines = [
         f"simulated    mode {result.mode}, {result.minibatches} minibatches{group}, {len(rows)} workers in "
-        f"{len(plan.stages)} stage{'' if len(plan.stages) == 1 else 's'} ({plan.cluster.describe()})"
+        f"{len(plan.stages)} stage{'' if len(plan.stages) == 1 else 's'}"
+        + (f", {len(plan.stages) // len(rows)} on each worker ({plan.mode}'s placement)" if plan.placement else "")
+        + f" ({plan.cluster.describe()})"
         + (f"; a message costs each end {copies:.3g} ms of CPU per MiB (the profile's)" if copies else ""),
         f"predicted    {result.time_per_minibatch_ms:.3f} ms per minibatch ({result.samples_per_s:.1f} samples/s) "
         "in steady state",

@@ -24,7 +24,7 @@ ABOUT = {
     "profile": ("pdtool profile (pdtool.profile/1)", "A measured layer graph of one model at one minibatch size on "
                 "one device (pd profile). Layers are listed in a topological order, ids 0, 1, 2, ...; edges go from a "
                 "lower id to a higher one."),
-    "plan": ("pdtool plan (pdtool.plan/1)", "Stages, replicas and ranks for one profile on one cluster, the schedule "
+    "plan": ("pdtool plan (pdtool.plan/2; reads /1)", "Stages, replicas and ranks for one profile on one cluster, the schedule "
              "mode and the cost model's prediction (pd plan). pd train executes it."),
     "cluster": ("pdtool cluster (pdtool.cluster/1)", "A hierarchy of workers: levels innermost first, each `count` "
                 "units of the level below joined at `bandwidth`. Bandwidths are bytes/s (a number) or text with a "
