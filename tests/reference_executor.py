@@ -11,7 +11,9 @@ executes (`pdtool.schedule.lower`). Which worker's output a forward or backward 
 which workers step together (a stage's replicas, joined with the stages it shares a parameter
 with), it works out here on its own from the stages and the schedule's positions. So a wrong
 peer, link, collective group or tie set in the lowering shows as a mismatch or a deadlock of
-the runtime against this, not as an agreement. It shares with the runtime only `StageWorker`
+the runtime against this, not as an agreement. A worker of several stages (a schedule with a
+placement) runs one `StageWorker` a stage, each action on its stage's, and hands its chunks'
+tensors over in the process like any other. It shares with the runtime only `StageWorker`
 (the numbers of one stage), which `dist/oracle.py` checks against plain training on its own.
 It lives with the tests: nothing in pdtool runs it.
 """
@@ -53,18 +55,18 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
     s's activation recomputation (the plan's). With
     --clip-grad-norm or fp16 in a mode whose stages step together, every stage steps together, on
     the whole model's norm (computed here from the parameters' gradients, each parameter once)."""
-    workers: dict[int, StageWorker] = {}
+    workers: dict[tuple[int, int], StageWorker] = {}  # (stage, replica) -> its worker
     for s, stage in enumerate(stages):
         for i in range(schedule.replicas[s]):
             replica = copy.deepcopy(stage)
-            workers[schedule.rank(s, i)] = StageWorker(stage=replica, schedule=schedule, replica=i,
-                                                       optimizer=optimizer,
-                                                       loss_fn=loss_fn if s == len(stages) - 1 else None, seed=seed,
-                                                       first=first, no_decay=no_decay,
-                                                       model_parameters=model_parameters, precision=precision,
-                                                       recompute=s < len(recompute) and recompute[s])
+            workers[(s, i)] = StageWorker(stage=replica, schedule=schedule, replica=i, optimizer=optimizer,
+                                          loss_fn=loss_fn if s == len(stages) - 1 else None, seed=seed, first=first,
+                                          no_decay=no_decay, model_parameters=model_parameters, precision=precision,
+                                          recompute=s < len(recompute) and recompute[s])
             if prepare is not None:
-                prepare(workers[schedule.rank(s, i)])
+                prepare(workers[(s, i)])
+    ranks = range(schedule.worker_count)
+    replica_of = {rank: 0 if schedule.placement else schedule.position(rank)[1] for rank in ranks}
     # stages whose steps happen together: a stage's replicas, joined with every stage it shares a
     # parameter with (tied weights: the copies' gradients are added before the step, as in `runtime.worker.tied`)
     together = {s: {s} for s in range(len(stages))}
@@ -77,10 +79,10 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
                   and len(stages) > 1)
     if whole_norm:
         together = {s: set(range(len(stages))) for s in range(len(stages))}
-    steps_done = {rank: 0 for rank in workers}
+    steps_done = {rank: 0 for rank in ranks}
     activations: dict[tuple[int, int], tuple[dict, Any]] = {}  # (stage, b) -> outputs of stage, target
     gradients: dict[tuple[int, int], dict] = {}                # (stage, b) -> gradients of stage's outputs
-    position = {rank: 0 for rank in workers}
+    position = {rank: 0 for rank in ranks}
     last = len(stages) - 1
 
     def ready(rank: int) -> bool:
@@ -95,13 +97,14 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
         return all(position[p] < len(schedule.workers[p]) and schedule.workers[p][position[p]].kind == "U"
                    and steps_done[p] == steps_done[rank] for p in peers)
 
-    while any(position[r] < len(schedule.workers[r]) for r in workers):
+    while any(position[r] < len(schedule.workers[r]) for r in ranks):
         progressed = False
-        for rank, worker in workers.items():
+        for rank in ranks:
             if position[rank] >= len(schedule.workers[rank]) or not ready(rank):
                 continue
             action = schedule.workers[rank][position[rank]]
             s, b = action.stage, action.minibatch
+            worker = workers[(s, replica_of[rank])]
             if action.kind == "F":
                 if s == 0:
                     inputs, target = batch(b)
@@ -123,28 +126,31 @@ def run_reference(stages: list, schedule: Schedule, optimizer: OptimizerConfig,
             else:
                 joined = sorted(together[s])
                 for t in joined:
-                    peers = [schedule.rank(t, i) for i in range(schedule.replicas[t])]
-                    total = sum(workers[p].stepper.gradient_buffer() for p in peers) if len(peers) > 1 else None
+                    peers = [workers[(t, i)] for i in range(schedule.replicas[t])]
+                    total = sum(p.stepper.gradient_buffer() for p in peers) if len(peers) > 1 else None
                     for p in peers:
-                        workers[p].stepper.mean_gradients(None if total is None else (lambda buffer, total=total: buffer.copy_(total)))
-                _add_tied_gradients([workers[schedule.rank(t, i)] for t in joined for i in range(schedule.replicas[t])])
-                norm = _norm([workers[schedule.rank(t, 0)] for t in joined]) if whole_norm else None
+                        p.stepper.mean_gradients(None if total is None else (lambda buffer, total=total: buffer.copy_(total)))
+                _add_tied_gradients([workers[(t, i)] for t in joined for i in range(schedule.replicas[t])])
+                norm = _norm([workers[(t, 0)] for t in joined]) if whole_norm else None
                 for t in joined:
-                    for p in (schedule.rank(t, i) for i in range(schedule.replicas[t])):
-                        workers[p].stepper.finish_step(norm)
-                        position[p] += 1
-                        steps_done[p] += 1
+                    for i in range(schedule.replicas[t]):
+                        workers[(t, i)].stepper.finish_step(norm)
+                        position[schedule.rank(t, i)] += 1
+                        steps_done[schedule.rank(t, i)] += 1
             progressed = True
         if not progressed:
             raise ScheduleError("the reference executor is stuck: the schedule deadlocks")
     losses: dict[int, float] = {}
     weights: dict[str, torch.Tensor] = {}
-    for rank, worker in workers.items():
+    peaks: dict[int, int] = {}
+    for (s, i), worker in workers.items():
         losses.update(worker.losses)
         if worker.replica == 0:
             for name, p in worker.stage.module.named_parameters():
                 weights[worker.stage.param_names[name]] = p.detach().clone()
-    return ReferenceRun(losses, weights, {rank: w.peak_versions for rank, w in workers.items()})
+        rank = schedule.rank(s, i)
+        peaks[rank] = max(peaks.get(rank, 0), worker.peak_versions)
+    return ReferenceRun(losses, weights, peaks)
 
 
 def _norm(workers: list[StageWorker]) -> float:

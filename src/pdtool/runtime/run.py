@@ -105,7 +105,7 @@ def make_schedule(plan: Plan, config: RunConfig) -> Schedule:
     run = resolved(plan, config)
     replicas = [s.replicas for s in plan.stages]
     return generate(run.name, replicas, config.steps * run.per_step, run.group,
-                    drain_every=drain_every(run, replicas, config))
+                    drain_every=drain_every(run, replicas, config), placement=plan.placement)
 
 
 def resolved(plan: Plan, config: RunConfig) -> Run:

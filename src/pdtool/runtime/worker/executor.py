@@ -56,7 +56,8 @@ class StageWorker:
         self.schedule = schedule
         self.replica = replica
         self.rank = schedule.rank(stage.index, replica)
-        self.actions: tuple[Action, ...] = schedule.workers[self.rank]
+        # its own actions (a worker of several stages runs one StageWorker a stage)
+        self.actions: tuple[Action, ...] = tuple(a for a in schedule.workers[self.rank] if a.stage == self.index)
         self.last = stage.index == schedule.stages - 1
         self.loss_fn = loss_fn
         self.names = [name for name, _ in stage.module.named_parameters()]
