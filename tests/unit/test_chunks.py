@@ -278,3 +278,25 @@ def test_interleaving_one_chunk_a_worker_is_flush_and_refused():
     with pytest.raises(ScheduleError, match=r"one stage a worker is what the modes of one chunk run .* give each worker 2 "
                                             r"or more stages"):
         generate("interleaved", (1,) * 4, 4, 4, placement=looped(4, 4))
+
+
+def test_plans_written_as_pdtool_plan_1_read_as_they_were(tmp_path):
+    """Every command reads a plan of the format before (every rank in one stage) as it was."""
+    import json
+
+    from click.testing import CliRunner
+
+    from pdtool.artifacts.plan import Plan
+    from pdtool.cli import cli
+
+    plan = make_plan([(1.0, 2.0, 1, 0, 4000)] * 2, levels=[(2, 1e9)], mode="flush")
+    path = tmp_path / "old.plan.json"
+    plan.save(path)
+    data = json.loads(path.read_text())
+    assert data["schema"] == "pdtool.plan/2"
+    data["schema"] = "pdtool.plan/1"
+    path.write_text(json.dumps(data))
+    assert Plan.load(path).stages == plan.stages
+    for command in (["simulate", str(path)], ["show", str(path)]):
+        result = CliRunner().invoke(cli, command)
+        assert result.exit_code == 0, result.output

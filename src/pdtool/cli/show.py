@@ -24,12 +24,12 @@ from .group import Count, _examples, cli
               help="Plans: the profile the plan was made from, for --render [default: X.profile.json beside X.plan.json].")
 def show(artifact, top, picture, layers, profile_path):
     """Print a readable summary of a profile or plan JSON file (and draw a plan)."""
-    from ..artifacts.plan import SCHEMA as PLAN_SCHEMA, Plan
+    from ..artifacts.plan import OLDER as OLDER_PLANS, SCHEMA as PLAN_SCHEMA, Plan
     from ..artifacts.profile import SCHEMA as PROFILE_SCHEMA, Profile
     from ..views.show import plan_table, profile_table
 
     data = read_json(artifact)
-    if isinstance(data, dict) and data.get("schema") == PLAN_SCHEMA:
+    if isinstance(data, dict) and data.get("schema") in (PLAN_SCHEMA, *OLDER_PLANS):
         plan = Plan.from_json(data, artifact)
         if picture:
             from ..views.render import render_plan

@@ -37,7 +37,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
     busy share, weight versions, in-flight minibatches and stashed activations.
     """
     from ..errors import ArtifactError
-    from ..artifacts.plan import SCHEMA as PLAN_SCHEMA, Plan
+    from ..artifacts.plan import OLDER as OLDER_PLANS, SCHEMA as PLAN_SCHEMA, Plan
     from ..artifacts.profile import SCHEMA as PROFILE_SCHEMA
     from ..views.show import simulation_table
     from ..sim.simulate import simulate as run_simulation
@@ -49,7 +49,7 @@ def simulate(plan_path, mode, minibatches, group, trace_path, profile_path, quie
     if isinstance(data, dict) and data.get("schema") == PROFILE_SCHEMA:
         raise ArtifactError(f"{plan_path} is a profile ({PROFILE_SCHEMA}), not a plan; make a plan from it first: "
                             f"pd plan {plan_path} --cluster SPEC -o PLAN.json")
-    check_schema(data, PLAN_SCHEMA, plan_path)
+    check_schema(data, PLAN_SCHEMA, plan_path, OLDER_PLANS)
     the_plan = Plan.from_json(data, plan_path)
     _plan_profile(plan_path, the_plan, profile_path, needed=False)
     result = run_simulation(the_plan, mode=mode, minibatches=minibatches, group=group)
