@@ -5,7 +5,7 @@ import pandas as pd
 
 from ..artifacts.plan import Plan, compact_ranges
 from ..artifacts.profile import Profile
-from ..schedule.modes import rules
+from ..schedule.modes import resolve, rules
 from ..sim.simulate import SimResult
 from ..units import format_bytes
 
@@ -125,6 +125,26 @@ def plan_table(plan: Plan) -> str:
          + f" -> speedup {pred.speedup_over_data_parallel:.2f}x" + (f" (cost model {model_dp:.2f}x)" if simulated else "")),
     ]
     return "\n".join(lines) + "\n"
+
+
+def steady_table(state, plan: Plan, mode: str | None, group: int | None) -> str:
+    """What `pd simulate` prints for a large plan: the steady state of one period (`sim.steady`)
+    beside the cost model's figure, without the per-worker figures of an event simulation."""
+    run = resolve(mode, plan.mode, [s.replicas for s in plan.stages], group)
+    model = plan.predicted.time_ms
+    ratio = f", simulated / cost model = {state.time_per_minibatch_ms / model:.3f}" if model else ""
+    steps = "" if run.mode.per_round else f", {run.group} microbatches per step"
+    samples = plan.profile.batch_size / state.time_per_minibatch_ms * 1e3 if state.time_per_minibatch_ms else 0.0
+    return "\n".join([
+        f"simulated    mode {run.name}{steps}, the steady state of one period ({state.period_minibatches} "
+        f"minibatches, {state.nodes} graph nodes), {len(plan.used_ranks)} workers in {len(plan.stages)} stages "
+        f"({plan.cluster.describe()})",
+        f"predicted    {state.time_per_minibatch_ms:.3f} ms per minibatch ({samples:.1f} samples/s) in steady state",
+        f"cost model   {model:.3f} ms per minibatch, bottleneck: {plan.predicted.bottleneck}{ratio}",
+        f"bubble       {state.bubble_fraction:.3f} of the workers' time idle",
+        "per worker   not simulated at this size: pd simulate --events runs every action of every worker (minutes "
+        "on hundreds of workers)",
+    ]) + "\n"
 
 
 def _workers(plan: Plan) -> list[tuple[int, tuple[int, ...], int]]:
