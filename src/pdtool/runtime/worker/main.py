@@ -220,8 +220,9 @@ def _whole_norm(config: RunConfig, built: _Built, plan: Plan, device: torch.devi
     group = dist.new_group(sorted(plan.used_ranks))
     replicas = plan.stages[built.stage_index].replicas
 
-    def norm(worker: StageWorker) -> float:
-        total = torch.tensor([worker.stepper.squared_norm() / replicas], dtype=torch.float64, device=device)
+    def norm(workers: list[StageWorker]) -> float:
+        total = torch.tensor([sum(w.stepper.squared_norm() for w in workers) / replicas], dtype=torch.float64,
+                             device=device)
         dist.all_reduce(total, group=group)
         return float(total.clamp_min(0).sqrt())
 
