@@ -55,3 +55,50 @@ def test_a_multi_chunk_schedule_in_bf16_is_bf16_gradient_accumulation(tmp_path, 
     run = reference(plan, config, ref=DEEP)
     losses, weights = gradient_accumulation(plan, config, ref=DEEP)
     assert_same_run(run.losses, run.weights, losses, weights, rel=1e-6, weight_tolerance=1e-6)
+
+
+@pytest.mark.parametrize("mode, workers", [("interleaved", 2), ("zbv", 2), ("dualpipev", 2), ("interleaved", 3)])
+def test_pd_trains_workers_of_several_stages_as_one_process_accumulates(tmp_path, mode, workers):
+    """The runtime: each worker builds and runs its chunks (one StageWorker a stage), hands its own
+    boundaries over in the process and sends the rest; the same weights as one process."""
+    from helpers import merged
+
+    from pdtool.runtime.launcher.launch import launch
+
+    plan, path = chunked_plan(tmp_path, mode, workers)
+    config = config_for(path, steps=3, group=4 * workers if mode == "dualpipev" else 2 * workers, optimizer=ADAMW)
+    losses, weights = merged(launch(config, workers))
+    expected_losses, expected_weights = gradient_accumulation(plan, config, ref=DEEP)
+    assert_same_run(losses, weights, expected_losses, expected_weights, rel=1e-6, weight_tolerance=1e-6)
+
+
+def test_what_workers_of_several_stages_do_not_do_yet_is_one_line_before_any_worker(tmp_path):
+    from click.testing import CliRunner
+
+    from pdtool.cli import cli
+
+    _, path = chunked_plan(tmp_path, "interleaved", 2)
+    result = CliRunner().invoke(cli, ["train", str(path), "--steps", "1", "--data", "digits", "--evaluate"])
+    assert result.exit_code == 1
+    assert result.stderr.strip().startswith("pd: error: --eval-every and --evaluate run the held-out split through the "
+                                            "pipeline, which a worker of several stages (mode interleaved) does not do "
+                                            "yet")
+
+
+def test_a_checkpoint_of_an_interleaved_run_resumes_under_one_stage_a_worker(tmp_path):
+    """One shard a stage: an interleaved run's checkpoint (2 workers x 2 chunks, AdamW) resumed under a
+    3-stage flush plan continues the curve of one process accumulating the same group."""
+    from pdtool.runtime.launcher.session import run
+
+    plan, path = chunked_plan(tmp_path, "interleaved", 2)
+    _, flat = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1), ((4, 5), 1)], mode="flush", ref=DEEP,
+                        name="flat.plan.json")
+    root = tmp_path / "ckpt"
+    first = run(config_for(path, steps=2, group=4, optimizer=ADAMW, checkpoint_dir=str(root), checkpoint_every=1))
+    resumed = run(config_for(flat, steps=4, group=4, optimizer=ADAMW, checkpoint_dir=str(root)), resume=True)
+    losses, weights = gradient_accumulation(plan, config_for(path, steps=4, group=4, optimizer=ADAMW), ref=DEEP)
+    assert resumed.first_step == 2 and sorted(resumed.losses) == list(range(8, 16))
+    assert first.losses == pytest.approx({b: losses[b] for b in range(8)}, rel=1e-6)
+    got = {name: t for report in resumed.reports.values() for name, t in report.weights.items()}
+    assert_same_run(resumed.losses, got, {b: losses[b] for b in range(8, 16)}, weights, rel=1e-6,
+                    weight_tolerance=1e-6)

@@ -307,9 +307,9 @@ class Plan(Artifact):
         refusal = ties_refusal(mode)
         if self.shared and refusal:
             return f"{self.describe_shared()} (tied weights), and {refusal}"
-        if self.placement or rules(mode).placement is not None:
-            return (f"the plan puts several stages on a worker (mode {self.mode}), which pd simulate and pd show read but "
-                    "pd train's workers do not run yet (one stage per worker); train a plan of one stage per worker")
+        if self.shared and self.placement:
+            return (f"{self.describe_shared()} (tied weights), and a worker of several stages does not add a tied "
+                    "weight's copies yet; plan it with one stage per worker (e.g. --mode flush)")
         return None
 
     def describe_shared(self) -> str:
@@ -327,6 +327,18 @@ class Plan(Artifact):
     def used_ranks(self) -> tuple[int, ...]:
         """The ranks that hold a stage, each once, ascending."""
         return tuple(sorted({r for s in self.stages for r in s.ranks}))
+
+    @property
+    def schedule_ranks(self) -> tuple[int, ...]:
+        """The plan rank of each of the schedule's workers (`schedule.lower`'s `ranks`): stage-major,
+        every replica of stage 0, then of stage 1, ...; where a worker holds several stages, each
+        worker once, numbered as the placement numbers them."""
+        if not self.placement:
+            return tuple(r for s in self.stages for r in s.ranks)
+        order: dict[int, int] = {}
+        for stage in self.stages:
+            order.setdefault(stage.ranks[0], len(order))
+        return tuple(order)
 
     @property
     def placement(self) -> tuple[int, ...]:

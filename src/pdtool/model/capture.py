@@ -215,11 +215,12 @@ def _attribute(model: nn.Module, target: str):
 
 
 def own_stage(capture: Capture, index: int, *, plan, bundle, seed: int, device: torch.device | None = None,
-              on_meta: bool = True, weights=None) -> Stage:
+              on_meta: bool = True, weights=None, release: bool = True) -> Stage:
     """Stage `index` of `capture` on this process's `bundle` (its model built by `model.build`):
     its parameters given values by the rule, or read from `weights` (`model.weights.WeightFiles`:
     this stage's tensors only), its program bound to the model, the rest of the model's tensors
-    released. `plan` cuts the stage here when its program is missing."""
+    released (`release`; a worker of several stages builds them all, then releases the rest once:
+    `release_others`). `plan` cuts the stage here when its program is missing."""
     info = capture.stages[index]
     model = bundle.module
     names = names_of(info)
@@ -239,8 +240,15 @@ def own_stage(capture: Capture, index: int, *, plan, bundle, seed: int, device: 
     stage = Stage(index=index, module=module, inputs=info.inputs, outputs=info.outputs, param_names={},
                   buffer_names={}, layers=info.layers, tied=dict(info.tied), shared_buffers=dict(info.shared_buffers))
     _names(model, stage)
-    _release(model, stage.module)
+    if release:
+        _release(model, stage.module)
     return stage
+
+
+def release_others(model: nn.Module, stages: list[Stage]) -> None:
+    """Every real tensor of `model` that none of `stages` holds goes to `meta` (a worker of several stages)."""
+    keep = nn.ModuleList([stage.module for stage in stages])
+    _release(model, keep)
 
 
 def stage_module(info: StageInfo, model: nn.Module, device: torch.device | None, cut_stages=None,

@@ -188,6 +188,12 @@ def _drain(run: Run, replicas: list[int], option: str, steps: int | None, what: 
     return steps * run.per_step
 
 
+def stages_here(plan: Plan, rank: int) -> tuple[int, ...]:
+    """The stages global `rank` runs: one, or a worker of several stages' (the plan's placement)."""
+    place(plan, rank)  # one line for a rank with none
+    return tuple(s for s, stage in enumerate(plan.stages) if rank in stage.ranks)
+
+
 def place(plan: Plan, rank: int) -> tuple[int, int]:
     """(stage, replica) that global `rank` runs in the plan."""
     for s, stage in enumerate(plan.stages):

@@ -99,7 +99,10 @@ class Lowered:
                 for op in self.workers[self.index(rank)] if op.kind in ("send", "recv")}
 
     def _depth(self, rank: int) -> int:
-        return max(stash_depth(self.schedule, stage) for stage in self.stages_of(rank))
+        """The most minibatches worker `rank` holds in flight: its stage's, or all its chunks' together
+        (their messages may share a direction of a link)."""
+        depths = [stash_depth(self.schedule, stage) for stage in self.stages_of(rank)]
+        return sum(depths) if self.schedule.placement else max(depths)
 
     def receiver_stage(self, op: Op) -> int:
         """The stage that receives the message of a `send`/`recv` op."""
@@ -155,8 +158,24 @@ def lower(schedule: Schedule, ties: Sequence[tuple[int, ...]] = (), ranks: Seque
                         group = tuple(sorted(r for s in users for r in replicas[s]))
                         ops.append(Op(kind="tie", stage=stage, group=group, stages=users, at=at))
                 ops.append(Op(kind="step", stage=stage, at=at))
-        workers.append(tuple(ops))
+        workers.append(tuple(_gradients_first(ops)) if schedule.placement else tuple(ops))
     return Lowered(schedule, tuple(workers), ranks)
+
+
+def _gradients_first(ops: list[Op]) -> list[Op]:
+    """A worker of several stages: in each run of step ops (its stages' U actions, one after the
+    other), every stage's all-reduce and tie before the first step, so that all its gradients are
+    final when the whole model's norm (clipping) is measured."""
+    out: list[Op] = []
+    run: list[Op] = []
+    for op in ops + [Op(kind="F", stage=0)]:  # a sentinel closes the last run
+        if op.kind in ("allreduce", "tie", "step"):
+            run.append(op)
+            continue
+        out += [o for o in run if o.kind != "step"] + [o for o in run if o.kind == "step"]
+        run = []
+        out.append(op)
+    return out[:-1]
 
 
 def collective_key(op: Op) -> tuple:

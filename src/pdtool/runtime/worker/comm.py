@@ -185,7 +185,9 @@ class Link:
                  groups: dict[tuple[int, int], object] | None = None,
                  timeout_s: float | None = None, rank: int | None = None, rings: dict | None = None):
         self.device = device
-        self.rings = rings or {}  # (peer, direction) -> shm.Ring: that direction goes through shared memory
+        # (peer, direction, receiving) -> shm.Ring: that direction goes through shared memory (a worker of several
+        # stages may both send and receive activations of one peer: a ring each way)
+        self.rings = rings or {}
         # unconfirmed messages per link and direction (module docstring): one number for all, or by (peer, direction)
         self.window = window
         self.groups = groups or {}  # (peer, direction) -> process group; the default group if absent
@@ -217,7 +219,7 @@ class Link:
         """Start receiving message `key` = (direction, minibatch) from `peer` into new buffers."""
         if key in self.pending:
             return
-        if (peer, direction) in self.rings:  # nothing to post: the sender writes into the ring
+        if (peer, direction, True) in self.rings:  # nothing to post: the sender writes into the ring
             self.pending[key] = (None, specs, peer)
             return
         shape = layout([(s.shape, s.dtype) for s in specs])
@@ -233,7 +235,7 @@ class Link:
     def wait_recv(self, key: tuple[int, int]) -> list[torch.Tensor]:
         works, posted, peer = self.pending.pop(key)
         if works is None:
-            return self.rings[(peer, key[0])].take(layout([(s.shape, s.dtype) for s in posted], pack_all=True), posted,
+            return self.rings[(peer, key[0], True)].take(layout([(s.shape, s.dtype) for s in posted], pack_all=True), posted,
                                                    key[1], f"the {_WHAT[key[0]]} of minibatch {key[1]} from rank {peer}")
         shape, buffer, alone, specs = posted
         for work in works:
@@ -242,7 +244,7 @@ class Link:
 
     def send(self, tensors: list[torch.Tensor], peer: int, minibatch: int, direction: int) -> None:
         """Send without waiting; the tensors are kept alive until the transfer is confirmed."""
-        ring = self.rings.get((peer, direction))
+        ring = self.rings.get((peer, direction, False))
         if ring is not None:
             ring.put(layout([(t.shape, t.dtype) for t in tensors], pack_all=True), tensors, minibatch,
                      f"rank {peer} to take the {_WHAT[direction]} of minibatch {minibatch}")

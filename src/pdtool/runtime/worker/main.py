@@ -31,7 +31,9 @@ from . import evaluation, memory, optim, shm, tied
 from ..device import Placement, choose
 from .executor import StageWorker
 from .interpreter import Context, Interpreter
-from ..run import RunConfig, WorkerReport, check_world, evaluation_points, make_schedule, minibatches_per_step, place
+from ..run import (
+    RunConfig, WorkerReport, check_world, evaluation_points, make_schedule, minibatches_per_step, place, stages_here,
+)
 
 
 def worker_main(config: RunConfig, store=None) -> WorkerReport:
@@ -53,7 +55,7 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
     # On an error, no orderly teardown: the launcher records this worker's error before its
     # connections close, so the job reports it rather than a peer's "connection closed".
     ops, link, collectives, norm = _connect(config, plan, built, rank, device, store)
-    worker, saver = _stage_worker(config, built, device)
+    workers, savers = _stage_workers(config, built, device)
     publish = peers.publisher(store, rank) if config.live else None
     context = Context(
         schedule=built.schedule,
@@ -62,7 +64,7 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
         batch=_on_device(built.batch, device),
         collectives=collectives,
         link=link,
-        saver=saver,
+        saver=savers if len(workers) > 1 else savers.get(built.stage_index),
         first=built.first,
         show_progress=config.progress,
         batch_size=plan.profile.batch_size,
@@ -77,12 +79,13 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
     )
     startup_peak = memory.training_starts(device)
     try:
-        report = Interpreter(worker, context).run()
+        report = Interpreter(workers, context).run()
     except peers.PeerTimeout as silent:
         silent.store = silent.store or store  # where the silent peer's process is published (peers.stop_silent)
         raise
     report.startup = startup
-    return _end(config, report, worker, link, memory.measure(worker, device, base, startup_peak))
+    chunks = list(workers.values())
+    return _end(config, report, chunks, link, memory.measure(chunks, device, base, startup_peak))
 
 
 def _environment(config: RunConfig) -> tuple[int, int, Placement]:
@@ -99,13 +102,15 @@ def _environment(config: RunConfig) -> tuple[int, int, Placement]:
 @dataclass(frozen=True, kw_only=True)
 class _Built:
     """This worker's place in the plan and what it builds from the launcher's capture: its own
-    `stage` (only its parameters hold memory), the `capture` (every stage's description and
-    message specs), the `schedule`, the model's `loss_fn`, the run's `first` minibatch, `batch`
-    (minibatch counted from `first` -> (inputs, target)) and every stage's boundary `specs`."""
+    `stages` by index (one, or a worker of several stages'; only their parameters hold memory;
+    `stage_index` and `stage` its first), the `capture` (every stage's description and message
+    specs), the `schedule`, the model's `loss_fn`, the run's `first` minibatch, `batch` (minibatch
+    counted from `first` -> (inputs, target)) and every stage's boundary `specs`."""
 
     stage_index: int
     replica: int
     stage: object
+    stages: dict
     capture: object
     schedule: Schedule
     loss_fn: Callable
@@ -115,15 +120,16 @@ class _Built:
     no_decay: frozenset = frozenset()  # whole-model names without weight decay (`runtime.optimizers.no_decay`)
     model_parameters: int = 0          # the whole model's parameter count (the clipping budget's share)
     precision: str = "fp32"            # what the stage computes in and its messages travel in (`pdtool.precision`)
-    recompute: bool = False            # the plan's stage recomputes its forward in each backward
+    recompute: dict | None = None      # stage -> whether the plan's stage recomputes its forward in each backward
     evaluation: object | None = None   # where the run evaluates through the pipeline (`worker.evaluation`)
 
 
 def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _Built:
     """This worker's stage (`model.capture.own_stage`), the schedule and the data (within start-up)."""
     stage_index, replica = place(plan, rank)
+    here = stages_here(plan, rank)
     from ...model.build import build_model
-    from ...model.capture import own_stage
+    from ...model.capture import own_stage, release_others
     from ...model.data import load_source
 
     bundle, on_meta = build_model(plan.profile.model, config.model, config.seed, config.init)
@@ -134,8 +140,11 @@ def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _B
         from ...model.weights import WeightFiles
 
         weights = WeightFiles.open(config.init_from)
-    stage = own_stage(capture, stage_index, plan=plan, bundle=bundle, seed=config.seed, device=device,
-                      on_meta=on_meta, weights=weights)
+    stages = {s: own_stage(capture, s, plan=plan, bundle=bundle, seed=config.seed, device=device, on_meta=on_meta,
+                           weights=weights, release=len(here) == 1) for s in here}
+    if len(here) > 1:
+        release_others(bundle.module, list(stages.values()))
+    stage = stages[stage_index]
     schedule = make_schedule(plan, config)
     check_mode(capture.stages, schedule.mode)
     first = config.first_step * minibatches_per_step(schedule)
@@ -143,11 +152,12 @@ def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _B
     precision = config.precision or plan.profile.precision
     specs = [[BoundaryTensor(name, tuple(shape), message_dtype(getattr(torch, dtype), precision))
               for name, shape, dtype in boundary] for boundary in capture.specs]
-    return _Built(stage_index=stage_index, replica=replica, stage=stage, capture=capture, schedule=schedule,
+    return _Built(stage_index=stage_index, replica=replica, stage=stage, stages=stages, capture=capture,
+                  schedule=schedule,
                   loss_fn=bundle.loss_fn, first=first, batch=batch, specs=specs,
                   no_decay=optimizers.no_decay(bundle.module),
                   model_parameters=sum(p.numel() for p in bundle.module.parameters()), precision=precision,
-                  recompute=plan.stages[stage_index].recompute,
+                  recompute={s: plan.stages[s].recompute for s in here},
                   evaluation=_evaluation(config, plan, schedule, bundle, stage_index))
 
 
@@ -191,8 +201,7 @@ def _connect(config: RunConfig, plan: Plan, built: _Built, rank: int, device: to
     """This worker's lowered ops, its link to its neighbours (process groups, shared-memory
     rings), its collectives and the whole model's gradient norm where the recipe clips it across
     stages (else None). Every rank makes every process group, in one order."""
-    ranks = [r for st in plan.stages for r in st.ranks]  # stage-major, as the schedule numbers its workers
-    lowered = lower(built.schedule, sets(built.capture.stages), ranks)
+    lowered = lower(built.schedule, sets(built.capture.stages), plan.schedule_ranks)
     ops = lowered.workers[lowered.index(rank)]
     if built.evaluation is not None:
         s = built.stage_index
@@ -203,7 +212,8 @@ def _connect(config: RunConfig, plan: Plan, built: _Built, rank: int, device: to
     groups = {s: dist.new_group(list(st.ranks)) for s, st in enumerate(plan.stages) if st.replicas > 1}
     norm = _whole_norm(config, built, plan, device)
     links = link_groups(lowered, rank)
-    ties = tied.make_ties(built.capture.stages, built.stage, [st.ranks for st in plan.stages])
+    ties = tied.make_ties(built.capture.stages, built.stage, [st.ranks for st in plan.stages]) if len(built.stages) == 1 \
+        else {}  # a worker of several stages: tied weights are refused before any worker starts
     windows = lowered.windows(rank)
     rings = _rings(config=config, lowered=lowered, ops=ops, rank=rank, specs=built.specs, windows=windows,
                    device=device, store=store)
@@ -229,40 +239,41 @@ def _whole_norm(config: RunConfig, built: _Built, plan: Plan, device: torch.devi
     return norm
 
 
-def _stage_worker(config: RunConfig, built: _Built, device: torch.device):
-    """This worker's stage on its device, with its optimizer (restored on --resume), and the
-    saver of its checkpoint shards (replica 0, with --checkpoint-dir; else None)."""
-    stage = built.stage
-    stage.module.to(device)
-    last = built.stage_index == len(built.capture.stages) - 1
-    loss_fn = built.loss_fn
-    if last and isinstance(loss_fn, torch.nn.Module):
-        loss_fn.to(device)  # e.g. class weights
-    worker = StageWorker(stage=stage, schedule=built.schedule, replica=built.replica, optimizer=config.recipe,
-                         loss_fn=loss_fn if last else None, seed=config.seed, first=built.first,
-                         no_decay=built.no_decay, model_parameters=built.model_parameters, precision=built.precision,
-                         recompute=built.recompute)
-    if config.resume:
-        from .shards import restore
+def _stage_workers(config: RunConfig, built: _Built, device: torch.device) -> tuple[dict, dict]:
+    """This worker's stages on its device, each with its optimizer (restored on --resume), and the
+    savers of their checkpoint shards (replica 0, with --checkpoint-dir), by stage."""
+    workers, savers = {}, {}
+    for index, stage in built.stages.items():
+        stage.module.to(device)
+        last = index == len(built.capture.stages) - 1
+        loss_fn = built.loss_fn
+        if last and isinstance(loss_fn, torch.nn.Module):
+            loss_fn.to(device)  # e.g. class weights
+        worker = workers[index] = StageWorker(
+            stage=stage, schedule=built.schedule, replica=built.replica, optimizer=config.recipe,
+            loss_fn=loss_fn if last else None, seed=config.seed, first=built.first, no_decay=built.no_decay,
+            model_parameters=built.model_parameters, precision=built.precision, recompute=built.recompute[index])
+        if config.resume:
+            from .shards import restore
 
-        restore(worker, config.resume)
-    saver = None
-    if config.checkpoint_dir and built.replica == 0:
-        from .shards import ShardSaver
+            restore(worker, config.resume)
+        if config.checkpoint_dir and built.replica == 0:
+            from .shards import ShardSaver
 
-        saver = ShardSaver(worker, config.checkpoint_dir, config.first_step, config.steps,
-                           config.checkpoint_every, minibatches_per_step(built.schedule), config.run_id)
-    return worker, saver
+            savers[index] = ShardSaver(worker, config.checkpoint_dir, config.first_step, config.steps,
+                                       config.checkpoint_every, minibatches_per_step(built.schedule), config.run_id)
+    return workers, savers
 
 
-def _end(config: RunConfig, report: WorkerReport, worker: StageWorker, link: Link, measured: dict) -> WorkerReport:
+def _end(config: RunConfig, report: WorkerReport, workers: list[StageWorker], link: Link,
+         measured: dict) -> WorkerReport:
     """The report completed (its memory, weights on request), once every worker is done."""
-    report.peak_versions = worker.peak_versions
+    report.peak_versions = max(worker.peak_versions for worker in workers)
     report.rings = len(link.rings)
     report.memory = measured
     if config.return_weights:
-        stage = worker.stage
-        report.weights = {stage.param_names[n]: p.detach().cpu().clone() for n, p in stage.module.named_parameters()}
+        report.weights = {worker.stage.param_names[n]: p.detach().cpu().clone()
+                          for worker in workers for n, p in worker.stage.module.named_parameters()}
     dist.barrier()
     dist.destroy_process_group()
     return report
@@ -281,17 +292,21 @@ def _rings(*, config: RunConfig, lowered: Lowered, ops, rank: int, specs, window
     node, local = os.environ.get(peers.NODE_ENV), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if not node or not shm.use_shared_memory(config.transport, device, local):
         return {}
-    ends = {(op.peer, op.direction): op for op in ops if op.kind in ("send", "recv")}  # one op of each direction
-    pids = {peer: peers.process_of(store, peer) for peer, _ in ends}
+    # the ops of each direction of each link (a worker of several stages: of several boundaries, maybe both ways)
+    ends: dict[tuple[int, int, bool], list] = {}
+    for op in ops:
+        if op.kind in ("send", "recv"):
+            ends.setdefault((op.peer, op.direction, op.kind == "recv"), []).append(op)
+    pids = {peer: peers.process_of(store, peer) for peer, _, _ in ends}
     spin = shm.cores_for_each(local)
     directions = []
-    for (peer, direction), op in sorted(ends.items()):
+    for (peer, direction, _), these in sorted(ends.items()):
         if pids[peer][2] != node:
             continue
-        message = message_specs(specs, lowered, op)
-        directions.append(shm.Direction(peer=peer, direction=direction, receiving=op.kind == "recv",
-                                        nbytes=layout([(t.shape, t.dtype) for t in message], pack_all=True).size,
-                                        slots=windows[(peer, direction)]))
+        sizes = {layout([(t.shape, t.dtype) for t in message_specs(specs, lowered, op)], pack_all=True).size
+                 for op in {op.stage: op for op in these}.values()}  # one op of each boundary: the largest message
+        directions.append(shm.Direction(peer=peer, direction=direction, receiving=these[0].kind == "recv",
+                                        nbytes=max(sizes), slots=windows[(peer, direction)]))
     rings, made = shm.open_rings(
         store, node, rank, directions,
         lambda peer: shm.Waiter(spin=spin, timeout_s=config.timeout_s, rank=rank, peer=peer, peer_pid=pids[peer][1]))

@@ -88,23 +88,28 @@ def training_starts(device: torch.device) -> int:
     return peak
 
 
-def measure(worker, device: torch.device, base: int, startup: int = 0) -> dict[str, int]:
+def measure(workers, device: torch.device, base: int, startup: int = 0) -> dict[str, int]:
     """`base`, `peak` (the whole process's, file pages included), `training` (the peak since
     `training_starts`, which returned `startup`, start-up's peak; less the file pages, as `base`),
     `files` (the file pages at the end) and training's peak beyond `base` by term (`TERMS`), for a
     `StageWorker` whose run is done: its weights and the most versions it stashed, one gradient per
     parameter (as every backward has), its optimizer's state tensors; `activations` is what
-    remains of the peak."""
+    remains of the peak. `workers`: one StageWorker, or the list of a worker of several stages."""
+    workers = workers if isinstance(workers, (list, tuple)) else [workers]
     files = 0
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     else:
         files, peak = file_bytes(), peak_resident_bytes()
     training = peak - files
-    params = sum(p.numel() * p.element_size() for p in worker.live)
-    state = worker.stepper.optimizer.state.values() if worker.stepper.optimizer is not None else ()
-    optimizer = sum(t.numel() * t.element_size() for entry in state for t in entry.values() if torch.is_tensor(t))
-    exact = {"weights": params * (1 + worker.peak_versions), "gradients": params, "optimizer": optimizer}
+    exact = {"weights": 0, "gradients": 0, "optimizer": 0}
+    for worker in workers:
+        params = sum(p.numel() * p.element_size() for p in worker.live)
+        state = worker.stepper.optimizer.state.values() if worker.stepper.optimizer is not None else ()
+        exact["optimizer"] += sum(t.numel() * t.element_size() for entry in state for t in entry.values()
+                                  if torch.is_tensor(t))
+        exact["weights"] += params * (1 + worker.peak_versions)
+        exact["gradients"] += params
     rest = max(training - base - sum(exact.values()), 0)
     return {"base": base, "peak": max(peak, startup), "training": training, **exact, "activations": rest,
             "files": files}

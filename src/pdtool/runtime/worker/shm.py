@@ -191,8 +191,8 @@ class Direction:
     slots: int   # messages the ring holds: the link's window for this direction (`Lowered.windows`)
 
 
-def open_rings(store, node: str, rank: int, directions: Sequence[Direction], waiter_for) -> tuple[dict[tuple[int, int], Ring], list[str]]:
-    """The rings of this worker's same-machine links, keyed (peer, direction) as `Link` keys them,
+def open_rings(store, node: str, rank: int, directions: Sequence[Direction], waiter_for) -> tuple[dict[tuple[int, int, bool], Ring], list[str]]:
+    """The rings of this worker's same-machine links, keyed (peer, direction, receiving) as `Link` keys them,
     and the files it made.
 
     The receiver of each direction makes its file and says in the job's store whether it
@@ -207,10 +207,10 @@ def open_rings(store, node: str, rank: int, directions: Sequence[Direction], wai
             store.set(_key(d.peer, rank, d.direction), "ok" if ok else "no")
             if ok:
                 made.append(path)
-                rings[(d.peer, d.direction)] = Ring(path, max(d.slots, 1), d.nbytes, waiter_for(d.peer))
+                rings[(d.peer, d.direction, True)] = Ring(path, max(d.slots, 1), d.nbytes, waiter_for(d.peer))
     for d in directions:
         if not d.receiving and store.get(_key(rank, d.peer, d.direction)) == b"ok":
-            rings[(d.peer, d.direction)] = Ring(ring_path(node, rank, d.peer, d.direction), max(d.slots, 1), d.nbytes,
+            rings[(d.peer, d.direction, False)] = Ring(ring_path(node, rank, d.peer, d.direction), max(d.slots, 1), d.nbytes,
                                                 waiter_for(d.peer))
     return rings, made
 
