@@ -421,8 +421,8 @@ def _ping_pong(rank: int, world: int, setup: Setup, queue, rounds: int = 500) ->
         dist.barrier()
         shm.remove(made)
         out, back = (ACTIVATION, GRADIENT) if rank == 0 else (GRADIENT, ACTIVATION)
-        found["shared-memory"] = _round_trips(rank, rounds, lambda i: rings[(peer, out)].put(packed, [x], i, "x"),
-                                              lambda i: rings[(peer, back)].take(packed, specs, i, "x"))
+        found["shared-memory"] = _round_trips(rank, rounds, lambda i: rings[(peer, out, False)].put(packed, [x], i, "x"),
+                                              lambda i: rings[(peer, back, True)].take(packed, specs, i, "x"))
     if rank == 0:
         queue.put(found)
 

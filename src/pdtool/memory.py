@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .schedule.chunked import depths
 from .schedule.modes import DEFAULT, GROUP, rules
 
 if TYPE_CHECKING:
@@ -118,7 +119,17 @@ class Memory:
     def per_worker(self, plan: "Plan", result: "SimResult") -> dict[int, int]:
         """Bytes each worker (plan rank) needs for the schedule a simulation ran: its peak weight
         versions and minibatches in flight, as that mode and group hold them (the planner's own
-        counts are 1F1B's)."""
+        counts are 1F1B's). A worker of several stages needs all of its chunks', each with the
+        minibatches the mode's order keeps in flight on it (`schedule.chunked.depths`)."""
+        if plan.placement:
+            workers = len(plan.used_ranks)
+            held = depths(result.mode, workers, len(plan.stages) // workers, result.group)
+            needs: dict[int, int] = {}
+            for s, stage in enumerate(plan.stages):
+                rank = stage.ranks[0]
+                terms = self.stage_terms(stage, held[s], result.peak_versions[rank])
+                needs[rank] = needs.get(rank, 0) + int(sum(terms.values()))
+            return needs
         return {rank: int(sum(self.stage_terms(stage, result.peak_in_flight[rank], result.peak_versions[rank]).values()))
                 for stage in plan.stages for rank in stage.ranks}
 

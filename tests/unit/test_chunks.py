@@ -280,3 +280,15 @@ def test_plans_written_as_pdtool_plan_1_read_as_they_were(tmp_path):
     for command in (["simulate", str(path)], ["show", str(path)]):
         result = CliRunner().invoke(cli, command)
         assert result.exit_code == 0, result.output
+
+
+def test_a_worker_of_several_stages_needs_the_memory_of_all_its_chunks():
+    from pdtool.memory import memory_model
+
+    plan = make_plan([(1.0, 2.0, 1, 1_000_000, 4000)] * 4, levels=[(2, 1e9)], mode="interleaved",
+                     ranks=((0,), (1,), (0,), (1,)))
+    model = memory_model(None, 1, "fp32", "interleaved", False, False)
+    result = simulate(plan, group=4)
+    needs = model.per_worker(plan, result)
+    one = model.stage_terms(plan.stages[0], 1, 1)
+    assert set(needs) == {0, 1} and needs[0] > 2 * one["weights"]  # both chunks' weights, at least

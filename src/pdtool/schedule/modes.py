@@ -127,8 +127,9 @@ TABLE: dict[str, Mode] = {mode.name: mode for mode in _ROWS}
 
 
 def _offered(row: Mode) -> bool:
-    """Whether `pd plan` and `pd train` offer the mode: the multi-chunk rows (a `placement`) are
-    generated, validated and simulated, and are offered once the workers run them (issue 37)."""
+    """Whether `pd plan --mode` and `pd train --mode` offer the mode: the multi-chunk rows (a
+    `placement`) are generated, validated, simulated and trained from a plan that names them, and
+    are offered once `pd plan` plans them (issue 37)."""
     return row.placement is None
 
 
