@@ -119,19 +119,26 @@ class Memory:
     def per_worker(self, plan: "Plan", result: "SimResult") -> dict[int, int]:
         """Bytes each worker (plan rank) needs for the schedule a simulation ran: its peak weight
         versions and minibatches in flight, as that mode and group hold them (the planner's own
-        counts are 1F1B's). A worker of several stages needs all of its chunks', each with the
-        minibatches the mode's order keeps in flight on it (`schedule.chunked.depths`)."""
-        if plan.placement:
-            workers = len(plan.used_ranks)
-            held = depths(result.mode, workers, len(plan.stages) // workers, result.group)
-            needs: dict[int, int] = {}
-            for s, stage in enumerate(plan.stages):
-                rank = stage.ranks[0]
-                terms = self.stage_terms(stage, held[s], result.peak_versions[rank])
-                needs[rank] = needs.get(rank, 0) + int(sum(terms.values()))
-            return needs
-        return {rank: int(sum(self.stage_terms(stage, result.peak_in_flight[rank], result.peak_versions[rank]).values()))
-                for stage in plan.stages for rank in stage.ranks}
+        counts are 1F1B's)."""
+        return {rank: int(sum(terms.values())) for rank, terms in self.worker_terms(plan, result).items()}
+
+    def worker_terms(self, plan: "Plan", result: "SimResult") -> dict[int, dict[str, float]]:
+        """Per plan rank, `terms` for the schedule a simulation ran. A worker of several stages
+        holds all of its chunks', each with the minibatches the mode's order keeps in flight on it
+        (`schedule.chunked.depths`)."""
+        if not plan.placement:
+            return {rank: self.stage_terms(stage, result.peak_in_flight[rank], result.peak_versions[rank])
+                    for stage in plan.stages for rank in stage.ranks}
+        workers = len(plan.used_ranks)
+        held = depths(result.mode, workers, len(plan.stages) // workers, result.group)
+        found: dict[int, dict[str, float]] = {}
+        for s, stage in enumerate(plan.stages):
+            rank = stage.ranks[0]
+            terms = self.stage_terms(stage, held[s], result.peak_versions[rank])
+            mine = found.setdefault(rank, dict.fromkeys(terms, 0))
+            for term, value in terms.items():
+                mine[term] += value
+        return found
 
     def stage_terms(self, stage, in_flight: int, versions: int) -> dict:
         """`terms` of a worker of plan stage `stage` (recomputing as the plan says)."""

@@ -292,3 +292,13 @@ def test_a_worker_of_several_stages_needs_the_memory_of_all_its_chunks():
     needs = model.per_worker(plan, result)
     one = model.stage_terms(plan.stages[0], 1, 1)
     assert set(needs) == {0, 1} and needs[0] > 2 * one["weights"]  # both chunks' weights, at least
+
+
+def test_pd_trains_memory_prediction_counts_every_chunk_of_a_worker():
+    from pdtool.sim.prediction import planned_memory
+
+    plan = make_plan([(1.0, 2.0, 1, 1_000_000, 4000)] * 4, levels=[(2, 1e9)], mode="interleaved",
+                     ranks=((0,), (1,), (0,), (1,)))
+    planned = planned_memory(plan, None, 4, "sgd")
+    assert set(planned) == {0, 1}
+    assert planned[0]["weights"] == 2 * 1_000_000  # stages 0 and 2, one version each

@@ -85,9 +85,9 @@ def planned_memory(plan: Plan, mode: str | None, group: int | None, optimizer: s
     models = {ring: memory_model(None, slots, precision, mode or plan.mode, weight_decay > 0, optimizer == "adamw",
                                  rings=ring) for ring in (True, False)}
     rings = rings or {}
-    return {rank: {term: int(value) for term, value in models[rings.get(rank, True)].stage_terms(
-        stage, result.peak_in_flight[rank], result.peak_versions[rank]).items()}
-            for stage in plan.stages for rank in stage.ranks}
+    by_ring = {ring: model.worker_terms(plan, result) for ring, model in models.items()}
+    return {rank: {term: int(value) for term, value in by_ring[rings.get(rank, True)][rank].items()}
+            for rank in plan.used_ranks}
 
 
 def planned_for_run(plan: Plan, config, reports) -> dict[int, dict[str, int]]:
