@@ -74,7 +74,10 @@ def memory_lines(result, plan: Plan, config: RunConfig) -> list[str]:
         if report.stage not in busiest or _beyond(report) > _beyond(busiest[report.stage]):
             busiest[report.stage] = report
     parts, gaps = [], []
-    for stage, report in sorted(busiest.items()):
+    for first, report in sorted(busiest.items()):
+        # a worker of several stages (the plan's placement) holds them all
+        stage = ",".join(str(s) for s, st in enumerate(plan.stages) if report.rank in st.ranks) if plan.placement \
+            else first
         plan_bytes = sum(planned[report.rank].values())
         parts.append(f"stage {stage} {format_bytes(_beyond(report))} measured (rank {report.rank}, beyond "
                      f"{format_bytes(report.memory['base'])} at its start), {format_bytes(plan_bytes)} planned")
