@@ -102,3 +102,22 @@ def test_a_checkpoint_of_an_interleaved_run_resumes_under_one_stage_a_worker(tmp
     got = {name: t for report in resumed.reports.values() for name, t in report.weights.items()}
     assert_same_run(resumed.losses, got, {b: losses[b] for b in range(8, 16)}, weights, rel=1e-6,
                     weight_tolerance=1e-6)
+
+
+@pytest.mark.parametrize("mode, options, line", [
+    ("interleaved", ["--group", "3"], "group=3 for mode 'interleaved' on 2 workers: it sends the microbatches through "
+                                      "the chunks in rounds of one per worker, so the group must be a multiple of 2; "
+                                      "use 2 or 4"),
+    ("dualpipev", ["--group", "2"], "group=2 for mode 'dualpipev' on 4 stages: its warm-up and cool-down need at least "
+                                    "as many microbatches as stages; use a group >= 4"),
+    ("interleaved", ["--mode", "flush"], "mode 'flush' runs one stage per worker, but the schedule places several on a "
+                                         "worker ((0, 1, 0, 1)); drop the placement, or use a mode of several chunks"),
+])
+def test_a_group_or_mode_a_multi_chunk_plan_cannot_run_is_one_line(tmp_path, mode, options, line):
+    from click.testing import CliRunner
+
+    from pdtool.cli import cli
+
+    _, path = chunked_plan(tmp_path, mode, 2)
+    result = CliRunner().invoke(cli, ["train", str(path), "--steps", "1", *options])
+    assert result.exit_code == 1 and result.stderr.strip() == f"pd: error: {line}"
