@@ -302,3 +302,60 @@ def test_pd_trains_memory_prediction_counts_every_chunk_of_a_worker():
     planned = planned_memory(plan, None, 4, "sgd")
     assert set(planned) == {0, 1}
     assert planned[0]["weights"] == 2 * 1_000_000  # stages 0 and 2, one version each
+
+
+def test_pd_plan_cuts_the_layers_into_chunks_and_places_them():
+    """`pd plan --virtual-stages`: the best straight cut into v * p stages, placed as the mode places
+    them, predicted by the steady state of one batch on the real workers; faster than the straight
+    pipeline of one stage a worker on the shipped GPT."""
+    from pathlib import Path
+
+    from pdtool.artifacts.cluster import parse_cluster
+    from pdtool.artifacts.profile import Profile
+    from pdtool.planner import make_plan as plan_of
+    from pdtool.planner.chunks import make_chunked_plan
+    from pdtool.sim.steady import steady_state
+
+    profile = Profile.load(Path(__file__).resolve().parents[2] / "profiles" / "gpt-small.profile.json")
+    cluster = parse_cluster("4x10GB/s")
+    straight = plan_of(profile, cluster, straight=True, mode="flush")
+    for mode, shape in (("interleaved", "looped"), ("zbv", "v"), ("dualpipev", "v")):
+        plan = make_chunked_plan(profile, cluster, chunks=2, mode=mode)
+        assert len(plan.stages) == 8 and plan.placement == make(shape, 8, 4) and plan.used_ranks == (0, 1, 2, 3)
+        assert plan.predicted.expected_ms == pytest.approx(steady_state(plan).time_per_minibatch_ms, rel=1e-5)
+        assert plan.predicted.expected_ms < straight.predicted.expected_ms
+        assert plan.untrainable() is None
+
+
+@pytest.mark.parametrize("cluster, chunks, mode, message", [
+    ("4x10GB/s,2x1GB/s", 2, "interleaved", "plans one level of workers joined by one link; the cluster has 2 levels"),
+    ("4x10GB/s", 3, "zbv", "mode zbv places 2 stages on each worker in a V; use --virtual-stages 2"),
+    ("4x10GB/s", 2, "flush", "which mode 'flush' does not run; use --mode interleaved, zbv or dualpipev"),
+    ("4x10GB/s", 16, "interleaved", "the model cannot be cut into 64 stages (16 on each of 4 workers): its 31 layers"),
+])
+def test_what_pd_plan_cannot_cut_into_chunks_is_one_line(cluster, chunks, mode, message):
+    from pathlib import Path
+
+    from pdtool.artifacts.cluster import parse_cluster
+    from pdtool.artifacts.profile import Profile
+    from pdtool.errors import PlanError
+    from pdtool.planner.chunks import make_chunked_plan
+
+    profile = Profile.load(Path(__file__).resolve().parents[2] / "profiles" / "gpt-small.profile.json")
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make_chunked_plan(profile, parse_cluster(cluster), chunks=chunks, mode=mode)
+
+
+def test_pd_plan_needs_virtual_stages_for_a_mode_of_chunks(tmp_path):
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from pdtool.cli import cli
+
+    profile = str(Path(__file__).resolve().parents[2] / "profiles" / "gpt-small.profile.json")
+    result = CliRunner().invoke(cli, ["plan", profile, "-c", "4x10GB/s", "--mode", "zbv", "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 2 and "--mode zbv puts several stages on each worker: give --virtual-stages V" in result.stderr
+    made = CliRunner().invoke(cli, ["plan", profile, "-c", "4x10GB/s", "--mode", "zbv", "--virtual-stages", "2",
+                                    "-o", str(tmp_path / "p.json")])
+    assert made.exit_code == 0 and "8 stages (zbv)" in made.stderr and not (tmp_path / "x.json").exists()

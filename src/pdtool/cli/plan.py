@@ -6,13 +6,13 @@ import click
 from ..artifacts.plan import COST_MODELS, RECOMPUTE
 from ..jsonio import check_writable
 from ..runtime.recipe import OPTIMIZERS
-from ..schedule.modes import DEFAULT, DEFAULT_TIED, MODES
+from ..schedule.modes import DEFAULT, DEFAULT_TIED, TABLE
 from .settings import GroupedCommand
 from .group import _count, _examples, cli
 
 
 GROUPS = {"cluster": ("cluster_spec", "memory"),
-          "search": ("straight", "data_parallel", "mode", "recompute", "optimizer", "cost_model"),
+          "search": ("straight", "data_parallel", "mode", "virtual_stages", "recompute", "optimizer", "cost_model"),
           "outputs": ("output",)}
 """pd plan's options by group: the headings of its --help and the tables of a --config file."""
 
@@ -30,9 +30,13 @@ GROUPS = {"cluster": ("cluster_spec", "memory"),
               "pipeline with data parallelism, e.g. in pd train).")
 @click.option("--cost-model", type=click.Choice(COST_MODELS), default="pdtool", show_default=True,
               help="pdtool: max(compute, all-reduce, transfer) per stage; pipedream: the original optimizer's formulas.")
-@click.option("--mode", type=click.Choice(MODES), default=None,
+@click.option("--mode", type=click.Choice(tuple(TABLE)), default=None,
               help=f"Schedule mode the plan is to be trained with [default: {DEFAULT}, or {DEFAULT_TIED} when stages "
-                   f"share a parameter (tied weights), which {DEFAULT} cannot train].")
+                   f"share a parameter (tied weights), which {DEFAULT} cannot train]. interleaved, zbv and dualpipev "
+                   "put several stages on each worker: give --virtual-stages.")
+@click.option("--virtual-stages", type=click.IntRange(2, 64), default=None, metavar="V",
+              help="Stages (chunks) on each worker, with --mode interleaved (V >= 2, looped: stage s on worker s mod p), "
+                   "zbv or dualpipev (V = 2, in a V); one level of workers (docs/schedules.md).")
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", show_default=True,
               help="Optimizer state counted in the memory model (sgd with momentum: 1 buffer, adam: 2).")
 @click.option("--recompute", type=click.Choice(RECOMPUTE), default="auto", show_default=True,
@@ -41,7 +45,8 @@ GROUPS = {"cluster": ("cluster_spec", "memory"),
                    "all: every stage; none: no stage.")
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
               help="Plan JSON to write ('-' for stdout). Written atomically.")
-def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model, mode, optimizer, recompute, output):
+def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model, mode, virtual_stages, optimizer,
+         recompute, output):
     """Partition a profiled model over a cluster with PipeDream's optimizer (pdtool.plan/2).
 
     Chooses stage boundaries and replicas per stage to minimise the time per minibatch of the
@@ -60,12 +65,23 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
     command = " ".join(["pd plan", os.path.basename(profile_path), "--cluster", cluster_spec]
                        + (["--memory", memory] if memory else []) + (["--straight"] if straight else [])
                        + (["--data-parallel"] if data_parallel else [])
-                       + ["--cost-model", cost_model] + (["--mode", mode] if mode else []) + ["--optimizer", optimizer]
+                       + ["--cost-model", cost_model] + (["--mode", mode] if mode else [])
+                       + (["--virtual-stages", str(virtual_stages)] if virtual_stages else []) + ["--optimizer", optimizer]
                        + (["--recompute", recompute] if recompute != "auto" else []))
-    result = make_plan(profile, cluster, cost_model=cost_model, straight=straight, data_parallel=data_parallel, mode=mode,
-                       optimizer_slots=OPTIMIZER_SLOTS[optimizer], command=command, recompute=recompute,
-                       profile_file=None if profile_path == "-" else os.path.basename(profile_path),
-                       say=lambda message: click.echo(f"pd: note: {message}", err=True))
+    options = dict(cost_model=cost_model, optimizer_slots=OPTIMIZER_SLOTS[optimizer], command=command,
+                   recompute=recompute, profile_file=None if profile_path == "-" else os.path.basename(profile_path),
+                   say=lambda message: click.echo(f"pd: note: {message}", err=True))
+    if virtual_stages or (mode and TABLE[mode].placement):
+        from ..planner.chunks import make_chunked_plan
+
+        if not virtual_stages:
+            raise click.UsageError(f"--mode {mode} puts several stages on each worker: give --virtual-stages V")
+        if straight or data_parallel:
+            raise click.UsageError("--virtual-stages plans a straight pipeline of chunks already: leave out "
+                                   "--straight and --data-parallel")
+        result = make_chunked_plan(profile, cluster, chunks=virtual_stages, mode=mode or "interleaved", **options)
+    else:
+        result = make_plan(profile, cluster, straight=straight, data_parallel=data_parallel, mode=mode, **options)
     result.save(output)
     if output != "-":
         pred = result.predicted

@@ -87,7 +87,7 @@ def mode_table() -> str:
             "|---|---|---|---|---|---|---|---|---|---|"]
     for mode in TABLE.values():
         chunks = "one" if mode.placement is None else f"several, {mode.placement}"
-        offered = "yes" if mode.name in MODES else "pd train runs a plan of it; pd plan does not make one yet"
+        offered = "yes" if mode.name in MODES else "pd plan --virtual-stages V --mode (pd train runs the plan's)"
         rows.append(f"| `{mode.name}` | {mode.about} | {mode.steps} | {mode.order} | {'yes' if mode.flushes else 'no'} "
                     f"| {'yes' if mode.split else 'no'} | {mode.versions_kept or 'one per minibatch in flight'} "
                     f"| {'yes' if mode.ties else 'no'} | {chunks} | {offered} |")

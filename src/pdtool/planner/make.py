@@ -52,7 +52,7 @@ cost model's candidates are solved here (`background`; 1000 layers x 4096 worker
 def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool", straight: bool = False,
               mode: str | None = None, optimizer_slots: int = 1, command: str = "", simulate: bool = True,
               data_parallel: bool = False, profile_file: str | None = None, recompute: str = "auto",
-              say=lambda message: None) -> Plan:
+              say=lambda message: None, every_worker: bool = False) -> Plan:
     """Run PipeDream's optimizer on `profile` for `cluster` and describe the result as a Plan.
 
     Trainability is decided here, not by the workers: the stages only cut where the model can
@@ -60,6 +60,8 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     mode that trains them. `mode` None means `pipedream`, or `2bw` when stages share a parameter
     (`say` is told why); a mode given explicitly that cannot train the plan is a `PlanError`.
     `data_parallel` allows no cut: one stage replicated on every worker (the baseline, as a plan).
+    `every_worker`: the pipeline uses every worker (with `straight`: exactly as many stages as
+    workers; `planner.chunks` cuts chunks so).
     `command` and `profile_file` (the profile's file name) are the plan's provenance. `recompute`
     (`artifacts.plan.RECOMPUTE`) says which stages recompute their forward in the backward: with `auto`
     those that fit the cluster's memory only so.
@@ -89,7 +91,8 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
         states = states.restricted(lambda mask: False)
     search = _Search(profile=profile, cluster=cluster, cost_model=cost_model, model=model, costs=costs, states=states,
                      memory=memory, optimizer_slots=optimizer_slots, straight=straight, data_parallel=data_parallel,
-                     mode=mode, recompute=recompute, command=command, profile_file=profile_file)
+                     mode=mode, recompute=recompute, command=command, profile_file=profile_file,
+                     every_worker=every_worker)
     plans, ranking = _candidates(search, ranked=simulate)
     if not simulate:  # the cost model's optimum, as PipeDream's optimizer gives it
         return _trainable(plans[0], mode, say)
@@ -126,6 +129,7 @@ class _Search:
     recompute: str
     command: str
     profile_file: str | None
+    every_worker: bool = False
 
     def solver(self, **options) -> Solver:
         """The dynamic program over this search's states and cluster (`options`: Solver's)."""
@@ -150,7 +154,7 @@ def _candidates(search: _Search, *, ranked: bool) -> tuple[list[Plan], bool]:
 
     with background(straight_plans, ranked and not straight and not data_parallel
                     and len(search.states) * search.cluster.workers >= BACKGROUND_SIZE) as lined_plans:
-        solver = search.solver(straight=straight, every_worker=data_parallel)
+        solver = search.solver(straight=straight, every_worker=data_parallel or search.every_worker)
         pipelines = solver.candidates(CANDIDATES) if ranked else [solver.solve()]
         if not pipelines or pipelines[0] is None:
             raise PlanError(_no_plan_reason(search))

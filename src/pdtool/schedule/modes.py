@@ -127,9 +127,9 @@ TABLE: dict[str, Mode] = {mode.name: mode for mode in _ROWS}
 
 
 def _offered(row: Mode) -> bool:
-    """Whether `pd plan --mode` and `pd train --mode` offer the mode: the multi-chunk rows (a
-    `placement`) are generated, validated, simulated and trained from a plan that names them, and
-    are offered once `pd plan` plans them (issue 37)."""
+    """Whether `pd train --mode` offers the mode (and messages list it): the multi-chunk rows (a
+    `placement`) are planned with `pd plan --virtual-stages`, and `pd train` runs the mode its plan
+    names (another plan's mode cannot run on their placement)."""
     return row.placement is None
 
 
