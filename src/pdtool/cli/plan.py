@@ -6,7 +6,7 @@ import click
 from ..artifacts.plan import COST_MODELS, RECOMPUTE
 from ..jsonio import check_writable
 from ..runtime.recipe import OPTIMIZERS
-from ..schedule.modes import DEFAULT, DEFAULT_TIED, TABLE
+from ..schedule.modes import DEFAULT, DEFAULT_CHUNKED, DEFAULT_TIED, TABLE, chunked_modes, listed
 from .settings import GroupedCommand
 from .group import _count, _examples, cli
 
@@ -32,11 +32,11 @@ GROUPS = {"cluster": ("cluster_spec", "memory"),
               help="pdtool: max(compute, all-reduce, transfer) per stage; pipedream: the original optimizer's formulas.")
 @click.option("--mode", type=click.Choice(tuple(TABLE)), default=None,
               help=f"Schedule mode the plan is to be trained with [default: {DEFAULT}, or {DEFAULT_TIED} when stages "
-                   f"share a parameter (tied weights), which {DEFAULT} cannot train]. interleaved, zbv and dualpipev "
-                   "put several stages on each worker: give --virtual-stages.")
+                   f"share a parameter (tied weights), which {DEFAULT} cannot train]. {listed(chunked_modes())} "
+                   f"put several stages on each worker: give --virtual-stages ({DEFAULT_CHUNKED} by default there).")
 @click.option("--virtual-stages", type=click.IntRange(2, 64), default=None, metavar="V",
-              help="Stages (chunks) on each worker, with --mode interleaved (V >= 2, looped: stage s on worker s mod p), "
-                   "zbv or dualpipev (V = 2, in a V); one level of workers (docs/schedules.md).")
+              help="Stages (chunks) on each worker, with a mode of several (V >= 2 looped: stage s on worker s mod p; "
+                   "V = 2 in a V: worker r holds stages r and 2p-1-r); one level of workers (docs/schedules.md).")
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", show_default=True,
               help="Optimizer state counted in the memory model (sgd with momentum: 1 buffer, adam: 2).")
 @click.option("--recompute", type=click.Choice(RECOMPUTE), default="auto", show_default=True,
@@ -79,7 +79,7 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
         if straight or data_parallel:
             raise click.UsageError("--virtual-stages plans a straight pipeline of chunks already: leave out "
                                    "--straight and --data-parallel")
-        result = make_chunked_plan(profile, cluster, chunks=virtual_stages, mode=mode or "interleaved", **options)
+        result = make_chunked_plan(profile, cluster, chunks=virtual_stages, mode=mode or DEFAULT_CHUNKED, **options)
     else:
         result = make_plan(profile, cluster, straight=straight, data_parallel=data_parallel, mode=mode, **options)
     result.save(output)

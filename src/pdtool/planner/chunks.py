@@ -18,7 +18,7 @@ from ..artifacts.cluster import Cluster
 from ..artifacts.plan import Plan
 from ..artifacts.profile import Profile
 from ..errors import PlanError
-from ..schedule.modes import resolve, rules
+from ..schedule.modes import chunked_modes, listed, resolve, rules
 from ..schedule.placement import make as placed
 from ..sim.steady import steady_state
 from ..units import format_bytes
@@ -32,7 +32,7 @@ def make_chunked_plan(profile: Profile, cluster: Cluster, *, chunks: int, mode: 
     row = rules(mode)
     if row.placement is None:
         raise PlanError(f"--virtual-stages puts several stages on a worker, which mode {mode!r} does not run; use "
-                        "--mode interleaved, zbv or dualpipev (or leave --virtual-stages out)")
+                        f"--mode {listed(chunked_modes())} (or leave --virtual-stages out)")
     if len(cluster.levels) != 1:
         raise PlanError(f"--virtual-stages plans one level of workers joined by one link; the cluster has "
                         f"{len(cluster.levels)} levels ({cluster.describe()}): give one level, e.g. 8x25GB/s")

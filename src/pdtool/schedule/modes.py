@@ -136,6 +136,7 @@ def _offered(row: Mode) -> bool:
 MODES = tuple(m.name for m in _ROWS if _offered(m))
 DEFAULT = "pipedream"     # what `pd plan` writes without --mode
 DEFAULT_TIED = "2bw"      # ... when stages share a parameter: the 1F1B mode that trains tied weights
+DEFAULT_CHUNKED = "interleaved"  # ... with --virtual-stages: several stages a worker, looped
 
 
 def rules(mode: str) -> Mode:
@@ -144,6 +145,11 @@ def rules(mode: str) -> Mode:
     if row is None:
         raise ScheduleError(f"unknown schedule mode {mode!r}; use one of {', '.join(MODES)}")
     return row
+
+
+def chunked_modes() -> tuple[str, ...]:
+    """The modes of several stages a worker (a `placement`), in table order."""
+    return tuple(m.name for m in TABLE.values() if m.placement is not None)
 
 
 def modes_where(**fields) -> tuple[str, ...]:
