@@ -328,7 +328,6 @@ def test_pd_plan_cuts_the_layers_into_chunks_and_places_them():
 
 
 @pytest.mark.parametrize("cluster, chunks, mode, message", [
-    ("4x10GB/s,2x1GB/s", 2, "interleaved", "plans one level of workers joined by one link; the cluster has 2 levels"),
     ("4x10GB/s", 3, "zbv", "mode zbv places 2 stages on each worker in a V; use --virtual-stages 2"),
     ("4x10GB/s", 2, "flush", "which mode 'flush' does not run; use --mode interleaved, zbv or dualpipev"),
     ("4x10GB/s", 16, "interleaved", "the model cannot be cut into 64 stages (16 on each of 4 workers): its 31 layers"),
@@ -346,7 +345,7 @@ def test_what_pd_plan_cannot_cut_into_chunks_is_one_line(cluster, chunks, mode, 
         make_chunked_plan(profile, parse_cluster(cluster), chunks=chunks, mode=mode)
 
 
-def test_pd_plan_needs_virtual_stages_for_a_mode_of_chunks(tmp_path):
+def test_pd_plan_searches_the_chunks_of_a_mode_of_chunks_without_virtual_stages(tmp_path):
     from pathlib import Path
 
     from click.testing import CliRunner
@@ -354,8 +353,27 @@ def test_pd_plan_needs_virtual_stages_for_a_mode_of_chunks(tmp_path):
     from pdtool.cli import cli
 
     profile = str(Path(__file__).resolve().parents[2] / "profiles" / "gpt-small.profile.json")
-    result = CliRunner().invoke(cli, ["plan", profile, "-c", "4x10GB/s", "--mode", "zbv", "-o", str(tmp_path / "p.json")])
-    assert result.exit_code == 2 and "--mode zbv puts several stages on each worker: give --virtual-stages V" in result.stderr
+    result = CliRunner().invoke(cli, ["plan", profile, "-c", "4x10GB/s", "--mode", "interleaved",
+                                      "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 0, result.stderr
+    assert "interleaved v=2" in result.stderr and "interleaved v=4" in result.stderr  # --virtual-stages auto
     made = CliRunner().invoke(cli, ["plan", profile, "-c", "4x10GB/s", "--mode", "zbv", "--virtual-stages", "2",
-                                    "-o", str(tmp_path / "p.json")])
-    assert made.exit_code == 0 and "8 stages (zbv)" in made.stderr and not (tmp_path / "x.json").exists()
+                                    "-o", str(tmp_path / "q.json")])
+    assert made.exit_code == 0 and "8 stages (zbv)" in made.stderr and "family" not in made.stderr
+
+
+def test_chunks_plan_on_a_cluster_of_two_levels():
+    """The cut is made at the slowest link; the steady state charges each message on its own link."""
+    from pathlib import Path
+
+    from pdtool.artifacts.cluster import parse_cluster
+    from pdtool.artifacts.profile import Profile
+    from pdtool.planner.chunks import make_chunked_plan
+    from pdtool.sim.steady import steady_state
+
+    profile = Profile.load(Path(__file__).resolve().parents[2] / "profiles" / "gpt-small.profile.json")
+    fast = make_chunked_plan(profile, parse_cluster("4x10GB/s,2x10GB/s"), chunks=2, mode="interleaved")
+    slow = make_chunked_plan(profile, parse_cluster("4x10GB/s,2x100MB/s"), chunks=2, mode="interleaved")
+    assert len(fast.stages) == 16 and fast.used_ranks == tuple(range(8))
+    assert slow.predicted.expected_ms == pytest.approx(steady_state(slow).time_per_minibatch_ms, rel=1e-5)
+    assert slow.predicted.expected_ms > fast.predicted.expected_ms  # the servers' link is charged

@@ -24,8 +24,10 @@ def written(profile_path, message_ms_per_mib=None):
         profile = dataclasses.replace(profile, message_ms_per_mib=message_ms_per_mib, measured="layers", precision="bf16",
                                       classes={"blocks": "ModuleList"},
                                       layers=(first,) + profile.layers[1:])
-    plan = make_plan(profile, parse_cluster("cluster-a:2", memory="16GiB"), simulate=True,
-                     recompute="all" if message_ms_per_mib is not None else "auto")  # a stage's `recompute` is written when true
+    measured = message_ms_per_mib is not None
+    plan = make_plan(profile, parse_cluster("cluster-a:2", memory="16GiB"), simulate=True,  # `recompute` and
+                     recompute="all" if measured else "auto", mode="flush" if measured else None,  # `group` are
+                     group=16 if measured else None)  # written when set
     return profile.to_json(), plan.to_json()
 
 

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from .cluster import Cluster
-from ..errors import ArtifactError, PdtoolError
+from ..errors import ArtifactError, PdtoolError, ScheduleError
 from ..fields import At, check_schema
 from ..jsonio import canonical_json, round_float_fields
-from ..schedule.modes import TABLE, rules, ties_refusal
+from ..schedule.core import check_parameters
+from ..schedule.modes import TABLE, Run, resolve, rules, ties_refusal
 from ..schedule.placement import shape_of
 from .profile import METHODS, PRECISIONS, SPLITS, ModelRef, Profile, default_split, estimate_wgrad_ms
 from .record import Artifact, Bool, Const, Int, ListOf, Num, Record, Records, Shared, Str, derived, field
@@ -275,6 +276,9 @@ class Plan(Artifact):
     cost_model: str = field(Str(COST_MODELS))
     straight: bool = field(Bool())
     mode: str = field(Str(tuple(TABLE)))
+    group: int | None = field(Int(1), None, omit=None, doc="Microbatches per optimizer step that pd plan chose "
+                              "(--group, --batch or a joint search) and predicted: pd train's default --group in a "
+                              "mode that steps per group. Absent: the mode's default (the stages).")
     stages: tuple[PlanStage, ...] = field(Records(PlanStage, min_items=1), doc="One stage each: its layers, "
                                           "replicated on `ranks`; times are ms per minibatch as the cost model "
                                           "charges them.")
@@ -351,6 +355,13 @@ class Plan(Artifact):
             order.setdefault(stage.ranks[0], len(order))
         return tuple(order[stage.ranks[0]] for stage in self.stages)
 
+    def run(self, mode: str | None = None, group: int | None = None) -> Run:
+        """The run of this plan in `mode` (None: the plan's) with `group` microbatches per step
+        (None: the plan's recorded group where the mode steps per group, else the mode's default)."""
+        if group is None and not rules(mode or self.mode).per_round:
+            group = self.group
+        return resolve(mode, self.mode, [s.replicas for s in self.stages], group)
+
     @property
     def samples_per_s(self) -> float:
         return self.profile.batch_size / (self.predicted.expected_ms / MS_PER_S) if self.predicted.expected_ms else 0.0
@@ -420,6 +431,20 @@ def _validate(plan: Plan, source: str) -> None:
                  f"{'are' if len(missing) > 1 else 'is'} in no stage", "put every layer in exactly one stage", "stages")
     _check_data_flow(plan, owner, top)
     _check_chunks(plan, top)
+    _check_group(plan, top)
+
+
+def _check_group(plan: Plan, top: At) -> None:
+    """A recorded group is one the plan's mode runs on its stages (`schedule.check_parameters`)."""
+    if plan.group is None:
+        return
+    if rules(plan.mode).per_round:
+        top.fail(f"group {plan.group}: mode {plan.mode!r} steps per round of its replicas, not per group",
+                 "remove the group, or plan a mode that steps per group", "group")
+    try:
+        check_parameters(plan.mode, [s.replicas for s in plan.stages], plan.group, plan.group, plan.placement)
+    except ScheduleError as error:
+        top.fail(str(error), "plan it again with pd plan --group", "group")
 
 
 def _check_chunks(plan: Plan, top: At) -> None:

@@ -42,6 +42,18 @@ class Count(_AsciiDigits, click.IntRange):
     """An integer option within [min, max], in the digits 0-9."""
 
 
+class CountOrAuto(Count):
+    """A `Count`, or the word auto (returned as "auto")."""
+
+    def convert(self, value, param, ctx):
+        if value == "auto":
+            return value
+        return super().convert(value, param, ctx)
+
+    def get_metavar(self, param, *args, **kwargs) -> str:
+        return "N|auto"
+
+
 class Finite(_AsciiDigits, click.FloatRange):
     """A float option within [min, max] that is a real number (click's FloatRange lets nan through)."""
 

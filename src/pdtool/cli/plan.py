@@ -6,13 +6,15 @@ import click
 from ..artifacts.plan import COST_MODELS, RECOMPUTE
 from ..jsonio import check_writable
 from ..runtime.recipe import OPTIMIZERS
+from ..planner.search import AUTO_CHUNKS, synchronous_modes
 from ..schedule.modes import DEFAULT, DEFAULT_CHUNKED, DEFAULT_TIED, TABLE, chunked_modes, listed
 from .settings import GroupedCommand
-from .group import _count, _examples, cli
+from .group import Count, CountOrAuto, _count, _examples, cli
 
 
 GROUPS = {"cluster": ("cluster_spec", "memory"),
-          "search": ("straight", "data_parallel", "mode", "virtual_stages", "recompute", "optimizer", "cost_model"),
+          "search": ("straight", "data_parallel", "mode", "virtual_stages", "group", "batch", "recompute", "optimizer",
+                     "cost_model"),
           "outputs": ("output",)}
 """pd plan's options by group: the headings of its --help and the tables of a --config file."""
 
@@ -30,13 +32,24 @@ GROUPS = {"cluster": ("cluster_spec", "memory"),
               "pipeline with data parallelism, e.g. in pd train).")
 @click.option("--cost-model", type=click.Choice(COST_MODELS), default="pdtool", show_default=True,
               help="pdtool: max(compute, all-reduce, transfer) per stage; pipedream: the original optimizer's formulas.")
-@click.option("--mode", type=click.Choice(tuple(TABLE)), default=None,
+@click.option("--mode", metavar="MODE|A,B,...|auto", default=None, callback=lambda ctx, param, value: _modes(value),
               help=f"Schedule mode the plan is to be trained with [default: {DEFAULT}, or {DEFAULT_TIED} when stages "
-                   f"share a parameter (tied weights), which {DEFAULT} cannot train]. {listed(chunked_modes())} "
-                   f"put several stages on each worker: give --virtual-stages ({DEFAULT_CHUNKED} by default there).")
-@click.option("--virtual-stages", type=click.IntRange(2, 64), default=None, metavar="V",
-              help="Stages (chunks) on each worker, with a mode of several (V >= 2 looped: stage s on worker s mod p; "
-                   "V = 2 in a V: worker r holds stages r and 2p-1-r); one level of workers (docs/schedules.md).")
+                   f"share a parameter (tied weights), which {DEFAULT} cannot train]. {listed(chunked_modes())} put "
+                   "several stages on each worker (--virtual-stages). A list (A,B,...) plans each mode alone and keeps "
+                   f"the fastest; auto: every synchronous mode ({', '.join(synchronous_modes())}). Modes: "
+                   f"{', '.join(TABLE)}.")
+@click.option("--virtual-stages", type=CountOrAuto(1, 64), default=None,
+              help="Stages (chunks) on each worker, for the modes of several (looped: stage s on worker s mod p; "
+                   f"in a V: worker r holds stages r and 2p-1-r); auto: {', '.join(map(str, AUTO_CHUNKS))} where "
+                   "the mode places them and the layers fill them [default: auto with a list of modes or one of "
+                   "several chunks] (docs/schedules.md).")
+@click.option("--group", "-g", type=CountOrAuto(1, 65536), default=None,
+              help="Microbatches per optimizer step, recorded in the plan as pd train's default [default (auto): "
+                   "SAMPLES / the profile's batch with --batch; with a list of modes the largest default among them "
+                   "(v x workers), so they are compared on one batch; else the mode's default, not recorded].")
+@click.option("--batch", type=Count(1, 2**31), default=None, metavar="SAMPLES",
+              help="Samples of one optimizer step: the group is SAMPLES / the profile's batch (the microbatch pd "
+                   "train runs).")
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", show_default=True,
               help="Optimizer state counted in the memory model (sgd with momentum: 1 buffer, adam: 2).")
 @click.option("--recompute", type=click.Choice(RECOMPUTE), default="auto", show_default=True,
@@ -45,8 +58,8 @@ GROUPS = {"cluster": ("cluster_spec", "memory"),
                    "all: every stage; none: no stage.")
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
               help="Plan JSON to write ('-' for stdout). Written atomically.")
-def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model, mode, virtual_stages, optimizer,
-         recompute, output):
+def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model, mode, virtual_stages, group, batch,
+         optimizer, recompute, output):
     """Partition a profiled model over a cluster with PipeDream's optimizer (pdtool.plan/2).
 
     Chooses stage boundaries and replicas per stage to minimise the time per minibatch of the
@@ -56,6 +69,7 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
 
     from ..artifacts.cluster import parse_cluster
     from ..planner import make_plan
+    from ..planner.search import search, table
     from ..planner.costmodel import OPTIMIZER_SLOTS
     from ..artifacts.profile import Profile
 
@@ -65,23 +79,36 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
     command = " ".join(["pd plan", os.path.basename(profile_path), "--cluster", cluster_spec]
                        + (["--memory", memory] if memory else []) + (["--straight"] if straight else [])
                        + (["--data-parallel"] if data_parallel else [])
-                       + ["--cost-model", cost_model] + (["--mode", mode] if mode else [])
-                       + (["--virtual-stages", str(virtual_stages)] if virtual_stages else []) + ["--optimizer", optimizer]
-                       + (["--recompute", recompute] if recompute != "auto" else []))
+                       + ["--cost-model", cost_model] + (["--mode", ",".join(mode)] if mode else [])
+                       + (["--virtual-stages", str(virtual_stages)] if virtual_stages else [])
+                       + (["--group", str(group)] if group else []) + (["--batch", str(batch)] if batch else [])
+                       + ["--optimizer", optimizer] + (["--recompute", recompute] if recompute != "auto" else []))
     options = dict(cost_model=cost_model, optimizer_slots=OPTIMIZER_SLOTS[optimizer], command=command,
-                   recompute=recompute, profile_file=None if profile_path == "-" else os.path.basename(profile_path),
-                   say=lambda message: click.echo(f"pd: note: {message}", err=True))
-    if virtual_stages or (mode and TABLE[mode].placement):
+                   recompute=recompute, profile_file=None if profile_path == "-" else os.path.basename(profile_path))
+    say = lambda message: click.echo(f"pd: note: {message}", err=True)  # noqa: E731
+    m = _group(group, batch, profile.batch_size)
+    single = mode[0] if mode and len(mode) == 1 else None
+    chunked = single is not None and TABLE[single].placement is not None
+    if virtual_stages == "auto" or (mode and len(mode) > 1) or (chunked and virtual_stages is None):
+        if data_parallel:
+            raise click.UsageError("--data-parallel plans one mode without cuts: give one --mode (not a list or auto) "
+                                   "and no --virtual-stages")
+        result, outcomes = search(profile, cluster, modes=mode or (DEFAULT,),
+                                  virtual=None if virtual_stages == "auto" else virtual_stages, group=m,
+                                  straight=straight, say=say, **options)
+        for line in table(outcomes, result):
+            click.echo(line, err=True)
+    elif virtual_stages not in (None, 1) or chunked:
         from ..planner.chunks import make_chunked_plan
 
-        if not virtual_stages:
-            raise click.UsageError(f"--mode {mode} puts several stages on each worker: give --virtual-stages V")
         if straight or data_parallel:
             raise click.UsageError("--virtual-stages plans a straight pipeline of chunks already: leave out "
                                    "--straight and --data-parallel")
-        result = make_chunked_plan(profile, cluster, chunks=virtual_stages, mode=mode or DEFAULT_CHUNKED, **options)
+        result = make_chunked_plan(profile, cluster, chunks=virtual_stages, mode=single or DEFAULT_CHUNKED, group=m,
+                                   say=say, **options)
     else:
-        result = make_plan(profile, cluster, straight=straight, data_parallel=data_parallel, mode=mode, **options)
+        result = make_plan(profile, cluster, straight=straight, data_parallel=data_parallel, mode=single, group=m,
+                           say=say, **options)
     result.save(output)
     if output != "-":
         pred = result.predicted
@@ -95,3 +122,31 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
                       else "data parallel does not fit in memory")
                    + (f"; cost model {pred.time_ms:.3f} ms, {model_single:.2f}x, {model_dp:.2f}x"
                       if pred.simulated_ms is not None else ""), err=True)
+
+
+def _modes(value: str | None) -> tuple[str, ...] | None:
+    """--mode: one mode, a comma-separated list, or auto (`planner.search.synchronous_modes`)."""
+    if value is None:
+        return None
+    if value == "auto":
+        return synchronous_modes()
+    names = tuple(dict.fromkeys(name.strip() for name in value.split(",")))
+    unknown = [name for name in names if name not in TABLE]
+    if unknown or not names:
+        raise click.BadParameter(f"{unknown[0] if unknown else value!r} is not a mode; give one of {', '.join(TABLE)}, "
+                                 "a comma-separated list of them, or auto")
+    return names
+
+
+def _group(group, batch: int | None, microbatch: int) -> int | None:
+    """The group asked for: --group N, or --batch SAMPLES over the profile's batch (they must agree)."""
+    if batch is None:
+        return None if group in (None, "auto") else group
+    if batch % microbatch:
+        below = batch - batch % microbatch
+        raise click.UsageError(f"--batch {batch} is not a multiple of the profile's batch {microbatch} (the microbatch "
+                               f"pd train runs); use {f'{below} or ' if below else ''}{below + microbatch}")
+    if group not in (None, "auto") and group * microbatch != batch:
+        raise click.UsageError(f"--group {group} and --batch {batch} disagree: {batch} samples are "
+                               f"{batch // microbatch} microbatches of the profile's {microbatch}; give one of them")
+    return batch // microbatch

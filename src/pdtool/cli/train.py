@@ -51,7 +51,8 @@ GROUPS = {
 @click.option("--mode", type=click.Choice(MODES),
               help="Schedule mode [default: the plan's].")
 @click.option("--group", "-g", type=Count(1, 65536),
-              help=f"{PER_GROUP}: microbatches per optimizer step [default: the number of stages, or more].")
+              help=f"{PER_GROUP}: microbatches per optimizer step [default: the plan's group (pd plan --group or "
+                   "--batch), else the number of stages, or more].")
 @click.option("--seed", type=Count(0, 2**63 - 1), default=0, show_default=True, help="Seed of the initial weights and the data order.")
 @click.option("--optimizer", default="sgd", show_default=True, metavar="|".join(OPTIMIZERS) + "|PKG.MODULE:FACTORY",
               help="sgd (with momentum), adam, adamw (decoupled weight decay), or a factory called as "

@@ -7,8 +7,10 @@ are then placed on the p workers as the mode places them (`schedule.placement`: 
 and the plan's prediction is its schedule simulated on those workers (the steady state of one
 batch, `sim.steady`). Its cost-model time is the busiest worker's: the sum of its chunks' times.
 
-Only a one-level cluster (p workers joined by one link) takes chunks here, and the memory
-limit is checked on each worker's chunks together after the cut (the cut itself ignores it).
+On a cluster of several levels the cut is made as if every link were the slowest one (a
+chunk's neighbours sit on other workers, often on other servers, in a looped or V placement);
+the simulation then charges each message on the link it really takes. The memory limit is
+checked on each worker's chunks together after the cut (the cut itself ignores it).
 """
 from __future__ import annotations
 
@@ -17,33 +19,34 @@ import dataclasses
 from ..artifacts.cluster import Cluster
 from ..artifacts.plan import Plan
 from ..artifacts.profile import Profile
-from ..errors import PlanError
-from ..schedule.modes import chunked_modes, listed, resolve, rules
+from ..errors import PlanError, ScheduleError
+from ..schedule.core import check_parameters
+from ..schedule.modes import chunked_modes, listed, rules
 from ..schedule.placement import make as placed
 from ..sim.steady import steady_state
 from ..units import format_bytes
 
 
-def make_chunked_plan(profile: Profile, cluster: Cluster, *, chunks: int, mode: str, **options) -> Plan:
-    """The plan of `chunks` stages on each worker of `cluster` in `mode` (a mode with a placement);
-    `options` as `make_plan` takes them (cost model, optimizer slots, recompute, provenance)."""
-    from .make import make_plan
+def make_chunked_plan(profile: Profile, cluster: Cluster, *, chunks: int, mode: str, group: int | None = None,
+                      quick: bool = False, **options) -> Plan:
+    """The plan of `chunks` stages on each worker of `cluster` in `mode` (a mode with a placement),
+    recording and simulated with `group` microbatches per step (None: the mode's default, the
+    stages); `quick`: the data-parallel baseline ranked as `make_plan(quick=True)` ranks; `options`
+    as `make_plan` takes them (cost model, optimizer slots, recompute, provenance)."""
+    from .make import make_plan, with_group
 
     row = rules(mode)
     if row.placement is None:
         raise PlanError(f"--virtual-stages puts several stages on a worker, which mode {mode!r} does not run; use "
                         f"--mode {listed(chunked_modes())} (or leave --virtual-stages out)")
-    if len(cluster.levels) != 1:
-        raise PlanError(f"--virtual-stages plans one level of workers joined by one link; the cluster has "
-                        f"{len(cluster.levels)} levels ({cluster.describe()}): give one level, e.g. 8x25GB/s")
     if row.placement == "v" and chunks != 2:
         raise PlanError(f"mode {mode} places 2 stages on each worker in a V; use --virtual-stages 2")
     if chunks < 2:
         raise PlanError(f"--virtual-stages {chunks}: one stage a worker is what the other modes run; give 2 or more")
     workers = cluster.workers
     total = chunks * workers
-    level = cluster.levels[0]
-    virtual = dataclasses.replace(cluster, levels=(dataclasses.replace(level, count=total),), memory=None)
+    slowest = min(cluster.levels, key=lambda level: (level.bandwidth, -level.latency))
+    virtual = dataclasses.replace(cluster, levels=(dataclasses.replace(slowest, count=total),), memory=None)
     try:
         flat = make_plan(profile, virtual, straight=True, mode="flush", simulate=False, every_worker=True, **options)
     except PlanError:
@@ -54,14 +57,23 @@ def make_chunked_plan(profile: Profile, cluster: Cluster, *, chunks: int, mode: 
         raise PlanError(f"the model cuts into at most {len(flat.stages)} stages where it can be split, fewer than the "
                         f"{total} that {chunks} stages on each of {workers} workers need; use fewer --virtual-stages "
                         "or fewer workers")
-    baseline = make_plan(profile, cluster, data_parallel=True, **options).predicted  # on the real workers
+    baseline = make_plan(profile, cluster, data_parallel=True, quick=quick, **options).predicted  # the real workers
     placement = placed(row.placement, total, workers)
     stages = tuple(dataclasses.replace(stage, ranks=(placement[s],)) for s, stage in enumerate(flat.stages))
+    if flat.shared:
+        raise PlanError(f"{flat.describe_shared()} (tied weights), and a worker of several stages does not add a tied "
+                        "weight's copies yet; plan one stage per worker (e.g. --mode flush)")
     busiest = max(sum(stage.time_ms for s, stage in enumerate(stages) if placement[s] == w) for w in range(workers))
     plan = dataclasses.replace(flat, cluster=cluster, mode=mode, stages=stages, predicted=dataclasses.replace(
         flat.predicted, time_ms=busiest, data_parallel_ms=baseline.data_parallel_ms,
         simulated_data_parallel_ms=baseline.simulated_ms, data_parallel_over_bytes=baseline.data_parallel_over_bytes))
-    state = steady_state(plan, group=resolve(mode, mode, [1] * total).group)
+    if group is not None:
+        try:
+            check_parameters(mode, [1] * total, group, group, placement)
+        except ScheduleError as error:
+            raise PlanError(f"--group {group} for {chunks} stages on each of {workers} workers: {error}") from None
+        plan = with_group(plan, group)
+    state = steady_state(plan)
     if state is None:
         raise PlanError(f"the steady state of {total} stages in mode {mode} is too large to compute here; "
                         "use fewer --virtual-stages")

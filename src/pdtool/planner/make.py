@@ -18,9 +18,10 @@ from ..artifacts.plan import (
     MS_PER_S, Plan, PlanGroup, PlanStage, Prediction, ProfileRef, compact_ranges, profile_sha256, with_boundaries,
 )
 from ..artifacts.profile import Profile
-from ..errors import PlanError
+from ..errors import PlanError, ScheduleError
+from ..schedule.core import check_parameters
 from ..sim.steady import applies as steady_applies, steady_state
-from ..schedule.modes import DEFAULT, DEFAULT_TIED, MODES, listed, modes_where, resolve, rules
+from ..schedule.modes import DEFAULT, DEFAULT_TIED, GROUP, MODES, listed, modes_where, rules
 from ..units import format_bytes
 from .background import background
 from .costmodel import MODELS, ChainCosts, CostModel, Memory, memory_model
@@ -52,7 +53,8 @@ cost model's candidates are solved here (`background`; 1000 layers x 4096 worker
 def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool", straight: bool = False,
               mode: str | None = None, optimizer_slots: int = 1, command: str = "", simulate: bool = True,
               data_parallel: bool = False, profile_file: str | None = None, recompute: str = "auto",
-              say=lambda message: None, every_worker: bool = False) -> Plan:
+              say=lambda message: None, every_worker: bool = False, group: int | None = None,
+              quick: bool = False) -> Plan:
     """Run PipeDream's optimizer on `profile` for `cluster` and describe the result as a Plan.
 
     Trainability is decided here, not by the workers: the stages only cut where the model can
@@ -62,6 +64,9 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     `data_parallel` allows no cut: one stage replicated on every worker (the baseline, as a plan).
     `every_worker`: the pipeline uses every worker (with `straight`: exactly as many stages as
     workers; `planner.chunks` cuts chunks so).
+    `group`: the microbatches per step the plan records and is simulated with (a mode that steps
+    per group; `with_group`); None: the mode's default, not recorded. `quick`: rank and predict
+    by the steady state alone (no event simulation of the finalists; the joint search's families).
     `command` and `profile_file` (the profile's file name) are the plan's provenance. `recompute`
     (`artifacts.plan.RECOMPUTE`) says which stages recompute their forward in the backward: with `auto`
     those that fit the cluster's memory only so.
@@ -92,7 +97,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     search = _Search(profile=profile, cluster=cluster, cost_model=cost_model, model=model, costs=costs, states=states,
                      memory=memory, optimizer_slots=optimizer_slots, straight=straight, data_parallel=data_parallel,
                      mode=mode, recompute=recompute, command=command, profile_file=profile_file,
-                     every_worker=every_worker)
+                     every_worker=every_worker, group=group)
     plans, ranking = _candidates(search, ranked=simulate)
     if not simulate:  # the cost model's optimum, as PipeDream's optimizer gives it
         return _trainable(plans[0], mode, say)
@@ -102,12 +107,27 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     baseline = search.describe(dp, dp_solver) if dp is not None else None
     if ranking and baseline is not None and not straight:
         plans.append(baseline)
-    ranked = _ranked(plans, cluster.workers) if ranking else [_with_simulation(plans[0])]
-    best = _explained(search, ranked, baseline, ranking=ranking, in_full=cluster.workers <= RANKED_WORKERS)
+    in_full = cluster.workers <= RANKED_WORKERS and not quick
+    ranked = _ranked(plans, cluster.workers, in_full) if ranking else [_with_simulation(plans[0])]
+    best = _explained(search, ranked, baseline, ranking=ranking, in_full=in_full)
     _warn_noisy(profile, best, say)
     if cluster.workers <= RANKED_WORKERS:
-        best = _mode_memory(best, optimizer_slots, memory)
+        best = _mode_memory(best, optimizer_slots, memory, short=quick)
+    if group is not None and best.group != group:
+        _refuse_group(best, group)
     return _trainable(best, mode, say)
+
+
+def _refuse_group(plan: Plan, group: int) -> None:
+    """A PlanError saying why the plan's mode cannot run `group` microbatches per step on its stages."""
+    if rules(plan.mode).per_round:
+        raise PlanError(f"--group {group}: mode {plan.mode} steps after every round of its replicas, not per group of "
+                        f"microbatches; leave --group and --batch out, or plan a mode that steps per group "
+                        f"({listed(modes_where(steps=GROUP))})")
+    try:
+        check_parameters(plan.mode, [s.replicas for s in plan.stages], group, group, plan.placement)
+    except ScheduleError as error:
+        raise PlanError(f"the best plan ({_shape(plan)}) cannot run --group {group}: {error}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,6 +150,7 @@ class _Search:
     command: str
     profile_file: str | None
     every_worker: bool = False
+    group: int | None = None
 
     def solver(self, **options) -> Solver:
         """The dynamic program over this search's states and cluster (`options`: Solver's)."""
@@ -203,11 +224,14 @@ def _explained(search: _Search, ranked: list[Plan], baseline: Plan | None, *, ra
         simulated_data_parallel_ms=baseline.predicted.simulated_ms if baseline is not None else None))
 
 
-def _mode_memory(plan: Plan, optimizer_slots: int, memory: Memory | None) -> Plan:
+def _mode_memory(plan: Plan, optimizer_slots: int, memory: Memory | None, short: bool = False) -> Plan:
     """The plan with each stage's `memory_bytes` as its mode holds it (the simulated schedule's most
     minibatches in flight and weight versions per worker: `Memory.per_worker`, what `pd train`
-    compares its workers with), and one line when a stage then passes the limit of `memory`."""
-    result = simulator.simulate(plan)
+    compares its workers with), and one line when a stage then passes the limit of `memory`. `short`:
+    from a run of two groups (or two passes of the workers), where every worker reaches its peak."""
+    run = plan.run()
+    most = 2 * max(run.group, plan.workers)
+    result = simulator.simulate(plan, minibatches=-(-most // run.group) * run.group if short else None)
     model = memory_model(None, optimizer_slots, plan.profile.precision, plan.mode)
     need = model.per_worker(plan, result)
     stages = tuple(dataclasses.replace(s, memory_bytes=max(need[r] for r in s.ranks)) for s in plan.stages)
@@ -248,11 +272,10 @@ def _key(plan: Plan) -> tuple:
     return tuple((s.layers, s.ranks) for s in plan.stages)
 
 
-def _ranked(plans: list[Plan], workers: int) -> list[Plan]:
-    """The distinct plans, fastest first in simulation: compared on short runs, then the best
-    `FINALISTS` simulated in full (those come first, with their full figures; the rest carry their
-    short run's)."""
-    full = workers <= RANKED_WORKERS
+def _ranked(plans: list[Plan], workers: int, full: bool) -> list[Plan]:
+    """The distinct plans, fastest first in simulation: compared on short runs, then (`full`) the
+    best `FINALISTS` simulated in full (those come first, with their full figures; the rest carry
+    their short run's)."""
     unique = list({_key(p): p for p in reversed(plans)}.values())
     if len(unique) == 1:
         return [_with_simulation(unique[0], steady=not full)]
@@ -317,7 +340,19 @@ def _as_plan(search: _Search, pipeline: Pipeline, solver: Solver) -> Plan:
                 pdtool_version=__version__, state_space=solver.states.space, shared=shared_parameters(profile, stages))
     if mode is None and plan.untrainable() is not None:
         plan = dataclasses.replace(plan, mode=DEFAULT_TIED)  # `_trainable` says why, for the plan chosen
-    return plan
+    return with_group(plan, search.group)
+
+
+def with_group(plan: Plan, group: int | None) -> Plan:
+    """The plan recording `group` microbatches per step where its mode steps per group and runs
+    that group on its stages (`schedule.check_parameters`); otherwise as it is (its mode's default)."""
+    if group is None or rules(plan.mode).per_round:
+        return plan
+    try:
+        check_parameters(plan.mode, [s.replicas for s in plan.stages], group, group, plan.placement)
+    except ScheduleError:
+        return plan
+    return dataclasses.replace(plan, group=group)
 
 
 def _trainable(plan: Plan, mode: str | None, say) -> Plan:
@@ -369,7 +404,7 @@ def _with_simulation(plan: Plan, most: int = SIMULATED_MINIBATCHES, steady: bool
         return dataclasses.replace(plan, predicted=dataclasses.replace(
             plan.predicted, simulated_ms=found.time_per_minibatch_ms, simulated_bubble=found.bubble_fraction,
             simulated_minibatches=found.period_minibatches, simulated_steady=True))
-    group = resolve(None, plan.mode, [s.replicas for s in plan.stages]).group
+    group = plan.run().group
     most = min(most, SIMULATED_MINIBATCHES)
     minibatches = min(simulator.default_minibatches(plan.workers, group), max(most // group, 1) * group)
     result = simulator.simulate(plan, minibatches=minibatches, group=None if group == 1 else group)

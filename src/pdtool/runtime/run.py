@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..artifacts.plan import Plan
 from ..errors import LaunchError
-from ..schedule import Run, Schedule, checkpoint_unit, generate, resolve, step_group
+from ..schedule import Run, Schedule, checkpoint_unit, generate, step_group
 from .recipe import OptimizerConfig
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ def make_schedule(plan: Plan, config: RunConfig) -> Schedule:
 
 def resolved(plan: Plan, config: RunConfig) -> Run:
     """The run's effective mode, group and minibatches per step (`schedule.resolve`)."""
-    return resolve(config.mode, plan.mode, [s.replicas for s in plan.stages], config.group)
+    return plan.run(config.mode, config.group)
 
 
 def recorded_settings(config: RunConfig, run: Run) -> dict:

@@ -44,7 +44,7 @@ from typing import Sequence
 
 from ..errors import ScheduleError
 from ..artifacts.plan import MS_PER_S, Plan
-from ..schedule import Schedule, generate, peak_versions, resolve, stash_depth, step_group
+from ..schedule import Schedule, generate, peak_versions, stash_depth, step_group
 from ..schedule.lower import ACTIVATION, Op, collective_key, lower, message
 
 MIB = 2 ** 20
@@ -230,7 +230,7 @@ def simulate(plan: Plan, mode: str | None = None, minibatches: int | None = None
     are that rank's).
     """
     replicas = tuple(s.replicas for s in plan.stages)
-    run = resolve(mode, plan.mode, replicas, group)
+    run = plan.run(mode, group)
     mode, group = run.name, run.group
     if minibatches is None:  # a bad group is reported by the schedule's checks, not here
         minibatches = default_minibatches(sum(replicas), group if isinstance(group, int) and group >= 1 else 1)

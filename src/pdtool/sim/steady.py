@@ -45,7 +45,7 @@ import numpy as np
 from ..artifacts.plan import MS_PER_S, Plan
 from ..schedule import generate
 from ..schedule.lower import ACTIVATION, collective_key, lower, message
-from ..schedule.modes import ONE_F_ONE_B, resolve, rules, warmup_forwards
+from ..schedule.modes import ONE_F_ONE_B, rules, warmup_forwards
 from .simulate import MIB, allreduce_ms, link_bandwidth, link_latency, worker_rank
 
 MAX_NODES = 400_000
@@ -82,7 +82,7 @@ def steady_state(plan: Plan, mode: str | None = None, group: int | None = None,
     if not applies(plan, mode):
         return None
     replicas = [s.replicas for s in plan.stages]
-    run = resolve(mode, plan.mode, replicas, group)
+    run = plan.run(mode, group)
     g = reduce(math.gcd, replicas)
     graph = _Graph()
     placement = placement or plan.placement

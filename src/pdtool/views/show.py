@@ -5,7 +5,7 @@ import pandas as pd
 
 from ..artifacts.plan import Plan, compact_ranges
 from ..artifacts.profile import Profile
-from ..schedule.modes import resolve, rules
+from ..schedule.modes import rules
 from ..sim.simulate import SimResult
 from ..units import format_bytes
 
@@ -130,7 +130,7 @@ def plan_table(plan: Plan) -> str:
 def steady_table(state, plan: Plan, mode: str | None, group: int | None) -> str:
     """What `pd simulate` prints for a large plan: the steady state of one period (`sim.steady`)
     beside the cost model's figure, without the per-worker figures of an event simulation."""
-    run = resolve(mode, plan.mode, [s.replicas for s in plan.stages], group)
+    run = plan.run(mode, group)
     model = plan.predicted.time_ms
     ratio = f", simulated / cost model = {state.time_per_minibatch_ms / model:.3f}" if model else ""
     steps = "" if run.mode.per_round else f", {run.group} microbatches per step"
