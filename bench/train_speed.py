@@ -56,6 +56,12 @@ beside torch's Schedule1F1B, whose messages go over gloo too.
     python bench/train_speed.py                      # MLP 1536-1024x4-10, microbatch 512, m = 4, 64 minibatches
     python bench/train_speed.py --minibatches 128    # less noise, twice as long
     python bench/train_speed.py --only overhead      # the overhead rows alone (~1 minute)
+    python bench/train_speed.py --only chunks        # the chunk rows alone
+
+Then the chunk rows (issue 37): pdtool's interleaved, zbv and dualpipev against torch's
+ScheduleInterleaved1F1B, ScheduleZBVZeroBubble and ScheduleDualPipeV on the same plan (2 chunks on
+each of 2 workers, `make_chunked_plan`), with the prediction and the limit (the busiest worker's
+chunks' forward+backward measured alone).
 """
 from __future__ import annotations
 
@@ -249,6 +255,42 @@ def _pipelining(rank: int, world: int, setup: Setup, queue, schedule_name: str) 
             schedule.step(*(torch.cat(t) for t in zip(*parts)))
         else:
             schedule.step(target=targets[step])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    _timed(setup, run_step, rank, queue)
+
+
+CHUNKED_TORCH = {"interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble",
+                 "dualpipev": "ScheduleDualPipeV"}
+"""The chunk rows: each of pdtool's modes of several stages per worker and torch's schedule of that name."""
+
+
+def _pipelining_chunks(rank: int, world: int, setup: Setup, queue, schedule_name: str) -> None:
+    """torch's multi-stage schedule on the plan's stages, each rank holding the stages the plan's
+    placement gives it (looped or V), in the plan's order."""
+    from torch.distributed import pipelining
+
+    bundle, batch = _build(setup)
+    plan = Plan.load(setup.plan_path)
+    stages = plan_stages(plan, bundle.module)
+    count = len(stages)
+    mine = [s for s, worker in enumerate(plan.placement) if worker == rank]
+    modules = [Positional(stages[s], s == count - 1) for s in mine]
+    held = [pipelining.PipelineStage(module, s, count, torch.device("cpu")) for module, s in zip(modules, mine)]
+    schedule = getattr(pipelining, schedule_name)(held, n_microbatches=setup.group, loss_fn=bundle.loss_fn)
+    optimizer = _sgd([p for module in modules for p in module.parameters()])
+    total = (setup.warmup + setup.minibatches) // setup.group
+    last = count - 1 in mine
+    targets = [torch.cat([batch(s * setup.group + k)[1] for k in range(setup.group)]) for s in range(total)] \
+        if last else None
+
+    def run_step(step: int) -> None:
+        inputs = ()
+        if 0 in mine:
+            parts = [batch(step * setup.group + k)[0] for k in range(setup.group)]
+            inputs = tuple(torch.cat(t) for t in zip(*parts))
+        schedule.step(*inputs, **({"target": targets[step]} if last else {}))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -494,6 +536,60 @@ def overhead_rows(m: int, warmup: int, minibatches: int, repeats: int = 10) -> l
             for name, ms, (_, with_ms), ops in rows if name.startswith("pdtool") and "--transport" not in name]
 
 
+def chunk_rows(profile, ref: ModelRef, batch: int, m: int, warmup: int, minibatches: int, bandwidth: str,
+               ) -> list[tuple[str, bool, str]]:
+    """The chunk rows: pdtool's interleaved, zbv and dualpipev against torch's schedule of the same
+    name on the same plan (`make_chunked_plan`: 2 chunks on each of 2 workers, the same layers,
+    placement, microbatches and optimizer), each with its prediction (`simulate`) and the limit
+    (the busiest worker's chunks' forward+backward, measured alone). Prints a table; returns
+    its targets."""
+    from pdtool.planner.chunks import make_chunked_plan
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for mode, torch_name in CHUNKED_TORCH.items():
+            plan = make_chunked_plan(profile, parse_cluster(f"2x{bandwidth}"), chunks=2, mode=mode, group=m,
+                                     command="bench/train_speed.py (chunk rows)")
+            path = Path(folder) / f"{mode}.plan.json"
+            plan.save(path)
+            setup = Setup(str(path), ref, batch, m, warmup, minibatches)
+            _say(f"chunk rows: {mode}: each stage alone")
+            alone = _stage_times(setup)
+            limit = max(sum(t for s, t in enumerate(alone) if plan.placement[s] == w) for w in (0, 1))
+            profiled = max(sum(st.fwd_ms + st.bwd_ms for s, st in enumerate(plan.stages) if plan.placement[s] == w)
+                           for w in (0, 1))
+            predicted = simulate(plan, minibatches=max(minibatches, 8 * m)).time_per_minibatch_ms
+            _say(f"chunk rows: pdtool {mode}")
+            ours = _pdtool(setup, mode)[0]
+            _say(f"chunk rows: torch {torch_name}")
+            theirs = _spawn(_pipelining_chunks, setup, torch_name)
+            rows.append((mode, torch_name, plan, ours, theirs, predicted, limit, limit / profiled))
+    print(f"\nchunk rows: {ref.spec} {ref.kwargs}, microbatch {batch}, m = {m}, 2 workers x 2 chunks "
+          f"(pd plan --virtual-stages 2 --mode M --group {m} on 2x{bandwidth}); both sides run the same stages "
+          "(pdtool's `plan_stages`), placed as the plan places them")
+    print("| mode | stages on worker 0 / 1 | pdtool ms / minibatch | torch schedule | torch ms / minibatch | pdtool "
+          "speed-up | predicted ms | measured / predicted | at the machine's speed | share of the limit |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    checks = []
+    for mode, torch_name, plan, ours, theirs, predicted, limit, speed in rows:
+        where = " / ".join(",".join(str(s) for s, w in enumerate(plan.placement) if w == worker) for worker in (0, 1))
+        at_speed = ours / (predicted * speed)
+        print(f"| {mode} | {where} | {ours:.1f} | {torch_name} | {theirs:.1f} | {theirs / ours:.2f}x | "
+              f"{predicted:.1f} | {ours / predicted:.2f} | {at_speed:.2f} | {limit / ours:.2f} |")
+        floor = 1.0 if mode == "dualpipev" else 1.1
+        checks += [(f"pdtool {mode} at least {floor:.1f}x the throughput of torch's {torch_name}",
+                    theirs >= floor * ours, f"{theirs / ours:.2f}x"),
+                   (f"pdtool {mode} within 10% of its prediction (at the machine's speed of the moment)",
+                    abs(at_speed - 1) <= 0.10, f"{at_speed:.2f}"),
+                   (f"pdtool {mode} at 0.9 of the limit (the busiest worker's chunks alone)", limit / ours >= 0.9,
+                    f"{limit / ours:.2f}")]
+    print("at the machine's speed: measured / (predicted x the busiest worker's chunks measured alone now over "
+          "their profiled time); share of the limit: that time alone / pdtool's time per minibatch. On CPU "
+          "workers dualpipev's forward of one chunk beside the backward of the other runs one after the other; on "
+          "a GPU the two overlap (communication of one under computation of the other), which is what it buys")
+    return checks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=512, help="samples per microbatch (the profile's batch size)")
@@ -505,7 +601,8 @@ def main() -> None:
     parser.add_argument("--minibatches", type=int, default=64, help="minibatches timed, after the warm-up")
     parser.add_argument("--warmup", type=int, default=16, help="minibatches before timing")
     parser.add_argument("--bandwidth", default="10GB/s", help="the link the plan is made for")
-    parser.add_argument("--only", choices=("main", "overhead"), help="run one part: the main table or the overhead rows")
+    parser.add_argument("--only", choices=("main", "overhead", "chunks"),
+                        help="run one part: the main table, the overhead rows or the chunk rows")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few minibatches: that it runs, not its figures")
     args = parser.parse_args()
     if args.smoke:
@@ -521,6 +618,11 @@ def main() -> None:
     ref = ModelRef("pdtool.zoo:mlp", {"in_features": args.in_features, "hidden": args.hidden, "depth": args.depth,
                                       "classes": 10})
     profile = profile_model(ref, batch_size=args.batch, repeats=repeats, warmup=3)
+    chunk_m = max(m, 4)  # dualpipev needs a group of at least its 4 stages
+    if args.only == "chunks":
+        _verdicts(chunk_rows(profile, ref, args.batch, chunk_m, args.warmup * chunk_m // m,
+                             args.minibatches * chunk_m // m, args.bandwidth), True)
+        return
     plan = make_plan(profile, parse_cluster(f"2x{args.bandwidth}"), straight=True, mode="pipedream",
                      command="bench/train_speed.py")
     if len(plan.stages) != 2:
@@ -624,6 +726,8 @@ def main() -> None:
     measured = all(ms > 0 for ms in rows.values())
     if args.only != "main":
         checks += overhead_rows(m, args.warmup, args.minibatches, repeats)
+        checks += chunk_rows(profile, ref, args.batch, chunk_m, args.warmup * chunk_m // m,
+                             args.minibatches * chunk_m // m, args.bandwidth)
     _verdicts(checks, measured)
 
 
@@ -689,6 +793,12 @@ def _say(text: str) -> None:
     print(f"[train_speed] {text}", file=sys.stderr, flush=True)
 
 
+def _theme(argv: list[str]) -> str:
+    """The result file's theme: the chunk rows alone get their own file beside the whole run's."""
+    alone = "--only=chunks" in argv or any(a == "--only" and b == "chunks" for a, b in zip(argv, argv[1:]))
+    return "train_speed_chunks" if alone else "train_speed"
+
+
 if __name__ == "__main__":
-    with recorded("train_speed"):
+    with recorded(_theme(sys.argv[1:])):
         main()
