@@ -618,10 +618,13 @@ def main() -> None:
     ref = ModelRef("pdtool.zoo:mlp", {"in_features": args.in_features, "hidden": args.hidden, "depth": args.depth,
                                       "classes": 10})
     profile = profile_model(ref, batch_size=args.batch, repeats=repeats, warmup=3)
-    chunk_m = max(m, 4)  # dualpipev needs a group of at least its 4 stages
+    # the chunk rows run twice the microbatches per step (2 chunks a worker: the same bubble share as
+    # the one-chunk rows at m), at least dualpipev's 4 stages, within the same minibatches
+    chunk_m = max(2 * m, 4)
+    chunk_runs = dict(warmup=max(args.warmup, chunk_m) // chunk_m * chunk_m,
+                      minibatches=max(args.minibatches, chunk_m) // chunk_m * chunk_m)
     if args.only == "chunks":
-        _verdicts(chunk_rows(profile, ref, args.batch, chunk_m, args.warmup * chunk_m // m,
-                             args.minibatches * chunk_m // m, args.bandwidth), True)
+        _verdicts(chunk_rows(profile, ref, args.batch, chunk_m, bandwidth=args.bandwidth, **chunk_runs), True)
         return
     plan = make_plan(profile, parse_cluster(f"2x{args.bandwidth}"), straight=True, mode="pipedream",
                      command="bench/train_speed.py")
@@ -726,8 +729,7 @@ def main() -> None:
     measured = all(ms > 0 for ms in rows.values())
     if args.only != "main":
         checks += overhead_rows(m, args.warmup, args.minibatches, repeats)
-        checks += chunk_rows(profile, ref, args.batch, chunk_m, args.warmup * chunk_m // m,
-                             args.minibatches * chunk_m // m, args.bandwidth)
+        checks += chunk_rows(profile, ref, args.batch, chunk_m, bandwidth=args.bandwidth, **chunk_runs)
     _verdicts(checks, measured)
 
 
