@@ -159,3 +159,18 @@ def test_the_families_table_says_why_a_family_has_no_plan():
     assert any(line.startswith("interleaved v=4") and "no plan: the model cannot be cut into 16 stages" in line
                for line in lines)
     assert steady_state(plan).time_per_minibatch_ms == pytest.approx(plan.predicted.expected_ms, rel=1e-6)
+
+
+def test_chunks_that_do_not_fit_recompute_under_recompute_auto():
+    """gpt-small, interleaved on 4x10GB/s, 2 chunks a worker: the busiest worker needs about 193 MiB
+    keeping its activations and 140 MiB recomputing them."""
+    profile = shipped("gpt-small")
+    fits = make_chunked_plan(profile, parse_cluster("4x10GB/s", memory="170MiB"), chunks=2, mode="interleaved")
+    assert all(stage.recompute for stage in fits.stages)
+    with pytest.raises(PlanError, match=r"worker \d needs .* for its chunks in mode interleaved, more than the 170"):
+        make_chunked_plan(profile, parse_cluster("4x10GB/s", memory="170MiB"), chunks=2, mode="interleaved",
+                          recompute="none")
+    with pytest.raises(PlanError, match=r"\(even with every chunk recomputing its activations\)$"):
+        make_chunked_plan(profile, parse_cluster("4x10GB/s", memory="120MiB"), chunks=2, mode="interleaved")
+    roomy = make_chunked_plan(profile, parse_cluster("4x10GB/s", memory="1GiB"), chunks=2, mode="interleaved")
+    assert not any(stage.recompute for stage in roomy.stages)

@@ -10,7 +10,8 @@ batch, `sim.steady`). Its cost-model time is the busiest worker's: the sum of it
 On a cluster of several levels the cut is made as if every link were the slowest one (a
 chunk's neighbours sit on other workers, often on other servers, in a looped or V placement);
 the simulation then charges each message on the link it really takes. The memory limit is
-checked on each worker's chunks together after the cut (the cut itself ignores it).
+checked on each worker's chunks together after the cut (the cut itself ignores it); with
+`--recompute auto` a plan that does not fit is cut again with every chunk recomputing.
 """
 from __future__ import annotations
 
@@ -32,7 +33,27 @@ def make_chunked_plan(profile: Profile, cluster: Cluster, *, chunks: int, mode: 
     """The plan of `chunks` stages on each worker of `cluster` in `mode` (a mode with a placement),
     recording and simulated with `group` microbatches per step (None: the mode's default, the
     stages); `quick`: the data-parallel baseline ranked as `make_plan(quick=True)` ranks; `options`
-    as `make_plan` takes them (cost model, optimizer slots, recompute, provenance)."""
+    as `make_plan` takes them (cost model, optimizer slots, recompute, provenance). With `--recompute
+    auto` (the default), a plan whose workers cannot hold their chunks is cut again with every chunk
+    recomputing its activations; refused when that does not fit either."""
+    try:
+        return _chunked(profile, cluster, chunks, mode, group, quick, options)
+    except _OverMemory as error:
+        if options.get("recompute", "auto") != "auto":
+            raise PlanError(str(error)) from None
+        try:
+            return _chunked(profile, cluster, chunks, mode, group, quick, {**options, "recompute": "all"})
+        except _OverMemory as again:
+            raise PlanError(f"{again} (even with every chunk recomputing its activations)") from None
+
+
+class _OverMemory(PlanError):
+    """A worker cannot hold its chunks within the cluster's memory."""
+
+
+def _chunked(profile: Profile, cluster: Cluster, chunks: int, mode: str, group: int | None, quick: bool,
+             options: dict) -> Plan:
+    """`make_chunked_plan` at one recomputation setting (`options["recompute"]`)."""
     from .make import make_plan, with_group
 
     row = rules(mode)
@@ -97,6 +118,6 @@ def _check_memory(plan: Plan, cluster: Cluster, optimizer_slots: int) -> None:
     needs = memory_model(cluster.memory, optimizer_slots, plan.profile.precision, plan.mode).per_worker(plan, result)
     rank = max(needs, key=needs.get)
     if needs[rank] > cluster.memory:
-        raise PlanError(f"worker {rank} needs {format_bytes(needs[rank])} for its chunks in mode {plan.mode}, more than "
-                        f"the {format_bytes(cluster.memory)} per worker; plan more workers, fewer --virtual-stages, or "
-                        "--recompute all")
+        raise _OverMemory(f"worker {rank} needs {format_bytes(needs[rank])} for its chunks in mode {plan.mode}, more "
+                          f"than the {format_bytes(cluster.memory)} per worker; plan more workers, fewer "
+                          "--virtual-stages, or another mode")
