@@ -18,12 +18,12 @@ DEEP = ModelRef("pdtool.zoo:mlp", {"in_features": 12, "hidden": 8, "depth": 5, "
 ADAMW = OptimizerConfig(name="adamw", lr=0.01, weight_decay=0.1, clip_grad_norm=0.5)
 
 
-def chunked_plan(tmp_path, mode, workers):
-    """A plan of DEEP's 6 layers, one a stage (the last takes the rest), 2 stages on each of `workers`
-    workers as `mode` places them."""
+def chunked_plan(tmp_path, mode, workers, ref=DEEP, layers=6, batch_size=4):
+    """A plan of the `layers` layers of `ref` (DEEP's 6), one a stage (the last takes the rest), 2
+    stages on each of `workers` workers as `mode` places them."""
     stages = 2 * workers
-    split = [((s, s if s < stages - 1 else 5), 1) for s in range(stages)]
-    plan, _ = plan_with(tmp_path, split, mode="flush", ref=DEEP)
+    split = [((s, s if s < stages - 1 else layers - 1), 1) for s in range(stages)]
+    plan, _ = plan_with(tmp_path, split, mode="flush", ref=ref, batch_size=batch_size)
     placement = make("looped" if mode == "interleaved" else "v", stages, workers)
     chunked = dataclasses.replace(plan, mode=mode, stages=tuple(
         dataclasses.replace(stage, ranks=(w,)) for stage, w in zip(plan.stages, placement)))
@@ -72,17 +72,50 @@ def test_pd_trains_workers_of_several_stages_as_one_process_accumulates(tmp_path
     assert_same_run(losses, weights, expected_losses, expected_weights, rel=1e-6, weight_tolerance=1e-6)
 
 
-def test_what_workers_of_several_stages_do_not_do_yet_is_one_line_before_any_worker(tmp_path):
-    from click.testing import CliRunner
+@pytest.mark.parametrize("mode", ["interleaved", "zbv"])
+def test_tied_weights_on_workers_of_several_stages_train_as_one_process(tmp_path, mode):
+    """An embedding that is also the output head, on stages 0 and 3 of 2 workers x 2 chunks: on two
+    workers in the looped placement (an all-reduce of the copies' gradients), on worker 0 alone in
+    the V (its two copies added in the process); either way one process's gradient accumulation."""
+    import torch
 
-    from pdtool.cli import cli
+    from helpers import merged
 
-    _, path = chunked_plan(tmp_path, "interleaved", 2)
-    result = CliRunner().invoke(cli, ["train", str(path), "--steps", "1", "--data", "digits", "--evaluate"])
-    assert result.exit_code == 1
-    assert result.stderr.strip().startswith("pd: error: --eval-every and --evaluate run the held-out split through the "
-                                            "pipeline, which a worker of several stages (mode interleaved) does not do "
-                                            "yet")
+    from pdtool.runtime.launcher.launch import launch
+
+    tied = ModelRef("toymodels:tied_lm")
+    plan, path = chunked_plan(tmp_path, mode, 2, ref=tied, layers=4)
+    assert plan.shared and plan.untrainable() is None
+    config = config_for(path, steps=3, group=4, optimizer=ADAMW)
+    reports = launch(config, 2)
+    losses, weights = merged(reports)
+    expected_losses, expected_weights = gradient_accumulation(plan, config, ref=tied)
+    assert_same_run(losses, weights, expected_losses, expected_weights, rel=1e-5, weight_tolerance=1e-6)
+    copies = [r.weights["emb.weight"] for r in reports.values() if "emb.weight" in r.weights]
+    assert len(copies) == (2 if mode == "interleaved" else 1)  # worker 1 holds the head in the looped placement
+    for copy in copies:
+        torch.testing.assert_close(copy, expected_weights["emb.weight"])
+
+
+@pytest.mark.parametrize("mode", ["interleaved", "zbv"])
+def test_workers_of_several_stages_evaluate_through_the_pipeline(tmp_path, mode):
+    """--evaluate: the held-out split runs forward through the chunks (handed over inside a worker,
+    sent between workers); its loss and accuracy are one process's on the trained weights."""
+    from test_evaluation import BATCH, MLP, one_process_scores
+
+    from helpers import merged
+
+    from pdtool.runtime.launcher.job import prepare
+    from pdtool.runtime.launcher.session import run
+
+    plan, path = chunked_plan(tmp_path, mode, 2, ref=MLP, layers=4, batch_size=BATCH)
+    config = config_for(path, steps=2, group=4, data="digits", evaluate=True, eval_every=1, optimizer=ADAMW)
+    job = prepare(plan, config)
+    result = run(job.config)
+    assert sorted(result.evals) == [1, 2]
+    _, weights = merged(result.reports)
+    expected = one_process_scores(MLP, weights, job.config.eval_batches)
+    assert result.evals[2][:3] == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_checkpoint_of_an_interleaved_run_resumes_under_one_stage_a_worker(tmp_path):

@@ -85,3 +85,29 @@ def test_the_largest_cycle_ratio_of_a_small_event_graph():
     stuck.arc(c, d, 1.0, 0)
     stuck.arc(d, c, 1.0, 0)
     assert stuck.max_cycle_ratio() is None
+
+
+@pytest.mark.parametrize("mode, chunks", [("flush", 1), ("gpipe", 1), ("zb", 1), ("zb2", 1), ("interleaved", 2),
+                                          ("zbv", 2), ("dualpipev", 2)])
+def test_a_batch_too_large_for_one_graph_is_extrapolated_from_two_smaller(monkeypatch, mode, chunks):
+    """Past its warm-up a flushing batch grows by one steady cycle a microbatch: the batch of m = 128
+    extrapolated from two that fit a smaller graph equals the one computed whole, within 0.5%."""
+    from pathlib import Path
+
+    from pdtool.artifacts.cluster import parse_cluster
+    from pdtool.artifacts.profile import Profile
+    from pdtool.planner import make_plan as plan_of
+    from pdtool.planner.chunks import make_chunked_plan
+    from pdtool.sim import steady
+
+    profile = Profile.load(Path(__file__).resolve().parents[2] / "profiles" / "gpt-small.profile.json")
+    cluster = parse_cluster("4x1GB/s")
+    plan = (plan_of(profile, cluster, mode=mode, straight=True, simulate=False) if chunks == 1
+            else make_chunked_plan(profile, cluster, chunks=chunks, mode=mode))
+    whole = steady.steady_state(plan, group=128)
+    assert whole is not None and whole.period_minibatches == 128
+    monkeypatch.setattr(steady, "MAX_NODES", len(plan.stages) * 10 * 40)  # a batch of 40 microbatches at most
+    assert steady._one_period(plan, None, 128, ()) is None
+    guessed = steady.steady_state(plan, group=128)
+    assert guessed.time_per_minibatch_ms == pytest.approx(whole.time_per_minibatch_ms, rel=0.005)
+    assert guessed.bubble_fraction == pytest.approx(whole.bubble_fraction, abs=0.005)

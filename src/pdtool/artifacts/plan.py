@@ -311,9 +311,6 @@ class Plan(Artifact):
         refusal = ties_refusal(mode)
         if self.shared and refusal:
             return f"{self.describe_shared()} (tied weights), and {refusal}"
-        if self.shared and self.placement:
-            return (f"{self.describe_shared()} (tied weights), and a worker of several stages does not add a tied "
-                    "weight's copies yet; plan it with one stage per worker (e.g. --mode flush)")
         return None
 
     def describe_shared(self) -> str:

@@ -251,6 +251,21 @@ def release_others(model: nn.Module, stages: list[Stage]) -> None:
     _release(model, keep)
 
 
+def own_copies(stages: list[Stage]) -> None:
+    """A worker of several stages: a parameter that two of its stages hold (a tied weight, e.g. the
+    embedding of stage 0 and the output head of the last on worker 0 of a V placement) becomes
+    one copy per stage, as on workers of one stage each, so that every stage steps its own copy
+    (`runtime.worker.tied` adds the copies' gradients before the steps) and saves its own shard."""
+    seen: set[int] = set()
+    for stage in stages:
+        for name, p in list(stage.module.named_parameters(remove_duplicate=False)):
+            if id(p) in seen:
+                owner_name, _, attribute = name.rpartition(".")
+                holder = stage.module.get_submodule(owner_name) if owner_name else stage.module
+                setattr(holder, attribute, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+        seen.update(id(p) for p in stage.module.parameters())
+
+
 def stage_module(info: StageInfo, model: nn.Module, device: torch.device | None, cut_stages=None,
                  modules=()) -> nn.Module:
     """Stage `info.index` bound to `model` as it is now: its program decoded (calling only what

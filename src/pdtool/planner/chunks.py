@@ -81,9 +81,6 @@ def _chunked(profile: Profile, cluster: Cluster, chunks: int, mode: str, group: 
     baseline = make_plan(profile, cluster, data_parallel=True, quick=quick, **options).predicted  # the real workers
     placement = placed(row.placement, total, workers)
     stages = tuple(dataclasses.replace(stage, ranks=(placement[s],)) for s, stage in enumerate(flat.stages))
-    if flat.shared:
-        raise PlanError(f"{flat.describe_shared()} (tied weights), and a worker of several stages does not add a tied "
-                        "weight's copies yet; plan one stage per worker (e.g. --mode flush)")
     busiest = max(sum(stage.time_ms for s, stage in enumerate(stages) if placement[s] == w) for w in range(workers))
     plan = dataclasses.replace(flat, cluster=cluster, mode=mode, stages=stages, predicted=dataclasses.replace(
         flat.predicted, time_ms=busiest, data_parallel_ms=baseline.data_parallel_ms,

@@ -108,8 +108,14 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     if ranking and baseline is not None and not straight:
         plans.append(baseline)
     in_full = cluster.workers <= RANKED_WORKERS and not quick
+    unranked = 0
+    if ranking and quick:  # steady states only: a candidate too large to compute one for is not ranked
+        computed = [_with_simulation(p, steady=True, events=False) for p in plans]
+        kept = [p for p in computed if p.predicted.simulated_ms is not None]
+        unranked = len(computed) - len(kept)
+        plans = kept or plans[:1]
     ranked = _ranked(plans, cluster.workers, in_full) if ranking else [_with_simulation(plans[0])]
-    best = _explained(search, ranked, baseline, ranking=ranking, in_full=in_full)
+    best = _explained(search, ranked, baseline, ranking=ranking, in_full=in_full, unranked=unranked)
     _warn_noisy(profile, best, say)
     if cluster.workers <= RANKED_WORKERS:
         best = _mode_memory(best, optimizer_slots, memory, short=quick)
@@ -188,8 +194,10 @@ def _candidates(search: _Search, *, ranked: bool) -> tuple[list[Plan], bool]:
     return plans, ranking
 
 
-def _explained(search: _Search, ranked: list[Plan], baseline: Plan | None, *, ranking: bool, in_full: bool) -> Plan:
-    """The winner of `ranked` (fastest first) with its prediction explained: why it won, the
+def _explained(search: _Search, ranked: list[Plan], baseline: Plan | None, *, ranking: bool, in_full: bool,
+               unranked: int = 0) -> Plan:
+    """The winner of `ranked` (fastest first) with its prediction explained: why it won (and how
+    many candidates were `unranked`: too large for a steady state, under `make_plan(quick=True)`), the
     data-parallel baseline's simulated time (or by how much data parallelism does not fit), and the
     best hybrid plan when a straight one won. Beyond the ranked sizes (not `ranking`), never a plan
     that its own simulation puts behind data parallelism."""
@@ -212,7 +220,8 @@ def _explained(search: _Search, ranked: list[Plan], baseline: Plan | None, *, ra
     else:
         why = f"fastest of {len(ranked)} candidate plans in simulation" + (
             "" if in_full else " (their steady states, computed from one period of their schedules)") + (
-            f"; next: {_shape(ranked[1])}" if len(ranked) > 1 else "")
+            f"; next: {_shape(ranked[1])}" if len(ranked) > 1 else "") + (
+            f"; {unranked} more too large to compute a steady state for were not ranked" if unranked else "")
     hybrid = None if _hybrid(best) else next((p for p in ranked if _hybrid(p)), None)
     if hybrid is not None:
         full = hybrid.predicted.simulated_steady or any(_key(p) == _key(hybrid) for p in ranked[:FINALISTS])
@@ -395,11 +404,13 @@ def shared_parameters(profile: Profile, stages) -> tuple[tuple[str, tuple[int, .
     return tuple(found)
 
 
-def _with_simulation(plan: Plan, most: int = SIMULATED_MINIBATCHES, steady: bool = False) -> Plan:
+def _with_simulation(plan: Plan, most: int = SIMULATED_MINIBATCHES, steady: bool = False, events: bool = True) -> Plan:
     """The plan with the simulator's figures for its own schedule recorded in `predicted`: with
     `steady`, its steady state computed from one period where that applies (`steady.steady_state`);
-    otherwise from an event simulation of at most `most` minibatches."""
+    otherwise from an event simulation of at most `most` minibatches (without `events`: as it is)."""
     found = steady_state(plan) if steady else None
+    if found is None and not events:
+        return plan
     if found is not None:
         return dataclasses.replace(plan, predicted=dataclasses.replace(
             plan.predicted, simulated_ms=found.time_per_minibatch_ms, simulated_bubble=found.bubble_fraction,

@@ -155,7 +155,7 @@ def lower(schedule: Schedule, ties: Sequence[tuple[int, ...]] = (), ranks: Seque
                 ops.append(Op(kind="allreduce", stage=stage, group=tuple(sorted(replicas[stage])), at=at))
                 for users in ties:
                     if stage in users:
-                        group = tuple(sorted(r for s in users for r in replicas[s]))
+                        group = tuple(sorted({r for s in users for r in replicas[s]}))
                         ops.append(Op(kind="tie", stage=stage, group=group, stages=users, at=at))
                 ops.append(Op(kind="step", stage=stage, at=at))
         workers.append(tuple(_gradients_first(ops)) if schedule.placement else tuple(ops))
@@ -164,15 +164,20 @@ def lower(schedule: Schedule, ties: Sequence[tuple[int, ...]] = (), ranks: Seque
 
 def _gradients_first(ops: list[Op]) -> list[Op]:
     """A worker of several stages: in each run of step ops (its stages' U actions, one after the
-    other), every stage's all-reduce and tie before the first step, so that all its gradients are
-    final when the whole model's norm (clipping) is measured."""
+    other), every stage's all-reduce, then the ties, before the first step, so that all its
+    gradients are final when the whole model's norm (clipping) is measured; one tie per set of
+    sharing stages, after every all-reduce (it adds the copies of all this worker's sharing stages,
+    `runtime.worker.tied`)."""
     out: list[Op] = []
     run: list[Op] = []
     for op in ops + [Op(kind="F", stage=0)]:  # a sentinel closes the last run
         if op.kind in ("allreduce", "tie", "step"):
             run.append(op)
             continue
-        out += [o for o in run if o.kind != "step"] + [o for o in run if o.kind == "step"]
+        ties = {collective_key(o): o for o in reversed(run) if o.kind == "tie"}  # the first of each set
+        out += [o for o in run if o.kind == "allreduce"]  # every stage's gradients final (mean over the group)
+        out += [o for o in run if o.kind == "tie" and ties[collective_key(o)] is o]  # then the copies added
+        out += [o for o in run if o.kind == "step"]
         run = []
         out.append(op)
     return out[:-1]

@@ -111,17 +111,18 @@ _ROWS = (
     Mode(name="interleaved",
          about="1F1B over v chunks per worker, stage s on worker s mod p, a flush and a step per batch of m "
          "(Megatron-LM's interleaved schedule, Narayanan et al. SC'21 section 2.2)",
-         steps=GROUP, flushes=True, versions_kept=1, placement="looped", group_multiple=True),
+         steps=GROUP, flushes=True, ties=True, versions_kept=1, placement="looped", group_multiple=True),
     Mode(name="zbv",
          about="two chunks per worker in a V (worker r holds stages r and 2p-1-r), every backward split in two, "
          "the weight gradients filling the bubbles, a flush and a step per batch of m (ZB-V, Qi et al. ICLR'24 "
          "section 6)",
-         steps=GROUP, flushes=True, split=True, versions_kept=1, placement="v"),
+         steps=GROUP, flushes=True, split=True, ties=True, versions_kept=1, placement="v"),
     Mode(name="dualpipev",
          about="two chunks per worker in a V, a forward of one chunk beside the backward of the other (overlapped "
          "on GPUs, one after the other on a CPU worker), some backwards split to fill the drain, a flush and a step "
          "per batch of m >= the stages (DualPipeV, after DeepSeek-V3's DualPipe)",
-         steps=GROUP, flushes=True, split=True, some_whole=True, versions_kept=1, placement="v", group_stages=True),
+         steps=GROUP, flushes=True, split=True, some_whole=True, ties=True, versions_kept=1, placement="v",
+         group_stages=True),
 )
 TABLE: dict[str, Mode] = {mode.name: mode for mode in _ROWS}
 

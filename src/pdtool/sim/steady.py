@@ -26,7 +26,9 @@ Modes that flush before every step (flush, gpipe, zb, zb2) repeat one batch exac
 lowered schedule of one batch is the period (`_build_batch`), every op a node, one token from
 each worker's last op, each link's last message and each collective's last round to the next
 batch. 2bw runs pipedream's order with a step after every m minibatches of the pipeline (m / r_s
-of a replica's own), so its period is also m. `steady_state` returns None where none of this
+of a replica's own), so its period is also m. A flushing batch too large for one graph (over `MAX_NODES`)
+is extrapolated from the two largest that fit, its time affine in the group past the warm-up
+(`_extrapolated`). `steady_state` returns None where none of this
 applies (2bw with a stage whose replicas do not divide m: it steps inside a replica's own
 minibatches; periods over `MAX_NODES` nodes; a period whose arcs would point forward in time);
 `pd plan` then simulates.
@@ -78,9 +80,45 @@ def steady_state(plan: Plan, mode: str | None = None, group: int | None = None,
                  placement: Sequence[int] = ()) -> SteadyState | None:
     """The steady state of `plan` under `mode` (default: the plan's) and `group` (default: the
     mode's); None where it cannot be computed from one period (see the module doc). `placement`:
-    the worker of each stage, for a mode of several stages per worker (as `simulate` takes it)."""
+    the worker of each stage, for a mode of several stages per worker (as `simulate` takes it).
+    A flushing mode's batch too large for one period graph is extrapolated (`_extrapolated`)."""
     if not applies(plan, mode):
         return None
+    found = _one_period(plan, mode, group, placement)
+    if found is None and plan.run(mode, group).mode.flushes:
+        return _extrapolated(plan, mode, group, placement)
+    return found
+
+
+def _extrapolated(plan: Plan, mode: str | None, group: int | None, placement: Sequence[int]) -> SteadyState | None:
+    """A flushing mode's steady state at a group m whose batch is over `MAX_NODES` nodes: from the
+    batches of the two largest groups m1 < m2 that fit and hold at least twice the stages'
+    microbatches on every sub-pipeline (its warm-up and cool-down whole), assuming a batch's time
+    is affine in m from there: every further microbatch adds one steady cycle of the pipeline
+    (1F1B's and the zero-bubble orders' steady phase; GPipe's all-forward and all-backward
+    phases). None where no two such groups fit."""
+    run = plan.run(mode, group)
+    replicas = [s.replicas for s in plan.stages]
+    placement = tuple(placement or plan.placement)
+    g = 1 if placement else reduce(math.gcd, replicas)
+    unit = g * (max(placement) + 1 if placement and run.mode.group_multiple else 1)
+    per_microbatch = len(replicas) * 10 / g  # nodes a microbatch adds to the batch graph
+    m2 = int(MAX_NODES // per_microbatch) // unit * unit
+    m1 = m2 // 2 // unit * unit
+    if m1 < 2 * len(replicas) * g or m2 >= run.group:
+        return None
+    one, two = (_one_period(plan, mode, m, placement) for m in (m1, m2))
+    if one is None or two is None:
+        return None
+    batch1, batch2 = one.time_per_minibatch_ms * m1, two.time_per_minibatch_ms * m2
+    batch = batch2 + (run.group - m2) * (batch2 - batch1) / (m2 - m1)
+    acting = (1 - two.bubble_fraction) * batch2 / m2 * run.group  # compute grows with m, as the batch's time
+    return SteadyState(time_per_minibatch_ms=batch / run.group, bubble_fraction=max(0.0, 1 - acting / batch),
+                       period_minibatches=run.group, nodes=one.nodes + two.nodes)
+
+
+def _one_period(plan: Plan, mode: str | None, group: int | None, placement: Sequence[int]) -> SteadyState | None:
+    """`steady_state` from one period graph, or None (too large, or none applies)."""
     replicas = [s.replicas for s in plan.stages]
     run = plan.run(mode, group)
     g = reduce(math.gcd, replicas)

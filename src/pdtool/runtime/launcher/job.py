@@ -52,10 +52,6 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
                           f"than --startup-timeout {config.startup_timeout_s:g} s; raise it if the model takes that "
                           "long to build, else look at what its factory waits for")
     run = resolved(plan, config)  # mode, group, minibatches per step: the only place the launcher resolves them
-    if plan.placement and (config.eval_every or config.evaluate):
-        raise LaunchError(f"--eval-every and --evaluate run the held-out split through the pipeline, which a worker of "
-                          f"several stages (mode {plan.mode}) does not do yet; train without them, then evaluate the "
-                          "exported weights (pd export)")
     with deadline(config.startup_timeout_s, overdue):
         checked = preflight(plan, plan_path=config.plan_path, mode=run.name, data=config.data, seed=config.seed,
                             model=config.model, init=config.init, warn=warn, imports=imports,

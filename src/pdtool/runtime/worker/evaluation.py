@@ -19,6 +19,7 @@ the time an evaluation takes is measured, not predicted.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from ...schedule import ACTIVATION
 from ...schedule.lower import Op
@@ -41,24 +42,31 @@ class Evaluation:
         return divmod(key - self.minibatches, self.batches)
 
 
-def with_evaluations(ops: tuple[Op, ...], stage: int, replica: int, stages: int, before: int | None,
-                     after: int | None, evaluation: Evaluation) -> tuple[Op, ...]:
-    """`ops` of the worker running `replica` of `stage` with each round's evaluation ops before
-    the first op of a minibatch at or after its point (or at the end): on the first replica, per
-    held-out minibatch a `recv` from `before` (stage > 0; the first replica of the previous stage),
-    the `E` and a `send` to `after` (not on the last stage). Other replicas take no part."""
+def with_evaluations(ops: tuple[Op, ...], mine: Sequence[int], replica: int, first_ranks: Sequence[int],
+                     evaluation: Evaluation) -> tuple[Op, ...]:
+    """`ops` of the worker running `replica` of the stages `mine` (one, or a worker's chunks in
+    order) with each round's evaluation ops before the first op of a minibatch at or after its
+    point (or at the end): on the first replica, per held-out minibatch and for each of its stages
+    in order, a `recv` from the previous stage's first replica, the `E` and a `send` to the next
+    stage's, where that stage is on another worker (between two chunks of one worker the outputs
+    are handed over in the process). Other replicas take no part."""
     if replica != 0 or not evaluation.points or not evaluation.batches:
         return ops
+    rank = first_ranks[mine[0]]
+    last = len(first_ranks) - 1
 
     def round_ops(r: int) -> list[Op]:
         found = []
         for i in range(evaluation.batches):
             key = evaluation.minibatches + r * evaluation.batches + i
-            if stage > 0:
-                found.append(Op(kind="recv", stage=stage, minibatch=key, peer=before, direction=ACTIVATION))
-            found.append(Op(kind="E", stage=stage, minibatch=key))
-            if stage < stages - 1:
-                found.append(Op(kind="send", stage=stage, minibatch=key, peer=after, direction=ACTIVATION))
+            for stage in mine:
+                if stage > 0 and first_ranks[stage - 1] != rank:
+                    found.append(Op(kind="recv", stage=stage, minibatch=key, peer=first_ranks[stage - 1],
+                                    direction=ACTIVATION))
+                found.append(Op(kind="E", stage=stage, minibatch=key))
+                if stage < last and first_ranks[stage + 1] != rank:
+                    found.append(Op(kind="send", stage=stage, minibatch=key, peer=first_ranks[stage + 1],
+                                    direction=ACTIVATION))
         return found
 
     result: list[Op] = []

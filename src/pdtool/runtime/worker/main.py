@@ -129,7 +129,7 @@ def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _B
     stage_index, replica = place(plan, rank)
     here = stages_here(plan, rank)
     from ...model.build import build_model
-    from ...model.capture import own_stage, release_others
+    from ...model.capture import own_copies, own_stage, release_others
     from ...model.data import load_source
 
     bundle, on_meta = build_model(plan.profile.model, config.model, config.seed, config.init)
@@ -144,6 +144,7 @@ def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _B
                            weights=weights, release=len(here) == 1) for s in here}
     if len(here) > 1:
         release_others(bundle.module, list(stages.values()))
+        own_copies([stages[s] for s in sorted(stages)])
     stage = stages[stage_index]
     schedule = make_schedule(plan, config)
     check_mode(capture.stages, schedule.mode)
@@ -204,16 +205,12 @@ def _connect(config: RunConfig, plan: Plan, built: _Built, rank: int, device: to
     lowered = lower(built.schedule, sets(built.capture.stages), plan.schedule_ranks)
     ops = lowered.workers[lowered.index(rank)]
     if built.evaluation is not None:
-        s = built.stage_index
-        ops = evaluation.with_evaluations(ops, s, built.replica, len(plan.stages),
-                                          plan.stages[s - 1].ranks[0] if s > 0 else None,
-                                          plan.stages[s + 1].ranks[0] if s + 1 < len(plan.stages) else None,
-                                          built.evaluation)
+        ops = evaluation.with_evaluations(ops, sorted(built.stages), built.replica,
+                                          [st.ranks[0] for st in plan.stages], built.evaluation)
     groups = {s: dist.new_group(list(st.ranks)) for s, st in enumerate(plan.stages) if st.replicas > 1}
     norm = _whole_norm(config, built, plan, device)
     links = link_groups(lowered, rank)
-    ties = tied.make_ties(built.capture.stages, built.stage, [st.ranks for st in plan.stages]) if len(built.stages) == 1 \
-        else {}  # a worker of several stages: tied weights are refused before any worker starts
+    ties = tied.make_ties(built.capture.stages, list(built.stages.values()), [st.ranks for st in plan.stages])
     windows = lowered.windows(rank)
     rings = _rings(config=config, lowered=lowered, ops=ops, rank=rank, specs=built.specs, windows=windows,
                    device=device, store=store)

@@ -21,25 +21,34 @@ from ..ties import sets
 
 
 
-def make_ties(stages, stage, stage_ranks: list[tuple[int, ...]]) -> dict[tuple[int, ...], Callable]:
-    """For each set of sharing stages that this worker's stage belongs to, the function its
-    `tie` op runs (`StageWorker` -> None): all-reduce the shared parameters' gradients.
+def make_ties(stages, mine, stage_ranks: list[tuple[int, ...]]) -> dict[tuple[int, ...], Callable]:
+    """For each set of sharing stages that this worker's stages (`mine`: one, or a worker's
+    chunks) belong to, the function its `tie` op runs (`StageWorker` -> None): every copy of a
+    shared parameter gets the sum of the copies' gradients, each divided by its stage's replicas:
+    this worker's copies added here, then all-reduced over the workers of the set (a worker
+    holding every sharing stage, as worker 0 of a V placement holds the first and the last, adds
+    them in the process).
 
     Creates one process group per set of sharing stages (all their workers), on every rank in
     one order, as torch.distributed requires; call it on every rank."""
-    groups = {users: dist.new_group(sorted(r for s in users for r in stage_ranks[s])) for users in sets(stages)}
-    mine: dict[tuple[int, ...], list[str]] = {}
-    for name, users in sorted(stage.tied.items()):
-        mine.setdefault(users, []).append(name)
-    replicas = len(stage_ranks[stage.index])
-    params = dict(stage.module.named_parameters())
+    groups = {}
+    for users in sets(stages):
+        ranks = sorted({r for s in users for r in stage_ranks[s]})
+        groups[users] = (dist.new_group(ranks), len(ranks))
+    copies: dict[tuple[int, ...], dict[str, list]] = {}  # users -> whole-model name -> [(parameter, replicas)]
+    for stage in mine:
+        params = dict(stage.module.named_parameters())
+        replicas = len(stage_ranks[stage.index])
+        for name, users in stage.tied.items():
+            copies.setdefault(users, {}).setdefault(stage.param_names[name], []).append((params[name], replicas))
 
-    def tie(users: tuple[int, ...], worker) -> None:  # noqa: ARG001 - the op's signature
-        # the parameters of a set in the order of their whole-model names (own names differ between stages)
-        for name in sorted(mine[users], key=lambda n: stage.param_names[n]):
-            p = params[name]
-            grad = (p.grad if p.grad is not None else torch.zeros_like(p)) / replicas
-            dist.all_reduce(grad, group=groups[users])
-            p.grad = grad
+    def tie(users: tuple[int, ...]) -> None:
+        group, size = groups[users]
+        for _, held in sorted(copies[users].items()):  # one order on every rank: the whole-model names
+            total = sum((p.grad if p.grad is not None else torch.zeros_like(p)) / replicas for p, replicas in held)
+            if size > 1:
+                dist.all_reduce(total, group=group)
+            for p, _ in held:
+                p.grad = total.clone() if len(held) > 1 else total
 
-    return {users: (lambda worker, users=users: tie(users, worker)) for users in mine}
+    return {users: (lambda worker, users=users: tie(users)) for users in copies}
