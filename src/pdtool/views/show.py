@@ -79,7 +79,7 @@ def plan_table(plan: Plan) -> str:
     table = pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.3f}")
     lines = [
         f"plan         {len(plan.stages)} stage{'' if len(plan.stages) == 1 else 's'} on {plan.workers} workers ({plan.cluster.describe()}), "
-        f"mode {plan.mode}, cost model {plan.cost_model}{', straight' if plan.straight else ''}"
+        f"mode {plan.mode}{_group_note(plan)}, cost model {plan.cost_model}{', straight' if plan.straight else ''}"
         f"{', stages over prefixes of the layer order' if plan.state_space == 'prefixes' else ''}",
         f"profile      {plan.profile.model['spec'] if plan.profile.model else '(imported)'}, "
         f"batch {plan.profile.batch_size}, {plan.profile.layers} layers ({plan.profile.method})",
@@ -193,3 +193,8 @@ def simulation_table(result: SimResult, plan: Plan) -> str:
         table,
     ]
     return "\n".join(lines) + "\n"
+
+
+def _group_note(plan: Plan) -> str:
+    """' (8 microbatches a step, ...)' where the plan records its group, else ''."""
+    return f" ({plan.group} microbatches a step, pd train's default)" if plan.group else ""
