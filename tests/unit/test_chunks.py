@@ -1,6 +1,8 @@
 """Several stages (chunks) per worker, the schedule layer (issue 37): placements, Megatron's
 interleaved 1F1B generated, lowered (a worker hands the tensors between its own chunks to
 itself), validated and simulated, with the bubble of the SC'21 paper's closed form."""
+from pathlib import Path
+
 import pytest
 
 from pdtool.errors import ScheduleError
@@ -377,3 +379,27 @@ def test_chunks_plan_on_a_cluster_of_two_levels():
     assert len(fast.stages) == 16 and fast.used_ranks == tuple(range(8))
     assert slow.predicted.expected_ms == pytest.approx(steady_state(slow).time_per_minibatch_ms, rel=1e-5)
     assert slow.predicted.expected_ms > fast.predicted.expected_ms  # the servers' link is charged
+
+
+SHIPPED = sorted(Path(__file__).resolve().parents[2].glob("profiles/**/*.profile.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["interleaved", "zbv", "dualpipev"])
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name.split(".")[0] for p in SHIPPED])
+def test_the_steady_state_is_the_event_simulation_on_every_shipped_profile(path, mode):
+    """pd plan --virtual-stages 2 on 4 workers at 10 GB/s: the plan's prediction (the steady state of
+    one batch) is the event simulation of 8 batches within 2%."""
+    from pdtool.artifacts.cluster import parse_cluster
+    from pdtool.artifacts.profile import Profile
+    from pdtool.errors import PlanError
+    from pdtool.planner.chunks import make_chunked_plan
+
+    try:
+        plan = make_chunked_plan(Profile.load(path), parse_cluster("4x10GB/s"), chunks=2, mode=mode)
+    except PlanError as error:  # a model whose layers cannot fill 8 stages
+        assert "cannot be cut into 8 stages" in str(error) or "at most" in str(error)
+        return
+    group = plan.run().group
+    long = simulate(plan, minibatches=8 * group)
+    assert plan.predicted.expected_ms == pytest.approx(long.time_per_minibatch_ms, rel=0.02)
