@@ -20,11 +20,16 @@ whether the pick is no slower than either. Target: 1000 layers on 4096 workers i
     python bench/plan_speed.py              # everything
     python bench/plan_speed.py --quick      # skip the 1000-layer rows
     python bench/plan_speed.py --scale      # the scale table only
+    python bench/plan_speed.py --joint      # the joint search's table only (pd plan --mode auto)
+
+Then the joint search's table (issue 37): `pd plan --mode auto` on transformer blocks over 8 to
+4096 workers, its wall time, pick and every family's best.
 """
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -91,17 +96,50 @@ def scale_table(sizes, clusters=SCALE_CLUSTERS) -> None:
                   f"{'yes' if ok else 'NO'} |", flush=True)
 
 
+JOINT_CASES = [(32, "8 (one level)", "8x10GB/s"), (100, "64 (one level)", "64x25GB/s"), (100, "64 (8x8)", "8x25GB/s,8x10GB/s"),
+               (300, "1024 (8x8x16)", "8x300GB/s,8x25GB/s,16x10GB/s"),
+               (1000, "4096 (8x16x32)", "8x300GB/s,16x25GB/s,32x10GB/s")]
+"""The joint search's cases (issue 37): transformer blocks, clusters of 8 to 4096 workers."""
+
+
+def joint_table(cases=JOINT_CASES) -> None:
+    """`pd plan --mode auto` (`planner.search`: every synchronous mode at 1, 2 and 4 chunks a
+    worker, planned alone at one group, ranked by steady states): wall time, the pick, and each
+    family's time per minibatch (or - where it has no plan). Targets: 30 s at 100 layers x 64
+    workers, 5 minutes at 1000 x 4096."""
+    from pdtool.planner.search import families, search, synchronous_modes
+
+    labels = [f.label for f in families(synchronous_modes(), None)]
+    print("| layers | workers | pd plan --mode auto s | group | pick | pick ms | " + " | ".join(labels) + " |")
+    print("|---|---|---|---|---|---|" + "---|" * len(labels))
+    for n, workers, spec in cases:
+        start = time.perf_counter()
+        plan, outcomes = search(transformer(n), parse_cluster(spec), modes=synchronous_modes(), virtual=None,
+                                group=None)
+        seconds = time.perf_counter() - start
+        pick = next(o.family.label for o in outcomes if o.plan is not None and o.plan.mode == plan.mode
+                    and o.plan.stages == plan.stages)
+        cells = [f"{o.plan.predicted.expected_ms:.3f}" if o.plan is not None else "-" for o in outcomes]
+        print(f"| {n} | {workers} | {seconds:.1f} | {plan.group} | {pick} ({len(plan.stages)} stages) | "
+              f"{plan.predicted.expected_ms:.3f} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="skip the 1000-layer rows")
     parser.add_argument("--scale", action="store_true", help="the scale table only")
+    parser.add_argument("--joint", action="store_true", help="the joint search's table only (pd plan --mode auto)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: that it runs to its end (the tests run it), not its figures")
     args = parser.parse_args()
     sizes = (30,) if args.smoke else (100, 300) + (() if args.quick else (1000,))
     clusters = CLUSTERS[:1] if args.smoke else CLUSTERS
     scales = SCALE_CLUSTERS[:1] if args.smoke else SCALE_CLUSTERS
+    joint = [c for c in JOINT_CASES if c[0] in sizes or c[0] < 100] if not args.smoke else [(12, "4", "4x10GB/s")]
     if args.scale:
         scale_table(sizes, scales)
+        return
+    if args.joint:
+        joint_table(joint)
         return
     cases = [(f"pipedream {m}", load_pipedream_graph(ROOT / "profiles" / "pipedream" / f"{m}.graph.txt",
                                                      64 if m == "gnmt" else None))
@@ -124,8 +162,10 @@ def main() -> None:
                   f"{whole:.3f} | {chosen.predicted.candidates} | {len(chosen.stages)} |", flush=True)
     print()
     scale_table(sizes, scales)
+    print()
+    joint_table(joint)
 
 
 if __name__ == "__main__":
-    with recorded("plan_speed"):
+    with recorded("plan_speed_joint" if "--joint" in sys.argv[1:] else "plan_speed"):
         main()
