@@ -537,7 +537,7 @@ def overhead_rows(m: int, warmup: int, minibatches: int, repeats: int = 10) -> l
 
 
 def chunk_rows(profile, ref: ModelRef, batch: int, m: int, warmup: int, minibatches: int, bandwidth: str,
-               ) -> list[tuple[str, bool, str]]:
+               modes=tuple(CHUNKED_TORCH)) -> list[tuple[str, bool, str]]:
     """The chunk rows: pdtool's interleaved, zbv and dualpipev against torch's schedule of the same
     name on the same plan (`make_chunked_plan`: 2 chunks on each of 2 workers, the same layers,
     placement, microbatches and optimizer), each with its prediction (`simulate`) and the limit
@@ -547,7 +547,8 @@ def chunk_rows(profile, ref: ModelRef, batch: int, m: int, warmup: int, minibatc
 
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for mode, torch_name in CHUNKED_TORCH.items():
+        for mode in modes:
+            torch_name = CHUNKED_TORCH[mode]
             plan = make_chunked_plan(profile, parse_cluster(f"2x{bandwidth}"), chunks=2, mode=mode, group=m,
                                      command="bench/train_speed.py (chunk rows)")
             path = Path(folder) / f"{mode}.plan.json"
@@ -622,7 +623,8 @@ def main() -> None:
     # the one-chunk rows at m), at least dualpipev's 4 stages, within the same minibatches
     chunk_m = max(2 * m, 4)
     chunk_runs = dict(warmup=max(args.warmup, chunk_m) // chunk_m * chunk_m,
-                      minibatches=max(args.minibatches, chunk_m) // chunk_m * chunk_m)
+                      minibatches=max(args.minibatches, chunk_m) // chunk_m * chunk_m,
+                      modes=("zbv",) if args.smoke else tuple(CHUNKED_TORCH))  # the smoke: one V and split backward
     if args.only == "chunks":
         _verdicts(chunk_rows(profile, ref, args.batch, chunk_m, bandwidth=args.bandwidth, **chunk_runs), True)
         return

@@ -23,7 +23,7 @@ def test_time_to_accuracy_runs_and_prints_its_table(tmp_path):
 @pytest.mark.parametrize("bench, expect", [
     ("plan_speed", "| pipedream alexnet |"),
     ("profile_speed", "| hf GPT-2, tiny |"),
-    ("train_speed", "| dualpipev | 0,3 / 1,2 |"),  # the chunk rows come last: the main table, overhead rows and them ran
+    ("train_speed", "| zbv | 0,3 / 1,2 |"),  # the chunk rows (zbv alone in --smoke) come last: every part ran
     ("recompute", "time per minibatch: keeping"),
     ("big_model", "losses, one process:"),
     ("startup", "start-up after/before"),
