@@ -68,12 +68,15 @@ def _chunked(profile: Profile, cluster: Cluster, chunks: int, mode: str, group: 
     total = chunks * workers
     slowest = min(cluster.levels, key=lambda level: (level.bandwidth, -level.latency))
     virtual = dataclasses.replace(cluster, levels=(dataclasses.replace(slowest, count=total),), memory=None)
+    uncut = PlanError(f"the model cannot be cut into {total} stages ({chunks} on each of {workers} workers): its "
+                      f"{len(profile.layers)} layers split only where the profile says they can; use fewer "
+                      "--virtual-stages or fewer workers")
+    if total > len(profile.layers):  # a stage holds a layer at least: no need to ask the dynamic program
+        raise uncut
     try:
         flat = make_plan(profile, virtual, straight=True, mode="flush", simulate=False, every_worker=True, **options)
     except PlanError:
-        raise PlanError(f"the model cannot be cut into {total} stages ({chunks} on each of {workers} workers): its "
-                        f"{len(profile.layers)} layers split only where the profile says they can; use fewer "
-                        "--virtual-stages or fewer workers") from None
+        raise uncut from None
     if len(flat.stages) != total:
         raise PlanError(f"the model cuts into at most {len(flat.stages)} stages where it can be split, fewer than the "
                         f"{total} that {chunks} stages on each of {workers} workers need; use fewer --virtual-stages "
