@@ -43,6 +43,7 @@ def _alone(profile, cluster, family, group):
     return make_chunked_plan(profile, cluster, chunks=family.chunks, mode=family.mode, group=group)
 
 
+@pytest.mark.slow  # every family planned twice, on 8-16 workers: 1-6 s a case
 @pytest.mark.parametrize("name, spec", [("gpt", "8x1GB/s"), ("gpt", "16x10GB/s"), ("resnet50", "8x10Gbit/s"),
                                         ("resnet50", "8x25GB/s,2x10Gbit/s")])
 def test_the_pick_is_no_slower_than_any_family_planned_alone(name, spec):
