@@ -175,3 +175,10 @@ def test_chunks_that_do_not_fit_recompute_under_recompute_auto():
         make_chunked_plan(profile, parse_cluster("4x10GB/s", memory="120MiB"), chunks=2, mode="interleaved")
     roomy = make_chunked_plan(profile, parse_cluster("4x10GB/s", memory="1GiB"), chunks=2, mode="interleaved")
     assert not any(stage.recompute for stage in roomy.stages)
+
+
+def test_chunks_are_planned_where_data_parallelism_does_not_fit():
+    """The baseline does not rule a family out: GPT (619 MiB of weights) on 8 workers of 2 GiB, where
+    one stage on every worker is over the limit, still gets its ZB-V plan, which says by how much."""
+    plan = make_chunked_plan(shipped("gpt"), parse_cluster("8x10GB/s", memory="2GiB"), chunks=2, mode="zbv")
+    assert len(plan.stages) == 16 and plan.predicted.data_parallel_over_bytes > 0

@@ -81,7 +81,11 @@ def _chunked(profile: Profile, cluster: Cluster, chunks: int, mode: str, group: 
         raise PlanError(f"the model cuts into at most {len(flat.stages)} stages where it can be split, fewer than the "
                         f"{total} that {chunks} stages on each of {workers} workers need; use fewer --virtual-stages "
                         "or fewer workers")
-    baseline = make_plan(profile, cluster, data_parallel=True, quick=quick, **options).predicted  # the real workers
+    # data parallelism on the real workers, the baseline: priced without the memory limit, and how far it is over
+    dp = make_plan(profile, dataclasses.replace(cluster, memory=None), data_parallel=True, quick=quick, **options)
+    need = max(stage.memory_bytes for stage in dp.stages)
+    over = int(need - cluster.memory) if cluster.memory and need > cluster.memory else None
+    baseline = dataclasses.replace(dp.predicted, data_parallel_over_bytes=over)
     placement = placed(row.placement, total, workers)
     stages = tuple(dataclasses.replace(stage, ranks=(placement[s],)) for s, stage in enumerate(flat.stages))
     busiest = max(sum(stage.time_ms for s, stage in enumerate(stages) if placement[s] == w) for w in range(workers))
