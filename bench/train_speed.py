@@ -561,10 +561,10 @@ def chunk_rows(profile, ref: ModelRef, batch: int, m: int, warmup: int, minibatc
                            for w in (0, 1))
             predicted = simulate(plan, minibatches=max(minibatches, 8 * m)).time_per_minibatch_ms
             _say(f"chunk rows: pdtool {mode}")
-            ours = _pdtool(setup, mode)[0]
+            ours, _, actions, _ = _pdtool(setup, mode)
             _say(f"chunk rows: torch {torch_name}")
             theirs = _spawn(_pipelining_chunks, setup, torch_name)
-            rows.append((mode, torch_name, plan, ours, theirs, predicted, limit, limit / profiled))
+            rows.append((mode, torch_name, plan, ours, theirs, predicted, limit, limit / profiled, actions))
     print(f"\nchunk rows: {ref.spec} {ref.kwargs}, microbatch {batch}, m = {m}, 2 workers x 2 chunks "
           f"(pd plan --virtual-stages 2 --mode M --group {m} on 2x{bandwidth}); both sides run the same stages "
           "(pdtool's `plan_stages`), placed as the plan places them")
@@ -572,7 +572,7 @@ def chunk_rows(profile, ref: ModelRef, batch: int, m: int, warmup: int, minibatc
           "speed-up | predicted ms | measured / predicted | at the machine's speed | share of the limit |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     checks = []
-    for mode, torch_name, plan, ours, theirs, predicted, limit, speed in rows:
+    for mode, torch_name, plan, ours, theirs, predicted, limit, speed, _ in rows:
         where = " / ".join(",".join(str(s) for s, w in enumerate(plan.placement) if w == worker) for worker in (0, 1))
         at_speed = ours / (predicted * speed)
         print(f"| {mode} | {where} | {ours:.1f} | {torch_name} | {theirs:.1f} | {theirs / ours:.2f}x | "
@@ -584,6 +584,11 @@ def chunk_rows(profile, ref: ModelRef, batch: int, m: int, warmup: int, minibatc
                     abs(at_speed - 1) <= 0.10, f"{at_speed:.2f}"),
                    (f"pdtool {mode} at 0.9 of the limit (the busiest worker's chunks alone)", limit / ours >= 0.9,
                     f"{limit / ours:.2f}")]
+    for mode, _, _, ours, *_, actions in rows:
+        if any(sum(a.values()) for a in actions):
+            parts = "; ".join(f"worker {w} F {a['F']:.1f} B {a['B']:.1f} W {a['W']:.1f} U {a['U']:.1f} rest "
+                              f"{ours - sum(a.values()):.1f}" for w, a in enumerate(actions))
+            print(f"pdtool {mode}, ms per minibatch inside actions (rest: waits, messages, data, Python): {parts}")
     print("at the machine's speed: measured / (predicted x the busiest worker's chunks measured alone now over "
           "their profiled time); share of the limit: that time alone / pdtool's time per minibatch. On CPU "
           "workers dualpipev's forward of one chunk beside the backward of the other runs one after the other; on "
