@@ -21,7 +21,8 @@ GROUPS = {"cluster": ("cluster_spec", "memory"),
 
 @cli.command(cls=GroupedCommand, groups=GROUPS, short_help="partition it over a cluster -> PLAN.json",
              epilog=_examples("pd plan resnet.profile.json --cluster 4x12GB/s,4x10Gbit/s -o resnet.plan.json",
-                                "pd plan resnet.profile.json --cluster cluster-a:2 --memory 16GiB --straight -o straight.plan.json"))
+                                "pd plan resnet.profile.json --cluster cluster-a:2 --memory 16GiB --straight -o straight.plan.json",
+                                "pd plan gpt.profile.json --cluster 8x10GB/s --mode auto --batch 256 -o gpt.plan.json"))
 @click.argument("profile_path", metavar="PROFILE.json", type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--cluster", "-c", "cluster_spec", required=True, metavar="SPEC",
               help="Levels innermost first, COUNTxBANDWIDTH[+LATENCY],... (e.g. 4x12GB/s,4x10Gbit/s or "
@@ -63,7 +64,9 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
     """Partition a profiled model over a cluster with PipeDream's optimizer (pdtool.plan/2).
 
     Chooses stage boundaries and replicas per stage to minimise the time per minibatch of the
-    slowest stage, level by level over the cluster, and records the prediction.
+    slowest stage, level by level over the cluster, and records the prediction. With --mode auto
+    (or a list of modes) it plans every schedule family (a mode at its stages per worker) alone
+    and keeps the fastest.
     """
     import os
 
