@@ -36,17 +36,19 @@ def step_temporaries(optimizer_slots: int, weight_decay: bool = False, decoupled
 
 
 def memory_model(limit: float | None, optimizer_slots: int, precision: str, mode: str | None = None,
-                 weight_decay: bool = False, decoupled: bool = True, rings: bool = True) -> "Memory":
+                 weight_decay: bool = False, decoupled: bool = True, rings: bool = True,
+                 shard: bool = False) -> "Memory":
     """The memory model of a run: `limit` bytes per worker (None: no limit), the optimizer's state
     and step temporaries, autocast's weight copies in `precision`, and what `mode` keeps (its
     weight versions; whether a worker accumulates gradients over a group); `rings`: whether
     messages travel through shared-memory rings (copied out of them) or, False, over a process
-    group (a received activation is the stashed input itself)."""
+    group (a received activation is the stashed input itself); `shard`: the planner shards the
+    optimizer state of replicated stages (`pd plan --shard optimizer`)."""
     rows = rules(mode or DEFAULT)
     return Memory(limit=float("inf") if limit is None else float(limit), optimizer_slots=optimizer_slots,
                   copies=COMPUTE_COPY[precision], versions_kept=rows.versions_kept,
                   step_temporaries=step_temporaries(optimizer_slots, weight_decay, decoupled),
-                  accumulates=rows.steps == GROUP, rings=rings)
+                  accumulates=rows.steps == GROUP, rings=rings, shard=shard)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +63,7 @@ class Memory:
     step_temporaries: float = 0.0  # the optimizer step's temporaries, x the largest layer's parameters
     accumulates: bool = False      # the mode adds several backwards' gradients before a step (GROUP modes)
     rings: bool = True             # messages are copied out of shared-memory rings (False: a process group's)
+    shard: bool = False            # the planner shards a replicated stage's optimizer state among its replicas
 
     @staticmethod
     def in_flight(workers: int, before: int, replicas: int) -> int:
@@ -68,13 +71,18 @@ class Memory:
         return (workers - 1 - before) // replicas + 1
 
     def need(self, params: np.ndarray | float, stashed: np.ndarray | float, in_flight: int, versions: int | None = None,
-             recompute: np.ndarray | float | None = None, cut: tuple | None = None, largest: np.ndarray | float = 0.0):
+             recompute: np.ndarray | float | None = None, cut: tuple | None = None, largest: np.ndarray | float = 0.0,
+             sharing: int = 1):
         """Bytes one worker needs: weight versions (under 1F1B as many as minibatches in flight),
         gradient and optimizer state, stashed activations, messages and temporaries (the sum of `terms`)."""
-        return sum(self.terms(params, stashed, in_flight, versions, recompute, cut, largest).values())
+        return sum(self.terms(params, stashed, in_flight, versions, recompute, cut, largest, sharing).values())
+
+    def sharing(self, replicas: int) -> int:
+        """The replicas that share a stage's optimizer state in the planner's plans."""
+        return replicas if self.shard else 1
 
     def terms(self, params, stashed, in_flight: int, versions: int | None = None, recompute=None,
-              cut: tuple | None = None, largest=0.0) -> dict:
+              cut: tuple | None = None, largest=0.0, sharing: int = 1) -> dict:
         """`need` by term: `weights` (its fp32 versions: the master weights), `gradients`,
         `optimizer` (its state), `activations` (what the minibatches in flight stash), `messages`
         (see below) and, in mixed precision, `compute copies` (the bf16/fp16 weights autocast
@@ -98,13 +106,18 @@ class Memory:
         (the stage's largest layer's parameter bytes, an upper bound of its largest tensor): a
         backward into gradients that already hold earlier minibatches' makes each gradient anew and
         adds it (one, where the mode `accumulates`), and the optimizer step its `step_temporaries`;
-        the larger of the two, as they never run at once."""
+        the larger of the two, as they never run at once.
+
+        `sharing`: the replicas that shard the optimizer state among themselves (`--shard
+        optimizer`, `runtime.worker.optimizer_shard`): each keeps 1/sharing of it, and its step
+        copies its slice of the weights (1/sharing of them) for the all-gather, once the
+        optimizer's temporaries are gone."""
         if versions is None:
             versions = in_flight if self.versions_kept is None else np.minimum(in_flight, self.versions_kept)
         held = in_flight if recompute is None else 1
         activations = in_flight * stashed if recompute is None else (in_flight - 1) * recompute + stashed
-        terms = {"weights": params * versions, "gradients": params, "optimizer": params * self.optimizer_slots,
-                 "activations": activations}
+        terms = {"weights": params * versions, "gradients": params,
+                 "optimizer": params * self.optimizer_slots / sharing, "activations": activations}
         if cut is not None:
             received, sent = cut
             terms["messages"] = 2 * ((in_flight + 1) * received + in_flight * sent) + \
@@ -112,8 +125,9 @@ class Memory:
         if self.copies:
             terms["compute copies"] = params * self.copies * held
         factor = max(self.step_temporaries, 1.0 if self.accumulates else 0.0)
-        if factor:
-            terms["temporaries"] = largest * factor
+        gathered = params / sharing if sharing > 1 else 0.0
+        if factor or sharing > 1:
+            terms["temporaries"] = np.maximum(largest * factor, gathered)
         return terms
 
     def per_worker(self, plan: "Plan", result: "SimResult") -> dict[int, int]:
@@ -144,4 +158,4 @@ class Memory:
         """`terms` of a worker of plan stage `stage` (recomputing as the plan says)."""
         return self.terms(stage.param_bytes, stage.activation_bytes, in_flight, versions,
                           stage.in_bytes if stage.recompute else None, (stage.in_bytes, stage.out_bytes),
-                          stage.largest_layer_bytes)
+                          stage.largest_layer_bytes, stage.replicas if stage.shard != "none" else 1)

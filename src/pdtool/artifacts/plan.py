@@ -34,6 +34,12 @@ MS_PER_S = 1e3  # the planner works in seconds, plans and the simulator in ms
 
 
 COST_MODELS = ("pdtool", "pipedream")  # the planner's cost models (`planner.costmodel`), by name
+SHARDS = ("none", "optimizer")  # what a replicated stage's replicas shard among themselves (PlanStage.shard)
+SYNC_SCALE = {"none": 1.0, "optimizer": 1.5}
+"""The replicas' synchronisation per step, in all-reduces of the stage's gradients, by what they
+shard (`artifacts.plan.SHARDS`): `optimizer` adds the all-gather of the updated weights, half an
+all-reduce's bytes ((r - 1) / r of them; the all-reduce of gradients stays, which gloo runs as
+a reduce-scatter would cost anyway: see docs/sharding.md)."""
 RECOMPUTE = ("auto", "none", "all")  # pd plan --recompute: which stages recompute their forward in the backward
 DOWN_SETS, PREFIXES = "down-sets", "prefixes"  # the planner's state spaces (`planner.states`)
 
@@ -118,12 +124,18 @@ class PlanStage(LayerSet):
     recompute: bool = field(Bool(), False, omit=False, doc="The stage recomputes its forward during each backward "
                             "(on the same weight version) instead of keeping its activations: a minibatch in flight "
                             "stashes only its input (pd plan --recompute).")
+    shard: str = field(Str(SHARDS), "none", omit="none", doc="What the stage's replicas shard among themselves (pd plan --shard): "
+                       "none, or optimizer (each replica keeps the optimizer state of 1/replicas of the stage's "
+                       "parameters: ZeRO stage 1). Only a stage with replicas is sharded.")
 
     @classmethod
     def _read_check(cls, at: At, values: dict[str, Any], figures: dict[str, Any], index: int) -> None:
         if figures["replicas"] != len(values["ranks"]):
             at.fail(f"replicas is {figures['replicas']} but {len(values['ranks'])} ranks are listed",
                     "make replicas equal the number of ranks", "ranks")
+        if values["shard"] != "none" and len(values["ranks"]) == 1:
+            at.fail(f"shard is {values['shard']} but the stage has one replica, which has nobody to share its state "
+                    "with", 'set shard to "none" (or remove it), or replicate the stage', "shard")
         if figures["id"] != index:
             at.fail(f"id is {figures['id']}, expected {index}", "number stages 0, 1, 2, ...", "id")
         for key in ("receives", "sends"):
@@ -312,6 +324,13 @@ class Plan(Artifact):
         if self.shared and refusal:
             return f"{self.describe_shared()} (tied weights), and {refusal}"
         return None
+
+    def with_shard(self, shard: str | None) -> "Plan":
+        """The plan with `shard` on every replicated stage (`pd train --shard`); None: as it is."""
+        if shard is None:
+            return self
+        return dataclasses.replace(self, stages=tuple(dataclasses.replace(s, shard=shard if s.replicas > 1 else "none")
+                                                      for s in self.stages))
 
     def describe_shared(self) -> str:
         """'parameter X is used by stages 0 and 3' (and how many more such parameters there are)."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from ..artifacts.plan import COST_MODELS, RECOMPUTE
+from ..artifacts.plan import COST_MODELS, RECOMPUTE, SHARDS
 from ..jsonio import check_writable
 from ..runtime.recipe import OPTIMIZERS
 from ..planner.search import AUTO_CHUNKS, synchronous_modes
@@ -13,7 +13,7 @@ from .group import Count, CountOrAuto, _count, _examples, cli
 
 
 GROUPS = {"cluster": ("cluster_spec", "memory"),
-          "search": ("straight", "data_parallel", "mode", "virtual_stages", "group", "batch", "recompute", "optimizer",
+          "search": ("straight", "data_parallel", "mode", "virtual_stages", "group", "batch", "recompute", "shard", "optimizer",
                      "cost_model"),
           "outputs": ("output",)}
 """pd plan's options by group: the headings of its --help and the tables of a --config file."""
@@ -57,10 +57,14 @@ GROUPS = {"cluster": ("cluster_spec", "memory"),
               help="Activation recomputation: a recomputing stage keeps only its input per minibatch in flight and "
                    "runs its forward again before each backward. auto: the stages that fit --memory only so; "
                    "all: every stage; none: no stage.")
+@click.option("--shard", type=click.Choice(SHARDS), default="none", show_default=True,
+              help="What the replicas of each replicated stage shard among themselves: optimizer (each keeps the "
+                   "optimizer state of 1/replicas of the stage, ZeRO stage 1: the memory model divides that state by "
+                   "the replicas, the simulator adds the all-gather of the weights after each step) or none.")
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
               help="Plan JSON to write ('-' for stdout). Written atomically.")
 def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model, mode, virtual_stages, group, batch,
-         optimizer, recompute, output):
+         optimizer, recompute, shard, output):
     """Partition a profiled model over a cluster with PipeDream's optimizer (pdtool.plan/2).
 
     Chooses stage boundaries and replicas per stage to minimise the time per minibatch of the
@@ -85,9 +89,14 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
                        + ["--cost-model", cost_model] + (["--mode", ",".join(mode)] if mode else [])
                        + (["--virtual-stages", str(virtual_stages)] if virtual_stages else [])
                        + (["--group", str(group)] if group else []) + (["--batch", str(batch)] if batch else [])
-                       + ["--optimizer", optimizer] + (["--recompute", recompute] if recompute != "auto" else []))
+                       + ["--optimizer", optimizer] + (["--recompute", recompute] if recompute != "auto" else [])
+                       + (["--shard", shard] if shard != "none" else []))
+    if shard != "none" and straight:
+        raise click.UsageError(f"--shard {shard} shards the state of a stage among its replicas, and --straight "
+                               "plans no replicas: leave one of them out")
     options = dict(cost_model=cost_model, optimizer_slots=OPTIMIZER_SLOTS[optimizer], command=command,
-                   recompute=recompute, profile_file=None if profile_path == "-" else os.path.basename(profile_path))
+                   recompute=recompute, profile_file=None if profile_path == "-" else os.path.basename(profile_path),
+                   shard=shard)
     say = lambda message: click.echo(f"pd: note: {message}", err=True)  # noqa: E731
     m = _group(group, batch, profile.batch_size)
     single = mode[0] if mode and len(mode) == 1 else None

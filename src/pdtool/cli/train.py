@@ -5,6 +5,7 @@ import os
 
 import click
 
+from ..artifacts.plan import SHARDS
 from ..artifacts.profile import PRECISIONS
 from ..errors import PdtoolError
 from ..jsonio import check_writable
@@ -17,7 +18,7 @@ from .group import MAX_STEPS, MAX_THREADS, PER_GROUP, PER_ROUND, Count, Finite, 
 
 
 GROUPS = {
-    "run": ("steps", "epochs", "model_spec", "data", "mode", "group", "seed", "init", "init_from", "evaluate",
+    "run": ("steps", "epochs", "model_spec", "data", "mode", "group", "shard", "seed", "init", "init_from", "evaluate",
             "eval_every"),
     "recipe": ("optimizer", "lr", "momentum", "betas", "eps", "weight_decay", "lr_schedule", "warmup_steps", "min_lr",
                "lr_decay_steps", "precision", "clip_grad_norm"),
@@ -53,6 +54,10 @@ GROUPS = {
 @click.option("--group", "-g", type=Count(1, 65536),
               help=f"{PER_GROUP}: microbatches per optimizer step [default: the plan's group (pd plan --group or "
                    "--batch), else the number of stages, or more].")
+@click.option("--shard", type=click.Choice(SHARDS),
+              help="What the replicas of each replicated stage shard among themselves: none, or optimizer (each "
+                   "keeps the optimizer state of 1/replicas of the stage and all-gathers the updated weights: ZeRO "
+                   "stage 1) [default: the plan's, per stage (pd plan --shard)].")
 @click.option("--seed", type=Count(0, 2**63 - 1), default=0, show_default=True, help="Seed of the initial weights and the data order.")
 @click.option("--optimizer", default="sgd", show_default=True, metavar="|".join(OPTIMIZERS) + "|PKG.MODULE:FACTORY",
               help="sgd (with momentum), adam, adamw (decoupled weight decay), or a factory called as "
@@ -151,7 +156,7 @@ GROUPS = {
               help="Every N steps, drain the pipeline and run the held-out split through it (forward only, eval mode): "
                    "its loss and accuracy go to the progress output, --metrics and --tensorboard.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr.")
-def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimizer, lr, momentum, betas, eps, weight_decay,
+def train(plan_path, steps, epochs, model_spec, data, mode, group, shard, seed, optimizer, lr, momentum, betas, eps, weight_decay,
           lr_schedule, warmup_steps, min_lr, lr_decay_steps, precision, clip_grad_norm, checkpoint_dir,
           checkpoint_every, resume, init_from, max_restarts, metrics_path, tensorboard_dir, trace_path, timeout_s, startup_timeout_s, threads, nnodes, node_rank, nproc_per_node,
           master_addr, master_port, rdzv_endpoint, rdzv_id, iface, device, transport, launcher, init, verbose, evaluate,
@@ -190,7 +195,7 @@ def train(plan_path, steps, epochs, model_spec, data, mode, group, seed, optimiz
     for path in (metrics_path, trace_path):
         if path and reporter:
             check_writable(path, (plan_path,) + tuple(p for p in (metrics_path, trace_path) if p and p != path))
-    config = RunConfig(plan_path=os.path.abspath(plan_path), steps=steps, mode=mode, group=group, seed=seed,
+    config = RunConfig(plan_path=os.path.abspath(plan_path), steps=steps, mode=mode, group=group, shard=shard, seed=seed,
                        optimizer=recipe, precision=precision, timeout_s=timeout_s,
                        startup_timeout_s=startup_timeout_s,
                        threads=threads, data=data, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,

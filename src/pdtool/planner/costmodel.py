@@ -142,6 +142,9 @@ class CostModel:
     name = "abstract"
     exact_workers = False  # True: a level must use all its units (the original's rule)
 
+    def __init__(self, sync_scale: float = 1.0):
+        self.sync = sync_scale  # the replicas' synchronisation as a multiple of one all-reduce (`SYNC_SCALE`)
+
     def stage_times(self, cut: np.ndarray, unit: np.ndarray, params: np.ndarray, r: int, bandwidth: float,
                     inner: int, first: bool, charge_out: bool | np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -175,7 +178,7 @@ class DefaultModel(CostModel):
     name = "pdtool"
 
     def stage_times(self, cut, unit, params, r, bandwidth, inner, first, charge_out):
-        allreduce = 2.0 * (r - 1) / r * params / bandwidth
+        allreduce = self.sync * 2.0 * (r - 1) / r * params / bandwidth
         cut_in = 0.0 if first else cut[:, None]
         cut_out = np.where(charge_out, cut[None, :], 0.0)
         transfer = (cut_in + cut_out) / bandwidth
@@ -183,12 +186,12 @@ class DefaultModel(CostModel):
 
     def stage_bound(self, r, bandwidth, inner):
         # a unit of `inner` workers needs at least compute / inner for any pipeline of a range
-        return 1.0 / (r * inner), 2.0 * (r - 1) / (r * r * bandwidth), False
+        return 1.0 / (r * inner), self.sync * 2.0 * (r - 1) / (r * r * bandwidth), False
 
     def terms(self, unit, params, cut_in, cut_out, r, bandwidth, inner, first, charge_out):
         parts = {
             "compute": unit / r,
-            "allreduce": 2.0 * (r - 1) / r * params / bandwidth / r,
+            "allreduce": self.sync * 2.0 * (r - 1) / r * params / bandwidth / r,
             "transfer": ((0.0 if first else cut_in) + (cut_out if charge_out else 0.0)) / bandwidth / r,
         }
         return {**parts, "time": max(parts.values())}
@@ -197,7 +200,7 @@ class DefaultModel(CostModel):
         time = float(costs.compute.sum())
         total = float(costs.params.sum())
         for count, bandwidth in zip(counts, bandwidths):
-            time = max(time, 2.0 * (count - 1) / count * total / bandwidth) / count
+            time = max(time, self.sync * 2.0 * (count - 1) / count * total / bandwidth) / count
         return time
 
 
@@ -207,13 +210,14 @@ class PipeDreamModel(CostModel):
     name = "pipedream"
     exact_workers = True
 
-    def __init__(self, activation_compression_ratio: float | None = 1.0):
+    def __init__(self, activation_compression_ratio: float | None = 1.0, sync_scale: float = 1.0):
+        super().__init__(sync_scale)
         self.ratio = activation_compression_ratio
 
     def stage_times(self, cut, unit, params, r, bandwidth, inner, first, charge_out):
         if first:  # the base case: one replicated stage, sync divided by the inner workers
-            return (unit + 4.0 * (r - 1) * params / (bandwidth * r) / inner) / r
-        time = (unit + 4.0 * (r - 1) * params / (bandwidth * r)) / r
+            return (unit + self.sync * 4.0 * (r - 1) * params / (bandwidth * r) / inner) / r
+        time = (unit + self.sync * 4.0 * (r - 1) * params / (bandwidth * r)) / r
         if self.ratio is None:
             return time
         transfer_in = 2.0 * cut[:, None] / (bandwidth * r) / self.ratio
@@ -221,13 +225,13 @@ class PipeDreamModel(CostModel):
         return np.maximum(time, np.maximum(transfer_in, transfer_out))
 
     def stage_bound(self, r, bandwidth, inner):
-        return 1.0 / (r * inner), 4.0 * (r - 1) / (bandwidth * r * r), True
+        return 1.0 / (r * inner), self.sync * 4.0 * (r - 1) / (bandwidth * r * r), True
 
     def final_charge(self, count):
         return np.arange(count) != count - 1  # the original charges every output but the model's (all layers)
 
     def terms(self, unit, params, cut_in, cut_out, r, bandwidth, inner, first, charge_out):
-        sync = 4.0 * (r - 1) * params / (bandwidth * r) / (inner if first else 1) / r
+        sync = self.sync * 4.0 * (r - 1) * params / (bandwidth * r) / (inner if first else 1) / r
         transfer = 0.0
         if not first and self.ratio is not None:
             transfer = 2.0 * max(cut_in, cut_out if charge_out else 0.0) / (bandwidth * r) / self.ratio
@@ -239,10 +243,11 @@ class PipeDreamModel(CostModel):
         total = float(costs.params.sum())
         inner = 1
         for count, bandwidth in zip(counts, bandwidths):
-            time = (time + 4.0 * (count - 1) * total / (bandwidth * count) / inner) / count
+            time = (time + self.sync * 4.0 * (count - 1) * total / (bandwidth * count) / inner) / count
             inner *= count
         return time
 
 
 MODELS = {"pdtool": DefaultModel, "pipedream": PipeDreamModel}  # by the names of `artifacts.plan.COST_MODELS`
+
 

@@ -15,7 +15,8 @@ from .. import __version__
 from ..sim import simulate as simulator
 from ..artifacts.cluster import Cluster
 from ..artifacts.plan import (
-    MS_PER_S, Plan, PlanGroup, PlanStage, Prediction, ProfileRef, compact_ranges, profile_sha256, with_boundaries,
+    MS_PER_S, SYNC_SCALE, Plan, PlanGroup, PlanStage, Prediction, ProfileRef, compact_ranges, profile_sha256,
+    with_boundaries,
 )
 from ..artifacts.profile import Profile
 from ..errors import PlanError, ScheduleError
@@ -54,7 +55,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
               mode: str | None = None, optimizer_slots: int = 1, command: str = "", simulate: bool = True,
               data_parallel: bool = False, profile_file: str | None = None, recompute: str = "auto",
               say=lambda message: None, every_worker: bool = False, group: int | None = None,
-              quick: bool = False) -> Plan:
+              quick: bool = False, shard: str = "none") -> Plan:
     """Run PipeDream's optimizer on `profile` for `cluster` and describe the result as a Plan.
 
     Trainability is decided here, not by the workers: the stages only cut where the model can
@@ -69,7 +70,9 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     by the steady state alone (no event simulation of the finalists; the joint search's families).
     `command` and `profile_file` (the profile's file name) are the plan's provenance. `recompute`
     (`artifacts.plan.RECOMPUTE`) says which stages recompute their forward in the backward: with `auto`
-    those that fit the cluster's memory only so.
+    those that fit the cluster's memory only so. `shard` (`artifacts.plan.SHARDS`): what replicated
+    stages shard among their replicas (`optimizer`: their optimizer state, which the memory model
+    divides by the replicas; the cost model and simulator add the all-gather of the weights).
 
     With `simulate` (what `pd plan` does), the dynamic program's candidates (its best plan for
     each number of workers it may use, and data parallelism) are run through the simulator,
@@ -86,10 +89,11 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     if data_parallel and straight:
         raise PlanError("--data-parallel replicates one stage on every worker and --straight forbids replicas: "
                         "give one of them")
-    model = MODELS[cost_model]()
+    model = MODELS[cost_model](sync_scale=SYNC_SCALE[shard])
     costs = ChainCosts.from_profile(profile)
     # what the plan's mode keeps (the default mode's when none is given: PipeDream's weight versions, the most)
-    memory = memory_model(cluster.memory, optimizer_slots, profile.precision, mode) if cluster.memory else None
+    memory = (memory_model(cluster.memory, optimizer_slots, profile.precision, mode, shard=shard != "none")
+              if cluster.memory else None)
     # zero-time layers follow their producers only where that is safe (states.py, `_followers`)
     states = _splittable(build_states(costs, followers=not model.exact_workers and memory is None), profile, say)
     if data_parallel:
@@ -97,7 +101,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     search = _Search(profile=profile, cluster=cluster, cost_model=cost_model, model=model, costs=costs, states=states,
                      memory=memory, optimizer_slots=optimizer_slots, straight=straight, data_parallel=data_parallel,
                      mode=mode, recompute=recompute, command=command, profile_file=profile_file,
-                     every_worker=every_worker, group=group)
+                     every_worker=every_worker, group=group, shard=shard)
     plans, ranking = _candidates(search, ranked=simulate)
     if not simulate:  # the cost model's optimum, as PipeDream's optimizer gives it
         return _trainable(plans[0], mode, say)
@@ -157,6 +161,11 @@ class _Search:
     profile_file: str | None
     every_worker: bool = False
     group: int | None = None
+    shard: str = "none"
+
+    def unlimited(self) -> Memory:
+        """The memory model without a limit (a plan's figures where the cluster states none)."""
+        return memory_model(None, self.optimizer_slots, self.profile.precision, self.mode, shard=self.shard != "none")
 
     def solver(self, **options) -> Solver:
         """The dynamic program over this search's states and cluster (`options`: Solver's)."""
@@ -306,8 +315,7 @@ def _data_parallel_excess(search: _Search) -> int | None:
     free = solver.solve()
     if free is None:
         return None
-    stages, _ = _describe(free, search.profile, search.costs, search.model, solver,
-                          memory_model(None, search.optimizer_slots, search.profile.precision))
+    stages, _ = _describe(free, search.profile, search.costs, search.model, solver, search.unlimited())
     return int(max(s.memory_bytes for s in stages) - search.memory.limit)
 
 
@@ -322,9 +330,7 @@ def _shape(plan: Plan) -> str:
 def _as_plan(search: _Search, pipeline: Pipeline, solver: Solver) -> Plan:
     """The plan of one of the dynamic program's pipelines, with the cost model's figures."""
     profile, cluster, costs, model, mode = search.profile, search.cluster, search.costs, search.model, search.mode
-    memory, optimizer_slots = search.memory, search.optimizer_slots
-    stages, groups = _describe(pipeline, profile, costs, model, solver,
-                               memory or memory_model(None, optimizer_slots, profile.precision, mode))
+    stages, groups = _describe(pipeline, profile, costs, model, solver, search.memory or search.unlimited())
     stages = with_boundaries(profile, stages)
     items = [(s.time_ms, f"stage {i} {_dominant(s.compute_ms, s.allreduce_ms, s.transfer_ms)}")
              for i, s in enumerate(stages)]
@@ -482,9 +488,10 @@ def _leaf(stage: PipelineStage, *, terms: dict, outer: int, ranks: list[int], pr
     a, b = stage.start, stage.end
     layers = [profile.layers[i] for i in stage.layers]
     largest = max(l.param_bytes for l in layers)
+    sharing = memory.sharing(len(ranks))
     need = memory.need(float(solver.params[a, b]), float(solver.stashed[a, b]), k,
                        recompute=float(solver.states.cut[a]) if stage.recompute else None,
-                       cut=(float(solver.states.cut[a]), float(solver.states.cut[b])), largest=largest)
+                       cut=(float(solver.states.cut[a]), float(solver.states.cut[b])), largest=largest, sharing=sharing)
     params = sum(l.param_bytes for l in layers)
     share = params / total_params if total_params else 0.0
     return PlanStage(layers=stage.layers, first_name=layers[0].name, last_name=layers[-1].name, ranks=tuple(ranks),
@@ -494,7 +501,7 @@ def _leaf(stage: PipelineStage, *, terms: dict, outer: int, ranks: list[int], pr
                      memory_bytes=int(round(need)), update_ms=profile.update_ms * share, largest_layer_bytes=largest,
                      data_ms=profile.data_ms if not earlier else 0.0,
                      wgrad_ms=sum(l.weight_gradient_ms for l in layers), reduce_ms=profile.reduce_ms * share,
-                     recompute=stage.recompute)
+                     recompute=stage.recompute, shard="optimizer" if sharing > 1 else "none")
 
 
 def _no_plan_reason(search: _Search) -> str:

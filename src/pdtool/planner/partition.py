@@ -203,11 +203,13 @@ class Solver:
         outer_before, outer = context
         k = Memory.in_flight(self.workers, outer_before + outer * before, outer * r)
         cut = (self.states.cut[:, None], self.states.cut[None, :])
-        fits = self.memory.need(self.params, self.stashed, k, cut=cut, largest=self.largest) <= self.memory.limit
+        sharing = self.memory.sharing(r)
+        fits = self.memory.need(self.params, self.stashed, k, cut=cut, largest=self.largest,
+                                sharing=sharing) <= self.memory.limit
         recomputing = False
         if self.recompute != "none":
             fits_again = self.memory.need(self.params, self.stashed, k, recompute=self.states.cut[:, None], cut=cut,
-                                          largest=self.largest) <= self.memory.limit
+                                          largest=self.largest, sharing=sharing) <= self.memory.limit
             recomputing = fits_again if self.recompute == "all" else fits_again & ~fits
             times = np.where(recomputing, again(), times)
             fits = fits_again if self.recompute == "all" else fits | fits_again

@@ -50,7 +50,12 @@ def param_groups(named: list[tuple[str, torch.nn.Parameter]], weight_decay: floa
 def build_optimizer(config: OptimizerConfig, named: list[tuple[str, torch.nn.Parameter]], lr_scale: float = 1.0,
                     skip: frozenset[str] = frozenset()) -> torch.optim.Optimizer:
     """The optimizer of `config` over `named` parameters, its learning rate times `lr_scale`."""
-    groups = param_groups(named, config.weight_decay, skip)
+    return build_over(config, param_groups(named, config.weight_decay, skip), lr_scale)
+
+
+def build_over(config: OptimizerConfig, groups: list[dict], lr_scale: float = 1.0) -> torch.optim.Optimizer:
+    """The optimizer of `config` over parameter `groups` (`param_groups`' form), its learning rate
+    times `lr_scale`."""
     lr = config.lr * lr_scale
     if config.name == "sgd":
         momentum = 0.9 if config.momentum is None else config.momentum

@@ -64,6 +64,7 @@ class RunConfig:
     evaluate: bool = False           # pd train --evaluate: an evaluation through the pipeline at the end
     eval_batches: int = 0            # held-out minibatches a round (the launcher counts them: `worker.evaluation`)
     settings: dict | None = None     # pd train's options as given (cli.settings): what `recorded_settings` records
+    shard: str | None = None         # pd train --shard: none or optimizer for every replicated stage (None: the plan's)
 
     @property
     def live(self) -> bool:
@@ -122,7 +123,27 @@ def recorded_settings(config: RunConfig, run: Run) -> dict:
         "first_step": config.first_step, "steps": config.steps,
         "precision": config.precision, "threads": config.threads, "device": config.device,
         "transport": config.transport, "data": config.data, "seed": config.seed, "init": config.init,
+        "shard": config.shard or "the plan's",
         "recipe": config.recipe.summary()}}
+
+
+def sharded(plan: Plan, config: RunConfig) -> tuple[bool, ...]:
+    """Per stage, whether its replicas shard the optimizer state (`worker.optimizer_shard`):
+    `--shard` for every replicated stage, else the plan's choice per stage."""
+    return tuple(stage.shard != "none" for stage in plan.with_shard(config.shard).stages)
+
+
+def check_shard(plan: Plan, config: RunConfig) -> None:
+    """A `--shard` that cannot run, in one line before any worker starts: no stage to shard, or an
+    optimizer that a flat slice would not step as it steps the parameters."""
+    if config.shard not in (None, "none") and not any(s.replicas > 1 for s in plan.stages):
+        raise LaunchError(f"--shard {config.shard} shards a stage's state across its replicas, but no stage of "
+                          f"{config.plan_path} has replicas; drop --shard, or plan with replicated stages "
+                          "(pd plan without --straight)")
+    if any(sharded(plan, config)) and config.optimizer.is_factory:
+        raise LaunchError(f"--shard optimizer steps flat slices of a stage's parameters, which only the built-in "
+                          f"optimizers (sgd, adam, adamw) step exactly as whole ones; optimizer {config.optimizer.name!r} "
+                          "may compute per-tensor quantities: use --shard none or a built-in optimizer")
 
 
 def checked_run(plan: Plan, config: RunConfig) -> Run:

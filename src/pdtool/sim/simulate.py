@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import ScheduleError
-from ..artifacts.plan import MS_PER_S, Plan
+from ..artifacts.plan import MS_PER_S, SYNC_SCALE, Plan
 from ..schedule import Schedule, generate, peak_versions, stash_depth, step_group
 from ..schedule.lower import ACTIVATION, Op, collective_key, lower, message
 
@@ -169,7 +169,9 @@ def allreduce_ms(plan: Plan, stage: int) -> float:
     """One ring all-reduce of `stage`'s gradients among its replicas, in ms (0 when unreplicated):
     2 (r - 1) / r * param_bytes / B + 2 (r - 1) L, B the slowest link between two of its ranks
     and L the longest latency (a ring's 2 (r - 1) steps each wait for one), plus the stage's
-    `reduce_ms` (each worker's flattening, adding and dividing of its gradients)."""
+    `reduce_ms` (each worker's flattening, adding and dividing of its gradients). A stage that
+    shards its optimizer state (`shard`) also all-gathers its weights after the step:
+    (r - 1) / r * param_bytes / B + (r - 1) L more (`artifacts.plan.SYNC_SCALE`)."""
     s = plan.stages[stage]
     r = s.replicas
     if r == 1 or s.param_bytes == 0:
@@ -177,7 +179,8 @@ def allreduce_ms(plan: Plan, stage: int) -> float:
     levels = _parting_levels(plan, s.ranks)
     slowest = min(level.bandwidth for level in levels)
     latency = max(level.latency for level in levels)
-    return (2 * (r - 1) / r * s.param_bytes / slowest + 2 * (r - 1) * latency) * MS_PER_S + s.reduce_ms
+    passes = 2 * SYNC_SCALE[s.shard]  # ring passes over the parameters: 2 for the all-reduce, 1 more to gather
+    return (passes * (r - 1) / r * s.param_bytes / slowest + passes * (r - 1) * latency) * MS_PER_S + s.reduce_ms
 
 
 def steady_state_ms(completions: dict[int, float], minibatches: int, period: int = 1, tail: int = 0,

@@ -59,6 +59,7 @@ def plan_table(plan: Plan) -> str:
     """Per-stage table of a plan (layers, replicas, ranks, times, memory) and its predictions."""
     pred = plan.predicted
     recomputing = any(s.recompute for s in plan.stages)
+    sharding = any(s.shard != "none" for s in plan.stages)
     rows = []
     for index, s in enumerate(plan.stages):
         rows.append({
@@ -74,6 +75,7 @@ def plan_table(plan: Plan) -> str:
             "in flight": s.in_flight,
             "memory GiB": s.memory_bytes / 2**30,
             **({"recompute": "yes" if s.recompute else "no"} if recomputing else {}),
+            **({"shard": s.shard if s.replicas > 1 else "- (no replicas)"} if sharding else {}),
             "": "<- bottleneck" if pred.bottleneck.startswith(f"stage {index} ") else "",
         })
     table = pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.3f}")
@@ -87,6 +89,9 @@ def plan_table(plan: Plan) -> str:
           "gradients are added before every step" for name, stages in plan.shared],
         *(["recompute    a stage marked so runs its forward again before each backward: a minibatch in flight "
            "keeps only its input (its compute ms counts the forward twice)"] if recomputing else []),
+        *(["shard        each replica of a stage marked optimizer keeps the optimizer state of 1/replicas of the "
+           "stage (its memory GiB counts that share) and all-gathers the updated weights after each step (its "
+           "allreduce ms counts it): ZeRO stage 1; a stage without replicas is not sharded"] if sharding else []),
         *([f"chunks       {rules(plan.mode).placement} placement, {len(plan.stages) // len(plan.used_ranks)} stages "
            "on each worker: " + "; ".join(f"rank {rank} holds stages {', '.join(map(str, stages))}"
                                           for rank, stages, _ in _workers(plan))] if plan.placement else []),

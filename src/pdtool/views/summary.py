@@ -73,7 +73,7 @@ def memory_lines(result, plan: Plan, config: RunConfig) -> list[str]:
     for report in reports:
         if report.stage not in busiest or _beyond(report) > _beyond(busiest[report.stage]):
             busiest[report.stage] = report
-    parts, gaps = [], []
+    parts, gaps, states = [], [], []
     for first, report in sorted(busiest.items()):
         # a worker of several stages (the plan's placement) holds them all
         stage = ",".join(str(s) for s, st in enumerate(plan.stages) if report.rank in st.ranks) if plan.placement \
@@ -81,6 +81,10 @@ def memory_lines(result, plan: Plan, config: RunConfig) -> list[str]:
         plan_bytes = sum(planned[report.rank].values())
         parts.append(f"stage {stage} {format_bytes(_beyond(report))} measured (rank {report.rank}, beyond "
                      f"{format_bytes(report.memory['base'])} at its start), {format_bytes(plan_bytes)} planned")
+        states.append(f"stage {stage} " + ", ".join(
+            f"{term} {format_bytes(report.memory.get(term, 0))} / {format_bytes(planned[report.rank].get(term, 0))}"
+            for term in ("weights", "gradients", "optimizer"))
+            + (f" (sharded over {plan.stages[first].replicas} replicas)" if plan.stages[first].shard != "none" else ""))
         gap = memory_gap(report.memory, planned[report.rank])
         if gap:
             gaps.append(f"  - stage {stage}: {gap}")
@@ -92,7 +96,8 @@ def memory_lines(result, plan: Plan, config: RunConfig) -> list[str]:
     files = max(report.memory.get("files", 0) for report in reports)
     if files:
         parts.append(f"file pages left out (torch's code, mapped files: up to {format_bytes(files)} a worker)")
-    return [f"peak memory per worker: {'; '.join(parts)}"] + gaps
+    return ([f"peak memory per worker: {'; '.join(parts)}", f"  state measured / planned: {'; '.join(states)}"]
+            + gaps)
 
 
 def _beyond(report) -> int:

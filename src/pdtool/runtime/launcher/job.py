@@ -23,7 +23,7 @@ from ..worker import shm
 from .preflight import Checked, preflight
 from ...schedule import Run
 from ...schedule.modes import GROUP, listed, modes_where
-from ..run import RunConfig, checked_run, resolved
+from ..run import RunConfig, check_shard, checked_run, resolved
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +52,8 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
                           f"than --startup-timeout {config.startup_timeout_s:g} s; raise it if the model takes that "
                           "long to build, else look at what its factory waits for")
     run = resolved(plan, config)  # mode, group, minibatches per step: the only place the launcher resolves them
+    check_shard(plan, config)
+    plan = plan.with_shard(config.shard)  # what each stage shards (--shard, else the plan's): memory, prediction
     with deadline(config.startup_timeout_s, overdue):
         checked = preflight(plan, plan_path=config.plan_path, mode=run.name, data=config.data, seed=config.seed,
                             model=config.model, init=config.init, warn=warn, imports=imports,

@@ -49,7 +49,7 @@ class StageWorker:
     def __init__(self, *, stage, schedule: Schedule, replica: int, optimizer: OptimizerConfig,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, seed: int = 0, first: int = 0,
                  no_decay: frozenset[str] = frozenset(), model_parameters: int | None = None,
-                 precision: str = "fp32", recompute: bool = False):
+                 precision: str = "fp32", recompute: bool = False, sharded: bool = False):
         self.stage = stage
         self.seed, self.first = seed, first
         self.index = stage.index
@@ -68,7 +68,7 @@ class StageWorker:
                                     versions=schedule.versions())
         self.stepper = Stepper(stage=stage, schedule=schedule, names=self.names, live=self.live, weights=self.weights,
                                optimizer=optimizer, first=first, no_decay=no_decay, model_parameters=model_parameters,
-                               precision=precision)
+                               precision=precision, sharded=sharded, replica=replica)
         # minibatch -> (input leaves, outputs, version, weights); recomputing, (inputs, target, version, weights)
         self.stash: dict[int, tuple[dict, Any, int, dict]] = {}
         self._unchanged: dict[int, dict[str, int]] = {}  # recomputing: each stashed input's version counter

@@ -9,11 +9,12 @@ ops is `runtime.worker.interpreter`.
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,8 @@ from ..device import Placement, choose
 from .executor import StageWorker
 from .interpreter import Context, Interpreter
 from ..run import (
-    RunConfig, WorkerReport, check_world, evaluation_points, make_schedule, minibatches_per_step, place, stages_here,
+    RunConfig, WorkerReport, check_world, evaluation_points, make_schedule, minibatches_per_step, place, sharded,
+    stages_here,
 )
 
 
@@ -54,8 +56,8 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
         startup["joined"] = time.time()
     # On an error, no orderly teardown: the launcher records this worker's error before its
     # connections close, so the job reports it rather than a peer's "connection closed".
-    ops, link, collectives, norm = _connect(config, plan, built, rank, device, store)
-    workers, savers = _stage_workers(config, built, device)
+    ops, link, collectives, norm, replicas = _connect(config, plan, built, rank, device, store)
+    workers, savers = _stage_workers(config, built, device, sharded(plan, config), replicas)
     publish = peers.publisher(store, rank) if config.live else None
     context = Context(
         schedule=built.schedule,
@@ -198,10 +200,11 @@ def _join_group(config: RunConfig, placement: Placement, store, rank: int, world
 
 
 def _connect(config: RunConfig, plan: Plan, built: _Built, rank: int, device: torch.device,
-             store) -> tuple[tuple, Link, dict, Callable | None]:
+             store) -> tuple[tuple, Link, dict, Callable | None, Any]:
     """This worker's lowered ops, its link to its neighbours (process groups, shared-memory
-    rings), its collectives and the whole model's gradient norm where the recipe clips it across
-    stages (else None). Every rank makes every process group, in one order."""
+    rings), its collectives, the whole model's gradient norm where the recipe clips it across
+    stages (else None) and its stage's replicas' process group (None: no replicas). Every rank
+    makes every process group, in one order."""
     lowered = lower(built.schedule, sets(built.capture.stages), plan.schedule_ranks)
     ops = lowered.workers[lowered.index(rank)]
     if built.evaluation is not None:
@@ -215,7 +218,8 @@ def _connect(config: RunConfig, plan: Plan, built: _Built, rank: int, device: to
     rings = _rings(config=config, lowered=lowered, ops=ops, rank=rank, specs=built.specs, windows=windows,
                    device=device, store=store)
     collectives = _collectives(ops, groups.get(built.stage_index), ties)
-    return ops, Link(device, windows, links, config.timeout_s, rank, rings), collectives, norm
+    return (ops, Link(device, windows, links, config.timeout_s, rank, rings), collectives, norm,
+            groups.get(built.stage_index))
 
 
 def _whole_norm(config: RunConfig, built: _Built, plan: Plan, device: torch.device) -> Callable | None:
@@ -236,9 +240,11 @@ def _whole_norm(config: RunConfig, built: _Built, plan: Plan, device: torch.devi
     return norm
 
 
-def _stage_workers(config: RunConfig, built: _Built, device: torch.device) -> tuple[dict, dict]:
-    """This worker's stages on its device, each with its optimizer (restored on --resume), and the
-    savers of their checkpoint shards (replica 0, with --checkpoint-dir), by stage."""
+def _stage_workers(config: RunConfig, built: _Built, device: torch.device, shard: tuple[bool, ...],
+                   replicas_group) -> tuple[dict, dict]:
+    """This worker's stages on its device, each with its optimizer (restored on --resume; its
+    shard where `shard` says, gathering over `replicas_group`), and the savers of their checkpoint
+    shards (replica 0, with --checkpoint-dir; every replica of a sharded optimizer), by stage."""
     workers, savers = {}, {}
     for index, stage in built.stages.items():
         stage.module.to(device)
@@ -249,16 +255,20 @@ def _stage_workers(config: RunConfig, built: _Built, device: torch.device) -> tu
         worker = workers[index] = StageWorker(
             stage=stage, schedule=built.schedule, replica=built.replica, optimizer=config.recipe,
             loss_fn=loss_fn if last else None, seed=config.seed, first=built.first, no_decay=built.no_decay,
-            model_parameters=built.model_parameters, precision=built.precision, recompute=built.recompute[index])
+            model_parameters=built.model_parameters, precision=built.precision, recompute=built.recompute[index],
+            sharded=shard[index])
+        if shard[index] and worker.stepper.optimizer is not None:
+            worker.stepper.optimizer.gather = functools.partial(dist.all_gather_single, group=replicas_group)
         if config.resume:
             from .shards import restore
 
             restore(worker, config.resume)
-        if config.checkpoint_dir and built.replica == 0:
+        if config.checkpoint_dir and (built.replica == 0 or shard[index]):
             from .shards import ShardSaver
 
             savers[index] = ShardSaver(worker, config.checkpoint_dir, config.first_step, config.steps,
-                                       config.checkpoint_every, minibatches_per_step(built.schedule), config.run_id)
+                                       config.checkpoint_every, minibatches_per_step(built.schedule), config.run_id,
+                                       write=built.replica == 0)
     return workers, savers
 
 

@@ -11,7 +11,8 @@ exactly K steps; in `pipedream` and `vsync` a replicated stage steps once per ro
 replicas: a periodic checkpoint falls between two rounds (its interval is a multiple of every
 r_s), the one at the end after the last, possibly partial, round. A shard is written right after
 the step that completes it, before the worker's next forward. Only replica 0 of a stage writes
-(its replicas are equal after their all-reduce). Parameters, buffers (e.g. BatchNorm
+(its replicas are equal after their all-reduce; with `--shard optimizer` every replica gives it
+its slices of the optimizer state first, `optimizer_shard`). Parameters, buffers (e.g. BatchNorm
 statistics) and optimizer state are keyed by their names in the whole model (`layer1.0.conv1.weight`,
 `layer1.0.conv1.weight::momentum_buffer`), so a run may resume under another plan.
 """
@@ -43,13 +44,15 @@ def stage_state(worker: StageWorker) -> tuple[dict[str, torch.Tensor], dict[str,
     tensors.update({buffer_names[n]: b.detach() for n, b in stage.module.named_buffers()
                     if n in buffer_names and (n not in shared or owner(shared[n]) == stage.index)})
     extra: dict[str, torch.Tensor] = {}
-    if worker.stepper.optimizer is not None:
-        for name, p in zip(worker.names, worker.live):
-            if name not in mine:
-                continue  # a tied copy: the owner's shard holds it (runtime.worker.tied)
-            for key, value in worker.stepper.optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    extra[f"{stage.param_names[name]}{SEPARATOR}{key}"] = value.detach()
+    if worker.stepper.optimizer is None:
+        return tensors, extra
+    state = worker.stepper.param_state()  # sharded across replicas: gathered (every replica calls this at once)
+    for name, p in zip(worker.names, worker.live):
+        if name not in mine:
+            continue  # a tied copy: the owner's shard holds it (runtime.worker.tied)
+        for key, value in state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                extra[f"{stage.param_names[name]}{SEPARATOR}{key}"] = value.detach()
     return tensors, extra
 
 
@@ -63,8 +66,9 @@ class ShardSaver:
     """
 
     def __init__(self, worker: StageWorker, root: str, first_step: int, steps: int, every: int, per_step: int,
-                 run: str | None = None):
+                 run: str | None = None, write: bool = True):
         self.worker = worker
+        self.write = write  # False: a replica of a sharded optimizer, which only gives its state to replica 0's shard
         self.root = Path(root)
         self.run = run
         own = step_group(worker.schedule, worker.index)
@@ -78,8 +82,10 @@ class ShardSaver:
         self.count += 1
         step = self.due.get(self.count)
         if step is not None:
-            folder = checkpoint_folder(self.root, step)
             tensors, extra = stage_state(self.worker)
+            if not self.write:
+                return True
+            folder = checkpoint_folder(self.root, step)
             bad = next((name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()),
                        None)
             if bad is not None:  # no shard: this checkpoint stays incomplete, --resume takes the one before
@@ -112,12 +118,14 @@ def restore(worker: StageWorker, folder: str) -> None:
             if buffer_names.get(name) in tensors:
                 b.copy_(tensors[buffer_names[name]])
     if worker.stepper.optimizer is not None:
+        found = {}
         for name, p in zip(worker.names, worker.live):
             prefix = f"{stage.param_names[name]}{SEPARATOR}"
             state = {key[len(prefix):]: _state_value(key[len(prefix):], value, p)
                      for key, value in extra.items() if key.startswith(prefix)}
             if state:
-                worker.stepper.optimizer.state[p].update(state)
+                found[p] = state
+        worker.stepper.load_param_state(found)
 
 
 def _state_value(key: str, value, param: torch.Tensor):

@@ -26,6 +26,7 @@ from ...schedule import Schedule, step_group
 from ..run import OptimizerConfig
 from .. import optimizers
 from . import optim
+from .optimizer_shard import ShardedOptimizer
 
 Allreduce = Callable[[torch.Tensor], None]  # sums a flat gradient buffer over the stage's replicas, in place
 
@@ -44,7 +45,8 @@ class Stepper:
 
     def __init__(self, *, stage, schedule: Schedule, names: list[str], live: list[torch.nn.Parameter], weights,
                  optimizer: OptimizerConfig, first: int = 0, no_decay: frozenset[str] = frozenset(),
-                 model_parameters: int | None = None, precision: str = "fp32"):
+                 model_parameters: int | None = None, precision: str = "fp32", sharded: bool = False,
+                 replica: int = 0):
         self.schedule = schedule
         self.live = live
         self.weights = weights
@@ -55,8 +57,8 @@ class Stepper:
         # loss / m; the mean over the step's backwards then leaves the gradients scale / m times the true mean
         self.per_step_last = step_group(schedule, schedule.stages - 1)
         named = [(stage.param_names.get(n, n), p) for n, p in zip(names, live)]
-        self.optimizer = (optimizers.build_optimizer(optimizer, named, lr_scale(schedule, stage.index), no_decay)
-                          if live else None)
+        self.optimizer = _optimizer(optimizer, named, lr_scale(schedule, stage.index), no_decay,
+                                    schedule.replicas[stage.index] if sharded else 1, replica)
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
         # the learning-rate clock: steps of stage 0 before this stage's next step (`runtime.recipe`)
         per_step = step_group(schedule, 0)
@@ -169,6 +171,21 @@ class Stepper:
             p.grad = summed[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
 
+    def param_state(self) -> dict[torch.Tensor, dict]:
+        """Per live parameter, its optimizer state as an unsharded optimizer holds it (sharded:
+        gathered from the replicas, a collective every replica calls at once)."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            return self.optimizer.param_state()
+        return {p: self.optimizer.state[p] for p in self.live if self.optimizer is not None and p in self.optimizer.state}
+
+    def load_param_state(self, state: dict[torch.Tensor, dict]) -> None:
+        """Restore the optimizer from an unsharded state per live parameter (sharded: its slices)."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.load_param_state(state)
+        elif self.optimizer is not None:
+            for p, values in state.items():
+                self.optimizer.state[p].update(values)
+
     def _step_optimizer(self, skip: bool = False) -> None:
         if self.optimizer is not None:
             if not skip:
@@ -177,3 +194,15 @@ class Stepper:
         self.unscaled = False
         self.backwards = 0
         self.weights.advance()
+
+
+def _optimizer(recipe: OptimizerConfig, named: list, scale: float, no_decay: frozenset[str], replicas: int,
+               replica: int):
+    """The recipe's optimizer over `named` (None without parameters); with `replicas` > 1, this
+    replica's shard of it (`optimizer_shard`)."""
+    if not named:
+        return None
+    if replicas == 1:
+        return optimizers.build_optimizer(recipe, named, scale, no_decay)
+    groups = optimizers.param_groups(named, recipe.weight_decay, no_decay)
+    return ShardedOptimizer(groups, lambda flat: optimizers.build_over(recipe, flat, scale), replicas, replica)

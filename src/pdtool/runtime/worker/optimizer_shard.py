@@ -1,0 +1,173 @@
+"""A replicated stage's optimizer state sharded across its replicas (`--shard optimizer`: ZeRO
+stage 1, Megatron-LM's distributed optimizer).
+
+Every replica keeps the whole stage's weights and, after the replicas' all-reduce
+(`Stepper.mean_gradients`), the whole mean gradient, so clipping and fp16's overflow check read the
+same norm as without sharding. What it keeps of the optimizer is its shard. Each parameter group
+(decay, no decay) is laid out flat in one buffer, in the stage's parameter order, padded to a
+multiple of the replicas r; the live weights become views of that buffer, and replica i owns the
+i-th of its r equal slices. The replica's optimizer steps the *pieces* of its slice (where the
+slice crosses a parameter: a view of the buffer, its gradient a view of the mean gradient), so it
+holds the state of 1/r of the stage (Adam's two moments, SGD's momentum) and its step makes
+temporaries no larger than a parameter, as an unsharded step does. After the step the replicas
+all-gather their slices into every replica's buffer (`all_gather_into_tensor`, from a copy of the
+replica's slice: 1/r of the group's weights for a moment).
+
+The optimizers this is exact for update each element from that element alone (SGD, Adam, AdamW:
+a piece steps as the parameter it belongs to would), so a sharded run ends with the weights of an
+unsharded one, bit for bit. A factory's optimizer may compute per-tensor quantities (LAMB's trust
+ratio), which a piece would change: the launcher refuses it with `--shard optimizer`
+(`runtime.run.check_shard`).
+
+Checkpoints keep the unsharded layout: at a checkpoint every replica gathers its state slices
+(`param_state`, a collective: one state tensor of the group's size at a time) and replica 0 writes
+them per parameter, so a sharded run resumes unsharded, under another plan or another number of
+replicas; `load_param_state` takes a replica's pieces of such a state.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ...errors import LaunchError
+
+Gather = Callable[[torch.Tensor, torch.Tensor], None]
+"""all_gather_into_tensor(out, mine) over the stage's replicas, in replica order."""
+
+
+class _Group:
+    """One parameter group laid out flat: its parameters (now views of `buffer`), each replica's
+    slice length, this replica's slice [start, start + slice) and its pieces."""
+
+    def __init__(self, params: list[torch.nn.Parameter], replicas: int, index: int):
+        kinds = {(p.dtype, p.device) for p in params}
+        if len(kinds) > 1:
+            raise LaunchError(f"--shard optimizer lays a parameter group out in one buffer, but its parameters have "
+                              f"{len(kinds)} dtypes or devices ({sorted(str(d) for d, _ in kinds)}); use --shard none")
+        self.params = params
+        size = sum(p.numel() for p in params)
+        self.slice = -(-size // replicas)
+        self.start = index * self.slice
+        like = params[0]
+        self.buffer = torch.zeros(self.slice * replicas, dtype=like.dtype, device=like.device)
+        # (parameter, where its piece starts in it, where in the buffer, the piece: a parameter viewing the buffer)
+        self.pieces: list[tuple[torch.nn.Parameter, int, int, torch.nn.Parameter]] = []
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                n = p.numel()
+                self.buffer[offset:offset + n].copy_(p.reshape(-1))
+                p.data = self.buffer[offset:offset + n].view_as(p)
+                a, b = max(self.start, offset), min(self.start + self.slice, offset + n)
+                if a < b:
+                    self.pieces.append((p, a - offset, a, torch.nn.Parameter(self.buffer[a:b])))
+                offset += n
+
+    def gather(self, gather: Gather, source: torch.Tensor | None = None) -> torch.Tensor:
+        """Every replica's slice of `source` (default: the weights' buffer, gathered into itself),
+        else into a new tensor of the buffer's size."""
+        source = self.buffer if source is None else source
+        mine = source[self.start:self.start + self.slice].clone()
+        out = self.buffer if source is self.buffer else torch.empty_like(source)
+        gather(out, mine)
+        return out
+
+    def views(self, whole: torch.Tensor) -> dict[torch.Tensor, torch.Tensor]:
+        """Per parameter, its part of a tensor laid out as the buffer (a copy)."""
+        found, offset = {}, 0
+        for p in self.params:
+            found[p] = whole[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        return found
+
+
+class ShardedOptimizer:
+    """The optimizer of one replica's shard (see the module docstring). `build` makes a torch
+    optimizer over parameter groups (`runtime.optimizers.build_over`); `groups` are the stage's
+    (dicts of `params` and their settings) in the unsharded optimizer's order. `gather` is set
+    once the replicas' process group exists."""
+
+    def __init__(self, groups: list[dict], build: Callable[[list[dict]], torch.optim.Optimizer], replicas: int,
+                 index: int):
+        self.replicas, self.index = replicas, index
+        self.layout = [_Group(list(g["params"]), replicas, index) for g in groups]
+        mine = [dict(g, params=[piece for *_, piece in flat.pieces]) for g, flat in zip(groups, self.layout)]
+        mine = [g for g in mine if g["params"]]
+        self.optimizer = build(mine) if mine else None  # a replica whose slices are all padding steps nothing
+        self.param_groups = self.optimizer.param_groups if self.optimizer is not None else []
+        # the per-element state keys (the same on every replica, also one without pieces): a probe's after a step
+        probe = torch.nn.Parameter(torch.zeros(1, dtype=self.layout[0].buffer.dtype))
+        probe.grad = torch.zeros_like(probe)
+        stepped = build([dict(groups[0], params=[probe])])
+        stepped.step()
+        self.keys = sorted(k for k, v in stepped.state[probe].items() if _per_element(v))
+        self.gather: Gather | None = None
+
+    @property
+    def state(self):
+        """The shard's optimizer state (what this replica holds), by piece."""
+        return self.optimizer.state if self.optimizer is not None else {}
+
+    def step(self) -> None:
+        """Step this replica's pieces from the live weights' `.grad` (views, no copy), then
+        all-gather every replica's slices into the live weights."""
+        with torch.no_grad():
+            for group in self.layout:
+                for p, start, _, piece in group.pieces:
+                    piece.grad = None if p.grad is None else p.grad.reshape(-1)[start:start + piece.numel()]
+            if self.optimizer is not None:
+                self.optimizer.step()
+            for group in self.layout:
+                group.gather(self._gather)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Let every gradient go: the pieces' views and the live weights' own."""
+        for group in self.layout:
+            for *_, piece in group.pieces:
+                piece.grad = None
+            for p in group.params:
+                p.grad = None
+
+    def param_state(self) -> dict[torch.Tensor, dict]:
+        """Per live parameter, its optimizer state as an unsharded optimizer would hold it (every
+        replica's slices gathered, one state tensor of the group's size at a time: a collective
+        that every replica calls at once). Parameters without state yet are left out."""
+        found: dict[torch.Tensor, dict] = {}
+        for group in self.layout:
+            held = [(at, self.state.get(piece, {})) for _, _, at, piece in group.pieces]
+            for key in self.keys:
+                flat = torch.zeros_like(group.buffer)
+                for at, state in held:
+                    if key in state:
+                        flat[at:at + state[key].numel()].copy_(state[key])
+                for p, value in group.views(group.gather(self._gather, flat)).items():
+                    found.setdefault(p, {})[key] = value
+            shared = next((state for _, state in held if state), {})  # every piece's: Adam's step count
+            for key, value in shared.items():
+                if not _per_element(value):
+                    for p in group.params:
+                        found.setdefault(p, {})[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        return found
+
+    def load_param_state(self, param_state: dict[torch.Tensor, dict]) -> None:
+        """Take this replica's pieces of an unsharded state (per live parameter, as `param_state`
+        gives it; parameters without state are left out)."""
+        for group in self.layout:
+            for p, start, _, piece in group.pieces:
+                state = param_state.get(p)
+                if state:
+                    self.optimizer.state[piece] = {
+                        key: (value.reshape(-1)[start:start + piece.numel()].clone() if _per_element(value) else value)
+                        for key, value in state.items()}
+
+    def _gather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+        if self.gather is None:
+            raise RuntimeError("the replicas' process group of a sharded optimizer was not set")
+        self.gather(out, mine)
+
+
+def _per_element(value) -> bool:
+    """Whether an optimizer state value has one entry per element (a moment, a momentum), not one
+    for the whole tensor (a step count)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0

@@ -1,0 +1,98 @@
+"""`--shard optimizer` (issue 38) in the plan file, the memory and cost models, the planner, the
+simulator and the views: no worker starts here (tests/dist/test_shard.py runs them)."""
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pdtool.artifacts.cluster import parse_cluster
+from pdtool.artifacts.plan import Plan
+from pdtool.artifacts.profile import Profile
+from pdtool.cli import cli
+from pdtool.errors import ArtifactError, PlanError
+from pdtool.memory import Memory, memory_model
+from pdtool.planner import make_plan
+from pdtool.sim.simulate import allreduce_ms
+from pdtool.views.show import plan_table
+from test_plan import chain_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+GPT = Profile.load(str(ROOT / "profiles" / "gpt-small.profile.json"))
+
+
+def test_sharing_divides_the_optimizer_state_and_adds_the_gathers_copy():
+    memory = Memory(limit=float("inf"), optimizer_slots=2, step_temporaries=2.0)
+    alone = memory.terms(1000.0, 10.0, in_flight=1, largest=100.0)
+    shared = memory.terms(1000.0, 10.0, in_flight=1, largest=100.0, sharing=4)
+    assert alone["optimizer"] == 2000.0 and shared["optimizer"] == 500.0
+    assert alone["temporaries"] == 200.0 and shared["temporaries"] == 250.0  # the slice copied for the all-gather
+    assert {k: v for k, v in alone.items() if k not in ("optimizer", "temporaries")} == \
+        {k: v for k, v in shared.items() if k not in ("optimizer", "temporaries")}
+    assert memory_model(None, 2, "fp32", shard=True).sharing(4) == 4 and memory.sharing(4) == 1
+
+
+def test_a_sharded_data_parallel_plan_needs_less_memory_and_prices_the_all_gather():
+    cluster = parse_cluster("4x10GB/s")
+    plain = make_plan(GPT, cluster, data_parallel=True, optimizer_slots=2)
+    shard = make_plan(GPT, cluster, data_parallel=True, optimizer_slots=2, shard="optimizer")
+    [p], [s] = plain.stages, shard.stages
+    assert (p.shard, s.shard) == ("none", "optimizer")
+    # the optimizer state (2 x the parameters) is shared by 4 replicas: 1.5 x the parameters less per worker
+    # (less the slice of the weights the step copies for the all-gather, where it outgrows the step's temporaries)
+    assert 1.25 * p.param_bytes <= p.memory_bytes - s.memory_bytes <= 1.5 * p.param_bytes
+    # one ring all-reduce moves 2 (r-1)/r of the parameters, the all-gather (r-1)/r more
+    assert allreduce_ms(shard, 0) - s.reduce_ms == pytest.approx(1.5 * (allreduce_ms(plain, 0) - p.reduce_ms))
+    assert s.allreduce_ms == pytest.approx(1.5 * p.allreduce_ms)
+    assert shard.predicted.simulated_ms > plain.predicted.simulated_ms  # the gather costs time, not memory
+
+
+def test_a_limit_no_unsharded_plan_fits_gets_a_sharded_plan_that_fits():
+    # two layers of 100 MB of parameters, AdamW (2 slots), flush: one layer on a worker needs its weights,
+    # gradient, 200 MB of state and 200 MB of step temporaries (600 MB); shared by 2 replicas, 100 MB of state
+    profile = chain_profile([4.0, 4.0], [100e6, 100e6], [1e3, 1e3])
+    cluster = parse_cluster("4x10GB/s", memory="550MB")
+    with pytest.raises(PlanError, match="no plan fits"):
+        make_plan(profile, cluster, optimizer_slots=2, recompute="none", mode="flush")
+    plan = make_plan(profile, cluster, optimizer_slots=2, recompute="none", mode="flush", shard="optimizer")
+    assert [(s.replicas, s.shard) for s in plan.stages] == [(2, "optimizer")] * 2
+    assert all(s.memory_bytes == pytest.approx(500e6, rel=1e-4) for s in plan.stages)  # and a few kB of messages
+    table = plan_table(plan)
+    assert "shard        each replica of a stage marked optimizer" in table and "optimizer" in table
+
+
+def test_the_plan_records_the_shard_only_where_it_shards(tmp_path):
+    plain = make_plan(GPT, parse_cluster("4x10GB/s"), data_parallel=True)
+    assert "shard" not in plain.to_json()["stages"][0]  # plans without sharding are written as before
+    shard = plain.with_shard("optimizer")
+    path = tmp_path / "s.json"
+    shard.save(path)
+    assert Plan.load(str(path)).stages[0].shard == "optimizer"
+    assert plain.with_shard(None) is plain
+
+
+def test_a_shard_on_a_stage_without_replicas_is_refused_when_the_plan_is_read(tmp_path):
+    data = make_plan(GPT, parse_cluster("2x10GB/s"), straight=True).to_json()
+    data["stages"][0]["shard"] = "optimizer"
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="shard is optimizer but the stage has one replica"):
+        Plan.load(str(path))
+    data["stages"][0]["shard"] = "everything"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="shard"):
+        Plan.load(str(path))
+
+
+def test_pd_plan_shard_writes_it_and_refuses_it_with_straight(tmp_path):
+    out = tmp_path / "p.json"
+    profile = str(ROOT / "profiles" / "gpt-small.profile.json")
+    result = CliRunner().invoke(cli, ["plan", profile, "-c", "4x10GB/s", "--data-parallel", "--shard", "optimizer",
+                                      "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert Plan.load(str(out)).stages[0].shard == "optimizer"
+    assert "--shard optimizer" in Plan.load(str(out)).command
+    out.unlink()
+    result = CliRunner().invoke(cli, ["plan", profile, "-c", "4x10GB/s", "--straight", "--shard", "optimizer",
+                                      "-o", str(out)])
+    assert result.exit_code != 0 and "--straight plans no replicas" in result.output and not out.exists()
