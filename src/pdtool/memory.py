@@ -109,9 +109,8 @@ class Memory:
         the larger of the two, as they never run at once.
 
         `sharing`: the replicas that shard the optimizer state among themselves (`--shard
-        optimizer`, `runtime.worker.optimizer_shard`): each keeps 1/sharing of it, and its step
-        copies its slice of the weights (1/sharing of them) for the all-gather, once the
-        optimizer's temporaries are gone."""
+        optimizer`, `runtime.worker.optimizer_shard`): each keeps 1/sharing of it (the weights are
+        gathered in place: nothing more)."""
         if versions is None:
             versions = in_flight if self.versions_kept is None else np.minimum(in_flight, self.versions_kept)
         held = in_flight if recompute is None else 1
@@ -125,9 +124,8 @@ class Memory:
         if self.copies:
             terms["compute copies"] = params * self.copies * held
         factor = max(self.step_temporaries, 1.0 if self.accumulates else 0.0)
-        gathered = params / sharing if sharing > 1 else 0.0
-        if factor or sharing > 1:
-            terms["temporaries"] = np.maximum(largest * factor, gathered)
+        if factor:
+            terms["temporaries"] = largest * factor
         return terms
 
     def per_worker(self, plan: "Plan", result: "SimResult") -> dict[int, int]:

@@ -25,14 +25,15 @@ def _weights_of_every_replica(reports):
     return {(r.stage, r.replica): r.weights for r in reports.values()}
 
 
-@pytest.mark.parametrize("mode, split", [
-    ("flush", [((0, 1), 2), ((2, 3), 1)]),      # a replicated stage inside a pipeline, stepping per group
-    ("pipedream", [((0, 1), 1), ((2, 3), 2)]),  # asynchronous: the replicated stage is the last one
-    ("flush", [((0, 3), 2)]),                   # pure data parallelism
+@pytest.mark.parametrize("mode, split, precision", [
+    ("flush", [((0, 1), 2), ((2, 3), 1)], "fp32"),      # a replicated stage inside a pipeline, stepping per group
+    ("pipedream", [((0, 1), 1), ((2, 3), 2)], "fp32"),  # asynchronous: the replicated stage is the last one
+    ("flush", [((0, 3), 2)], "bf16"),                   # pure data parallelism, autocast over fp32 masters
+    ("zb", [((0, 1), 1), ((2, 3), 2)], "fp16"),         # split backward, loss scaling and its skipped steps
 ])
-def test_a_sharded_optimizer_ends_with_the_unsharded_weights_bit_for_bit(tmp_path, mode, split):
+def test_a_sharded_optimizer_ends_with_the_unsharded_weights_bit_for_bit(tmp_path, mode, split, precision):
     plan, path = plan_with(tmp_path, split, mode=mode)
-    config = config_for(path, steps=4, optimizer=RECIPE)
+    config = config_for(path, steps=4, optimizer=RECIPE, precision=precision)
     plain = launch(config, len(plan.used_ranks))
     shard = launch(dataclasses.replace(config, shard="optimizer"), len(plan.used_ranks))
     losses, weights = merged(plain)

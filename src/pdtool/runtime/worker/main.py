@@ -57,7 +57,8 @@ def worker_main(config: RunConfig, store=None) -> WorkerReport:
     # On an error, no orderly teardown: the launcher records this worker's error before its
     # connections close, so the job reports it rather than a peer's "connection closed".
     ops, link, collectives, norm, replicas = _connect(config, plan, built, rank, device, store)
-    workers, savers = _stage_workers(config, built, device, sharded(plan, config), replicas)
+    workers, savers = _stage_workers(config, built, device, sharded(plan, config), replicas,
+                                     [st.ranks for st in plan.stages])
     publish = peers.publisher(store, rank) if config.live else None
     context = Context(
         schedule=built.schedule,
@@ -241,10 +242,11 @@ def _whole_norm(config: RunConfig, built: _Built, plan: Plan, device: torch.devi
 
 
 def _stage_workers(config: RunConfig, built: _Built, device: torch.device, shard: tuple[bool, ...],
-                   replicas_group) -> tuple[dict, dict]:
+                   replicas_group, ranks: list[tuple[int, ...]]) -> tuple[dict, dict]:
     """This worker's stages on its device, each with its optimizer (restored on --resume; its
-    shard where `shard` says, gathering over `replicas_group`), and the savers of their checkpoint
-    shards (replica 0, with --checkpoint-dir; every replica of a sharded optimizer), by stage."""
+    shard where `shard` says, gathered over `replicas_group`, whose replicas are `ranks[stage]`),
+    and the savers of their checkpoint shards (replica 0, with --checkpoint-dir; every replica of
+    a sharded optimizer), by stage."""
     workers, savers = {}, {}
     for index, stage in built.stages.items():
         stage.module.to(device)
@@ -258,7 +260,8 @@ def _stage_workers(config: RunConfig, built: _Built, device: torch.device, shard
             model_parameters=built.model_parameters, precision=built.precision, recompute=built.recompute[index],
             sharded=shard[index])
         if shard[index] and worker.stepper.optimizer is not None:
-            worker.stepper.optimizer.gather = functools.partial(dist.all_gather_single, group=replicas_group)
+            worker.stepper.optimizer.gather = functools.partial(_gather, ranks=ranks[index],
+                                                                group=replicas_group)
         if config.resume:
             from .shards import restore
 
@@ -270,6 +273,14 @@ def _stage_workers(config: RunConfig, built: _Built, device: torch.device, shard
                                        config.checkpoint_every, minibatches_per_step(built.schedule), config.run_id,
                                        write=built.replica == 0)
     return workers, savers
+
+
+def _gather(buffer: torch.Tensor, size: int, *, ranks: tuple[int, ...], group) -> None:
+    """Every replica's slice of `buffer` (replica i's: the i-th `size` elements) from that replica,
+    in place: one broadcast each (`worker.optimizer_shard`; gloo's all-gather would hold a second
+    buffer of the whole size)."""
+    for i, rank in enumerate(ranks):
+        dist.broadcast(buffer[i * size:(i + 1) * size], src=rank, group=group)
 
 
 def _end(config: RunConfig, report: WorkerReport, workers: list[StageWorker], link: Link,

@@ -10,8 +10,9 @@ i-th of its r equal slices. The replica's optimizer steps the *pieces* of its sl
 slice crosses a parameter: a view of the buffer, its gradient a view of the mean gradient), so it
 holds the state of 1/r of the stage (Adam's two moments, SGD's momentum) and its step makes
 temporaries no larger than a parameter, as an unsharded step does. After the step the replicas
-all-gather their slices into every replica's buffer (`all_gather_into_tensor`, from a copy of the
-replica's slice: 1/r of the group's weights for a moment).
+gather their slices into every replica's buffer in place: one broadcast per replica of its slice
+(gloo's `all_gather_into_tensor` would hold a second buffer of the whole group for a moment; the
+broadcasts move the same bytes, (r - 1) / r of the group to each replica, and hold nothing).
 
 The optimizers this is exact for update each element from that element alone (SGD, Adam, AdamW:
 a piece steps as the parameter it belongs to would), so a sharded run ends with the weights of an
@@ -32,8 +33,9 @@ import torch
 
 from ...errors import LaunchError
 
-Gather = Callable[[torch.Tensor, torch.Tensor], None]
-"""all_gather_into_tensor(out, mine) over the stage's replicas, in replica order."""
+Gather = Callable[[torch.Tensor, int], None]
+"""gather(buffer, size): every replica's slice of `buffer` (the i-th `size` elements: replica i's)
+from the replica that holds it, in place, over the stage's replicas."""
 
 
 class _Group:
@@ -65,13 +67,11 @@ class _Group:
                 offset += n
 
     def gather(self, gather: Gather, source: torch.Tensor | None = None) -> torch.Tensor:
-        """Every replica's slice of `source` (default: the weights' buffer, gathered into itself),
-        else into a new tensor of the buffer's size."""
+        """`source` (laid out as the buffer; default: the weights' buffer) with every replica's
+        slice from that replica, in place."""
         source = self.buffer if source is None else source
-        mine = source[self.start:self.start + self.slice].clone()
-        out = self.buffer if source is self.buffer else torch.empty_like(source)
-        gather(out, mine)
-        return out
+        gather(source, self.slice)
+        return source
 
     def views(self, whole: torch.Tensor) -> dict[torch.Tensor, torch.Tensor]:
         """Per parameter, its part of a tensor laid out as the buffer (a copy)."""
@@ -161,10 +161,10 @@ class ShardedOptimizer:
                         key: (value.reshape(-1)[start:start + piece.numel()].clone() if _per_element(value) else value)
                         for key, value in state.items()}
 
-    def _gather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+    def _gather(self, buffer: torch.Tensor, size: int) -> None:
         if self.gather is None:
             raise RuntimeError("the replicas' process group of a sharded optimizer was not set")
-        self.gather(out, mine)
+        self.gather(buffer, size)
 
 
 def _per_element(value) -> bool:
