@@ -94,3 +94,15 @@ def test_pd_plan_shard_writes_it_and_refuses_it_with_straight(tmp_path):
     result = CliRunner().invoke(cli, ["plan", profile, "-c", "4x10GB/s", "--straight", "--shard", "optimizer",
                                       "-o", str(out)])
     assert result.exit_code != 0 and "--straight plans no replicas" in result.output and not out.exists()
+
+
+@pytest.mark.parametrize("mode", ["pipedream", "flush"])
+def test_the_steady_state_of_a_sharded_plan_is_its_simulation_and_it_steps_a_share(mode):
+    from pdtool.sim.simulate import simulate
+    from pdtool.sim.steady import steady_state
+
+    plan = make_plan(GPT, parse_cluster("4x10GB/s"), simulate=False, shard="optimizer", mode=mode, optimizer_slots=2)
+    replicated = [s for s in plan.stages if s.replicas > 1]
+    assert replicated and all(s.step_ms == pytest.approx(s.update_ms / s.replicas) for s in replicated)
+    assert steady_state(plan, mode).time_per_minibatch_ms == pytest.approx(
+        simulate(plan, mode).time_per_minibatch_ms, rel=0.02)

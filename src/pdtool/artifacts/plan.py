@@ -151,6 +151,12 @@ class PlanStage(LayerSet):
     def replicas(self) -> int:
         return len(self.ranks)
 
+    @property
+    def step_ms(self) -> float:
+        """One optimizer step on one of its workers: `update_ms`, or its 1/replicas share where the
+        replicas shard the optimizer (each steps its slice of the parameters)."""
+        return self.update_ms / self.replicas if self.shard != "none" else self.update_ms
+
 
 
 @dataclass(frozen=True, kw_only=True)

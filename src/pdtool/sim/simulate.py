@@ -30,7 +30,8 @@ The model (all times in ms):
   replica is one collective: all start together when the last replica arrives, and it lasts a
   ring all-reduce, 2 (r - 1) / r * param_bytes / B + 2 (r - 1) L with B the slowest link among
   the replicas' ranks and L the longest latency, plus the worker's own passes over the gradients (flatten, add, divide: the stage's
-  `reduce_ms`), then the optimizer step. It is not
+  `reduce_ms`), then the optimizer step (`PlanStage.step_ms`; a stage that shards its optimizer
+  steps 1/r of it, then gathers the weights: `allreduce_ms`). It is not
   overlapped with computation (the replicas wait for it), so a replicated stage costs
   (compute + all-reduce) / r per minibatch here, where the planner's default cost model charges
   max(compute, all-reduce) / r: the simulator is the pessimistic side of that comparison.
@@ -342,7 +343,7 @@ class _Run:
         elif op.kind == "send":
             self._send(worker, op, _message_bytes(op, s))
         elif op.kind == "step":
-            start, end = self.began[worker], self.free[worker] + s.update_ms
+            start, end = self.began[worker], self.free[worker] + s.step_ms
             self._record(worker, op, start, end)
             self.free[worker] = end
         else:

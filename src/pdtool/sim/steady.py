@@ -341,7 +341,7 @@ class _OneFOneB:
                         ops["AR"] = node = graph.node()
                         graph.arc(collective[u], node, self.took[s])
                         previous = node
-                        chain("U", stage.update_ms)
+                        chain("U", stage.step_ms)
                     if s > 0:
                         chain("ra", stage.in_bytes / MIB * self.per_mib)
                     before_send = chain("F", fwd)
@@ -349,7 +349,7 @@ class _OneFOneB:
                         chain("sa", stage.out_bytes / MIB * self.per_mib)
                         ops["sa_from"] = before_send
                     self.nodes[(s, i, u)] = ops
-                    acting += fwd + bwd + (self.took[s] + stage.update_ms if collective[u] is not None else 0.0)
+                    acting += fwd + bwd + (self.took[s] + stage.step_ms if collective[u] is not None else 0.0)
                 node, weight = first
                 graph.arc(previous, node, weight, 1)  # the next period's first op follows this one's last
         return acting
@@ -504,7 +504,7 @@ class _FlushBatch:
             size = s.out_bytes if (op.direction == ACTIVATION) == (op.kind == "send") else s.in_bytes
             return size / MIB * self.per_mib, size
         if op.kind == "step":
-            weight = s.update_ms
+            weight = s.step_ms
         elif op.kind == "F":
             weight = s.fwd_ms + s.data_ms
         elif op.kind == "W":
