@@ -106,3 +106,42 @@ def test_the_steady_state_of_a_sharded_plan_is_its_simulation_and_it_steps_a_sha
     assert replicated and all(s.step_ms == pytest.approx(s.update_ms / s.replicas) for s in replicated)
     assert steady_state(plan, mode).time_per_minibatch_ms == pytest.approx(
         simulate(plan, mode).time_per_minibatch_ms, rel=0.02)
+
+
+def test_auto_shards_a_stage_exactly_where_it_fits_the_limit_only_so():
+    profile = chain_profile([4.0, 4.0], [100e6, 100e6], [1e3, 1e3])
+    # no limit, or one that fits unsharded: nothing shards (the gather only costs time)
+    for memory in (None, "700MB"):
+        plan = make_plan(profile, parse_cluster("4x10GB/s", memory=memory), optimizer_slots=2, recompute="none",
+                         mode="flush", shard="auto")
+        assert all(s.shard == "none" for s in plan.stages)
+    # a limit only sharded stages fit: each replicated stage shards, and the plan is the sharded one's
+    cluster = parse_cluster("4x10GB/s", memory="550MB")
+    auto = make_plan(profile, cluster, optimizer_slots=2, recompute="none", mode="flush", shard="auto")
+    every = make_plan(profile, cluster, optimizer_slots=2, recompute="none", mode="flush", shard="optimizer")
+    assert [(s.layers, s.replicas, s.shard, s.memory_bytes) for s in auto.stages] == \
+        [(s.layers, s.replicas, s.shard, s.memory_bytes) for s in every.stages]
+    assert all(s.shard == "optimizer" for s in auto.stages)
+
+
+def test_auto_shards_only_the_stages_that_need_it():
+    """A first layer of 300 MB of parameters and two light ones under 1.7 GB a worker with AdamW: the
+    stage of the first layer fits only sharded (its 2 replicas then pay the gather), the light stage
+    stays unsharded with replicas as without them; a single worker cannot shard."""
+    from pdtool.planner.costmodel import ChainCosts, DefaultModel
+    from pdtool.planner.partition import Solver
+
+    profile = chain_profile([4.0, 4.0, 4.0], [300e6, 1e6, 1e6], [1e3, 1e3, 1e3])
+    solver = Solver(ChainCosts.from_profile(profile), [4], [10e9], DefaultModel(),
+                    memory=memory_model(1.7e9, 2, "fp32", "flush"), shard="auto")
+
+    def place(k, j, r):
+        where = dict(level=0, context=(0, 1), r=r, before=0, first=k == 0, final=False)
+        return solver.shards(**where, k=k, j=j), float(solver._stage(0, (0, 1), r, 0, k == 0, False)[k, j])
+
+    assert place(0, 1, 1) == (False, float("inf"))  # layer 0 on one worker: does not fit
+    shard, time = place(0, 1, 2)
+    assert shard and time == pytest.approx(
+        DefaultModel(sync_scale=1.5).stage_times(solver.states.cut, solver.compute, solver.params, 2, 10e9, 1, True,
+                                                  True)[0, 1])
+    assert place(1, 3, 2)[0] is False and place(1, 3, 1)[0] is False  # the light layers fit as they are

@@ -57,10 +57,11 @@ GROUPS = {"cluster": ("cluster_spec", "memory"),
               help="Activation recomputation: a recomputing stage keeps only its input per minibatch in flight and "
                    "runs its forward again before each backward. auto: the stages that fit --memory only so; "
                    "all: every stage; none: no stage.")
-@click.option("--shard", type=click.Choice(SHARDS), default="none", show_default=True,
+@click.option("--shard", type=click.Choice(SHARDS + ("auto",)), default="none", show_default=True,
               help="What the replicas of each replicated stage shard among themselves: optimizer (each keeps the "
                    "optimizer state of 1/replicas of the stage, ZeRO stage 1: the memory model divides that state by "
-                   "the replicas, the simulator adds the all-gather of the weights after each step) or none.")
+                   "the replicas, the simulator adds the all-gather of the weights after each step), none, or auto "
+                   "(each replicated stage shards where it fits --memory only so).")
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
               help="Plan JSON to write ('-' for stdout). Written atomically.")
 def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model, mode, virtual_stages, group, batch,

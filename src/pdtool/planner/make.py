@@ -72,7 +72,8 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     (`artifacts.plan.RECOMPUTE`) says which stages recompute their forward in the backward: with `auto`
     those that fit the cluster's memory only so. `shard` (`artifacts.plan.SHARDS`): what replicated
     stages shard among their replicas (`optimizer`: their optimizer state, which the memory model
-    divides by the replicas; the cost model and simulator add the all-gather of the weights).
+    divides by the replicas; the cost model and simulator add the all-gather of the weights; `auto`:
+    each replicated stage shards where it fits the memory limit only so, `Solver`).
 
     With `simulate` (what `pd plan` does), the dynamic program's candidates (its best plan for
     each number of workers it may use, and data parallelism) are run through the simulator,
@@ -89,10 +90,10 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     if data_parallel and straight:
         raise PlanError("--data-parallel replicates one stage on every worker and --straight forbids replicas: "
                         "give one of them")
-    model = MODELS[cost_model](sync_scale=SYNC_SCALE[shard])
+    model = MODELS[cost_model](sync_scale=SYNC_SCALE[shard if shard != "auto" else "none"])
     costs = ChainCosts.from_profile(profile)
     # what the plan's mode keeps (the default mode's when none is given: PipeDream's weight versions, the most)
-    memory = (memory_model(cluster.memory, optimizer_slots, profile.precision, mode, shard=shard != "none")
+    memory = (memory_model(cluster.memory, optimizer_slots, profile.precision, mode, shard=shard == "optimizer")
               if cluster.memory else None)
     # zero-time layers follow their producers only where that is safe (states.py, `_followers`)
     states = _splittable(build_states(costs, followers=not model.exact_workers and memory is None), profile, say)
@@ -165,11 +166,13 @@ class _Search:
 
     def unlimited(self) -> Memory:
         """The memory model without a limit (a plan's figures where the cluster states none)."""
-        return memory_model(None, self.optimizer_slots, self.profile.precision, self.mode, shard=self.shard != "none")
+        return memory_model(None, self.optimizer_slots, self.profile.precision, self.mode,
+                            shard=self.shard == "optimizer")
 
     def solver(self, **options) -> Solver:
         """The dynamic program over this search's states and cluster (`options`: Solver's)."""
-        options = {"states": self.states, "memory": self.memory, "recompute": self.recompute, **options}
+        options = {"states": self.states, "memory": self.memory, "recompute": self.recompute, "shard": self.shard,
+                   **options}
         return Solver(options.pop("states"), [level.count for level in self.cluster.levels],
                       [level.bandwidth for level in self.cluster.levels], self.model, **options)
 
@@ -488,7 +491,7 @@ def _leaf(stage: PipelineStage, *, terms: dict, outer: int, ranks: list[int], pr
     a, b = stage.start, stage.end
     layers = [profile.layers[i] for i in stage.layers]
     largest = max(l.param_bytes for l in layers)
-    sharing = memory.sharing(len(ranks))
+    sharing = len(ranks) if stage.shard and len(ranks) > 1 else memory.sharing(len(ranks))
     need = memory.need(float(solver.params[a, b]), float(solver.stashed[a, b]), k,
                        recompute=float(solver.states.cut[a]) if stage.recompute else None,
                        cut=(float(solver.states.cut[a]), float(solver.states.cut[b])), largest=largest, sharing=sharing)

@@ -33,13 +33,14 @@ enclosing stages. Without a limit there is one context and one table per level.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from math import prod
 
 import numpy as np
 
 from .costmodel import ChainCosts, CostModel, Memory
-from ..artifacts.plan import RECOMPUTE, LayerSet
+from ..artifacts.plan import RECOMPUTE, SYNC_SCALE, LayerSet
 from ..errors import PlanError
 from .states import States, build_states
 
@@ -67,6 +68,7 @@ class PipelineStage(LayerSet):
     units_before: int
     inner: "Pipeline | None" = None
     recompute: bool = False  # recomputes its forward during the backward (worker level only)
+    shard: bool = False  # its replicas shard the optimizer state (`shard` auto; worker level only)
 
 
 @dataclass(frozen=True)
@@ -91,12 +93,14 @@ class Solver:
     not fit. `every_worker` uses every unit of every level (the pipedream cost model always does).
     `recompute` (`RECOMPUTE`) says which stages recompute their forward during the backward: `none`,
     `all`, or `auto`: those that fit the memory limit only so (`costmodel` module doc); a stage of
-    the answer says whether it does (`PipelineStage.recompute`).
+    the answer says whether it does (`PipelineStage.recompute`). `shard` auto lets each
+    replicated worker-level stage shard its optimizer state where it fits the limit only so
+    (`PipelineStage.shard`; `optimizer`: the cost model and `memory` shard every one already).
     """
 
     def __init__(self, costs: ChainCosts | States, counts: list[int], bandwidths: list[float], model: CostModel,
                  straight: bool = False, memory: Memory | None = None, every_worker: bool = False,
-                 recompute: str = "none"):
+                 recompute: str = "none", shard: str = "none"):
         if recompute not in RECOMPUTE:
             raise PlanError(f"unknown --recompute {recompute!r}; use one of {', '.join(RECOMPUTE)}")
         if not counts or min(counts) < 1:
@@ -126,6 +130,10 @@ class Solver:
             self.again = self.compute + states.stage_sums(states.forward if states.forward is not None
                                                           else np.zeros(self.S))
         self._recomputing: dict[tuple, np.ndarray | bool] = {}  # per stage key: a matrix, or one answer for all
+        self.shard = shard
+        self.sharded_model = copy.copy(model)  # `shard` auto: the stages that shard pay the gather too
+        self.sharded_model.sync = SYNC_SCALE["optimizer"]
+        self._sharding: dict[tuple, np.ndarray | bool] = {}  # as `_recomputing`: where the replicas shard
         self.final = model.final_charge(self.S)
         self._params_sorted = states.params_sorted
         self._tables: dict[tuple[int, Context | None], np.ndarray] = {}
@@ -191,30 +199,36 @@ class Solver:
         return (level, context, r, before if self.memory else 0, first, final)
 
     def _with_recomputation(self, key, times, context, r, before, first, charge) -> np.ndarray:
-        """Worker-level stage times with the memory limit and `recompute` applied: +inf where a
-        stage does not fit; the recomputing time where it recomputes (recorded under `key`)."""
-        def again():
-            return self.model.stage_times(self.states.cut, self.again, self.params, r, self.bandwidths[0],
-                                          self.inner[0], first, charge)
+        """Worker-level stage times with the memory limit, `recompute` and `shard` applied: +inf
+        where a stage does not fit; per stage the fastest of the allowed ways that fits (keeping
+        its activations or recomputing them; its replicas sharding the optimizer state or not,
+        `shard` auto), the earlier of equals (keeping, unsharded), recorded under `key`."""
+        def priced(unit, sharded: bool):
+            model = self.sharded_model if sharded else self.model
+            return model.stage_times(self.states.cut, unit, self.params, r, self.bandwidths[0], self.inner[0], first,
+                                     charge)
 
         if not self.memory:
             self._recomputing[key] = self.recompute == "all"
-            return again() if self.recompute == "all" else times
+            self._sharding[key] = False
+            return priced(self.again, False) if self.recompute == "all" else times
         outer_before, outer = context
         k = Memory.in_flight(self.workers, outer_before + outer * before, outer * r)
         cut = (self.states.cut[:, None], self.states.cut[None, :])
-        sharing = self.memory.sharing(r)
-        fits = self.memory.need(self.params, self.stashed, k, cut=cut, largest=self.largest,
-                                sharing=sharing) <= self.memory.limit
-        recomputing = False
-        if self.recompute != "none":
-            fits_again = self.memory.need(self.params, self.stashed, k, recompute=self.states.cut[:, None], cut=cut,
-                                          largest=self.largest, sharing=sharing) <= self.memory.limit
-            recomputing = fits_again if self.recompute == "all" else fits_again & ~fits
-            times = np.where(recomputing, again(), times)
-            fits = fits_again if self.recompute == "all" else fits | fits_again
+        ways = [(again, sharded) for again in {"none": (False,), "all": (True,), "auto": (False, True)}[self.recompute]
+                for sharded in ((False, True) if self.shard == "auto" and outer * r > 1 else (False,))]
+        best, recomputing, sharding = np.full_like(times, INF), False, False
+        for again, sharded in ways:
+            sharing = outer * r if sharded else self.memory.sharing(outer * r)
+            need = self.memory.need(self.params, self.stashed, k, recompute=self.states.cut[:, None] if again else None,
+                                    cut=cut, largest=self.largest, sharing=sharing)
+            way = times if not (again or sharded) else priced(self.again if again else self.compute, sharded)
+            better = (need <= self.memory.limit) & (way < best)
+            best = np.where(better, way, best)
+            recomputing, sharding = np.where(better, again, recomputing), np.where(better, sharded, sharding)
         self._recomputing[key] = recomputing
-        return np.where(fits, times, INF)
+        self._sharding[key] = sharding
+        return best
 
     def recomputes(self, *, level: int, context: Context | None, r: int, before: int, first: bool, final: bool,
                    k: int, j: int) -> bool:
@@ -222,6 +236,14 @@ class Solver:
         self._stage(level, context, r, before, first, final)
         recomputing = self._recomputing[self._stage_key(level, context, r, before, first, final)]
         return bool(recomputing if np.ndim(recomputing) == 0 else recomputing[k, j])
+
+    def shards(self, *, level: int, context: Context | None, r: int, before: int, first: bool, final: bool,
+               k: int, j: int) -> bool:
+        """Whether the replicas of the worker-level stage (k, j) shard their optimizer state there
+        (`shard` auto)."""
+        self._stage(level, context, r, before, first, final)
+        sharding = self._sharding[self._stage_key(level, context, r, before, first, final)]
+        return bool(sharding if np.ndim(sharding) == 0 else sharding[k, j])
 
     def _replica_choices(self, m: int) -> range:
         return range(1, min(2, m)) if self.straight else range(1, m)
@@ -379,12 +401,11 @@ class Solver:
                     outer_before, outer = context
                     inner_context = (outer_before + outer * (m - r) * self.inner[level], outer * r)
                 inner = self._reconstruct(level - 1, inner_context, k, j)
-            recompute = level == 0 and self.recomputes(
-                level=level, context=context, r=r, before=m - r, first=k == a, final=table is T, k=k, j=j
-            )
+            place = dict(level=level, context=context, r=r, before=m - r, first=k == a, final=table is T, k=k, j=j)
             stages.append(
                 PipelineStage(start=k, end=j, layers=self.states.layers(k, j), replicas=r, time=float(time),
-                              units_before=m - r, inner=inner, recompute=recompute)
+                              units_before=m - r, inner=inner, recompute=level == 0 and self.recomputes(**place),
+                              shard=level == 0 and self.shards(**place))
             )
             if k == a:
                 break
