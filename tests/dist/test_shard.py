@@ -85,3 +85,23 @@ def test_shard_without_replicas_or_with_a_factory_optimizer_is_one_line_before_a
     with pytest.raises(LaunchError, match="only the built-in optimizers"):
         check_shard(plan, config_for(path, shard="optimizer", optimizer=factory))
     check_shard(Plan.load(str(path)), config_for(path, shard="optimizer"))  # accepted
+
+
+def test_tied_weights_and_recomputation_shard_exactly(tmp_path):
+    """gpipe on a tied language model, its first stage (the embedding, tied to the last stage's head)
+    replicated twice, sharded and recomputing its activations: the weights of the unsharded run, bit
+    for bit, and the head's copy of the tied weight equal to the embedding's."""
+    from pdtool.artifacts.profile import ModelRef
+
+    tied = ModelRef("toymodels:tied_lm")
+    plan, path = plan_with(tmp_path, [((0, 1), 2), ((2, 3), 1)], mode="gpipe", ref=tied)
+    plan = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], recompute=True),) + plan.stages[1:])
+    plan.save(path)
+    config = config_for(path, steps=3, group=4, optimizer=RECIPE)
+    plain = launch(config, len(plan.used_ranks))
+    shard = launch(dataclasses.replace(config, shard="optimizer"), len(plan.used_ranks))
+    assert merged(shard)[0] == merged(plain)[0]
+    for name, value in merged(plain)[1].items():
+        assert torch.equal(merged(shard)[1][name], value), name
+    last = next(r for r in shard.values() if r.stage == 1)
+    assert torch.equal(last.weights["emb.weight"], merged(shard)[1]["emb.weight"])  # the head's copy
