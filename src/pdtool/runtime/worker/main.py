@@ -275,12 +275,21 @@ def _stage_workers(config: RunConfig, built: _Built, device: torch.device, shard
     return workers, savers
 
 
-def _gather(buffer: torch.Tensor, size: int, *, ranks: tuple[int, ...], group) -> None:
+def _gather(buffer: torch.Tensor, size: int, whole: bool = True, *, ranks: tuple[int, ...], group) -> None:
     """Every replica's slice of `buffer` (replica i's: the i-th `size` elements) from that replica,
     in place: one broadcast each (`worker.optimizer_shard`; gloo's all-gather would hold a second
-    buffer of the whole size)."""
+    buffer of the whole size). `whole` False: `buffer` is this replica's slice alone, which it
+    gives; the others' pass through one slice of scratch."""
+    me, scratch = dist.get_rank(), None
     for i, rank in enumerate(ranks):
-        dist.broadcast(buffer[i * size:(i + 1) * size], src=rank, group=group)
+        if whole:
+            part = buffer[i * size:(i + 1) * size]
+        elif rank == me:
+            part = buffer
+        else:
+            scratch = torch.empty_like(buffer) if scratch is None else scratch
+            part = scratch
+        dist.broadcast(part, src=rank, group=group)
 
 
 def _end(config: RunConfig, report: WorkerReport, workers: list[StageWorker], link: Link,

@@ -20,9 +20,10 @@ unsharded one, bit for bit. A factory's optimizer may compute per-tensor quantit
 ratio), which a piece would change: the launcher refuses it with `--shard optimizer`
 (`runtime.run.check_shard`).
 
-Checkpoints keep the unsharded layout: at a checkpoint every replica gathers its state slices
-(`param_state`, a collective: one state tensor of the group's size at a time) and replica 0 writes
-them per parameter, so a sharded run resumes unsharded, under another plan or another number of
+Checkpoints keep the unsharded layout: at a checkpoint every replica sends its state slices to
+replica 0 (`param_state`, a collective), which writes them per parameter (holding the whole
+state while it writes, as an unsharded replica always does; the others hold their slice and one
+slice of scratch), so a sharded run resumes unsharded, under another plan or another number of
 replicas; `load_param_state` takes a replica's pieces of such a state.
 """
 from __future__ import annotations
@@ -33,9 +34,10 @@ import torch
 
 from ...errors import LaunchError
 
-Gather = Callable[[torch.Tensor, int], None]
-"""gather(buffer, size): every replica's slice of `buffer` (the i-th `size` elements: replica i's)
-from the replica that holds it, in place, over the stage's replicas."""
+Gather = Callable[..., None]
+"""gather(buffer, size, whole=True): every replica's slice of `buffer` (the i-th `size` elements:
+replica i's) from the replica that holds it, in place, over the stage's replicas; with whole
+False, `buffer` is this replica's slice alone, which it gives, and the others' are dropped."""
 
 
 class _Group:
@@ -74,10 +76,10 @@ class _Group:
         return source
 
     def views(self, whole: torch.Tensor) -> dict[torch.Tensor, torch.Tensor]:
-        """Per parameter, its part of a tensor laid out as the buffer (a copy)."""
+        """Per parameter, its part of a tensor laid out as the buffer (views of it)."""
         found, offset = {}, 0
         for p in self.params:
-            found[p] = whole[offset:offset + p.numel()].view_as(p).clone()
+            found[p] = whole[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
         return found
 
@@ -129,20 +131,25 @@ class ShardedOptimizer:
             for p in group.params:
                 p.grad = None
 
-    def param_state(self) -> dict[torch.Tensor, dict]:
+    def param_state(self, keep: bool = True) -> dict[torch.Tensor, dict]:
         """Per live parameter, its optimizer state as an unsharded optimizer would hold it (every
-        replica's slices gathered, one state tensor of the group's size at a time: a collective
-        that every replica calls at once). Parameters without state yet are left out."""
+        replica's slices gathered: a collective that every replica calls at once); `keep` False:
+        this replica only gives its slices (to the one that keeps them) and gets nothing."""
         found: dict[torch.Tensor, dict] = {}
         for group in self.layout:
             held = [(at, self.state.get(piece, {})) for _, _, at, piece in group.pieces]
             for key in self.keys:
-                flat = torch.zeros_like(group.buffer)
+                flat = torch.zeros_like(group.buffer) if keep else torch.zeros(group.slice, dtype=group.buffer.dtype)
+                shift = 0 if keep else group.start
                 for at, state in held:
                     if key in state:
-                        flat[at:at + state[key].numel()].copy_(state[key])
-                for p, value in group.views(group.gather(self._gather, flat)).items():
-                    found.setdefault(p, {})[key] = value
+                        flat[at - shift:at - shift + state[key].numel()].copy_(state[key])
+                self._gather(flat, group.slice, keep)
+                if keep:
+                    for p, value in group.views(flat).items():
+                        found.setdefault(p, {})[key] = value
+            if not keep:
+                continue
             shared = next((state for _, state in held if state), {})  # every piece's: Adam's step count
             for key, value in shared.items():
                 if not _per_element(value):
@@ -161,10 +168,10 @@ class ShardedOptimizer:
                         key: (value.reshape(-1)[start:start + piece.numel()].clone() if _per_element(value) else value)
                         for key, value in state.items()}
 
-    def _gather(self, buffer: torch.Tensor, size: int) -> None:
+    def _gather(self, buffer: torch.Tensor, size: int, whole: bool = True) -> None:
         if self.gather is None:
             raise RuntimeError("the replicas' process group of a sharded optimizer was not set")
-        self.gather(buffer, size)
+        self.gather(buffer, size, whole)
 
 
 def _per_element(value) -> bool:

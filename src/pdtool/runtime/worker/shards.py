@@ -32,10 +32,11 @@ from .executor import StageWorker
 SEPARATOR = "::"
 
 
-def stage_state(worker: StageWorker) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def stage_state(worker: StageWorker, keep: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(parameters and buffers, optimizer state) of the worker's stage, by whole-model names; a
     tied parameter (and its optimizer state) or a buffer of several stages only in the shard of
-    its lowest stage."""
+    its lowest stage. A replica of a sharded optimizer that does not write (`keep` False) gives
+    its state slices to the one that does and gets no optimizer state."""
     stage = worker.stage
     ties = stage.tied
     mine = {n for n, _ in stage.module.named_parameters() if n not in ties or owner(ties[n]) == stage.index}
@@ -46,7 +47,8 @@ def stage_state(worker: StageWorker) -> tuple[dict[str, torch.Tensor], dict[str,
     extra: dict[str, torch.Tensor] = {}
     if worker.stepper.optimizer is None:
         return tensors, extra
-    state = worker.stepper.param_state()  # sharded across replicas: gathered (every replica calls this at once)
+    # sharded across replicas: gathered (every replica calls this at once; `keep` False: it gives its slices only)
+    state = worker.stepper.param_state(keep)
     for name, p in zip(worker.names, worker.live):
         if name not in mine:
             continue  # a tied copy: the owner's shard holds it (runtime.worker.tied)
@@ -82,7 +84,7 @@ class ShardSaver:
         self.count += 1
         step = self.due.get(self.count)
         if step is not None:
-            tensors, extra = stage_state(self.worker)
+            tensors, extra = stage_state(self.worker, keep=self.write)
             if not self.write:
                 return True
             folder = checkpoint_folder(self.root, step)

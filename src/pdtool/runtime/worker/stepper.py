@@ -171,11 +171,12 @@ class Stepper:
             p.grad = summed[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
 
-    def param_state(self) -> dict[torch.Tensor, dict]:
+    def param_state(self, keep: bool = True) -> dict[torch.Tensor, dict]:
         """Per live parameter, its optimizer state as an unsharded optimizer holds it (sharded:
-        gathered from the replicas, a collective every replica calls at once)."""
+        gathered from the replicas, a collective every replica calls at once; `keep` False: this
+        replica only gives its slices and gets nothing)."""
         if isinstance(self.optimizer, ShardedOptimizer):
-            return self.optimizer.param_state()
+            return self.optimizer.param_state(keep)
         return {p: self.optimizer.state[p] for p in self.live if self.optimizer is not None and p in self.optimizer.state}
 
     def load_param_state(self, state: dict[torch.Tensor, dict]) -> None:
