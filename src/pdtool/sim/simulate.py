@@ -52,7 +52,7 @@ MIB = 2 ** 20
 
 __all__ = ["SimEvent", "SimResult", "SimTransfer", "allreduce_ms", "default_minibatches", "link_bandwidth",
            "link_latency",
-           "simulate", "steady_state_ms"]
+           "simulate", "simulate_schedule", "steady_state_ms"]
 
 
 
@@ -239,6 +239,11 @@ def simulate(plan: Plan, mode: str | None = None, minibatches: int | None = None
     if minibatches is None:  # a bad group is reported by the schedule's checks, not here
         minibatches = default_minibatches(sum(replicas), group if isinstance(group, int) and group >= 1 else 1)
     schedule = generate(mode, replicas, minibatches, group, placement=placement or plan.placement)
+    return simulate_schedule(plan, schedule)
+
+
+def simulate_schedule(plan: Plan, schedule: Schedule) -> SimResult:
+    """Simulate a given `schedule` (its stages and placement the plan's) on the plan's costs."""
     run = _Run(plan, schedule)
     run.go()
     return run.result()
