@@ -82,7 +82,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
 from pdtool.artifacts.cluster import parse_cluster
 from pdtool.model.data import synthetic_source
@@ -96,7 +95,7 @@ from pdtool.runtime.worker import shm
 from pdtool.runtime.worker.comm import BoundaryTensor, layout
 from pdtool.runtime.launcher.forked import PRELOAD
 from pdtool.runtime.launcher.launch import launch
-from pdtool.model.stages import plan_stages
+from pdtool.model.stages import PositionalStage, plan_stages
 from pdtool.runtime.run import RunConfig
 from pdtool.schedule import ACTIVATION, GRADIENT, generate, lower, modes_where, rules
 from pdtool.sim.simulate import simulate
@@ -213,22 +212,6 @@ def _free_cores(setup: Setup) -> float:
 
 # ----- torch.distributed.pipelining ---------------------------------------------------------
 
-class Positional(nn.Module):
-    """A pdtool stage (dict in, dict out) as a module of positional tensors, for PipelineStage."""
-
-    def __init__(self, stage, last: bool):
-        super().__init__()
-        self.stage = stage.module
-        self.names_in, self.names_out, self.last = stage.inputs, stage.outputs, last
-
-    def forward(self, *tensors):
-        out = self.stage(dict(zip(self.names_in, tensors)))
-        if self.last:
-            return out["output"]
-        values = tuple(out[n] for n in self.names_out)
-        return values[0] if len(values) == 1 else values
-
-
 def _pipelining(rank: int, world: int, setup: Setup, queue, schedule_name: str) -> None:
     from torch.distributed.pipelining import (
         PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble,
@@ -237,7 +220,7 @@ def _pipelining(rank: int, world: int, setup: Setup, queue, schedule_name: str) 
     bundle, batch = _build(setup)
     stages = plan_stages(Plan.load(setup.plan_path), bundle.module)
     last = rank == world - 1
-    module = Positional(stages[rank], last)
+    module = PositionalStage(stages[rank], last)
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     if schedule_name == "ScheduleInterleavedZeroBubble":  # a list of this rank's stages: one here
         schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=setup.group, loss_fn=bundle.loss_fn)
@@ -276,7 +259,7 @@ def _pipelining_chunks(rank: int, world: int, setup: Setup, queue, schedule_name
     stages = plan_stages(plan, bundle.module)
     count = len(stages)
     mine = [s for s, worker in enumerate(plan.placement) if worker == rank]
-    modules = [Positional(stages[s], s == count - 1) for s in mine]
+    modules = [PositionalStage(stages[s], s == count - 1) for s in mine]
     held = [pipelining.PipelineStage(module, s, count, torch.device("cpu")) for module, s in zip(modules, mine)]
     schedule = getattr(pipelining, schedule_name)(held, n_microbatches=setup.group, loss_fn=bundle.loss_fn)
     optimizer = _sgd([p for module in modules for p in module.parameters()])

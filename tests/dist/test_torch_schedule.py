@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from click.testing import CliRunner
-from torch import nn
 
 from helpers import MLP, SGD, config_for, gradient_accumulation, plan_with
 
@@ -16,27 +15,12 @@ from pdtool.artifacts.plan import Plan
 from pdtool.cli import cli
 from pdtool.model.build import initial_model
 from pdtool.model.data import synthetic_source
-from pdtool.model.stages import plan_stages
+from pdtool.model.stages import PositionalStage, plan_stages
 from pdtool.runtime.optimizers import build_optimizer
 
 pytestmark = pytest.mark.workers
 
 STEPS, GROUP = 2, 4
-
-
-class _Positional(nn.Module):
-    """A pdtool stage (dict in, dict out) as a module of positional tensors, for torch's PipelineStage."""
-
-    def __init__(self, stage, last: bool):
-        super().__init__()
-        self.stage, self.names_in, self.names_out, self.last = stage.module, stage.inputs, stage.outputs, last
-
-    def forward(self, *tensors):
-        out = self.stage(dict(zip(self.names_in, tensors)))
-        if self.last:
-            return out["output"]
-        values = tuple(out[n] for n in self.names_out)
-        return values[0] if len(values) == 1 else values
 
 
 def _torch_worker(rank: int, world: int, port: int, plan_path: str, csv_path: str, results) -> None:
@@ -49,7 +33,7 @@ def _torch_worker(rank: int, world: int, port: int, plan_path: str, csv_path: st
     plan = Plan.load(plan_path)
     bundle = initial_model(MLP, 0)
     stage = plan_stages(plan, bundle.module)[rank]
-    module = _Positional(stage, rank == world - 1)
+    module = PositionalStage(stage, rank == world - 1)
     schedule = _PipelineScheduleRuntime([PipelineStage(module, rank, world, torch.device("cpu"))],
                                         n_microbatches=GROUP, loss_fn=bundle.loss_fn)
     schedule._load_csv(csv_path)

@@ -81,6 +81,23 @@ class Stage:
         return self.module(values)
 
 
+class PositionalStage(nn.Module):
+    """A `Stage` (a dict in, a dict out) as a module of positional tensors, what
+    torch.distributed.pipelining's `PipelineStage` runs: its inputs in the stage's input order,
+    its outputs as a tensor or a tuple (`last`: the model's output alone)."""
+
+    def __init__(self, stage: Stage, last: bool):
+        super().__init__()
+        self.stage, self.names_in, self.names_out, self.last = stage.module, stage.inputs, stage.outputs, last
+
+    def forward(self, *tensors):
+        out = self.stage(dict(zip(self.names_in, tensors)))
+        if self.last:
+            return out["output"]
+        values = tuple(out[n] for n in self.names_out)
+        return values[0] if len(values) == 1 else values
+
+
 def build_stages(module: nn.Module, layer_sets: Sequence[Sequence[int]], *, method: str, granularity: str,
                  depth: int | None, layer_names: dict[int, str] | None = None,
                  inputs: tuple[torch.Tensor, ...] | None = None) -> list[Stage]:
