@@ -94,6 +94,9 @@ def test_pd_plan_shard_writes_it_and_refuses_it_with_straight(tmp_path):
     result = CliRunner().invoke(cli, ["plan", profile, "-c", "4x10GB/s", "--straight", "--shard", "optimizer",
                                       "-o", str(out)])
     assert result.exit_code != 0 and "--straight plans no replicas" in result.output and not out.exists()
+    result = CliRunner().invoke(cli, ["plan", profile, "-c", "4x10GB/s", "--mode", "zbv", "--virtual-stages", "2",
+                                      "--shard", "auto", "-o", str(out)])
+    assert result.exit_code != 0 and "plans chunks without replicas" in result.output and not out.exists()
 
 
 @pytest.mark.parametrize("mode", ["pipedream", "flush"])
@@ -119,8 +122,9 @@ def test_auto_shards_a_stage_exactly_where_it_fits_the_limit_only_so():
     cluster = parse_cluster("4x10GB/s", memory="550MB")
     auto = make_plan(profile, cluster, optimizer_slots=2, recompute="none", mode="flush", shard="auto")
     every = make_plan(profile, cluster, optimizer_slots=2, recompute="none", mode="flush", shard="optimizer")
-    assert [(s.layers, s.replicas, s.shard, s.memory_bytes) for s in auto.stages] == \
-        [(s.layers, s.replicas, s.shard, s.memory_bytes) for s in every.stages]
+    assert [(s.layers, s.replicas, s.shard, s.memory_bytes, s.allreduce_ms, s.time_ms) for s in auto.stages] == \
+        [(s.layers, s.replicas, s.shard, s.memory_bytes, s.allreduce_ms, s.time_ms) for s in every.stages]
+    assert auto.predicted.time_ms == every.predicted.time_ms  # the sharded stages' figures count their gather
     assert all(s.shard == "optimizer" for s in auto.stages)
 
 

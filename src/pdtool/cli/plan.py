@@ -95,6 +95,9 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
     if shard != "none" and straight:
         raise click.UsageError(f"--shard {shard} shards the state of a stage among its replicas, and --straight "
                                "plans no replicas: leave one of them out")
+    if shard != "none" and virtual_stages not in (None, 1, "auto") and not (mode and len(mode) > 1):
+        raise click.UsageError(f"--shard {shard} shards the state of a stage among its replicas, and --virtual-stages "
+                               f"{virtual_stages} plans chunks without replicas: leave one of them out")
     options = dict(cost_model=cost_model, optimizer_slots=OPTIMIZER_SLOTS[optimizer], command=command,
                    recompute=recompute, profile_file=None if profile_path == "-" else os.path.basename(profile_path),
                    shard=shard)

@@ -161,4 +161,4 @@ def _torch_schedule(plan, mode, group, read: str | None, write: str | None, extr
     click.echo(simulation_table(result, plan), nl=False)
     click.echo(f"schedule     {read}: {schedule.group} microbatches, checked in mode {schedule.mode}; one step takes "
                f"{result.makespan_ms:.3f} ms, pdtool's own {schedule.mode} schedule of the plan {own.makespan_ms:.3f} ms "
-               f"({result.makespan_ms / own.makespan_ms:.3f}x)")
+               + (f"({result.makespan_ms / own.makespan_ms:.3f}x)" if own.makespan_ms else "(both take no time)"))

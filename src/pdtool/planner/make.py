@@ -458,7 +458,8 @@ def _describe(pipeline: Pipeline, profile: Profile, costs: ChainCosts, model: Co
             members = list(stage.layers)
             unit = stage.inner.time if stage.inner is not None else float(
                 costs.compute[members].sum() + (costs.forwards[members].sum() if stage.recompute else 0.0))
-            terms = model.terms(unit, float(costs.params[members].sum()),
+            priced = solver.sharded_model if stage.shard else model  # `shard` auto: the stages that shard gather too
+            terms = priced.terms(unit, float(costs.params[members].sum()),
                                 float(cut[stage.start]), float(cut[stage.end]), stage.replicas,
                                 solver.bandwidths[p.level], size, index == 0, charge)
             units = range(stage.units_before, stage.units_before + stage.replicas)

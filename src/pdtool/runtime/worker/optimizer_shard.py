@@ -105,6 +105,9 @@ class ShardedOptimizer:
         stepped.step()
         self.keys = sorted(k for k, v in stepped.state[probe].items() if _per_element(v))
         self.gather: Gather | None = None
+        # whether the shard holds state (a step ran, or a checkpoint's state was loaded): the same on every
+        # replica, also on one without pieces, so they all take part in the same collectives of `param_state`
+        self.holds_state = False
 
     @property
     def state(self):
@@ -120,6 +123,7 @@ class ShardedOptimizer:
                     piece.grad = None if p.grad is None else p.grad.reshape(-1)[start:start + piece.numel()]
             if self.optimizer is not None:
                 self.optimizer.step()
+            self.holds_state = True
             for group in self.layout:
                 group.gather(self._gather)
 
@@ -136,10 +140,13 @@ class ShardedOptimizer:
         replica's slices gathered: a collective that every replica calls at once); `keep` False:
         this replica only gives its slices (to the one that keeps them) and gets nothing."""
         found: dict[torch.Tensor, dict] = {}
+        if not self.holds_state:  # no step yet (or every one skipped on overflow): no state, as unsharded
+            return found
         for group in self.layout:
             held = [(at, self.state.get(piece, {})) for _, _, at, piece in group.pieces]
             for key in self.keys:
-                flat = torch.zeros_like(group.buffer) if keep else torch.zeros(group.slice, dtype=group.buffer.dtype)
+                flat = torch.zeros_like(group.buffer) if keep else torch.zeros(group.slice, dtype=group.buffer.dtype,
+                                                                                  device=group.buffer.device)
                 shift = 0 if keep else group.start
                 for at, state in held:
                     if key in state:
@@ -160,12 +167,13 @@ class ShardedOptimizer:
     def load_param_state(self, param_state: dict[torch.Tensor, dict]) -> None:
         """Take this replica's pieces of an unsharded state (per live parameter, as `param_state`
         gives it; parameters without state are left out)."""
+        self.holds_state = any(param_state.values())  # every replica restores the same checkpoint
         for group in self.layout:
             for p, start, _, piece in group.pieces:
                 state = param_state.get(p)
-                if state:
+                if state:  # a per-element value has the parameter's shape (0-dim for a scalar parameter)
                     self.optimizer.state[piece] = {
-                        key: (value.reshape(-1)[start:start + piece.numel()].clone() if _per_element(value) else value)
+                        key: (value.reshape(-1)[start:start + piece.numel()].clone() if key in self.keys else value)
                         for key, value in state.items()}
 
     def _gather(self, buffer: torch.Tensor, size: int, whole: bool = True) -> None:
