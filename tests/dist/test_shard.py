@@ -105,3 +105,23 @@ def test_tied_weights_and_recomputation_shard_exactly(tmp_path):
         assert torch.equal(merged(shard)[1][name], value), name
     last = next(r for r in shard.values() if r.stage == 1)
     assert torch.equal(last.weights["emb.weight"], merged(shard)[1]["emb.weight"])  # the head's copy
+
+
+def test_undoing_the_plans_sharding_past_its_memory_limit_says_so(tmp_path):
+    from pdtool.artifacts.cluster import parse_cluster
+    from pdtool.memory import memory_model
+    from pdtool.runtime.launcher.job import check_memory
+    from pdtool.runtime.run import resolved
+    from pdtool.sim.simulate import simulate
+
+    plan, path = plan_with(tmp_path, [((0, 1), 2), ((2, 3), 1)], mode="flush")
+    plan = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], param_bytes=40_000),
+                                             dataclasses.replace(plan.stages[1], param_bytes=100)))
+    config = config_for(path, optimizer=RECIPE, shard="none")
+    model = memory_model(None, 2, "fp32", "flush", True, True)
+    plain, sharded = (max(model.per_worker(p, simulate(p)).values()) for p in (plan, plan.with_shard("optimizer")))
+    assert sharded < plain
+    capped = dataclasses.replace(plan, cluster=parse_cluster("3x1GB/s", memory=f"{(plain + sharded) // 2}B"))
+    check_memory(capped.with_shard("optimizer"), config, resolved(capped, config))  # fits sharded
+    with pytest.raises(LaunchError, match="leave out --shard none"):
+        check_memory(capped, config, resolved(capped, config), unsharding=True)

@@ -53,6 +53,7 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
                           "long to build, else look at what its factory waits for")
     run = resolved(plan, config)  # mode, group, minibatches per step: the only place the launcher resolves them
     check_shard(plan, config)
+    unsharding = config.shard == "none" and any(s.shard != "none" for s in plan.stages)
     plan = plan.with_shard(config.shard)  # what each stage shards (--shard, else the plan's): memory, prediction
     with deadline(config.startup_timeout_s, overdue):
         checked = preflight(plan, plan_path=config.plan_path, mode=run.name, data=config.data, seed=config.seed,
@@ -67,7 +68,7 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
         from ..optimizers import check_optimizer
 
         check_optimizer(config.optimizer)
-    check_memory(plan, config, run)
+    check_memory(plan, config, run, unsharding)
     config = dataclasses.replace(config, eval_batches=held_out_batches(plan, config, checked.keywords))
     checked_run(plan, config)  # a mode, group or drain that cannot run: one line (the session does not check again)
     if epochs:
@@ -145,10 +146,11 @@ def _tensors_of(held, trained):
         yield "a target", held_target, target
 
 
-def check_memory(plan: Plan, config: RunConfig, run: Run) -> None:
+def check_memory(plan: Plan, config: RunConfig, run: Run, unsharding: bool = False) -> None:
     """Refuse, in one line, a run whose mode and group hold more than the plan's cluster gives a
     worker (`cluster.memory`): the planner counts 1F1B's weight versions and minibatches in
-    flight, and `--mode gpipe` or `zb2`, or a larger `--group`, hold more."""
+    flight, and `--mode gpipe` or `zb2`, or a larger `--group`, hold more; `unsharding`: `--shard none`
+    undid the plan's sharding (the line says so)."""
     limit = plan.cluster.memory
     if not limit:
         return
@@ -168,7 +170,9 @@ def check_memory(plan: Plan, config: RunConfig, run: Run) -> None:
         f"{config.plan_path}: mode {run.name}{group} needs {format_bytes(needs[rank])} on each worker of stage {stage} "
         f"({result.peak_versions[rank]} weight version(s), {result.peak_in_flight[rank]} minibatch(es) in flight), "
         f"{format_bytes(needs[rank] - limit)} more than the {format_bytes(limit)} per worker of the plan's cluster; "
-        "train with a mode or --group that holds less (pd simulate PLAN --mode M prints each worker's peaks), or "
+        + ("leave out --shard none (the plan shards the optimizer state of its replicated stages, which the limit "
+           "needs), or " if unsharding else "")
+        + "train with a mode or --group that holds less (pd simulate PLAN --mode M prints each worker's peaks), or "
         "plan over more workers (pd plan counts 1F1B's versions and minibatches in flight)")
 
 
