@@ -121,3 +121,11 @@ def test_write_schedule_refuses_what_torchs_schedules_cannot_hold(tmp_path):
                                  str(tmp_path / "s.csv")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "s.csv").read_text().splitlines()[0].startswith("0F0,0F1")
+
+
+def test_blank_lines_at_the_end_are_no_ranks_and_every_modes_reason_is_given(tmp_path):
+    assert len(read_csv("0F0,0B0\n1F0,1B0\n\n\n")) == 2
+    result = _pd_simulate(tmp_path, "0F0,0F1,0F2,0B0,0B1,0B2\n1F0,1B0,1F1,1B1,1F2,1B2\n")
+    assert result.exit_code == 0 and "checked in mode" in result.output, result.output
+    result = _pd_simulate(tmp_path, "0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n")
+    assert "in mode flush: deadlock" in result.output and "in mode gpipe: deadlock" in result.output

@@ -155,7 +155,8 @@ def _torch_schedule(plan, mode, group, read: str | None, write: str | None, extr
         except ScheduleError as error:
             errors.append(error)
     else:
-        raise ScheduleError(f"{read} is not a schedule pdtool can run in mode {' or '.join(candidates)}: {errors[0]}")
+        why = "; ".join(f"in mode {c}: {e}" for c, e in zip(candidates, errors)) if len(errors) > 1 else str(errors[0])
+        raise ScheduleError(f"{read} is not a schedule pdtool can run in mode {' or '.join(candidates)}: {why}")
     result = simulate_schedule(plan, schedule)
     own = run_simulation(plan, mode=schedule.mode, minibatches=schedule.group, group=schedule.group)
     click.echo(simulation_table(result, plan), nl=False)

@@ -51,7 +51,10 @@ def read_csv(text: str, source: str = "the schedule") -> list[list[tuple[str, in
             overlap = _OVERLAP.fullmatch(cell)
             for part in (overlap.group(1).split(";") if overlap else [cell]):
                 actions += _action(part.strip(), f"{source}, row {number} (rank {number - 1}), cell {column}")
-        rows.append(actions)
+        rows.append((row, actions))
+    while rows and not any(cell.strip() for cell in rows[-1][0]):  # blank lines at the end are no ranks
+        rows.pop()
+    rows = [actions for _, actions in rows]
     if not rows:
         raise ScheduleError(f"{source} is empty; write one row of actions per rank (e.g. 0F0,0F1,0B0,0B1)")
     return rows
