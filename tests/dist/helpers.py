@@ -130,3 +130,26 @@ def merged(reports):
         if report.replica == 0:
             weights.update(report.weights)
     return losses, weights
+
+
+def torch_ranks(target, world, *args):
+    """Run `target(rank, world, port, *args, results)` as `world` gloo ranks (forkserver processes, the
+    suite's, with torch imported already); the merged {name: tensor} each rank put in `results`."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = multiprocessing.get_context("forkserver")
+    results = context.Queue()
+    ranks = [context.Process(target=target, args=(rank, world, port, *args, results)) for rank in range(world)]
+    for rank in ranks:
+        rank.start()
+    trained = {}
+    for _ in ranks:
+        trained.update({name: torch.from_numpy(value) for name, value in results.get(timeout=120).items()})
+    for rank in ranks:
+        rank.join(timeout=60)
+        assert rank.exitcode == 0
+    return trained

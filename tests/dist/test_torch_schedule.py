@@ -1,15 +1,13 @@
 """A schedule pdtool writes (`pd simulate --write-schedule`) runs in torch.distributed.pipelining's
 own `_PipelineScheduleRuntime` on gloo and trains what pdtool trains (issue 39 item 2)."""
-import multiprocessing
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 from click.testing import CliRunner
 
-from helpers import MLP, SGD, config_for, gradient_accumulation, plan_with
+from helpers import MLP, SGD, config_for, gradient_accumulation, plan_with, torch_ranks
 
 from pdtool.artifacts.plan import Plan
 from pdtool.cli import cli
@@ -57,21 +55,7 @@ def test_a_schedule_pdtool_writes_trains_in_torchs_runtime_as_pdtool_trains(tmp_
     result = CliRunner().invoke(cli, ["simulate", str(path), "--group", str(GROUP), "--write-schedule", str(csv_path)])
     assert result.exit_code == 0, result.output
     assert "0I" in csv_path.read_text() and "1W" in csv_path.read_text()  # the split backward, torch's I and W
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = multiprocessing.get_context("forkserver")  # the suite's, with torch imported already
-    results = context.Queue()
-    workers = [context.Process(target=_torch_worker, args=(rank, 2, port, str(path), str(csv_path), results))
-               for rank in range(2)]
-    for worker in workers:
-        worker.start()
-    trained = {}
-    for _ in workers:
-        trained.update({name: torch.from_numpy(value) for name, value in results.get(timeout=120).items()})
-    for worker in workers:
-        worker.join(timeout=60)
-        assert worker.exitcode == 0
+    trained = torch_ranks(_torch_worker, 2, str(path), str(csv_path))
     _, expected = gradient_accumulation(plan, config_for(path, steps=STEPS, group=GROUP))
     assert trained.keys() == expected.keys()
     for name, value in expected.items():

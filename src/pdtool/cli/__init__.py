@@ -9,7 +9,7 @@ import os
 
 from ..signals import install as install_signal_handlers
 from .group import cli
-from . import export, plan, plot, profile, show, simulate, train  # noqa: F401 - each adds its command to `cli`
+from . import export, export_plan, plan, plot, profile, show, simulate, train  # noqa: F401 - each adds its command to `cli`
 
 __all__ = ["cli", "main"]
 

@@ -19,6 +19,9 @@ from .group import _count, _examples, cli
 def export_checkpoint(checkpoint, output, config_from, force):
     """Write a checkpoint's weights as a Hugging Face-style safetensors folder, one stage at a time.
 
+    Not `pd export-plan`, which writes a plan's partition and schedule for torchtitan, Megatron-Core
+    or torch.distributed.pipelining.
+
     CHECKPOINT is a checkpoint folder or a --checkpoint-dir (its newest complete checkpoint).
     Tensors keep the model's own names, so transformers' from_pretrained (with the model's
     config: --config-from) or pd train --init-from reads the folder."""
