@@ -103,6 +103,27 @@ def test_torchtitan_gets_every_module_once_in_order_and_the_schedule_of_the_mode
     assert export.target_ms == pytest.approx(plan.predicted.simulated_ms, rel=1e-3)
 
 
+def test_torchtitan_0_3s_overrides_carry_the_same_settings(monkeypatch):
+    export = exported(plan_of("zbv"), PROFILE, "torchtitan")
+    words = formats.torchtitan_overrides(export, None)
+    at = words.index("--parallelism.module_fqns_per_model_part")
+    parts = words[at + 1:words.index("--parallelism.data_parallel_replicate_degree")]
+    assert [p.split(",") for p in parts] == [list(m) for m in export.modules]
+    assert words[words.index("--parallelism.pipeline_parallel_schedule") + 1] == "ZBVZeroBubble"
+    assert " ".join(words) in formats.torchtitan(export, "c", None)
+    manager = pytest.importorskip("torchtitan.config.manager")  # 0.3.0 installs with --no-deps (+ tyro) on CPU
+    import tyro
+    from torchtitan.config.configs import ParallelismConfig
+
+    manager.ConfigManager()  # registers its parsing rules
+    prefix = "--parallelism."
+    args = ["--" + w[len(prefix):] if w.startswith(prefix) else w
+            for w in words[:words.index("--training.local_batch_size")]]
+    parsed = tyro.cli(ParallelismConfig, args=args, registry=manager.custom_registry)
+    assert parsed.module_fqns_per_model_part == [list(m) for m in export.modules]
+    assert parsed.pipeline_parallel_degree == 4 and parsed.pipeline_parallel_schedule == "ZBVZeroBubble"
+
+
 def test_v_and_looped_chunks_keep_their_pipeline_ranks():
     zbv = exported(plan_of("zbv"), PROFILE, "pipelining")
     assert zbv.stage_ranks == (0, 1, 2, 3, 3, 2, 1, 0)
@@ -275,3 +296,15 @@ def test_the_cli_writes_each_target_and_a_schedule_csv_beside_for_zb(tmp_path):
     lone.write_text((tmp_path / "t.plan.json").read_text())
     result = runner.invoke(cli, ["export-plan", str(lone), "--to", "torchtitan", "-o", str(tmp_path / "x.toml")])
     assert result.exit_code == 2 and "--profile" in result.output and not (tmp_path / "x.toml").exists()
+
+
+def test_names_that_are_no_modules_and_paths_with_newlines_cannot_break_out_of_a_file():
+    profile = titan(2)
+    layers = list(profile.layers)
+    layers[1] = dataclasses.replace(layers[1], name="layers.0\n[parallelism]")
+    bad = dataclasses.replace(profile, layers=tuple(layers))
+    with pytest.raises(PlanError, match="no module's qualified name"):
+        module_units(bad)
+    export = exported(plan_of("flush", 2, profile), profile, "megatron")
+    text = formats.megatron(export, "pd export-plan 'a\nrm -rf x' --to megatron -o f")
+    assert all(line.startswith(("#", "PIPELINE_ARGS=(", "    --", ")")) for line in text.splitlines())

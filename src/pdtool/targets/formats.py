@@ -26,13 +26,22 @@ def header(export: Export, command: str, comment: str) -> list[str]:
              f"pd simulate: what {NAMES[export.target]} runs takes {export.target_ms:.3f} ms per minibatch "
              f"(the plan as pdtool runs it: {export.plan_ms:.3f} ms)"]
     lines += [f"approximated: {note}" for note in export.notes]
-    return [f"{comment} {line}" for line in lines]
+    return [f"{comment} {_one_line(line)}" for line in lines]
+
+
+def _one_line(text: str) -> str:
+    """`text` with its control characters escaped: a comment stays one line (a path given on the command
+    line may hold a newline, and the Megatron file is sourced by bash)."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
 def torchtitan(export: Export, command: str, csv_name: str | None) -> str:
     """The TOML fragment (module docstring)."""
     lines = header(export, command, "#")
-    lines += ["# newer torchtitan names module_fqns_per_model_part pipeline_parallel_module_fqns_per_model_part",
+    lines += ["# torchtitan 0.1-0.2 read this file (--job.config_file); torchtitan 0.3 takes the same settings as "
+              "command-line overrides:", "#   " + " ".join(torchtitan_overrides(export, csv_name)),
+              "# (torchtitan's main branch names module_fqns_per_model_part "
+              "pipeline_parallel_module_fqns_per_model_part)",
               "", "[parallelism]",
               f"pipeline_parallel_degree = {export.pipeline}",
               f"pipeline_parallel_schedule = {_string(export.schedule)}"]
@@ -51,6 +60,23 @@ def torchtitan(export: Export, command: str, csv_name: str | None) -> str:
               "", "[activation_checkpoint]",
               f"mode = {_string('full' if all(export.recompute) else 'none')}", ""]
     return "\n".join(lines)
+
+
+def torchtitan_overrides(export: Export, csv_name: str | None) -> list[str]:
+    """The TOML's settings as torchtitan 0.3's command-line overrides (its tyro parser reads a list of
+    strings as one comma-separated word, a list of lists as one such word per inner list)."""
+    sharded = export.shard == "optimizer" and export.replicas > 1
+    words = ["--parallelism.pipeline_parallel_degree", str(export.pipeline),
+             "--parallelism.pipeline_parallel_schedule", export.schedule]
+    if csv_name:
+        words += ["--parallelism.pipeline_parallel_schedule_csv", shlex.quote(csv_name)]
+    words += ["--parallelism.pipeline_parallel_microbatch_size", str(export.microbatch),
+              "--parallelism.module_fqns_per_model_part", *(",".join(names) for names in export.modules),
+              "--parallelism.data_parallel_replicate_degree", str(1 if sharded else export.replicas),
+              "--parallelism.data_parallel_shard_degree", str(export.replicas if sharded else 1),
+              "--training.local_batch_size", str(export.microbatch * export.microbatches),
+              f"activation_checkpoint:{'full' if all(export.recompute) else 'none'}"]
+    return words
 
 
 def megatron(export: Export, command: str) -> str:

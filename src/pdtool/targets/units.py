@@ -19,6 +19,7 @@ Pure: no torch.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..artifacts.plan import Plan, compact_ranges
@@ -50,10 +51,14 @@ def module_unit(name: str, kind: str, classes: dict[str, str]) -> str | None:
 
 
 def module_units(profile: Profile) -> list[Unit]:
-    """The profile's units for torchtitan and torch.distributed.pipelining, in data-flow order."""
+    """The profile's units for torchtitan and torch.distributed.pipelining, in data-flow order; a
+    name that is no module's qualified name (letters, digits, _ and dots) is one line."""
     found: dict[str, list[int]] = {}
     for layer in profile.layers:
         unit = module_unit(layer.name, layer.kind, profile.classes)
+        if unit is not None and not re.fullmatch(r"[A-Za-z0-9_.]+", unit):
+            raise PlanError(f"layer {layer.id} of the profile is named {layer.name[:60]!r}, which is no module's "
+                            "qualified name (letters, digits, _ and dots): profile the model again with pd profile")
         if unit is not None:
             found.setdefault(unit, []).append(layer.id)
     return [Unit(name, tuple(ids)) for name, ids in found.items()]
