@@ -20,18 +20,22 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineScheduleRuntime, get_schedule_class
 
-from pdtool.targets.torch_stage import stage_module
+from pdtool.targets.torch_stage import check_covered, stage_module
 
 
 def pipeline(exported: dict, model: torch.nn.Module, loss_fn, rank: int, folder: str = "."):
-    """(schedule, this rank's stage modules) for the export's stages on pipeline rank `rank`."""
+    """(schedule, this rank's stage modules) for the export's stages on pipeline rank `rank`; a stage
+    marked `recompute` runs its forward again in the backward (torch's checkpoint_wrapper)."""
+    check_covered(model, [stage["modules"] for stage in exported["stages"]])
     mine = [stage for stage in exported["stages"] if stage["rank"] == rank]
     modules = [stage_module(copy.deepcopy(model), stage["modules"]) for stage in mine]
     total = len(exported["stages"])
-    stages = [PipelineStage(module, stage["index"], total, torch.device("cpu")) for module, stage in zip(modules, mine)]
+    stages = [PipelineStage(checkpoint_wrapper(module) if stage["recompute"] else module, stage["index"], total,
+                            torch.device("cpu")) for module, stage in zip(modules, mine)]
     count = exported["n_microbatches"]
     if exported["schedule_csv"]:  # pdtool's zb / zb2 schedule, as torch's runtime loads a CSV
         schedule = _PipelineScheduleRuntime(stages, n_microbatches=count, loss_fn=loss_fn)

@@ -22,7 +22,7 @@ from pdtool.model.data import synthetic_source
 from pdtool.profiler import profile_model
 from pdtool.runtime.launcher.launch import launch
 from pdtool.runtime.optimizers import build_optimizer
-from pdtool.targets.torch_stage import stage_module
+from pdtool.targets.torch_stage import check_covered, stage_module
 
 pytestmark = pytest.mark.workers
 
@@ -98,3 +98,5 @@ def test_a_name_the_model_does_not_have_is_one_line():
     assert "\n" not in str(caught.value)
     kept = stage_module(initial_model(LLAMA, 0).module, ["layers.1", "norm"])
     assert kept.tok_embeddings is None and kept.output is None and list(kept.layers) == ["1"]
+    with pytest.raises(PdtoolError, match="module 'norm' of the model Transformer is in no stage of the export"):
+        check_covered(bundle.module, [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "output"]])

@@ -82,7 +82,7 @@ def _modules(export):
 
 @pytest.mark.parametrize("mode, schedule", [("flush", "1F1B"), ("gpipe", "GPipe"), ("interleaved", "Interleaved1F1B"),
                                             ("zbv", "ZBVZeroBubble"), ("dualpipev", "DualPipeV"),
-                                            ("zb", "PipelineScheduleSingle")])
+                                            ("zb", "PipelineScheduleMulti")])
 def test_torchtitan_gets_every_module_once_in_order_and_the_schedule_of_the_mode(mode, schedule):
     plan = plan_of(mode)
     export = exported(plan, PROFILE, "torchtitan")
@@ -254,8 +254,10 @@ def test_replicated_sharded_and_partly_recomputing_plans_map_to_each_targets_swi
     assert toml["activation_checkpoint"]["mode"] == "full"  # torchtitan recomputes all or none
     assert any("FSDP" in n for n in titan_export.notes) and any("recomputes every stage" in n
                                                                   for n in titan_export.notes)
+    group = plan.run().group  # every replica's microbatches together (pdtool: microbatch b on replica b mod r)
+    assert toml["training"]["local_batch_size"] == 4 * group // 2  # per data-parallel rank
     megatron = formats.megatron(exported(sharded, PROFILE, "megatron"), "c")
-    assert "--use-distributed-optimizer" in megatron and "--global-batch-size 16" in megatron
+    assert "--use-distributed-optimizer" in megatron and f"--global-batch-size {4 * group}" in megatron
     assert "--recompute-granularity full" in megatron
     record = json.loads(formats.pipelining(exported(sharded, PROFILE, "pipelining"), "c", "p", None, None))
     assert record["data_parallel"] == {"degree": 2, "optimizer": "ZeroRedundancyOptimizer"}
@@ -308,3 +310,43 @@ def test_names_that_are_no_modules_and_paths_with_newlines_cannot_break_out_of_a
     export = exported(plan_of("flush", 2, profile), profile, "megatron")
     text = formats.megatron(export, "pd export-plan 'a\nrm -rf x' --to megatron -o f")
     assert all(line.startswith(("#", "PIPELINE_ARGS=(", "    --", ")")) for line in text.splitlines())
+
+
+def test_data_parallel_plans_give_each_replica_its_share_of_the_group_and_are_priced_as_the_plan():
+    plan = make_plan(PROFILE, parse_cluster("4x10GB/s"), data_parallel=True, mode="flush", group=8)
+    assert [s.replicas for s in plan.stages] == [4]
+    group = plan.run().group
+    export = exported(plan, PROFILE, "torchtitan")
+    assert export.microbatches * 4 == group and export.pipeline == 1 and not export.notes
+    assert export.target_ms == pytest.approx(simulate(plan, mode="flush", group=group).time_per_minibatch_ms)
+    assert f"--global-batch-size {4 * group}" in formats.megatron(exported(plan, PROFILE, "megatron"), "c")
+
+
+def test_what_the_targets_cannot_cut_is_refused_in_one_line():
+    mlp = Profile.load(str(Path(__file__).resolve().parents[2] / "profiles" / "mlp.profile.json"))
+    plan = make_plan(mlp, parse_cluster("2x10GB/s"), straight=True, mode="flush")
+    with pytest.raises(PlanError, match="top level is a sequence of numbered modules"):
+        exported(plan, mlp, "torchtitan")
+    resnet = Profile.load(str(Path(__file__).resolve().parents[2] / "profiles" / "resnet50-small.profile.json"))
+    plan = make_plan(resnet, parse_cluster("2x10GB/s"), straight=True, mode="flush")
+    with pytest.raises(PlanError, match="besides the transformer layers"):
+        exported(plan, resnet, "megatron")
+    assert module_unit("features.3", "Conv2d", {"features": "Sequential"}) == "features"  # torchtitan keeps it whole
+
+
+def test_a_tie_inside_one_stage_keeps_megatrons_embedding_tied_and_uneven_counts_need_a_layer_at_each_end():
+    profile = dataclasses.replace(titan(4), shared=(("output.weight", (0, 5)),))
+    plan = plan_of("flush", 2, profile)
+    if not plan.shared:  # the tie lies inside one stage: not the plan's, but the model's
+        assert "--untie" not in formats.megatron(exported(plan, profile, "megatron"), "c")
+    from pdtool.targets.formats import _first_last
+    from pdtool.targets.units import MegatronStage
+    only_e = [MegatronStage(True, (), False), MegatronStage(False, (0, 1), False), MegatronStage(False, (2, 3), False),
+              MegatronStage(False, (4,), True)]
+    assert _first_last(only_e, 1) is None
+
+
+def test_a_v_plan_whose_group_megatron_cannot_run_is_rounded_up_and_said():
+    plan = make_chunked_plan(PROFILE, parse_cluster("4x10GB/s"), chunks=2, mode="zbv", group=6)
+    export = exported(plan, PROFILE, "megatron")
+    assert export.microbatches == 8 and any("multiples of the 4 pipeline ranks" in n for n in export.notes)

@@ -182,3 +182,10 @@ def test_chunks_are_planned_where_data_parallelism_does_not_fit():
     one stage on every worker is over the limit, still gets its ZB-V plan, which says by how much."""
     plan = make_chunked_plan(shipped("gpt"), parse_cluster("8x10GB/s", memory="2GiB"), chunks=2, mode="zbv")
     assert len(plan.stages) == 16 and plan.predicted.data_parallel_over_bytes > 0
+
+
+def test_a_search_whose_families_the_layers_cannot_fill_says_why_in_one_line():
+    """A 7-layer model on 4 workers: zbv needs 8 stages (was a ValueError from max() of nothing)."""
+    from pdtool.planner.search import Family, common_group
+
+    assert common_group([Family("zbv", 2)], 4, 7) == 8

@@ -44,7 +44,8 @@ def export_plan(plan_path, target, output, profile_path):
 
     check_writable(output, (plan_path,) + ((profile_path,) if profile_path else ()))
     plan = Plan.load(plan_path)
-    _, profile = _plan_profile(plan_path, plan, profile_path, needed=True)
+    _, profile = _plan_profile(plan_path, plan, profile_path, needed=True, purpose="pd export-plan needs the layer "
+                               "names of")
     export = exported(plan, profile, target)
     command = shlex.join(["pd", "export-plan"] + sys.argv[2:]) if sys.argv[1:2] == ["export-plan"] else \
         f"pd export-plan {plan_path} --to {target} -o {output}"
@@ -57,16 +58,16 @@ def export_plan(plan_path, target, output, profile_path):
         csv_name = os.path.basename(csv_path)
         check_writable(csv_path, (plan_path,))
     if target == "torchtitan":
-        text = formats.torchtitan(export, command, csv_name)
+        text = formats.torchtitan(export, command, csv_path)  # torchtitan reads it from where it runs
     elif target == "megatron":
         text = formats.megatron(export, command)
     else:
         text = formats.pipelining(export, command, os.path.basename(plan_path), plan.profile.model, csv_name)
+    write_text_atomic(output, text)
     if csv_path:
         schedule = generate(export.mode, tuple(1 for _ in plan.stages), export.microbatches, export.microbatches,
                             placement=plan.placement)
         write_text_atomic(csv_path, to_csv(schedule))
-    write_text_atomic(output, text)
     for note in export.notes:
         click.echo(f"pd: approximated: {note}", err=True)
     where = "stdout" if output == "-" else output

@@ -48,7 +48,8 @@ def show(artifact, top, picture, layers, profile_path):
     click.echo(profile_table(Profile.from_json(data, artifact), top), nl=False)
 
 
-def _plan_profile(plan_path: str, plan, profile_path: str | None, needed: bool):
+def _plan_profile(plan_path: str, plan, profile_path: str | None, needed: bool,
+                  purpose: str = "--render needs the layer graph of"):
     """The plan's profile (given, or found by its sha256), checked against the plan; None when
     not `needed` and not found. Raises a usage error naming what to pass when needed and missing."""
     from ..artifacts.plan import check_against_profile, find_profile
@@ -57,7 +58,7 @@ def _plan_profile(plan_path: str, plan, profile_path: str | None, needed: bool):
     source = profile_path or find_profile(plan_path, plan)
     if source is None:
         if needed:
-            raise click.UsageError(f"--render needs the layer graph of {plan_path}: no profile with its sha256 "
+            raise click.UsageError(f"{purpose} {plan_path}: no profile with its sha256 "
                                    f"({plan.profile.sha256[:12]}...) beside it or here; give --profile PROFILE.json "
                                    f"(the plan was made by: {plan.command or 'an unknown command'})")
         return None, None

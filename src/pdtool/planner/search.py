@@ -83,7 +83,8 @@ def families(modes: Sequence[str], virtual: int | None) -> list[Family]:
 def common_group(found: Sequence[Family], workers: int, layers: int) -> int:
     """The group every family is compared at when none is asked: the largest default (v x p stages)
     of the families whose stages the layers can fill."""
-    return max(f.chunks * workers for f in found if f.chunks == 1 or f.chunks * workers <= layers)
+    fill = [f.chunks * workers for f in found if f.chunks == 1 or f.chunks * workers <= layers]
+    return max(fill) if fill else max(f.chunks * workers for f in found)  # none fits: each says why
 
 
 def search(profile: Profile, cluster: Cluster, *, modes: Sequence[str], virtual: int | None, group: int | None,

@@ -55,11 +55,12 @@ class Export:
     megatron: tuple[MegatronStage, ...]   # each stage in Megatron's layout words (megatron)
     decoder: str                     # the container of the transformer layers (megatron)
     microbatch: int                  # samples per microbatch (the profile's batch)
-    microbatches: int                # microbatches per optimizer step
+    microbatches: int                # microbatches per optimizer step of each pipeline replica (torch's n_microbatches)
     replicas: int                    # data-parallel degree of every stage
     shard: str                       # "none" or "optimizer"
     recompute: tuple[bool, ...]      # per stage, as the target runs it
     shared: tuple[str, ...]          # parameters tied across stages
+    tied: bool                       # the model ties parameters (across stages or inside one)
     notes: tuple[str, ...]           # one line per approximation
     target_ms: float                 # pd simulate's time per minibatch of what the target runs
     plan_ms: float                   # ... of the plan as pdtool runs it
@@ -77,29 +78,20 @@ def exported(plan: Plan, profile: Profile, target: str) -> Export:
     replicas = _replicas(plan, name)
     notes: list[str] = []
     mode = _mode(plan, target, notes)
-    variant = plan if mode == plan.mode else _placed(plan, mode)
+    variant = _placed(plan, mode)
     shard = _shard(plan, target, notes)
     recompute = _recompute(plan, target, notes)
     if recompute != tuple(s.recompute for s in plan.stages):
         variant = dataclasses.replace(variant, stages=tuple(
             dataclasses.replace(s, recompute=r) for s, r in zip(variant.stages, recompute)))
     shared = tuple(name for name, _ in plan.shared)
+    tied = bool(shared or profile.shared)
     if shared and target != "megatron":
         raise PlanError(f"parameter {shared[0]!r} is shared by stages {', '.join(map(str, plan.shared[0][1]))}: "
                         f"{name} keeps each stage's parameters its own, so it would train two copies; untie it in the "
                         "model, or export --to megatron (which ties the embedding and the output layer)")
-    run = variant.run(mode)
-    group = run.group
-    try:
-        target_ms = _simulated(variant, mode, group)
-    except ScheduleError:
-        if not rules(mode).group_multiple:
-            raise
-        pipeline = len(set(variant.placement))
-        group = -(-group // pipeline) * pipeline
-        notes.append(f"{name}'s {mode} schedule needs microbatches in multiples of the {pipeline} pipeline ranks: "
-                     f"exported {group} a step instead of {run.group}")
-        target_ms = _simulated(variant, mode, group)
+    microbatches = _microbatches(plan, variant, mode, replicas, name, notes)
+    target_ms = _simulated(variant, mode, microbatches * replicas)
     modules: list[list[str]] = []
     megatron: list[MegatronStage] = []
     decoder = ""
@@ -109,12 +101,29 @@ def exported(plan: Plan, profile: Profile, target: str) -> Export:
         modules = stage_modules(plan, profile, name)
     placement = variant.placement or tuple(range(len(plan.stages)))
     return Export(
-        target=target, mode=mode, schedule=_schedule(mode, target, len(set(placement)) < len(placement)),
+        target=target, mode=mode, schedule=_schedule(mode, target),
         csv=target != "megatron" and mode in CSV_MODES, pipeline=len(set(placement)), stage_ranks=placement,
         modules=tuple(tuple(m) for m in modules), megatron=tuple(megatron), decoder=decoder,
-        microbatch=plan.profile.batch_size, microbatches=group, replicas=replicas, shard=shard,
-        recompute=recompute, shared=shared, notes=tuple(notes), target_ms=target_ms,
+        microbatch=plan.profile.batch_size, microbatches=microbatches, replicas=replicas, shard=shard,
+        recompute=recompute, shared=shared, tied=tied, notes=tuple(notes), target_ms=target_ms,
         plan_ms=plan.predicted.simulated_ms or _simulated(plan, plan.mode, plan.run().group))
+
+
+def _microbatches(plan: Plan, variant: Plan, mode: str, replicas: int, name: str, notes: list[str]) -> int:
+    """Microbatches per step of each pipeline replica: the plan's group (every replica's together:
+    pdtool sends microbatch b to replica b mod r) over the replicas, rounded up where it does not
+    divide or where the target's schedule needs a multiple of the pipeline ranks (said in `notes`)."""
+    group = plan.run().group
+    count = -(-group // replicas)
+    pipeline = len(set(variant.placement)) if variant.placement else len(plan.stages)
+    if rules(mode).group_multiple and count % pipeline:
+        count = -(-count // pipeline) * pipeline
+        notes.append(f"{name}'s {mode} schedule needs microbatches in multiples of the {pipeline} pipeline ranks: "
+                     f"exported {count} a step per pipeline instead of {group / replicas:g}")
+    elif count * replicas != group:
+        notes.append(f"the plan's {group} microbatches a step do not divide over its {replicas} replicas: exported "
+                     f"{count} per replica ({count * replicas} a step)")
+    return count
 
 
 def _replicas(plan: Plan, name: str) -> int:
@@ -148,15 +157,15 @@ def _mode(plan: Plan, target: str, notes: list[str]) -> str:
 
 
 def _placed(plan: Plan, mode: str) -> Plan:
-    """The plan's stages run in `mode`: a V placement re-placed looped for interleaved; otherwise
-    the same ranks."""
+    """The plan's stages run in `mode` (a V placement re-placed looped for interleaved; otherwise
+    the same ranks), without its recorded group: the target's is priced explicitly."""
     placement = plan.placement
     if rules(mode).placement == "looped" and placement and rules(plan.mode).placement != "looped":
         workers = len(set(placement))
         first = [plan.stages[placement.index(w)].ranks for w in range(workers)]
         stages = tuple(dataclasses.replace(s, ranks=first[i % workers]) for i, s in enumerate(plan.stages))
-        return dataclasses.replace(plan, mode=mode, stages=stages)
-    return dataclasses.replace(plan, mode=mode)
+        return dataclasses.replace(plan, mode=mode, stages=stages, group=None)
+    return dataclasses.replace(plan, mode=mode, group=None)
 
 
 def _shard(plan: Plan, target: str, notes: list[str]) -> str:
@@ -179,11 +188,11 @@ def _recompute(plan: Plan, target: str, notes: list[str]) -> tuple[bool, ...]:
     return tuple(True for _ in flags)
 
 
-def _schedule(mode: str, target: str, chunked: bool) -> str:
+def _schedule(mode: str, target: str) -> str:
     if target == "megatron":
         return "interleaved 1F1B" if mode == "interleaved" else "1F1B"
     if mode in CSV_MODES:
-        return "PipelineScheduleMulti" if chunked else "PipelineScheduleSingle"
+        return "PipelineScheduleMulti"  # torchtitan then builds _PipelineScheduleRuntime and loads the CSV
     return TORCH_SCHEDULES[mode]
 
 

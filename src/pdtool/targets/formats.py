@@ -55,7 +55,7 @@ def torchtitan(export: Export, command: str, csv_name: str | None) -> str:
     lines += [f"data_parallel_replicate_degree = {1 if sharded else export.replicas}",
               f"data_parallel_shard_degree = {export.replicas if sharded else 1}",
               "", "[training]",
-              f"local_batch_size = {export.microbatch * export.microbatches}  "
+              f"local_batch_size = {export.microbatch * export.microbatches}  "  # per data-parallel rank
               f"# {export.microbatches} microbatches of {export.microbatch}",
               "", "[activation_checkpoint]",
               f"mode = {_string('full' if all(export.recompute) else 'none')}", ""]
@@ -88,13 +88,13 @@ def megatron(export: Export, command: str) -> str:
                  ("--pipeline-model-parallel-layout", layout),
                  ("--num-layers", layers),
                  ("--micro-batch-size", export.microbatch),
-                 ("--global-batch-size", export.microbatch * export.microbatches * export.replicas)]
+                 ("--global-batch-size", export.microbatch * export.microbatches * export.replicas)]  # all replicas
     if export.shard == "optimizer":
         arguments.append(("--use-distributed-optimizer", None))
     if all(export.recompute):
         arguments += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
                       ("--recompute-num-layers", 1)]
-    if not export.shared:
+    if not export.tied:
         arguments.append(("--untie-embeddings-and-output-weights", None))
     lines = header(export, command, "#")
     lines.append(f"# {export.pipeline} pipeline ranks x {export.replicas} data-parallel "
@@ -164,7 +164,8 @@ def _first_last(stages, chunks: int) -> tuple[int, int] | None:
     if chunks != 1 or len(stages) < 3:
         return None
     middle = {len(s.blocks) for s in stages[1:-1]}
-    if len(middle) != 1 or not stages[0].embedding or not stages[-1].loss or \
-            any(s.embedding or s.loss for s in stages[1:-1]) or stages[0].loss or stages[-1].embedding:
+    if len(middle) != 1 or not stages[0].embedding or not stages[-1].loss or not stages[0].blocks or \
+            not stages[-1].blocks or any(s.embedding or s.loss for s in stages[1:-1]) or stages[0].loss or \
+            stages[-1].embedding:  # Megatron wants at least one layer on the first and the last stage
         return None
     return len(stages[0].blocks), len(stages[-1].blocks)

@@ -3,8 +3,9 @@
 torchtitan and torch.distributed.pipelining build a stage from a copy of the model with the
 modules of other stages removed, so they cut between **units**: a top-level child of the model
 (`tok_embeddings`, `norm`, `output`), or an entry of a top-level container (`layers.4` of an
-`nn.ModuleDict`, `nn.ModuleList` or `nn.Sequential`, known from the profile's `classes`, or a
-numbered name where the profile does not record classes). Megatron-Core cuts between the kinds
+`nn.ModuleDict` or `nn.ModuleList`, known from the profile's `classes`, or a numbered name where
+the profile does not record classes). A model whose top level is itself a sequence of numbered
+modules (an `nn.Sequential`) has no such names: refused. Megatron-Core cuts between the kinds
 of its layout string: `E` (everything before the first transformer layer), `t` (one block of the
 model's repeated blocks: the container with the most numbered entries, `layers.4`,
 `model.layers.4`, `decoder.layers.4`) and `L` (everything after the last).
@@ -26,8 +27,9 @@ from ..artifacts.plan import Plan, compact_ranges
 from ..artifacts.profile import Profile
 from ..errors import PlanError
 
-CONTAINERS = ("ModuleDict", "ModuleList", "Sequential")
-"""Module classes whose entries torchtitan's stage builder keeps or deletes one by one."""
+CONTAINERS = ("ModuleDict", "ModuleList")
+"""Module classes whose entries torchtitan's stage builder keeps or deletes one by one (an
+`nn.Sequential` it keeps or removes whole: its forward would call a removed entry)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,12 @@ def stage_modules(plan: Plan, profile: Profile, target: str) -> list[list[str]]:
     """Each stage's module names in data-flow order (stages in the plan's order: a multi-chunk plan
     lists its chunks in model order, as torchtitan's `module_fqns_per_model_part` does)."""
     units = module_units(profile)
+    numbered = [unit.name for unit in units if unit.name.split(".")[0].isdigit()]
+    if numbered:
+        raise PlanError(f"the profiled model's top level is a sequence of numbered modules ({numbered[0]}, ...: an "
+                        f"nn.Sequential), whose forward calls every one: {target} builds a stage by removing the "
+                        "modules of other stages from a model whose forward skips them; write the model with named "
+                        "top-level modules and a forward that skips a removed one (as pdtool.zoo:llama)")
     return _per_stage(plan, profile, units, target)
 
 
@@ -157,6 +165,11 @@ def megatron_stages(plan: Plan, profile: Profile) -> tuple[list[MegatronStage], 
     owner = {layer: index for index, stage in enumerate(plan.stages) for layer in stage.layers}
     first = min(i for i, k in enumerate(keys) if k[1] == decoder)
     last = max(i for i, k in enumerate(keys) if k[1] == decoder)
+    others = sorted({k[1] for k in keys if k[1] not in (None, decoder)})
+    if others:
+        raise PlanError(f"the profiled model has numbered blocks in {others[0]} besides the transformer layers of "
+                        f"{decoder}: Megatron-Core's layout holds one stack of transformer layers between the "
+                        "embedding and the loss; export it --to torchtitan or --to pipelining")
     strays = [profile.layers[i].name for i in range(first, last + 1) if keys[i][1] != decoder]
     if strays:
         raise PlanError(f"layer {strays[0]} lies between the transformer layers of {decoder} but is none of them: "
