@@ -416,7 +416,7 @@ def test_a_plan_without_a_replicated_stage_inside_its_pipeline_names_the_best_on
     hybrid = plan.predicted.hybrid
     assert hybrid and "replicas 1x2x1" in hybrid and "ms per minibatch simulated" in hybrid
     simulated = float(hybrid.split(": ")[1].split(" ms")[0])
-    assert simulated >= plan.predicted.simulated_ms  # it lost in simulation
+    assert simulated >= plan.predicted.simulated_ms - 5e-4  # it lost in simulation (printed to 3 decimals)
     assert f"hybrid       the fastest candidate with a replicated stage inside a pipeline: {hybrid}" in plan_table(plan)
     again = Plan.from_json(json.loads(canonical_json(plan.to_json())), "p.json")
     assert again.predicted.hybrid == hybrid

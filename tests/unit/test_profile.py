@@ -52,7 +52,7 @@ def test_layers_that_do_not_add_up_to_the_step_are_explained():
     assert make_profile(step_ms=30.0).sum_gap() is None  # exact
     high = make_profile().sum_gap()  # 30 ms of layers over a 25 ms step
     assert high.startswith("the layers' times add up to 1.20x the measured step") and "5.0 ms more" in high
-    assert "l3 (12.0 ms), l2 (9.0 ms), l1 (6.0 ms)" in high and "predictions run high" in high
+    assert "l3 (12.0 ms), l2 (9.0 ms), l1 (6.0 ms)" in high and "pd plan scales them down to the step" in high
     low = make_profile(step_ms=50.0).sum_gap()
     assert low.startswith("the layers' times add up to 0.60 of the measured step: 20.0 ms of each step (40%) is in "
                           "no layer")

@@ -203,6 +203,16 @@ class Profile(Artifact):
         """How the per-layer model compares with a measured whole step (1.0 = exact)."""
         return self.layer_sum_ms / self.step_ms if self.step_ms > 0 and self.measured == "step" else None
 
+    @property
+    def compute_scale(self) -> float:
+        """What the planner multiplies the layers' times by: the measured step over their sum where
+        they add up to more than it (timed one at a time, each layer pays the fixed costs of a call
+        that a whole step pays once: on the small convolutions of bench/real_links.py the sum ran
+        1.07-1.12x the step, and the trained pipelines 0.85-0.90x their prediction), else 1 (what
+        is in no layer, the loss and the operations between layers, is left out, as before)."""
+        ratio = self.layer_sum_over_step
+        return 1.0 / ratio if ratio is not None and ratio > 1.0 else 1.0
+
     def sum_gap(self) -> str | None:
         """Where the layers' times do not add up to the measured step (outside `SUM_BAND`), what
         that means for the plan, as one sentence; None when they do (or no step was timed)."""
@@ -216,8 +226,8 @@ class Profile(Artifact):
                     "stage times and predictions leave it out".format(1 - ratio))
         heaviest = sorted(self.layers, key=lambda layer: -layer.total_ms)[:3]
         return (f"the layers' times add up to {ratio:.2f}x the measured step: timed one at a time they took "
-                f"{gap:.1f} ms more than inside it, so predictions run high; the heaviest, which weigh most in the "
-                f"plan: " + ", ".join(f"{layer.name} ({layer.total_ms:.1f} ms)" for layer in heaviest)
+                f"{gap:.1f} ms more than inside it (pd plan scales them down to the step, but which layers took the "
+                f"extra is not known); the heaviest, which weigh most in the plan: " + ", ".join(f"{layer.name} ({layer.total_ms:.1f} ms)" for layer in heaviest)
                 + "; profile again on a quiet machine or with more --repeats")
 
     @property

@@ -88,10 +88,12 @@ class ChainCosts:
 
     @classmethod
     def from_profile(cls, profile: Profile) -> "ChainCosts":
-        return cls.from_layers(np.array([l.total_ms * SECONDS_PER_MS for l in profile.layers], dtype=float),
+        """The profile's costs, its layers' times scaled to its measured step (`Profile.compute_scale`)."""
+        scale = profile.compute_scale * SECONDS_PER_MS
+        return cls.from_layers(np.array([l.total_ms * scale for l in profile.layers], dtype=float),
                                np.array([l.param_bytes for l in profile.layers], dtype=float),
                                np.array([l.act_bytes for l in profile.layers], dtype=float), profile.edges,
-                               forward=np.array([l.fwd_ms * SECONDS_PER_MS for l in profile.layers], dtype=float),
+                               forward=np.array([l.fwd_ms * scale for l in profile.layers], dtype=float),
                                stash=np.array([l.act_bytes if l.saved_bytes is None else l.saved_bytes
                                                for l in profile.layers], dtype=float))
 

@@ -498,13 +498,15 @@ def _leaf(stage: PipelineStage, *, terms: dict, outer: int, ranks: list[int], pr
                        cut=(float(solver.states.cut[a]), float(solver.states.cut[b])), largest=largest, sharing=sharing)
     params = sum(l.param_bytes for l in layers)
     share = params / total_params if total_params else 0.0
+    scale = profile.compute_scale  # the layers' times scaled to the measured step, as in `costs`
     return PlanStage(layers=stage.layers, first_name=layers[0].name, last_name=layers[-1].name, ranks=tuple(ranks),
-                     in_flight=k, fwd_ms=sum(l.fwd_ms for l in layers), bwd_ms=sum(l.bwd_ms for l in layers),
+                     in_flight=k, fwd_ms=scale * sum(l.fwd_ms for l in layers),
+                     bwd_ms=scale * sum(l.bwd_ms for l in layers),
                      param_bytes=params, in_bytes=int(solver.states.cut[a]), out_bytes=int(solver.states.cut[b]),
                      activation_bytes=int(solver.stashed[a, b]), **_term_ms(terms, outer),
                      memory_bytes=int(round(need)), update_ms=profile.update_ms * share, largest_layer_bytes=largest,
                      data_ms=profile.data_ms if not earlier else 0.0,
-                     wgrad_ms=sum(l.weight_gradient_ms for l in layers), reduce_ms=profile.reduce_ms * share,
+                     wgrad_ms=scale * sum(l.weight_gradient_ms for l in layers), reduce_ms=profile.reduce_ms * share,
                      recompute=stage.recompute, shard="optimizer" if sharing > 1 else "none")
 
 
