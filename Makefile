@@ -17,11 +17,9 @@ OUT ?= out
 
 install: $(STAMP)
 
-# --no-compile: pip would byte-compile all of torch and transformers (26 of the install's 55 s here); Python
-# compiles what is imported on first use instead (3 s once).
 $(STAMP): setup.cfg pyproject.toml Makefile  # Makefile: the extras it installs
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e '.[test,hf,plot]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,hf,plot]'
 	touch $@
 
 # Rendering falls back to .dot files with a warning when `dot` is missing, so failing here is not fatal.

@@ -40,6 +40,13 @@ def test_a_recorded_error_wins_over_the_peer_it_killed_even_a_second_later(tmp_p
     assert line.startswith("worker rank 1 failed: rank 1 waited 5 s for rank 0") and "exit code" not in line
 
 
+def test_a_worker_killed_from_outside_wins_over_a_peer_that_exited_without_a_word_first(tmp_path):
+    """SIGKILL of rank 1 on a busy machine: rank 0 saw its peer go and exited 1, a second earlier by the clock."""
+    failure = Failure({0: _info(tmp_path, 0, None, 100, 1), 1: _info(tmp_path, 1, None, 101, -9)})
+    line, raised = _explain(failure)
+    assert line.startswith("worker rank 1 failed: exit code -9 (SIGKILL)") and not raised
+
+
 def test_the_transports_words_for_a_lost_peer_become_pdtools(tmp_path):
     gloo = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:29500: "
             "Connection reset by peer GLHF!")

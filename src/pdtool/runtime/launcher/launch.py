@@ -300,8 +300,11 @@ def _explain(failure, logs: str | None = None) -> tuple[str, bool]:
 
 
 def _first(failures: dict, messages: dict) -> int:
-    """The rank whose failure `_explain` reports."""
-    return min(failures, key=lambda r: (echoes_a_peer(messages[r]), not messages[r], failures[r].timestamp, r))
+    """The rank whose failure `_explain` reports; among those that recorded no error, one a signal
+    ended (killed from outside: the cause) before one that exited on its own (its peer went away: a
+    consequence, which a slow machine may see end first)."""
+    return min(failures, key=lambda r: (echoes_a_peer(messages[r]), not messages[r],
+                                        not messages[r] and failures[r].exitcode >= 0, failures[r].timestamp, r))
 
 
 def _callstack(failure, logs: str | None = None) -> str:
