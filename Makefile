@@ -19,7 +19,10 @@ install: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml Makefile  # Makefile: the extras it installs
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,hf,plot]'
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e '.[test,hf,plot]'
+	# pip byte-compiles on one core; compileall on every core (14 s less on 2 cores). A file that does not compile
+	# (pip skips those too) only imports slower, so its status is ignored.
+	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	touch $@
 
 # Rendering falls back to .dot files with a warning when `dot` is missing, so failing here is not fatal.
