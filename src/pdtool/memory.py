@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 OPTIMIZER_SLOTS = {"sgd": 1, "adam": 2, "adamw": 2}  # buffers per parameter: SGD's momentum; Adam's two moments
 COMPUTE_COPY = {"fp32": 0.0, "bf16": 0.5, "fp16": 0.5}  # bytes of autocast's weight copy per fp32 weight byte
+GRADIENT_BUCKET_BYTES = 4 * 2 ** 20
+"""`--shard gradients`: the gradients a bucket reduces at once (`runtime.worker.gradient_shard`;
+a larger parameter is a bucket of its own)."""
 
 
 def step_temporaries(optimizer_slots: int, weight_decay: bool = False, decoupled: bool = True) -> float:
@@ -37,18 +40,20 @@ def step_temporaries(optimizer_slots: int, weight_decay: bool = False, decoupled
 
 def memory_model(limit: float | None, optimizer_slots: int, precision: str, mode: str | None = None,
                  weight_decay: bool = False, decoupled: bool = True, rings: bool = True,
-                 shard: bool = False) -> "Memory":
+                 shard: str = "none") -> "Memory":
     """The memory model of a run: `limit` bytes per worker (None: no limit), the optimizer's state
     and step temporaries, autocast's weight copies in `precision`, and what `mode` keeps (its
     weight versions; whether a worker accumulates gradients over a group); `rings`: whether
     messages travel through shared-memory rings (copied out of them) or, False, over a process
-    group (a received activation is the stashed input itself); `shard`: the planner shards the
-    optimizer state of replicated stages (`pd plan --shard optimizer`)."""
+    group (a received activation is the stashed input itself); `shard`: what the planner's
+    replicated stages shard (`pd plan --shard optimizer|gradients`; `auto` decides per stage:
+    none here)."""
     rows = rules(mode or DEFAULT)
     return Memory(limit=float("inf") if limit is None else float(limit), optimizer_slots=optimizer_slots,
                   copies=COMPUTE_COPY[precision], versions_kept=rows.versions_kept,
                   step_temporaries=step_temporaries(optimizer_slots, weight_decay, decoupled),
-                  accumulates=rows.steps == GROUP, rings=rings, shard=shard)
+                  accumulates=rows.steps == GROUP, rings=rings, shard=shard if shard != "auto" else "none",
+                  splits=rows.split)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +68,8 @@ class Memory:
     step_temporaries: float = 0.0  # the optimizer step's temporaries, x the largest layer's parameters
     accumulates: bool = False      # the mode adds several backwards' gradients before a step (GROUP modes)
     rings: bool = True             # messages are copied out of shared-memory rings (False: a process group's)
-    shard: bool = False            # the planner shards a replicated stage's optimizer state among its replicas
+    shard: str = "none"            # what the planner's replicated stages shard among their replicas (PlanStage.shard)
+    splits: bool = False           # the mode splits its backward (B, then W computes the weight gradients at once)
 
     @staticmethod
     def in_flight(workers: int, before: int, replicas: int) -> int:
@@ -72,17 +78,17 @@ class Memory:
 
     def need(self, params: np.ndarray | float, stashed: np.ndarray | float, in_flight: int, versions: int | None = None,
              recompute: np.ndarray | float | None = None, cut: tuple | None = None, largest: np.ndarray | float = 0.0,
-             sharing: int = 1):
+             sharing: int = 1, shard: str | None = None):
         """Bytes one worker needs: weight versions (under 1F1B as many as minibatches in flight),
         gradient and optimizer state, stashed activations, messages and temporaries (the sum of `terms`)."""
-        return sum(self.terms(params, stashed, in_flight, versions, recompute, cut, largest, sharing).values())
+        return sum(self.terms(params, stashed, in_flight, versions, recompute, cut, largest, sharing, shard).values())
 
     def sharing(self, replicas: int) -> int:
-        """The replicas that share a stage's optimizer state in the planner's plans."""
-        return replicas if self.shard else 1
+        """The replicas that share a stage's state in the planner's plans."""
+        return replicas if self.shard != "none" else 1
 
     def terms(self, params, stashed, in_flight: int, versions: int | None = None, recompute=None,
-              cut: tuple | None = None, largest=0.0, sharing: int = 1) -> dict:
+              cut: tuple | None = None, largest=0.0, sharing: int = 1, shard: str | None = None) -> dict:
         """`need` by term: `weights` (its fp32 versions: the master weights), `gradients`,
         `optimizer` (its state), `activations` (what the minibatches in flight stash), `messages`
         (see below) and, in mixed precision, `compute copies` (the bf16/fp16 weights autocast
@@ -110,12 +116,21 @@ class Memory:
 
         `sharing`: the replicas that shard the optimizer state among themselves (`--shard
         optimizer`, `runtime.worker.optimizer_shard`): each keeps 1/sharing of it (the weights are
-        gathered in place: nothing more)."""
+        gathered in place: nothing more). `shard` (default: the model's `shard`) `gradients`
+        (`runtime.worker.gradient_shard`): each also keeps 1/sharing of the gradients, and while a
+        backward runs the gradients of the bucket being filled and the bucket's buffer, two
+        buckets of `GRADIENT_BUCKET_BYTES` or the largest layer; where the mode `splits` its
+        backward, its W makes the stage's gradients at once: the whole gradient instead."""
         if versions is None:
             versions = in_flight if self.versions_kept is None else np.minimum(in_flight, self.versions_kept)
         held = in_flight if recompute is None else 1
         activations = in_flight * stashed if recompute is None else (in_flight - 1) * recompute + stashed
-        terms = {"weights": params * versions, "gradients": params,
+        if (shard or self.shard) == "gradients" and sharing > 1:
+            transient = params if self.splits else 2 * np.minimum(params, np.maximum(GRADIENT_BUCKET_BYTES, largest))
+            gradients = params / sharing + transient
+        else:
+            gradients = params
+        terms = {"weights": params * versions, "gradients": gradients,
                  "optimizer": params * self.optimizer_slots / sharing, "activations": activations}
         if cut is not None:
             received, sent = cut
@@ -156,4 +171,4 @@ class Memory:
         """`terms` of a worker of plan stage `stage` (recomputing as the plan says)."""
         return self.terms(stage.param_bytes, stage.activation_bytes, in_flight, versions,
                           stage.in_bytes if stage.recompute else None, (stage.in_bytes, stage.out_bytes),
-                          stage.largest_layer_bytes, stage.replicas if stage.shard != "none" else 1)
+                          stage.largest_layer_bytes, stage.replicas if stage.shard != "none" else 1, stage.shard)

@@ -1,8 +1,10 @@
-"""`--shard optimizer` (issue 38): a replicated stage's replicas each keep the optimizer state of
-their slice of the stage (ZeRO stage 1) and end with the weights of the unsharded run, bit for bit,
-with the recipe (AdamW, weight decay, clipping by the global norm), in a synchronous and an
-asynchronous mode, inside a pipeline and in pure data parallelism; checkpoints keep the unsharded
-layout, so a run resumes across --shard both ways."""
+"""`--shard optimizer` and `--shard gradients` (issue 38): a replicated stage's replicas each keep
+the optimizer state of their slice of the stage (ZeRO stage 1), and with `gradients` their slice
+of the summed gradients, reduced after every backward (ZeRO stage 2). They end with the weights of
+the unsharded run (`optimizer`: bit for bit; `gradients`: within fp32's rounding, its sums add in
+another order) with the recipe (AdamW, weight decay, clipping by the global norm), in a
+synchronous and an asynchronous mode, inside a pipeline and in pure data parallelism; checkpoints
+keep the unsharded layout, so a run resumes across --shard both ways."""
 import dataclasses
 
 import pytest
@@ -33,6 +35,8 @@ def _weights_of_every_replica(reports):
 ])
 def test_a_sharded_optimizer_ends_with_the_unsharded_weights_bit_for_bit(tmp_path, mode, split, precision):
     plan, path = plan_with(tmp_path, split, mode=mode)
+    # the modes' default groups: 1 in data parallelism and 3 for zb's (1, 2), so with sharded gradients a replica runs
+    # fewer backwards than the other before some steps and reduces empty ones (zeros) to meet it
     config = config_for(path, steps=4, optimizer=RECIPE, precision=precision)
     plain = launch(config, len(plan.used_ranks))
     shard = launch(dataclasses.replace(config, shard="optimizer"), len(plan.used_ranks))
@@ -52,7 +56,21 @@ def test_a_sharded_optimizer_ends_with_the_unsharded_weights_bit_for_bit(tmp_pat
     plain_state = next(r.memory["optimizer"] for r in plain.values() if r.stage == replicated)
     shard_state = [r.memory["optimizer"] for r in shard.values() if r.stage == replicated]
     assert all(0.4 * plain_state <= s <= 0.6 * plain_state for s in shard_state), (plain_state, shard_state)
-    # and the unsharded run differs from a run without clipping: the comparison above could fail
+    # sharded gradients: each replica's slice reduced after every backward, the weights of the unsharded run within
+    # fp32's rounding (bf16's autocast and fp16's scaling round in the same places), the same steps skipped
+    grads = launch(dataclasses.replace(config, shard="gradients"), len(plan.used_ranks))
+    grad_losses, grad_weights = merged(grads)
+    assert grad_losses == pytest.approx(losses, rel=1e-5)
+    for name, value in weights.items():
+        torch.testing.assert_close(grad_weights[name], value, rtol=1e-5, atol=1e-6)
+    every = _weights_of_every_replica(grads)
+    for (stage, replica), held in every.items():
+        for name, value in held.items():
+            assert torch.equal(value, every[(stage, 0)][name])
+    for report in grads.values():  # fp16's skipped steps as unsharded
+        unsharded = next(r for r in plain.values() if r.rank == report.rank)
+        assert [e[-1] for e in report.step_log] == [e[-1] for e in unsharded.step_log]
+    # and the unsharded run differs from a run without clipping: the comparisons above could fail
     assert losses != merged(launch(dataclasses.replace(
         config, optimizer=dataclasses.replace(RECIPE, clip_grad_norm=None)), len(plan.used_ranks)))[0]
 
@@ -71,6 +89,14 @@ def test_a_sharded_run_resumes_unsharded_and_back_as_the_uninterrupted_run(tmp_p
     expected = {n: t for r in whole.reports.values() if r.replica == 0 for n, t in r.weights.items()}
     for name, value in expected.items():
         assert torch.equal(final[name], value), name
+    # sharded gradients keep nothing across a step: their run's checkpoint (unsharded layout) resumes unsharded, and
+    # the losses of both are the uninterrupted run's within fp32's rounding
+    root = str(tmp_path / "gradients")
+    first = run(config_for(path, steps=2, optimizer=recipe, shard="gradients", checkpoint_dir=root))
+    second = run(config_for(path, steps=4, optimizer=recipe, shard="none", checkpoint_dir=root), resume=True)
+    assert second.first_step == 2
+    losses = {**first.losses, **second.losses}
+    assert losses == pytest.approx({b: whole.losses[b] for b in losses}, rel=1e-5)
 
 
 def test_shard_without_replicas_or_with_a_factory_optimizer_is_one_line_before_any_worker(tmp_path):
@@ -85,6 +111,15 @@ def test_shard_without_replicas_or_with_a_factory_optimizer_is_one_line_before_a
     with pytest.raises(LaunchError, match="only the built-in optimizers"):
         check_shard(plan, config_for(path, shard="optimizer", optimizer=factory))
     check_shard(Plan.load(str(path)), config_for(path, shard="optimizer"))  # accepted
+    check_shard(Plan.load(str(path)), config_for(path, shard="gradients"))  # accepted
+    # a weight the replicated stage shares with another stage: its copies add whole gradients at every step
+    from pdtool.artifacts.profile import ModelRef
+
+    plan, path = plan_with(tmp_path, [((0, 1), 2), ((2, 3), 1)], mode="flush", ref=ModelRef("toymodels:tied_lm"),
+                           name="t.plan.json")
+    with pytest.raises(LaunchError, match="parameter emb.weight is shared by stages 0, 1, .* use --shard optimizer"):
+        check_shard(plan, config_for(path, shard="gradients"))
+    check_shard(plan, config_for(path, shard="optimizer"))
 
 
 def test_tied_weights_and_recomputation_shard_exactly(tmp_path):

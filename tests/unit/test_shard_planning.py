@@ -1,4 +1,4 @@
-"""`--shard optimizer` (issue 38) in the plan file, the memory and cost models, the planner, the
+"""`--shard optimizer` and `--shard gradients` (issue 38) in the plan file, the memory and cost models, the planner, the
 simulator and the views: no worker starts here (tests/dist/test_shard.py runs them)."""
 import json
 from pathlib import Path
@@ -28,7 +28,7 @@ def test_sharing_divides_the_optimizer_state_and_nothing_else():
     assert alone["optimizer"] == 2000.0 and shared["optimizer"] == 500.0
     assert {k: v for k, v in alone.items() if k != "optimizer"} == \
         {k: v for k, v in shared.items() if k != "optimizer"}  # the weights are gathered in place
-    assert memory_model(None, 2, "fp32", shard=True).sharing(4) == 4 and memory.sharing(4) == 1
+    assert memory_model(None, 2, "fp32", shard="optimizer").sharing(4) == 4 and memory.sharing(4) == 1
 
 
 def test_a_sharded_data_parallel_plan_needs_less_memory_and_prices_the_all_gather():
@@ -143,9 +143,99 @@ def test_auto_shards_only_the_stages_that_need_it():
         where = dict(level=0, context=(0, 1), r=r, before=0, first=k == 0, final=False)
         return solver.shards(**where, k=k, j=j), float(solver._stage(0, (0, 1), r, 0, k == 0, False)[k, j])
 
-    assert place(0, 1, 1) == (False, float("inf"))  # layer 0 on one worker: does not fit
+    assert place(0, 1, 1) == ("none", float("inf"))  # layer 0 on one worker: does not fit
     shard, time = place(0, 1, 2)
-    assert shard and time == pytest.approx(
+    assert shard == "optimizer" and time == pytest.approx(
         DefaultModel(sync_scale=1.5).stage_times(solver.states.cut, solver.compute, solver.params, 2, 10e9, 1, True,
                                                   True)[0, 1])
-    assert place(1, 3, 2)[0] is False and place(1, 3, 1)[0] is False  # the light layers fit as they are
+    assert place(1, 3, 2)[0] == "none" and place(1, 3, 1)[0] == "none"  # the light layers fit as they are
+
+
+# ----- --shard gradients (ZeRO stage 2): a slice of the gradients, reduced after every backward ----------------------
+def test_gradient_sharing_keeps_a_slice_and_two_buckets():
+    from pdtool.memory import GRADIENT_BUCKET_BYTES
+
+    memory = Memory(limit=float("inf"), optimizer_slots=2, step_temporaries=2.0)
+    optimizer = memory.terms(1e9, 10.0, in_flight=1, largest=1e8, sharing=4, shard="optimizer")
+    gradients = memory.terms(1e9, 10.0, in_flight=1, largest=1e8, sharing=4, shard="gradients")
+    assert optimizer["gradients"] == 1e9 and gradients["gradients"] == 1e9 / 4 + 2 * 1e8  # a layer above a bucket
+    small = memory.terms(1e9, 10.0, in_flight=1, largest=1e5, sharing=4, shard="gradients")
+    assert small["gradients"] == 1e9 / 4 + 2 * GRADIENT_BUCKET_BYTES
+    assert {k: v for k, v in gradients.items() if k != "gradients"} == \
+        {k: v for k, v in optimizer.items() if k != "gradients"}
+    # a split backward's W makes every weight gradient of a backward at once
+    split = memory_model(None, 2, "fp32", "zb", shard="gradients")
+    assert split.terms(1e9, 10.0, in_flight=1, largest=1e5, sharing=4)["gradients"] == 1e9 / 4 + 1e9
+    assert memory_model(None, 2, "fp32", "flush", shard="auto").shard == "none"
+
+
+def test_a_gradient_sharded_plan_needs_less_memory_and_prices_a_reduce_after_every_backward():
+    from pdtool.memory import GRADIENT_BUCKET_BYTES
+    from pdtool.sim.simulate import backward_reduce_ms, simulate
+    from pdtool.sim.steady import steady_state
+
+    cluster = parse_cluster("4x10GB/s")
+    optimizer = make_plan(GPT, cluster, data_parallel=True, optimizer_slots=2, shard="optimizer", mode="flush")
+    gradients = make_plan(GPT, cluster, data_parallel=True, optimizer_slots=2, shard="gradients", mode="flush")
+    [o], [g] = optimizer.stages, gradients.stages
+    assert g.shard == "gradients" and g.param_bytes > 3 * GRADIENT_BUCKET_BYTES
+    transient = 2 * max(GRADIENT_BUCKET_BYTES, g.largest_layer_bytes)
+    assert o.memory_bytes - g.memory_bytes == pytest.approx(0.75 * g.param_bytes - transient, rel=1e-6)
+    # the step only gathers (half an all-reduce); every backward all-reduces the gradients
+    assert allreduce_ms(gradients, 0) == pytest.approx((allreduce_ms(optimizer, 0) - o.reduce_ms) / 3)
+    assert backward_reduce_ms(gradients, 0) == pytest.approx(2 * (allreduce_ms(optimizer, 0) - o.reduce_ms) / 3
+                                                             + g.reduce_ms)
+    slower = simulate(gradients, group=8).time_per_minibatch_ms - simulate(optimizer, group=8).time_per_minibatch_ms
+    # 8 microbatches on 4 replicas: 2 reduces each a step, where the optimizer's shard all-reduces once
+    assert slower == pytest.approx((2 * backward_reduce_ms(gradients, 0) - (allreduce_ms(optimizer, 0)
+                                    - allreduce_ms(gradients, 0))) / 8, rel=0.05)
+    for mode in ("flush", "pipedream"):
+        plan = make_plan(GPT, cluster, simulate=False, shard="gradients", mode=mode, optimizer_slots=2)
+        assert plan.reduce_each and steady_state(plan, mode).time_per_minibatch_ms == pytest.approx(
+            simulate(plan, mode).time_per_minibatch_ms, rel=0.02)
+    assert "shard        each replica of a stage marked gradients" in plan_table(gradients)
+
+
+def test_the_lowering_reduces_after_each_weight_gradient_and_pads_the_replica_with_fewer():
+    from pdtool.schedule import generate
+    from pdtool.schedule.lower import lower
+
+    schedule = generate("zb", (1, 2), 3, 3)  # stage 1's replicas run 2 and 1 of the 3 microbatches
+    lowered = lower(schedule, reduce_each=(1,)).workers
+    first, second = (" ".join(map(str, ops)) for ops in lowered[1:])
+    assert "1W0 1reduce" in first and "1W2 1reduce" in first and first.count(" 1reduce") == 2
+    assert "1W1 1reduce" in second and second.count(" 1reduce") == 2  # one empty, before its step's all-reduce
+    empty = [op for op in lowered[2] if op.kind == "reduce" and not op.weights]
+    assert len(empty) == 1 and lowered[2][lowered[2].index(empty[0]) + 1].kind == "allreduce"
+    # a B that computes the weight gradients reduces them before it sends the input gradients on
+    ops = " ".join(map(str, lower(generate("flush", (1, 2), 2, 2), reduce_each=(1,)).workers[1]))
+    assert "1B0 1reduce send>0" in ops
+    assert not any(op.kind == "reduce" for w in lower(schedule).workers for op in w)  # only where asked
+
+
+def test_a_schedule_that_deadlocks_once_replicas_reduce_after_every_backward_is_one_line():
+    from pdtool.errors import ScheduleError
+    from pdtool.schedule import Schedule, validate
+    from pdtool.schedule.check import check_reduce_each
+    from pdtool.schedule.core import Action
+
+    def actions(text):
+        return tuple(Action.parse(a) for a in text.split())
+
+    # stage 0 runs F1 only after B0, whose gradient stage 1's replica 0 sends only after its reduce with replica 1's
+    # B1, which needs F1: sound unsharded, a deadlock when the replicas reduce after every backward
+    schedule = Schedule(mode="flush", replicas=(1, 2), minibatches=4, group=4, workers=(
+        actions("0F0 0B0 0F1 0B1 0F2 0B2 0F3 0B3 0U"), actions("1F0 1B0 1F2 1B2 1U"), actions("1F1 1B1 1F3 1B3 1U")))
+    validate(schedule)
+    with pytest.raises(ScheduleError, match="deadlock.*waits for the other replicas' backward 1 to reduce"):
+        check_reduce_each(schedule, (1,))
+
+
+def test_pd_plan_shard_gradients_writes_it(tmp_path):
+    out = tmp_path / "p.json"
+    profile = str(ROOT / "profiles" / "gpt-small.profile.json")
+    result = CliRunner().invoke(cli, ["plan", profile, "-c", "4x10GB/s", "--data-parallel", "--shard", "gradients",
+                                      "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = Plan.load(str(out))
+    assert plan.stages[0].shard == "gradients" and plan.reduce_each == (0,) and plan.gradient_sharding_refusal() is None

@@ -34,12 +34,17 @@ MS_PER_S = 1e3  # the planner works in seconds, plans and the simulator in ms
 
 
 COST_MODELS = ("pdtool", "pipedream")  # the planner's cost models (`planner.costmodel`), by name
-SHARDS = ("none", "optimizer")  # what a replicated stage's replicas shard among themselves (PlanStage.shard)
-SYNC_SCALE = {"none": 1.0, "optimizer": 1.5}
+SHARDS = ("none", "optimizer", "gradients")  # what a replicated stage's replicas shard among themselves (PlanStage.shard)
+SYNC_SCALE = {"none": 1.0, "optimizer": 1.5, "gradients": 1.5}
 """The replicas' synchronisation per step, in all-reduces of the stage's gradients, by what they
 shard (`artifacts.plan.SHARDS`): `optimizer` adds the all-gather of the updated weights, half an
 all-reduce's bytes ((r - 1) / r of them; the all-reduce of gradients stays, which gloo runs as
-a reduce-scatter would cost anyway: see docs/sharding.md)."""
+a reduce-scatter would cost anyway: see docs/sharding.md). `gradients` reduces after every
+backward instead of once a step (`REDUCES_EACH_BACKWARD`): 1.5 where a replica runs one backward
+a step (PipeDream's rounds, which the planner's cost model prices); the simulator prices each."""
+REDUCES_EACH_BACKWARD = ("gradients",)
+"""The shards whose replicas all-reduce their gradients after every backward (and keep only their
+slice of the sum), not once a step (`schedule.lower`'s `reduce` ops)."""
 RECOMPUTE = ("auto", "none", "all")  # pd plan --recompute: which stages recompute their forward in the backward
 DOWN_SETS, PREFIXES = "down-sets", "prefixes"  # the planner's state spaces (`planner.states`)
 
@@ -125,8 +130,9 @@ class PlanStage(LayerSet):
                             "(on the same weight version) instead of keeping its activations: a minibatch in flight "
                             "stashes only its input (pd plan --recompute).")
     shard: str = field(Str(SHARDS), "none", omit="none", doc="What the stage's replicas shard among themselves (pd plan --shard): "
-                       "none, or optimizer (each replica keeps the optimizer state of 1/replicas of the stage's "
-                       "parameters: ZeRO stage 1). Only a stage with replicas is sharded.")
+                       "none, optimizer (each replica keeps the optimizer state of 1/replicas of the stage's "
+                       "parameters: ZeRO stage 1) or gradients (also 1/replicas of the summed gradients, reduced "
+                       "after every backward: ZeRO stage 2). Only a stage with replicas is sharded.")
 
     @classmethod
     def _read_check(cls, at: At, values: dict[str, Any], figures: dict[str, Any], index: int) -> None:
@@ -329,6 +335,38 @@ class Plan(Artifact):
         refusal = ties_refusal(mode)
         if self.shared and refusal:
             return f"{self.describe_shared()} (tied weights), and {refusal}"
+        return None
+
+    @property
+    def reduce_each(self) -> tuple[int, ...]:
+        """The stages whose replicas reduce their gradients after every backward (`--shard
+        gradients`: `REDUCES_EACH_BACKWARD`), for `schedule.lower`."""
+        return tuple(i for i, s in enumerate(self.stages) if s.shard in REDUCES_EACH_BACKWARD and s.replicas > 1)
+
+    def gradient_sharding_refusal(self, schedule=None) -> str | None:
+        """Why the replicas of the stages that shard their gradients (`reduce_each`) cannot in
+        `schedule` (default: two steps of the plan's mode and group), in one line, or None: a
+        weight shared with another stage (its copies add their whole gradients at the step), or a
+        deadlock once the replicas reduce after every backward (`schedule.check.check_reduce_each`)."""
+        from ..schedule import generate
+        from ..schedule.check import check_reduce_each
+
+        stages = self.reduce_each
+        if not stages:
+            return None
+        tied = [(name, users) for name, users in self.shared if set(users) & set(stages)]
+        if tied:
+            name, users = tied[0]
+            return (f"--shard gradients keeps a slice of each gradient, but parameter {name} is shared by stages "
+                    f"{', '.join(map(str, users))}, which add its whole gradient at every step; use --shard optimizer")
+        if schedule is None:
+            run = self.run()
+            schedule = generate(run.name, [s.replicas for s in self.stages], 2 * run.per_step, run.group,
+                                placement=self.placement)
+        try:
+            check_reduce_each(schedule, stages)
+        except ScheduleError as error:
+            return f"--shard gradients: {error}"
         return None
 
     def with_shard(self, shard: str | None) -> "Plan":

@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from ..artifacts.plan import COST_MODELS, RECOMPUTE, SHARDS
+from ..errors import PlanError
 from ..jsonio import check_writable
 from ..runtime.recipe import OPTIMIZERS
 from ..planner.search import AUTO_CHUNKS, synchronous_modes
@@ -60,8 +61,10 @@ GROUPS = {"cluster": ("cluster_spec", "memory"),
 @click.option("--shard", type=click.Choice(SHARDS + ("auto",)), default="none", show_default=True,
               help="What the replicas of each replicated stage shard among themselves: optimizer (each keeps the "
                    "optimizer state of 1/replicas of the stage, ZeRO stage 1: the memory model divides that state by "
-                   "the replicas, the simulator adds the all-gather of the weights after each step), none, or auto "
-                   "(each replicated stage shards where it fits --memory only so).")
+                   "the replicas, the simulator adds the all-gather of the weights after each step), gradients (also "
+                   "1/replicas of the summed gradients, all-reduced bucket by bucket after every backward: ZeRO stage "
+                   "2), none, or auto (each replicated stage shards where it fits --memory only so, the least it "
+                   "needs).")
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
               help="Plan JSON to write ('-' for stdout). Written atomically.")
 def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model, mode, virtual_stages, group, batch,
@@ -125,6 +128,9 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
     else:
         result = make_plan(profile, cluster, straight=straight, data_parallel=data_parallel, mode=single, group=m,
                            say=say, **options)
+    refusal = result.gradient_sharding_refusal()
+    if refusal:
+        raise PlanError(f"{profile_path}: the plan's {refusal}")
     result.save(output)
     if output != "-":
         pred = result.predicted

@@ -93,7 +93,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     model = MODELS[cost_model](sync_scale=SYNC_SCALE[shard if shard != "auto" else "none"])
     costs = ChainCosts.from_profile(profile)
     # what the plan's mode keeps (the default mode's when none is given: PipeDream's weight versions, the most)
-    memory = (memory_model(cluster.memory, optimizer_slots, profile.precision, mode, shard=shard == "optimizer")
+    memory = (memory_model(cluster.memory, optimizer_slots, profile.precision, mode, shard=shard)
               if cluster.memory else None)
     # zero-time layers follow their producers only where that is safe (states.py, `_followers`)
     states = _splittable(build_states(costs, followers=not model.exact_workers and memory is None), profile, say)
@@ -166,8 +166,7 @@ class _Search:
 
     def unlimited(self) -> Memory:
         """The memory model without a limit (a plan's figures where the cluster states none)."""
-        return memory_model(None, self.optimizer_slots, self.profile.precision, self.mode,
-                            shard=self.shard == "optimizer")
+        return memory_model(None, self.optimizer_slots, self.profile.precision, self.mode, shard=self.shard)
 
     def solver(self, **options) -> Solver:
         """The dynamic program over this search's states and cluster (`options`: Solver's)."""
@@ -361,6 +360,7 @@ def _as_plan(search: _Search, pipeline: Pipeline, solver: Solver) -> Plan:
     return with_group(plan, search.group)
 
 
+
 def with_group(plan: Plan, group: int | None) -> Plan:
     """The plan recording `group` microbatches per step where its mode steps per group and runs
     that group on its stages (`schedule.check_parameters`); otherwise as it is (its mode's default)."""
@@ -458,7 +458,7 @@ def _describe(pipeline: Pipeline, profile: Profile, costs: ChainCosts, model: Co
             members = list(stage.layers)
             unit = stage.inner.time if stage.inner is not None else float(
                 costs.compute[members].sum() + (costs.forwards[members].sum() if stage.recompute else 0.0))
-            priced = solver.sharded_model if stage.shard else model  # `shard` auto: the stages that shard gather too
+            priced = solver.sharded_model if stage.shard != "none" else model  # `shard` auto: the stages that shard gather too
             terms = priced.terms(unit, float(costs.params[members].sum()),
                                 float(cut[stage.start]), float(cut[stage.end]), stage.replicas,
                                 solver.bandwidths[p.level], size, index == 0, charge)
@@ -492,10 +492,12 @@ def _leaf(stage: PipelineStage, *, terms: dict, outer: int, ranks: list[int], pr
     a, b = stage.start, stage.end
     layers = [profile.layers[i] for i in stage.layers]
     largest = max(l.param_bytes for l in layers)
-    sharing = len(ranks) if stage.shard and len(ranks) > 1 else memory.sharing(len(ranks))
+    kind = stage.shard if stage.shard != "none" else memory.shard  # `shard` auto: the stage's own choice
+    sharing = len(ranks) if kind != "none" and len(ranks) > 1 else 1
     need = memory.need(float(solver.params[a, b]), float(solver.stashed[a, b]), k,
                        recompute=float(solver.states.cut[a]) if stage.recompute else None,
-                       cut=(float(solver.states.cut[a]), float(solver.states.cut[b])), largest=largest, sharing=sharing)
+                       cut=(float(solver.states.cut[a]), float(solver.states.cut[b])), largest=largest, sharing=sharing,
+                       shard=kind)
     params = sum(l.param_bytes for l in layers)
     share = params / total_params if total_params else 0.0
     scale = profile.compute_scale  # the layers' times scaled to the measured step, as in `costs`
@@ -507,7 +509,7 @@ def _leaf(stage: PipelineStage, *, terms: dict, outer: int, ranks: list[int], pr
                      memory_bytes=int(round(need)), update_ms=profile.update_ms * share, largest_layer_bytes=largest,
                      data_ms=profile.data_ms if not earlier else 0.0,
                      wgrad_ms=scale * sum(l.weight_gradient_ms for l in layers), reduce_ms=profile.reduce_ms * share,
-                     recompute=stage.recompute, shard="optimizer" if sharing > 1 else "none")
+                     recompute=stage.recompute, shard=kind if sharing > 1 else "none")
 
 
 def _no_plan_reason(search: _Search) -> str:

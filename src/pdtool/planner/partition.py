@@ -40,7 +40,7 @@ from math import prod
 import numpy as np
 
 from .costmodel import ChainCosts, CostModel, Memory
-from ..artifacts.plan import RECOMPUTE, SYNC_SCALE, LayerSet
+from ..artifacts.plan import RECOMPUTE, SHARDS, SYNC_SCALE, LayerSet
 from ..errors import PlanError
 from .states import States, build_states
 
@@ -68,7 +68,7 @@ class PipelineStage(LayerSet):
     units_before: int
     inner: "Pipeline | None" = None
     recompute: bool = False  # recomputes its forward during the backward (worker level only)
-    shard: bool = False  # its replicas shard the optimizer state (`shard` auto; worker level only)
+    shard: str = "none"  # what its replicas shard (`shard` auto; worker level only): artifacts.plan.SHARDS
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ class Solver:
         self.shard = shard
         self.sharded_model = copy.copy(model)  # `shard` auto: the stages that shard pay the gather too
         self.sharded_model.sync = SYNC_SCALE["optimizer"]
-        self._sharding: dict[tuple, np.ndarray | bool] = {}  # as `_recomputing`: where the replicas shard
+        self._sharding: dict[tuple, np.ndarray | int] = {}  # as `_recomputing`: what the replicas shard (SHARDS index)
         self.final = model.final_charge(self.S)
         self._params_sorted = states.params_sorted
         self._tables: dict[tuple[int, Context | None], np.ndarray] = {}
@@ -210,22 +210,23 @@ class Solver:
 
         if not self.memory:
             self._recomputing[key] = self.recompute == "all"
-            self._sharding[key] = False
+            self._sharding[key] = 0
             return priced(self.again, False) if self.recompute == "all" else times
         outer_before, outer = context
         k = Memory.in_flight(self.workers, outer_before + outer * before, outer * r)
         cut = (self.states.cut[:, None], self.states.cut[None, :])
-        ways = [(again, sharded) for again in {"none": (False,), "all": (True,), "auto": (False, True)}[self.recompute]
-                for sharded in ((False, True) if self.shard == "auto" and outer * r > 1 else (False,))]
-        best, recomputing, sharding = np.full_like(times, INF), False, False
-        for again, sharded in ways:
-            sharing = outer * r if sharded else self.memory.sharing(outer * r)
+        kinds = range(len(SHARDS)) if self.shard == "auto" and outer * r > 1 else (0,)  # SHARDS' indices
+        ways = [(again, kind) for again in {"none": (False,), "all": (True,), "auto": (False, True)}[self.recompute]
+                for kind in kinds]
+        best, recomputing, sharding = np.full_like(times, INF), False, 0
+        for again, kind in ways:
+            sharing = outer * r if kind else self.memory.sharing(outer * r)
             need = self.memory.need(self.params, self.stashed, k, recompute=self.states.cut[:, None] if again else None,
-                                    cut=cut, largest=self.largest, sharing=sharing)
-            way = times if not (again or sharded) else priced(self.again if again else self.compute, sharded)
+                                    cut=cut, largest=self.largest, sharing=sharing, shard=SHARDS[kind] if kind else None)
+            way = times if not (again or kind) else priced(self.again if again else self.compute, bool(kind))
             better = (need <= self.memory.limit) & (way < best)
             best = np.where(better, way, best)
-            recomputing, sharding = np.where(better, again, recomputing), np.where(better, sharded, sharding)
+            recomputing, sharding = np.where(better, again, recomputing), np.where(better, kind, sharding)
         self._recomputing[key] = recomputing
         self._sharding[key] = sharding
         return best
@@ -238,12 +239,11 @@ class Solver:
         return bool(recomputing if np.ndim(recomputing) == 0 else recomputing[k, j])
 
     def shards(self, *, level: int, context: Context | None, r: int, before: int, first: bool, final: bool,
-               k: int, j: int) -> bool:
-        """Whether the replicas of the worker-level stage (k, j) shard their optimizer state there
-        (`shard` auto)."""
+               k: int, j: int) -> str:
+        """What the replicas of the worker-level stage (k, j) shard there (`shard` auto; SHARDS)."""
         self._stage(level, context, r, before, first, final)
         sharding = self._sharding[self._stage_key(level, context, r, before, first, final)]
-        return bool(sharding if np.ndim(sharding) == 0 else sharding[k, j])
+        return SHARDS[int(sharding if np.ndim(sharding) == 0 else sharding[k, j])]
 
     def _replica_choices(self, m: int) -> range:
         return range(1, min(2, m)) if self.straight else range(1, m)
@@ -405,7 +405,7 @@ class Solver:
             stages.append(
                 PipelineStage(start=k, end=j, layers=self.states.layers(k, j), replicas=r, time=float(time),
                               units_before=m - r, inner=inner, recompute=level == 0 and self.recomputes(**place),
-                              shard=level == 0 and self.shards(**place))
+                              shard=self.shards(**place) if level == 0 else "none")
             )
             if k == a:
                 break

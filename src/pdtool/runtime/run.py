@@ -127,10 +127,11 @@ def recorded_settings(config: RunConfig, run: Run) -> dict:
         "recipe": config.recipe.summary()}}
 
 
-def sharded(plan: Plan, config: RunConfig) -> tuple[bool, ...]:
-    """Per stage, whether its replicas shard the optimizer state (`worker.optimizer_shard`):
-    `--shard` for every replicated stage, else the plan's choice per stage."""
-    return tuple(stage.shard != "none" for stage in plan.with_shard(config.shard).stages)
+def sharded(plan: Plan, config: RunConfig) -> tuple[str | None, ...]:
+    """Per stage, what its replicas shard (`optimizer`: the optimizer state,
+    `worker.optimizer_shard`; `gradients`: also the gradients, `worker.gradient_shard`), None for
+    nothing: `--shard` for every replicated stage, else the plan's choice per stage."""
+    return tuple(stage.shard if stage.shard != "none" else None for stage in plan.with_shard(config.shard).stages)
 
 
 def check_shard(plan: Plan, config: RunConfig) -> None:
@@ -144,6 +145,13 @@ def check_shard(plan: Plan, config: RunConfig) -> None:
         raise LaunchError(f"--shard optimizer steps flat slices of a stage's parameters, which only the built-in "
                           f"optimizers (sgd, adam, adamw) step exactly as whole ones; optimizer {config.optimizer.name!r} "
                           "may compute per-tensor quantities: use --shard none or a built-in optimizer")
+    reducing = plan.with_shard(config.shard).reduce_each
+    if reducing:
+        refusal = plan.with_shard(config.shard).gradient_sharding_refusal(make_schedule(plan, dataclasses.replace(
+            config, steps=max(config.checkpoint_every, config.eval_every or 0, 2))))
+        if refusal:
+            raise LaunchError(f"{config.plan_path}: {refusal}")
+
 
 
 def checked_run(plan: Plan, config: RunConfig) -> Run:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from ..errors import ScheduleError
 from .modes import listed, modes_where
 from .core import Action, Schedule, peak_versions, stash_depth, step_group, steps
-from .lower import ACTIVATION, collective_key, lower, message, sender_action
+from .lower import ACTIVATION, COLLECTIVES, collective_key, lower, message, sender_action
 
 _MAX_LISTED = 6  # stuck workers named in a deadlock message
 
@@ -44,6 +44,13 @@ def validate(schedule: Schedule) -> None:
     _check_deadlock(schedule, ops)
     _check_versions(schedule)
     _check_link_order(schedule, ops)
+
+
+def check_reduce_each(schedule: Schedule, stages) -> None:
+    """Raise ScheduleError (one line) unless the replicas of every stage of `stages` can reduce
+    their gradients after each backward (`lower`'s `reduce` ops, `--shard gradients`): the
+    schedule stays free of deadlocks when the replicas' k-th backwards wait for one another."""
+    _check_deadlock(schedule, lower(schedule, reduce_each=tuple(stages)).workers)
 
 
 def _check_placement(schedule: Schedule) -> None:
@@ -191,7 +198,7 @@ def _check_deadlock(schedule: Schedule, workers) -> None:
         for rank, ops in enumerate(workers):
             while pos[rank] < len(ops):
                 op = ops[pos[rank]]
-                if op.kind in ("allreduce", "tie"):
+                if op.kind in COLLECTIVES:
                     key, count = collective_key(op), met[rank].get(collective_key(op), 0)
                     if not all(at_collective(member, key, count) for member in op.group):
                         break
@@ -212,8 +219,9 @@ def _check_deadlock(schedule: Schedule, workers) -> None:
     for rank in stuck[:_MAX_LISTED]:
         op = workers[rank][pos[rank]]
         action = schedule.workers[rank][op.at]
-        reason = (sender_action(op) if op.kind == "recv" else
-                  f"the other replicas' step {met[rank].get(collective_key(op), 0) + 1}")
+        count = met[rank].get(collective_key(op), 0) + 1
+        reason = (sender_action(op) if op.kind == "recv" else f"the other replicas' backward {count} to reduce its "
+                  "gradients" if op.kind == "reduce" else f"the other replicas' step {count}")
         notes.append(f"{schedule.label(rank)} at {action} waits for {reason}")
     more = f"; and {len(stuck) - _MAX_LISTED} more" if len(stuck) > _MAX_LISTED else ""
     total = sum(map(len, schedule.workers))

@@ -12,7 +12,13 @@ order, with every peer resolved:
 - `U`: `allreduce` of the gradients among the replicas of the stage (its `group`: one rank when
   the stage is not replicated, then it only takes the mean of the backwards since the last
   step), a `tie` per set of stages that share weights with this one (`ties`: their workers
-  add the shared parameters' gradients), then `step` (the optimizer).
+  add the shared parameters' gradients), then `step` (the optimizer);
+- on a replicated stage whose replicas reduce after every backward (`reduce_each`: `--shard
+  gradients`, each keeps its slice of the sum), a `reduce` among them right after every `B` that
+  computes weight gradients and every `W` (before the `B`'s send); its k-th meets the k-th of
+  every other replica, so a replica that runs fewer backwards than another between two steps (a
+  group that is no multiple of the replicas, a partial round) adds as many empty ones
+  (`Op.weights` False: it adds zeros and counts no backward) before its step's `allreduce`.
 
 Minibatch b runs on replica b mod r_s of every stage (1F1B-RR, PipeDream SOSP'19 section 3.2),
 which resolves every peer. Where one worker holds both ends of a stage boundary (several stages a
@@ -35,7 +41,8 @@ from .core import Schedule, stash_depth
 
 ACTIVATION, GRADIENT = 0, 1  # what a message carries: a forward's outputs, or a backward's input gradients
 COMPUTE = ("F", "B", "W")
-OP_KINDS = ("recv", "send", "F", "B", "W", "allreduce", "tie", "step")
+COLLECTIVES = ("allreduce", "tie", "reduce")  # the ops that meet the same op of every other member of their group
+OP_KINDS = ("recv", "send", "F", "B", "W", *COLLECTIVES, "step")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +51,7 @@ class Op:
 
     `kind` is one of OP_KINDS; `stage` the worker's stage; `minibatch` that of an F, B, send or
     recv (None for the step's ops). A `send`/`recv` moves the `direction` (ACTIVATION or
-    GRADIENT) message of `minibatch` to/from `peer` (a rank). An `allreduce`/`tie` is a
+    GRADIENT) message of `minibatch` to/from `peer` (a rank). An `allreduce`/`tie`/`reduce` is a
     collective of `group` (ranks, sorted, this worker's included); `stages` names the sharing
     stages of a `tie`. The k-th op of a collective on one worker meets the k-th op of the same
     collective (kind and group) on every other member (`collective_key`)."""
@@ -56,7 +63,7 @@ class Op:
     direction: int | None = None
     group: tuple[int, ...] = ()
     stages: tuple[int, ...] = ()
-    weights: bool = True  # a B that also computes the weight gradients (no W follows it)
+    weights: bool = True  # a B that also computes the weight gradients (no W follows it); False: an empty reduce
     at: int = 0  # index of the schedule action (F, B or U) this op belongs to, in the worker's list
 
     def __str__(self) -> str:
@@ -111,14 +118,18 @@ class Lowered:
         return op.stage + 1 if op.direction == ACTIVATION else op.stage - 1
 
 
-def lower(schedule: Schedule, ties: Sequence[tuple[int, ...]] = (), ranks: Sequence[int] | None = None) -> Lowered:
+def lower(schedule: Schedule, ties: Sequence[tuple[int, ...]] = (), ranks: Sequence[int] | None = None,
+          reduce_each: Sequence[int] = ()) -> Lowered:
     """The ops of every worker of `schedule`. `ties`: sets of stages that share weights (their
     workers all-reduce the shared gradients at every step). `ranks[i]`: the rank of schedule
-    worker i in the ops' peers and groups (default: the schedule's own ranks)."""
+    worker i in the ops' peers and groups (default: the schedule's own ranks). `reduce_each`:
+    the replicated stages whose replicas reduce their gradients after every backward."""
     ranks = tuple(range(len(schedule.workers))) if ranks is None else tuple(ranks)
     last = schedule.stages - 1
     replicas = [tuple(ranks[schedule.rank(s, i)] for i in range(r)) for s, r in enumerate(schedule.replicas)]
     ties = sorted({tuple(sorted(t)) for t in ties if len(set(t)) > 1})
+    reducing = {s: tuple(sorted(replicas[s])) for s in reduce_each if schedule.replicas[s] > 1}
+    padding = {s: _padding(schedule, s) for s in reducing}  # stage -> per replica, empty reduces before each step
 
     def peer(stage: int, b: int) -> int:
         return replicas[stage][b % len(replicas[stage])]
@@ -145,19 +156,30 @@ def lower(schedule: Schedule, ties: Sequence[tuple[int, ...]] = (), ranks: Seque
                         Op(kind="recv", stage=stage, minibatch=b, peer=peer(stage + 1, b), direction=GRADIENT, at=at)
                     )
                 ops.append(Op(kind="B", stage=stage, minibatch=b, weights=(stage, b) not in split, at=at))
+                if stage in reducing and (stage, b) not in split:
+                    ops.append(Op(kind="reduce", stage=stage, group=reducing[stage], at=at))
                 if stage > 0 and peer(stage - 1, b) != ranks[index]:
                     ops.append(
                         Op(kind="send", stage=stage, minibatch=b, peer=peer(stage - 1, b), direction=GRADIENT, at=at)
                     )
             elif action.kind == "W":
                 ops.append(Op(kind="W", stage=stage, minibatch=b, at=at))
+                if stage in reducing:
+                    ops.append(Op(kind="reduce", stage=stage, group=reducing[stage], at=at))
             else:
+                if stage in reducing:
+                    own = padding[stage][schedule.position(index)[1]]
+                    ops += [Op(kind="reduce", stage=stage, group=reducing[stage], weights=False, at=at)] * own.pop(0)
                 ops.append(Op(kind="allreduce", stage=stage, group=tuple(sorted(replicas[stage])), at=at))
                 for users in ties:
                     if stage in users:
                         group = tuple(sorted({r for s in users for r in replicas[s]}))
                         ops.append(Op(kind="tie", stage=stage, group=group, stages=users, at=at))
                 ops.append(Op(kind="step", stage=stage, at=at))
+        for stage in schedule.stages_of(index) if not schedule.placement else ():
+            if stage in reducing:  # after the last step: as many reduces as the other replicas
+                ops += [Op(kind="reduce", stage=stage, group=reducing[stage], weights=False, at=len(actions) - 1)] * \
+                    padding[stage][schedule.position(index)[1]].pop(0)
         workers.append(tuple(_gradients_first(ops)) if schedule.placement else tuple(ops))
     return Lowered(schedule, tuple(workers), ranks)
 
@@ -183,8 +205,34 @@ def _gradients_first(ops: list[Op]) -> list[Op]:
     return out[:-1]
 
 
+def _padding(schedule: Schedule, stage: int) -> list[list[int]]:
+    """Per replica of `stage`, before each of its steps (and at its end), the empty reduces that
+    bring its backwards since the last step up to the most any replica runs there (`reduce_counts`)."""
+    counts = reduce_counts(schedule, stage)
+    most = [max(column) for column in zip(*counts)]
+    return [[m - c for m, c in zip(most, own)] for own in counts]
+
+
+def reduce_counts(schedule: Schedule, stage: int) -> list[tuple[int, ...]]:
+    """The backwards that compute weight gradients (`B` without a `W`, and `W`) each replica of
+    `stage` runs between its steps, as one tuple per replica (the last: after its last step)."""
+    counts = []
+    for i in range(schedule.replicas[stage]):
+        actions = [a for a in schedule.workers[schedule.rank(stage, i)] if a.stage == stage]
+        split = {a.minibatch for a in actions if a.kind == "W"}
+        per, now = [], 0
+        for a in actions:
+            if a.kind == "U":
+                per.append(now)
+                now = 0
+            elif a.kind == "W" or (a.kind == "B" and a.minibatch not in split):
+                now += 1
+        counts.append(tuple(per + [now]))
+    return counts
+
+
 def collective_key(op: Op) -> tuple:
-    """What identifies the collective an `allreduce`/`tie` op takes part in (with its count)."""
+    """What identifies the collective an `allreduce`/`tie`/`reduce` op takes part in (with its count)."""
     return (op.kind, op.group, op.stages)
 
 

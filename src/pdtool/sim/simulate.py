@@ -31,7 +31,9 @@ The model (all times in ms):
   ring all-reduce, 2 (r - 1) / r * param_bytes / B + 2 (r - 1) L with B the slowest link among
   the replicas' ranks and L the longest latency, plus the worker's own passes over the gradients (flatten, add, divide: the stage's
   `reduce_ms`), then the optimizer step (`PlanStage.step_ms`; a stage that shards its optimizer
-  steps 1/r of it, then gathers the weights: `allreduce_ms`). It is not
+  steps 1/r of it, then gathers the weights: `allreduce_ms`; one that shards its gradients
+  all-reduces them after each backward instead, `reduce_ms`, every replica's k-th together, and
+  its step only gathers). It is not
   overlapped with computation (the replicas wait for it), so a replicated stage costs
   (compute + all-reduce) / r per minibatch here, where the planner's default cost model charges
   max(compute, all-reduce) / r: the simulator is the pessimistic side of that comparison.
@@ -44,13 +46,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import ScheduleError
-from ..artifacts.plan import MS_PER_S, SYNC_SCALE, Plan
+from ..artifacts.plan import MS_PER_S, SYNC_SCALE, Plan, REDUCES_EACH_BACKWARD
 from ..schedule import Schedule, generate, peak_versions, stash_depth, step_group
-from ..schedule.lower import ACTIVATION, Op, collective_key, lower, message
+from ..schedule.lower import ACTIVATION, COLLECTIVES, Op, collective_key, lower, message
 
 MIB = 2 ** 20
 
-__all__ = ["SimEvent", "SimResult", "SimTransfer", "allreduce_ms", "default_minibatches", "link_bandwidth",
+__all__ = ["SimEvent", "SimResult", "SimTransfer", "allreduce_ms", "backward_reduce_ms", "default_minibatches",
+           "link_bandwidth",
            "link_latency",
            "simulate", "simulate_schedule", "steady_state_ms"]
 
@@ -174,14 +177,33 @@ def allreduce_ms(plan: Plan, stage: int) -> float:
     shards its optimizer state (`shard`) also all-gathers its weights after the step:
     (r - 1) / r * param_bytes / B + (r - 1) L more (`artifacts.plan.SYNC_SCALE`)."""
     s = plan.stages[stage]
+    if s.shard in REDUCES_EACH_BACKWARD:  # the gradients were reduced after each backward: the gather
+        return _ring_ms(plan, stage, 1)
+    passes = 2 * SYNC_SCALE[s.shard]  # ring passes over the parameters: 2 for the all-reduce, 1 more to gather
+    return _ring_ms(plan, stage, passes) + (s.reduce_ms if s.replicas > 1 and s.param_bytes else 0.0)
+
+
+def backward_reduce_ms(plan: Plan, stage: int) -> float:
+    """The all-reduce after each backward of a stage whose replicas shard their gradients
+    (`REDUCES_EACH_BACKWARD`): a ring all-reduce of the parameters' gradients and the stage's
+    `reduce_ms` (0 for any other stage, and unreplicated)."""
+    s = plan.stages[stage]
+    if s.shard not in REDUCES_EACH_BACKWARD or s.replicas == 1 or s.param_bytes == 0:
+        return 0.0
+    return _ring_ms(plan, stage, 2) + s.reduce_ms
+
+
+def _ring_ms(plan: Plan, stage: int, passes: float) -> float:
+    """`passes` ring passes over `stage`'s parameter bytes among its replicas, in ms: each
+    (r - 1) / r * param_bytes / B + (r - 1) L (0 when unreplicated)."""
+    s = plan.stages[stage]
     r = s.replicas
     if r == 1 or s.param_bytes == 0:
         return 0.0
     levels = _parting_levels(plan, s.ranks)
     slowest = min(level.bandwidth for level in levels)
     latency = max(level.latency for level in levels)
-    passes = 2 * SYNC_SCALE[s.shard]  # ring passes over the parameters: 2 for the all-reduce, 1 more to gather
-    return (passes * (r - 1) / r * s.param_bytes / slowest + passes * (r - 1) * latency) * MS_PER_S + s.reduce_ms
+    return (passes * (r - 1) / r * s.param_bytes / slowest + passes * (r - 1) * latency) * MS_PER_S
 
 
 def steady_state_ms(completions: dict[int, float], minibatches: int, period: int = 1, tail: int = 0,
@@ -290,10 +312,11 @@ class _Run:
 
     def __init__(self, plan: Plan, schedule: Schedule):
         self.plan, self.schedule = plan, schedule
-        self.ops = lower(schedule).workers
+        self.ops = lower(schedule, reduce_each=plan.reduce_each).workers
         n = len(schedule.workers)
         self.ranks = [worker_rank(plan, schedule, w) for w in range(n)]  # schedule rank -> plan rank
         self.allreduce = [allreduce_ms(plan, s) for s in range(len(plan.stages))]
+        self.reduce = [backward_reduce_ms(plan, s) for s in range(len(plan.stages))]
         self.next = [0] * n            # index of each worker's next op
         self.free = [0.0] * n          # when each worker is free, ms
         self.began = [0.0] * n         # when the worker's current step began (its all-reduce)
@@ -338,7 +361,7 @@ class _Run:
         """Run `worker`'s next op if it can start; False if it must wait for another worker."""
         op = self.ops[worker][self.next[worker]]
         s = self.plan.stages[op.stage]
-        if op.kind in ("allreduce", "tie"):
+        if op.kind in COLLECTIVES:
             return self._collective(worker, op)
         if op.kind == "recv":
             key = message(op, worker)
@@ -403,7 +426,8 @@ class _Run:
 
     def _collective(self, worker: int, op: Op) -> bool:
         """The k-th op of a collective: every member starts when the last arrives. A replicas'
-        all-reduce lasts `allreduce_ms` (0 for one replica); a tie takes no simulated time."""
+        all-reduce lasts `allreduce_ms` (0 for one replica), a reduce after a backward
+        `backward_reduce_ms`; a tie takes no simulated time."""
         key = collective_key(op)
         count = self.met[worker].get(key, 0)
         arrivals = self.waiting.setdefault((key, count), {})
@@ -412,7 +436,8 @@ class _Run:
             return False
         del self.waiting[(key, count)]
         start = max(arrivals.values())
-        took = self.allreduce[op.stage] if op.kind == "allreduce" else 0.0
+        took = {"allreduce": self.allreduce, "reduce": self.reduce}.get(op.kind, ())
+        took = took[op.stage] if took else 0.0
         for member in sorted(arrivals):
             if op.kind == "allreduce":
                 self.began[member] = start

@@ -46,9 +46,9 @@ import numpy as np
 
 from ..artifacts.plan import MS_PER_S, Plan
 from ..schedule import generate
-from ..schedule.lower import ACTIVATION, collective_key, lower, message
+from ..schedule.lower import ACTIVATION, COLLECTIVES, collective_key, lower, message
 from ..schedule.modes import ONE_F_ONE_B, rules, warmup_forwards
-from .simulate import MIB, allreduce_ms, link_bandwidth, link_latency, worker_rank
+from .simulate import MIB, allreduce_ms, backward_reduce_ms, link_bandwidth, link_latency, worker_rank
 
 MAX_NODES = 400_000
 """Largest period graph computed (about 2 s here); beyond, the planner simulates instead."""
@@ -295,6 +295,7 @@ class _OneFOneB:
         self.k = [warmup_forwards(reduced, s) + 1 for s in range(len(self.stages))]
         self.unit_count = [period // r for r in reduced]
         self.took = [allreduce_ms(plan, s) for s in range(len(self.stages))]
+        self.reduce = [backward_reduce_ms(plan, s) for s in range(len(self.stages))]  # after each backward
         self._links: dict[tuple[int, int], tuple[float, float]] = {}
         self.nodes: dict[tuple[int, int, int], dict[str, int]] = {}  # (stage, replica, unit): its ops' nodes
 
@@ -313,6 +314,7 @@ class _OneFOneB:
             bwd = stage.bwd_ms + (stage.fwd_ms if stage.recompute else 0.0)
             every = 1 if per_round else group // self.reduced[s]  # own minibatches between two steps
             collective = [graph.node() if (u + 1) % every == 0 else None for u in range(self.unit_count[s])]
+            reducing = [graph.node() for _ in range(self.unit_count[s])] if self.reduce[s] else None
             for i in range(self.reduced[s]):
                 previous = None
                 first = None
@@ -333,6 +335,11 @@ class _OneFOneB:
                     if s < self.last:
                         chain("rg", stage.out_bytes / MIB * self.per_mib)
                     before_send = chain("B", bwd)
+                    if reducing is not None:  # the replicas' u-th backwards reduced together, before the send
+                        graph.arc(previous, reducing[u], 0.0)
+                        previous = node = graph.node()
+                        graph.arc(reducing[u], node, self.reduce[s])
+                        before_send = node
                     if s > 0:
                         chain("sg", stage.in_bytes / MIB * self.per_mib)
                         ops["sg_from"] = before_send
@@ -349,7 +356,8 @@ class _OneFOneB:
                         chain("sa", stage.out_bytes / MIB * self.per_mib)
                         ops["sa_from"] = before_send
                     self.nodes[(s, i, u)] = ops
-                    acting += fwd + bwd + (self.took[s] + stage.step_ms if collective[u] is not None else 0.0)
+                    acting += fwd + bwd + self.reduce[s] + (self.took[s] + stage.step_ms if collective[u] is not None
+                                                            else 0.0)
                 node, weight = first
                 graph.arc(previous, node, weight, 1)  # the next period's first op follows this one's last
         return acting
@@ -436,8 +444,9 @@ class _FlushBatch:
         self.per_mib = plan.profile.message_ms_per_mib
         ranks = [s.ranks[::g] for s in self.stages]
         self.took = [allreduce_ms(plan, s) for s in range(len(self.stages))]
+        self.reduce = [backward_reduce_ms(plan, s) for s in range(len(self.stages))]
         schedule = generate(mode, tuple(reduced), group, group, placement=placement)
-        self.workers = lower(schedule).workers
+        self.workers = lower(schedule, reduce_each=plan.reduce_each).workers
         if placement:
             self.plan_rank = [worker_rank(plan, schedule, w) for w in range(len(self.workers))]
         else:
@@ -454,7 +463,7 @@ class _FlushBatch:
         first = previous = None
         met: dict[tuple, int] = {}
         for op in ops:
-            if op.kind in ("allreduce", "tie"):
+            if op.kind in COLLECTIVES:
                 node, instance = self._collective(op, met)
                 if previous is None:  # the batch's first op: the worker arrives from the last batch's end
                     first = (instance, None)
@@ -491,7 +500,8 @@ class _FlushBatch:
         if instance not in self.collectives:
             self.collectives[instance] = self.graph.node()
         node = self.graph.node()
-        took = self.took[op.stage] if op.kind == "allreduce" else 0.0
+        took = {"allreduce": self.took, "reduce": self.reduce}.get(op.kind, ())
+        took = took[op.stage] if took else 0.0
         self.graph.arc(self.collectives[instance], node, took)
         self.acting += took
         return node, instance

@@ -169,7 +169,11 @@ def _placed(plan: Plan, mode: str) -> Plan:
 
 
 def _shard(plan: Plan, target: str, notes: list[str]) -> str:
-    shard = "optimizer" if any(s.shard == "optimizer" for s in plan.stages) else "none"
+    shard = "optimizer" if any(s.shard != "none" for s in plan.stages) else "none"
+    if any(s.shard == "gradients" for s in plan.stages) and target != "torchtitan":
+        notes.append(f"{NAMES[target]} has no per-backward gradient sharding beside pipeline stages: --shard gradients "
+                     "is exported as the optimizer sharding it builds on (each replica keeps the whole gradient "
+                     "while it accumulates)")
     if shard == "optimizer" and target == "torchtitan":
         notes.append("torchtitan has no optimizer-only sharding: exported as FSDP over the replicas "
                      "(data_parallel_shard_degree), which shards gradients and weights too (less memory, an all-gather "

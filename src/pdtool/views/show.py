@@ -91,7 +91,12 @@ def plan_table(plan: Plan) -> str:
            "keeps only its input (its compute ms counts the forward twice)"] if recomputing else []),
         *(["shard        each replica of a stage marked optimizer keeps the optimizer state of 1/replicas of the "
            "stage (its memory GiB counts that share) and all-gathers the updated weights after each step (its "
-           "allreduce ms counts it): ZeRO stage 1; a stage without replicas is not sharded"] if sharding else []),
+           "allreduce ms counts it): ZeRO stage 1; a stage without replicas is not sharded"]
+          if any(s.shard == "optimizer" for s in plan.stages) else []),
+        *(["shard        each replica of a stage marked gradients also keeps 1/replicas of the summed gradients, "
+           "which the replicas all-reduce bucket by bucket during every backward (its memory GiB counts the share "
+           "and two buckets; the simulator prices each backward's all-reduce, its allreduce ms a step's): ZeRO "
+           "stage 2"] if any(s.shard == "gradients" for s in plan.stages) else []),
         *([f"chunks       {rules(plan.mode).placement} placement, {len(plan.stages) // len(plan.used_ranks)} stages "
            "on each worker: " + "; ".join(f"rank {rank} holds stages {', '.join(map(str, stages))}"
                                           for rank, stages, _ in _workers(plan))] if plan.placement else []),

@@ -84,7 +84,9 @@ def memory_lines(result, plan: Plan, config: RunConfig) -> list[str]:
         states.append(f"stage {stage} " + ", ".join(
             f"{term} {format_bytes(report.memory.get(term, 0))} / {format_bytes(planned[report.rank].get(term, 0))}"
             for term in ("weights", "gradients", "optimizer"))
-            + (f" (sharded over {plan.stages[first].replicas} replicas)" if plan.stages[first].shard != "none" else ""))
+            + {"none": "", "optimizer": f" (optimizer sharded over {plan.stages[first].replicas} replicas)",
+               "gradients": f" (optimizer and gradients sharded over {plan.stages[first].replicas} replicas: its "
+                            "gradients are its slice and bucket buffer)"}[plan.stages[first].shard])
         gap = memory_gap(report.memory, planned[report.rank])
         if gap:
             gaps.append(f"  - stage {stage}: {gap}")

@@ -74,6 +74,9 @@ class StageWorker:
         self._unchanged: dict[int, dict[str, int]] = {}  # recomputing: each stashed input's version counter
         self.split: dict[int, tuple[Any, int]] = {}  # minibatch -> (what its W needs, version) between B and W
         self.parameter_nodes = ParameterNodes()  # zb, zb2: the live weights' gradient accumulators, found once
+        self.reducer = self.stepper.reducer  # --shard gradients: each parameter's gradient handed over when made
+        for i, p in enumerate(self.live if self.reducer is not None else ()):
+            self._hand_over(i, p)
         self.losses: dict[int, float] = {}
 
     @property
@@ -200,9 +203,13 @@ class StageWorker:
             self.split[b] = (pending, v)
             return {k: g for k, g in zip(wanted_inputs, found) if g is not None}
         targets = list(params.values()) + inputs
+        if self.reducer is not None:  # each weight's gradient handed over as autograd makes it (its hook)
+            for i, p in enumerate(params.values()):
+                self._hand_over(i, p)
         if not (roots and targets):
             found = [None] * len(inputs)
-        elif self.live and targets[0] is self.live[0]:  # the live weights: autograd adds to their .grad itself
+        elif self.reducer is not None or (self.live and targets[0] is self.live[0]):
+            # the live weights (or, sharding gradients, a stashed version's copies): autograd adds to their .grad
             torch.autograd.backward(roots, seeds, inputs=targets)
             found = [leaf.grad for leaf in inputs]
         else:
@@ -219,10 +226,27 @@ class StageWorker:
         if self.weights.version_of[("W", b)] != v:
             raise LaunchError(f"worker {self.rank}: minibatch {b} ran its backward on version {v} but the schedule "
                               f"puts its weight gradients on version {self.weights.version_of[('W', b)]}")
-        if pending is not None:
+        if pending is not None and self.reducer is not None:
+            for i, grad in enumerate(weight_gradients(pending)):
+                if grad is not None:
+                    self.reducer.take(i, grad)
+        elif pending is not None:
             self._add_gradients(weight_gradients(pending))
         self.weights.used(v)
         self.stepper.backwards += 1
+
+    def _hand_over(self, i: int, p: torch.Tensor) -> None:
+        """With sharded gradients: parameter i's tensor `p` (live, or a stashed version's copy)
+        hands each gradient autograd gives it to the reducer, keeping none (once per tensor)."""
+        if getattr(p, "_pdtool_hands_over", False) or not p.requires_grad:
+            return
+
+        def hook(tensor: torch.Tensor) -> None:
+            grad, tensor.grad = tensor.grad, None
+            self.reducer.take(i, grad)
+
+        p.register_post_accumulate_grad_hook(hook)
+        p._pdtool_hands_over = True
 
     def _add_gradients(self, grads) -> None:
         for live, grad in zip(self.live, grads):

@@ -2,7 +2,7 @@
 
 One of the three interpreters of a schedule, beside the simulator (`simulate._Run`) and the
 message-protocol replay of the tests: `Interpreter` has one method per kind of op (`recv`,
-`send`, `forward`, `backward`, `weight_backward`, `allreduce`, `tie`, `step`), run by `run`.
+`send`, `forward`, `backward`, `weight_backward`, `allreduce`, `tie`, `reduce`, `step`), run by `run`.
 Before each op it posts the receives that enter the prefetch window (`comm.Prefetch`). Every F,
 B, W and step becomes an event of the worker's report (name, start, end in epoch seconds, each
 end taken after the device's queued work), which the trace and the busy time read.
@@ -94,7 +94,8 @@ class Interpreter:
         self.sent = (0, 0, set(), set(), 0)  # published so far: events, steps, losses, finished minibatches, evals
         self.at = 0  # index of the op being run
         self.kinds = {"recv": self.recv, "send": self.send, "F": self.forward, "B": self.backward,
-                      "W": self.weight_backward, "allreduce": self.allreduce, "tie": self.tie, "step": self.step,
+                      "W": self.weight_backward, "allreduce": self.allreduce, "tie": self.tie, "reduce": self.reduce,
+                      "step": self.step,
                       "E": self.evaluate}
         self.scores: Scores | None = None  # the last stage's sums of the evaluation round under way
 
@@ -244,6 +245,11 @@ class Interpreter:
     def tie(self, op: Op) -> None:
         """The sum of the gradients of weights shared with other stages."""
         self.context.collectives[collective_key(op)](self.workers[op.stage])
+
+    def reduce(self, op: Op) -> None:
+        """`--shard gradients`: the replicas' sum of what the backward left to reduce (an empty
+        one: zeros, `worker.gradient_shard`)."""
+        self.workers[op.stage].stepper.reducer.flush(real=op.weights)
 
     def step(self, op: Op) -> None:
         """The optimizer step, then the checkpoint that falls after it (replica 0 saves). The whole

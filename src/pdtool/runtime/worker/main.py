@@ -206,7 +206,8 @@ def _connect(config: RunConfig, plan: Plan, built: _Built, rank: int, device: to
     rings), its collectives, the whole model's gradient norm where the recipe clips it across
     stages (else None) and its stage's replicas' process group (None: no replicas). Every rank
     makes every process group, in one order."""
-    lowered = lower(built.schedule, sets(built.capture.stages), plan.schedule_ranks)
+    lowered = lower(built.schedule, sets(built.capture.stages), plan.schedule_ranks,
+                    reduce_each=plan.with_shard(config.shard).reduce_each)
     ops = lowered.workers[lowered.index(rank)]
     if built.evaluation is not None:
         ops = evaluation.with_evaluations(ops, sorted(built.stages), built.replica,
@@ -241,7 +242,7 @@ def _whole_norm(config: RunConfig, built: _Built, plan: Plan, device: torch.devi
     return norm
 
 
-def _stage_workers(config: RunConfig, built: _Built, device: torch.device, shard: tuple[bool, ...],
+def _stage_workers(config: RunConfig, built: _Built, device: torch.device, shard: tuple[str | None, ...],
                    replicas_group, ranks: list[tuple[int, ...]]) -> tuple[dict, dict]:
     """This worker's stages on its device, each with its optimizer (restored on --resume; its
     shard where `shard` says, gathered over `replicas_group`, whose replicas are `ranks[stage]`),
@@ -262,6 +263,8 @@ def _stage_workers(config: RunConfig, built: _Built, device: torch.device, shard
         if shard[index] and worker.stepper.optimizer is not None:
             worker.stepper.optimizer.gather = functools.partial(_gather, ranks=ranks[index],
                                                                 group=replicas_group)
+        if worker.stepper.reducer is not None:
+            worker.stepper.reducer.allreduce = functools.partial(dist.all_reduce, group=replicas_group)
         if config.resume:
             from .shards import restore
 
@@ -351,7 +354,8 @@ def _to(value, device: torch.device):
 
 def _collectives(ops, replicas_group, ties: dict) -> dict:
     """What each collective op of this worker runs, by `collective_key`: the replicas' gradient
-    mean (an all-reduce over `replicas_group`, or local with one replica) and the tied-weight sums."""
+    mean (an all-reduce over `replicas_group`, or local with one replica) and the tied-weight sums
+    (a `reduce` op, of sharded gradients, goes to the stage's `GradientReducer` itself)."""
     found = {}
     for op in {collective_key(op): op for op in ops if op.kind in ("allreduce", "tie")}.values():
         if op.kind == "allreduce" and len(op.group) > 1:
@@ -361,4 +365,5 @@ def _collectives(ops, replicas_group, ties: dict) -> dict:
             found[collective_key(op)] = lambda w: w.stepper.mean_gradients(None)
         elif op.kind == "tie":
             found[collective_key(op)] = ties[op.stages]
+
     return found

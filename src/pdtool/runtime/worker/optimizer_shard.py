@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from ...errors import LaunchError
+from .gradient_shard import GradientReducer
 
 Gather = Callable[..., None]
 """gather(buffer, size, whole=True): every replica's slice of `buffer` (the i-th `size` elements:
@@ -88,12 +89,15 @@ class ShardedOptimizer:
     """The optimizer of one replica's shard (see the module docstring). `build` makes a torch
     optimizer over parameter groups (`runtime.optimizers.build_over`); `groups` are the stage's
     (dicts of `params` and their settings) in the unsharded optimizer's order. `gather` is set
-    once the replicas' process group exists."""
+    once the replicas' process group exists. `order`: each live parameter's position in the stage
+    (given: the gradients are sharded too, `gradient_shard.GradientReducer`, whose slice the
+    pieces' gradients view)."""
 
     def __init__(self, groups: list[dict], build: Callable[[list[dict]], torch.optim.Optimizer], replicas: int,
-                 index: int):
+                 index: int, order: dict[torch.Tensor, int] | None = None):
         self.replicas, self.index = replicas, index
         self.layout = [_Group(list(g["params"]), replicas, index) for g in groups]
+        self.reducer = GradientReducer(self.layout, order) if order is not None else None
         mine = [dict(g, params=[piece for *_, piece in flat.pieces]) for g, flat in zip(groups, self.layout)]
         mine = [g for g in mine if g["params"]]
         self.optimizer = build(mine) if mine else None  # a replica whose slices are all padding steps nothing
@@ -118,7 +122,10 @@ class ShardedOptimizer:
         """Step this replica's pieces from the live weights' `.grad` (views, no copy), then
         all-gather every replica's slices into the live weights."""
         with torch.no_grad():
-            for group in self.layout:
+            if self.reducer is not None:  # the pieces' gradients: their parts of the reduced slice
+                for piece, grad in self.reducer.views().items():
+                    piece.grad = grad
+            for group in self.layout if self.reducer is None else ():
                 for p, start, _, piece in group.pieces:
                     piece.grad = None if p.grad is None else p.grad.reshape(-1)[start:start + piece.numel()]
             if self.optimizer is not None:
@@ -128,7 +135,10 @@ class ShardedOptimizer:
                 group.gather(self._gather)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Let every gradient go: the pieces' views and the live weights' own."""
+        """Let every gradient go: the pieces' views and the live weights' own (a sharded
+        gradient's slice is zeroed; it stays for the next step)."""
+        if self.reducer is not None:
+            self.reducer.zero()
         for group in self.layout:
             for *_, piece in group.pieces:
                 piece.grad = None

@@ -45,7 +45,7 @@ class Stepper:
 
     def __init__(self, *, stage, schedule: Schedule, names: list[str], live: list[torch.nn.Parameter], weights,
                  optimizer: OptimizerConfig, first: int = 0, no_decay: frozenset[str] = frozenset(),
-                 model_parameters: int | None = None, precision: str = "fp32", sharded: bool = False,
+                 model_parameters: int | None = None, precision: str = "fp32", sharded: bool | str = False,
                  replica: int = 0):
         self.schedule = schedule
         self.live = live
@@ -57,8 +57,11 @@ class Stepper:
         # loss / m; the mean over the step's backwards then leaves the gradients scale / m times the true mean
         self.per_step_last = step_group(schedule, schedule.stages - 1)
         named = [(stage.param_names.get(n, n), p) for n, p in zip(names, live)]
+        # sharded: "optimizer" (or True) shards the optimizer state, "gradients" the summed gradients too
         self.optimizer = _optimizer(optimizer, named, lr_scale(schedule, stage.index), no_decay,
-                                    schedule.replicas[stage.index] if sharded else 1, replica)
+                                    schedule.replicas[stage.index] if sharded else 1, replica,
+                                    {p: i for i, p in enumerate(live)} if sharded == "gradients" else None)
+        self.reducer = getattr(self.optimizer, "reducer", None)  # --shard gradients: `gradient_shard`
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
         # the learning-rate clock: steps of stage 0 before this stage's next step (`runtime.recipe`)
         per_step = step_group(schedule, 0)
@@ -93,6 +96,9 @@ class Stepper:
                 for p in self.live:
                     if p.grad is not None:
                         p.grad.div_(self.backwards)
+        elif self.reducer is not None:  # reduced after each backward: the mean of what the slice holds
+            self.weights.keep_current()
+            self.reducer.mean()
         else:
             buffer = self.gradient_buffer()
             allreduce(buffer)
@@ -113,7 +119,7 @@ class Stepper:
         if self.loss_scale is not None:
             self.loss_scale.update(skipped)
         if self.clip_budget is not None and not skipped:
-            optim.clip([p.grad for p in self.live if p.grad is not None], self.clip_budget, norm)
+            optim.clip(self._grads(), self.clip_budget, norm)
         self.step_log.append((lr, norm if self.clip_budget is not None else None,
                               whole or self.schedule.stages == 1, skipped))
         self._step_optimizer(skipped)
@@ -122,7 +128,7 @@ class Stepper:
     def unscale(self) -> None:
         """fp16: divide this step's gradients by the loss scale (once per step)."""
         if self.loss_scale is not None and not self.unscaled:
-            grads = [p.grad for p in self.live if p.grad is not None]
+            grads = self._grads()
             if grads:
                 torch._foreach_mul_(grads, self.per_step_last / self.loss_scale.value)
             self.unscaled = True
@@ -131,7 +137,19 @@ class Stepper:
         """The squared norm of this stage's gradients (a tied parameter's only in its owner stage),
         unscaled; not finite when one overflowed."""
         self.unscale()
+        if self.reducer is not None:  # each replica holds a slice: their squares summed (no tied weights here)
+            total = torch.tensor([optim.squared_norm(self.reducer.accumulators)], dtype=torch.float64,
+                                 device=self.reducer.buffer.device)
+            self.reducer.allreduce(total)
+            return float(total)
         return optim.squared_norm([p.grad for p in self.owned if p.grad is not None])
+
+    def _grads(self) -> list[torch.Tensor]:
+        """The gradients the step applies: the live weights', or with sharded gradients this
+        replica's slices of them."""
+        if self.reducer is not None:
+            return list(self.reducer.accumulators)
+        return [p.grad for p in self.live if p.grad is not None]
 
     def lr_now(self) -> float:
         """The learning rate of this stage's next step (its first group's, with the mode's factor)."""
@@ -198,12 +216,13 @@ class Stepper:
 
 
 def _optimizer(recipe: OptimizerConfig, named: list, scale: float, no_decay: frozenset[str], replicas: int,
-               replica: int):
+               replica: int, order: dict | None = None):
     """The recipe's optimizer over `named` (None without parameters); with `replicas` > 1, this
-    replica's shard of it (`optimizer_shard`)."""
+    replica's shard of it (`optimizer_shard`), its gradients' too with `order` (each parameter's
+    position in the stage)."""
     if not named:
         return None
     if replicas == 1:
         return optimizers.build_optimizer(recipe, named, scale, no_decay)
     groups = optimizers.param_groups(named, recipe.weight_decay, no_decay)
-    return ShardedOptimizer(groups, lambda flat: optimizers.build_over(recipe, flat, scale), replicas, replica)
+    return ShardedOptimizer(groups, lambda flat: optimizers.build_over(recipe, flat, scale), replicas, replica, order)
