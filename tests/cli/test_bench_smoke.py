@@ -25,7 +25,7 @@ def test_time_to_accuracy_runs_and_prints_its_table(tmp_path):
     ("profile_speed", "| hf GPT-2, tiny |"),
     ("train_speed", "| zbv | 0,3 / 1,2 |"),  # the chunk rows (zbv alone in --smoke) come last: every part ran
     ("recompute", "time per minibatch: keeping"),
-    ("shard", "- target: each replica's measured peak lowered"),
+    ("shard", "- target: --shard gradients lowered"),
     ("big_model", "losses, one process:"),
     ("startup", "start-up after/before"),
     ("real_links", "bf16 / fp32 time per minibatch"),  # or its one line saying it cannot emulate machines here

@@ -239,3 +239,20 @@ def test_pd_plan_shard_gradients_writes_it(tmp_path):
     assert result.exit_code == 0, result.output
     plan = Plan.load(str(out))
     assert plan.stages[0].shard == "gradients" and plan.reduce_each == (0,) and plan.gradient_sharding_refusal() is None
+
+
+def test_auto_shards_the_gradients_where_only_that_fits():
+    """Twelve layers of 10 MB of parameters on 2 workers with AdamW under 360 MB: one stage of all of them fits
+    neither unsharded (weights 120, gradients 120, state 240, step temporaries 20: 500 MB) nor with its optimizer
+    state sharded (380 MB); with its gradients sharded too (60 MB and two 10 MB buckets for 120 MB: 340 MB) it
+    does, and auto takes that, the least sharding that fits."""
+    from pdtool.planner.costmodel import ChainCosts, DefaultModel
+    from pdtool.planner.partition import Solver
+
+    profile = chain_profile([1.0] * 12, [10e6] * 12, [1e3] * 12)
+    solver = Solver(ChainCosts.from_profile(profile), [2], [10e9], DefaultModel(),
+                    memory=memory_model(360e6, 2, "fp32", "flush"), shard="auto")
+    where = dict(level=0, context=(0, 1), r=2, before=0, first=True, final=True)
+    assert solver.shards(**where, k=0, j=12) == "gradients"
+    assert float(solver._stage(0, (0, 1), 2, 0, True, True)[0, 12]) < float("inf")
+    assert solver.shards(**where, k=0, j=6) == "none"  # half the layers fit unsharded
