@@ -78,17 +78,19 @@ class Memory:
 
     def need(self, params: np.ndarray | float, stashed: np.ndarray | float, in_flight: int, versions: int | None = None,
              recompute: np.ndarray | float | None = None, cut: tuple | None = None, largest: np.ndarray | float = 0.0,
-             sharing: int = 1, shard: str | None = None):
+             sharing: int = 1, shard: str | None = None, replicas: int = 1):
         """Bytes one worker needs: weight versions (under 1F1B as many as minibatches in flight),
         gradient and optimizer state, stashed activations, messages and temporaries (the sum of `terms`)."""
-        return sum(self.terms(params, stashed, in_flight, versions, recompute, cut, largest, sharing, shard).values())
+        return sum(self.terms(params, stashed, in_flight, versions, recompute, cut, largest, sharing, shard,
+                              replicas).values())
 
     def sharing(self, replicas: int) -> int:
         """The replicas that share a stage's state in the planner's plans."""
         return replicas if self.shard != "none" else 1
 
     def terms(self, params, stashed, in_flight: int, versions: int | None = None, recompute=None,
-              cut: tuple | None = None, largest=0.0, sharing: int = 1, shard: str | None = None) -> dict:
+              cut: tuple | None = None, largest=0.0, sharing: int = 1, shard: str | None = None,
+              replicas: int = 1) -> dict:
         """`need` by term: `weights` (its fp32 versions: the master weights), `gradients`,
         `optimizer` (its state), `activations` (what the minibatches in flight stash), `messages`
         (see below) and, in mixed precision, `compute copies` (the bf16/fp16 weights autocast
@@ -120,7 +122,12 @@ class Memory:
         (`runtime.worker.gradient_shard`): each also keeps 1/sharing of the gradients, and while a
         backward runs the gradients of the bucket being filled and the bucket's buffer, two
         buckets of `GRADIENT_BUCKET_BYTES` or the largest layer; where the mode `splits` its
-        backward, its W makes the stage's gradients at once: the whole gradient instead."""
+        backward, its W makes the stage's gradients at once: the whole gradient instead.
+
+        `replicas`: the stage's replicas. Where there are several and they do not shard their
+        gradients, each keeps, beside the gradients it accumulates, the flat buffer it all-reduces
+        them in, from one step to the next (`runtime.worker.stepper.Stepper.gradient_buffer`): two
+        gradients."""
         if versions is None:
             versions = in_flight if self.versions_kept is None else np.minimum(in_flight, self.versions_kept)
         held = in_flight if recompute is None else 1
@@ -129,7 +136,7 @@ class Memory:
             transient = params if self.splits else 2 * np.minimum(params, np.maximum(GRADIENT_BUCKET_BYTES, largest))
             gradients = params / sharing + transient
         else:
-            gradients = params
+            gradients = params * (2 if replicas > 1 else 1)
         terms = {"weights": params * versions, "gradients": gradients,
                  "optimizer": params * self.optimizer_slots / sharing, "activations": activations}
         if cut is not None:
@@ -171,4 +178,5 @@ class Memory:
         """`terms` of a worker of plan stage `stage` (recomputing as the plan says)."""
         return self.terms(stage.param_bytes, stage.activation_bytes, in_flight, versions,
                           stage.in_bytes if stage.recompute else None, (stage.in_bytes, stage.out_bytes),
-                          stage.largest_layer_bytes, stage.replicas if stage.shard != "none" else 1, stage.shard)
+                          stage.largest_layer_bytes, stage.replicas if stage.shard != "none" else 1, stage.shard,
+                          stage.replicas)

@@ -139,7 +139,8 @@ class BruteForce:
         stashed = self.space.sum(self.c.stashes, stage) + self.space.cut(a)
         largest = max((self.c.params[v] for v in stage), default=0.0)
         return self.memory.need(self.space.sum(self.c.params, stage), stashed, k,
-                                cut=(self.space.cut(a), self.space.cut(b)), largest=largest) <= self.memory.limit
+                                cut=(self.space.cut(a), self.space.cut(b)), largest=largest,
+                                replicas=outer * r) <= self.memory.limit
 
     def best(self, level, a, b, context=(0, 1)):
         key = (level, a, b, context)

@@ -497,7 +497,7 @@ def _leaf(stage: PipelineStage, *, terms: dict, outer: int, ranks: list[int], pr
     need = memory.need(float(solver.params[a, b]), float(solver.stashed[a, b]), k,
                        recompute=float(solver.states.cut[a]) if stage.recompute else None,
                        cut=(float(solver.states.cut[a]), float(solver.states.cut[b])), largest=largest, sharing=sharing,
-                       shard=kind)
+                       shard=kind, replicas=len(ranks))
     params = sum(l.param_bytes for l in layers)
     share = params / total_params if total_params else 0.0
     scale = profile.compute_scale  # the layers' times scaled to the measured step, as in `costs`

@@ -222,7 +222,8 @@ class Solver:
         for again, kind in ways:
             sharing = outer * r if kind else self.memory.sharing(outer * r)
             need = self.memory.need(self.params, self.stashed, k, recompute=self.states.cut[:, None] if again else None,
-                                    cut=cut, largest=self.largest, sharing=sharing, shard=SHARDS[kind] if kind else None)
+                                    cut=cut, largest=self.largest, sharing=sharing, shard=SHARDS[kind] if kind else None,
+                                    replicas=outer * r)
             way = times if not (again or kind) else priced(self.again if again else self.compute, bool(kind))
             better = (need <= self.memory.limit) & (way < best)
             best = np.where(better, way, best)
