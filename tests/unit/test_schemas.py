@@ -28,6 +28,8 @@ def written(profile_path, message_ms_per_mib=None):
     plan = make_plan(profile, parse_cluster("cluster-a:2", memory="16GiB"), simulate=True,  # `recompute` and
                      recompute="all" if measured else "auto", mode="flush" if measured else None,  # `group` are
                      group=16 if measured else None, shard="optimizer" if measured else "none")  # written when set
+    if measured:
+        plan = dataclasses.replace(plan, optimizer="adamw")  # pd plan records it (make_plan leaves it out)
     return profile.to_json(), plan.to_json()
 
 

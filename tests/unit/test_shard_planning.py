@@ -1,5 +1,6 @@
 """`--shard optimizer` and `--shard gradients` (issue 38) in the plan file, the memory and cost models, the planner, the
 simulator and the views: no worker starts here (tests/dist/test_shard.py runs them)."""
+import dataclasses
 import json
 from pathlib import Path
 
@@ -239,10 +240,19 @@ def test_pd_plan_shard_gradients_writes_it(tmp_path):
     out = tmp_path / "p.json"
     profile = str(ROOT / "profiles" / "gpt-small.profile.json")
     result = CliRunner().invoke(cli, ["plan", profile, "-c", "4x10GB/s", "--data-parallel", "--shard", "gradients",
-                                      "-o", str(out)])
+                                      "--optimizer", "adamw", "-o", str(out)])
     assert result.exit_code == 0, result.output
     plan = Plan.load(str(out))
     assert plan.stages[0].shard == "gradients" and plan.reduce_each == (0,) and plan.gradient_sharding_refusal() is None
+    # pd show: each worker's memory by term, with the optimizer the plan recorded (AdamW: 2 x the parameters / 4)
+    assert plan.optimizer == "adamw"
+    table = plan_table(plan)
+    assert "memory per worker by term (--optimizer adamw" in table
+    params = plan.stages[0].param_bytes
+    row = table.split("memory per worker by term")[1].splitlines()[3].split()
+    assert float(row[4]) == pytest.approx(2 * params / 4 / 2**20, abs=0.06)  # optimizer MiB
+    assert float(row[3]) == pytest.approx((params / 4 + 2 * 4 * 2**20) / 2**20, abs=0.06)  # gradients: slice, 2 buckets
+    assert "memory per worker by term" not in plan_table(dataclasses.replace(plan, optimizer=None))  # older plans
 
 
 def test_auto_shards_the_gradients_where_only_that_fits():

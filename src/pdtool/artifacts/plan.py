@@ -303,6 +303,9 @@ class Plan(Artifact):
     group: int | None = field(Int(1), None, omit=None, doc="Microbatches per optimizer step that pd plan chose "
                               "(--group, --batch or a joint search) and predicted: pd train's default --group in a "
                               "mode that steps per group. Absent: the mode's default (the stages).")
+    optimizer: str | None = field(Str(("sgd", "adam", "adamw")), None, omit=None, doc="The optimizer whose state "
+                                  "the memory model counted (pd plan --optimizer); pd show prints each worker's memory "
+                                  "terms with it. Absent in plans written before it was recorded.")
     stages: tuple[PlanStage, ...] = field(Records(PlanStage, min_items=1), doc="One stage each: its layers, "
                                           "replicated on `ranks`; times are ms per minibatch as the cost model "
                                           "charges them.")

@@ -76,6 +76,7 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
     (or a list of modes) it plans every schedule family (a mode at its stages per worker) alone
     and keeps the fastest.
     """
+    import dataclasses
     import os
 
     from ..artifacts.cluster import parse_cluster
@@ -128,6 +129,7 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
     else:
         result = make_plan(profile, cluster, straight=straight, data_parallel=data_parallel, mode=single, group=m,
                            say=say, **options)
+    result = dataclasses.replace(result, optimizer=optimizer)  # what its memory figures counted: pd show's terms
     refusal = result.gradient_sharding_refusal()
     if refusal:
         raise PlanError(f"{profile_path}: the plan's {refusal}")

@@ -55,6 +55,23 @@ def profile_table(profile: Profile, top: int = 15) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _memory_terms(plan: Plan) -> list[str]:
+    """Each worker's planned memory by term (`prediction.planned_memory`: weights, gradients,
+    optimizer state, activations, ...), in the plan's mode and group with the optimizer it was
+    planned with; nothing for a plan that does not record it."""
+    if plan.optimizer is None:
+        return []
+    from ..sim.prediction import planned_memory
+
+    planned = planned_memory(plan, None, None, plan.optimizer, plan.profile.precision)
+    stage_of = {rank: ",".join(str(i) for i, s in enumerate(plan.stages) if rank in s.ranks) for rank in planned}
+    rows = [{"rank": rank, "stage": stage_of[rank], **{f"{term} MiB": value / 2**20 for term, value in terms.items()},
+             "total MiB": sum(terms.values()) / 2**20} for rank, terms in sorted(planned.items())]
+    table = pd.DataFrame(rows).fillna(0.0).to_string(index=False, float_format=lambda x: f"{x:.1f}")
+    return ["", f"memory per worker by term (--optimizer {plan.optimizer}; the run's schedule holds what the memory "
+                "GiB column's 1F1B count gives or less):", table]
+
+
 def plan_table(plan: Plan) -> str:
     """Per-stage table of a plan (layers, replicas, ranks, times, memory) and its predictions."""
     pred = plan.predicted
@@ -103,6 +120,7 @@ def plan_table(plan: Plan) -> str:
         "",
         table,
     ]
+    lines += _memory_terms(plan)
     if plan.groups:
         groups = pd.DataFrame({
             "level": g.level, "layers": compact_ranges(g.layers), "units": g.units, "compute ms": g.compute_ms,
