@@ -67,6 +67,13 @@ def test_a_sharded_optimizer_ends_with_the_unsharded_weights_bit_for_bit(tmp_pat
     for (stage, replica), held in every.items():
         for name, value in held.items():
             assert torch.equal(value, every[(stage, 0)][name])
+    # measured gradients of a replica of the replicated stage: unsharded, its gradient and the flat buffer it
+    # all-reduces in (and the count of backwards); sharded, its slice and one bucket's buffer (here the whole stage)
+    held = {how: [r.memory["gradients"] for r in reports.values() if r.stage == replicated]
+            for how, reports in (("plain", plain), ("gradients", grads))}
+    params = next(r.memory["weights"] // (1 + r.peak_versions) for r in plain.values() if r.stage == replicated)
+    assert held["plain"] == [2 * params + 4] * 2, (held, params)
+    assert all(params // 2 < g < held["plain"][0] for g in held["gradients"]), (held, params)
     for report in grads.values():  # fp16's skipped steps as unsharded
         unsharded = next(r for r in plain.values() if r.rank == report.rank)
         assert [e[-1] for e in report.step_log] == [e[-1] for e in unsharded.step_log]

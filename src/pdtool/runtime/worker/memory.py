@@ -93,8 +93,9 @@ def measure(workers, device: torch.device, base: int, startup: int = 0) -> dict[
     `training_starts`, which returned `startup`, start-up's peak; less the file pages, as `base`),
     `files` (the file pages at the end) and training's peak beyond `base` by term (`TERMS`), for a
     `StageWorker` whose run is done: its weights and the most versions it stashed, one gradient per
-    parameter (as every backward has; with sharded gradients the slice it keeps and its bucket
-    buffer), its optimizer's state tensors; `activations` is what
+    parameter (as every backward has) and, on a replicated stage, the flat buffer its replicas
+    all-reduce in (with sharded gradients: the slice it keeps and its bucket buffer instead), its
+    optimizer's state tensors; `activations` is what
     remains of the peak. `workers`: one StageWorker, or the list of a worker of several stages."""
     workers = workers if isinstance(workers, (list, tuple)) else [workers]
     files = 0
@@ -111,7 +112,9 @@ def measure(workers, device: torch.device, base: int, startup: int = 0) -> dict[
                                   if torch.is_tensor(t))
         exact["weights"] += params * (1 + worker.peak_versions)
         reducer = getattr(worker.stepper, "reducer", None)  # --shard gradients: its slice and bucket buffer, not a whole gradient
-        exact["gradients"] += params if reducer is None else reducer.nbytes
+        flat = getattr(worker.stepper, "_flat", None)  # replicas unsharded: the buffer they all-reduce in, kept
+        exact["gradients"] += (params + (flat.numel() * flat.element_size() if flat is not None else 0)
+                               if reducer is None else reducer.nbytes)
     rest = max(training - base - sum(exact.values()), 0)
     return {"base": base, "peak": max(peak, startup), "training": training, **exact, "activations": rest,
             "files": files}
