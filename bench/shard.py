@@ -93,7 +93,10 @@ def main() -> None:
             refused = "planned" if os.path.exists(plan(f"{less}-limited", "--memory", f"{limit}B", "--shard", less)) \
                 else "refused (pd plan: no plan fits)"
             paths[more] = plan(more, "--memory", f"{limit}B", "--shard", more)
-            print(f"under --memory {format_bytes(limit)}: --shard {less} {refused}, --shard {more} planned")
+            auto = Plan.load(plan(f"auto-{more}", "--memory", f"{limit}B", "--shard", "auto"))
+            same = [s.shard for s in auto.stages] == [s.shard for s in Plan.load(paths[more]).stages]
+            print(f"under --memory {format_bytes(limit)}: --shard {less} {refused}, --shard {more} planned; --shard auto "
+                  f"shards {', '.join(s.shard for s in auto.stages)}{' (the same plan)' if same else ''}")
         print(f"{'shard':>9} {'replica':>7} {'measured MiB':>12} {'planned MiB':>11} {'measured/planned':>16} "
               f"{'optimizer MiB':>13} {'planned':>7} {'gradients MiB':>13} {'planned':>7}")
         peaks, times, predicted = {}, {}, {}

@@ -122,7 +122,7 @@ class Memory:
         (`runtime.worker.gradient_shard`): each also keeps 1/sharing of the gradients, and while a
         backward runs the gradients of the bucket being filled and the bucket's buffer, two
         buckets of `GRADIENT_BUCKET_BYTES` or the largest layer; where the mode `splits` its
-        backward, its W makes the stage's gradients at once: the whole gradient instead.
+        backward, its W makes the stage's gradients at once: the whole gradient and the buffer.
 
         `replicas`: the stage's replicas. Where there are several and they do not shard their
         gradients, each keeps, beside the gradients it accumulates, the flat buffer it all-reduces
@@ -133,7 +133,8 @@ class Memory:
         held = in_flight if recompute is None else 1
         activations = in_flight * stashed if recompute is None else (in_flight - 1) * recompute + stashed
         if (shard or self.shard) == "gradients" and sharing > 1:
-            transient = params if self.splits else 2 * np.minimum(params, np.maximum(GRADIENT_BUCKET_BYTES, largest))
+            bucket = np.minimum(params, np.maximum(GRADIENT_BUCKET_BYTES, largest))
+            transient = (params if self.splits else bucket) + bucket  # what waits for its bucket, and the buffer
             gradients = params / sharing + transient
         else:
             gradients = params * (2 if replicas > 1 else 1)

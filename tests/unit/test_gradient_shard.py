@@ -126,3 +126,22 @@ def test_zero_keeps_the_slice_and_counts_afresh():
     assert [a.data_ptr() for a in reducer.accumulators] == kept
     # its bytes: the slices (padded to the replicas) and one bucket's buffer
     assert reducer.nbytes == 4 * (sum(g.slice for g in reducer.layout) + reducer.buffer.numel())
+
+
+def test_a_gradient_after_its_bucket_went_is_one_line_not_a_wrong_mean():
+    """A parameter whose hook fires again after its bucket was reduced (a reentrant checkpoint around a weight used
+    twice) would carry its late gradient into the next backward: refused."""
+    from pdtool.errors import LaunchError
+
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+    groups = optimizers.param_groups([(f"p{i}", p) for i, p in enumerate(params)], 0.0, frozenset())
+    shard = ShardedOptimizer(groups, lambda flat: optimizers.build_over(ADAMW, flat), 1, 0,
+                             {p: i for i, p in enumerate(params)})
+    reducer = shard.reducer
+    reducer.__init__(shard.layout, {p: i for i, p in enumerate(params)}, 1)  # a bucket a parameter
+    reducer.allreduce = lambda buffer: None
+    last = len(params) - 1  # the first bucket: reduced as soon as its gradient comes
+    reducer.take(last, torch.ones(SHAPES[last]))
+    assert reducer.next == 1
+    with pytest.raises(LaunchError, match="second gradient in one backward after its bucket"):
+        reducer.take(last, torch.ones(SHAPES[last]))

@@ -169,7 +169,8 @@ def test_gradient_sharing_keeps_a_slice_and_two_buckets():
         {k: v for k, v in optimizer.items() if k != "gradients"}
     # a split backward's W makes every weight gradient of a backward at once
     split = memory_model(None, 2, "fp32", "zb", shard="gradients")
-    assert split.terms(1e9, 10.0, in_flight=1, largest=1e5, sharing=4)["gradients"] == 1e9 / 4 + 1e9
+    assert split.terms(1e9, 10.0, in_flight=1, largest=1e5, sharing=4)["gradients"] == \
+        1e9 / 4 + 1e9 + GRADIENT_BUCKET_BYTES
     assert memory_model(None, 2, "fp32", "flush", shard="auto").shard == "none"
 
 
@@ -270,3 +271,28 @@ def test_auto_shards_the_gradients_where_only_that_fits():
     assert solver.shards(**where, k=0, j=12) == "gradients"
     assert float(solver._stage(0, (0, 1), 2, 0, True, True)[0, 12]) < float("inf")
     assert solver.shards(**where, k=0, j=6) == "none"  # half the layers fit unsharded
+
+
+def test_pipedream_with_a_replicated_middle_stage_deadlocks_past_its_warm_up_and_is_refused():
+    """pipedream on replicas (1, 3, 1) runs 2 minibatches without a deadlock and deadlocks from the 6th on once the
+    middle stage's replicas reduce after every backward: the check runs past the warm-up of every round. A stage
+    without parameters has nothing to reduce."""
+    import dataclasses
+
+    from pdtool.schedule import generate
+    from pdtool.schedule.check import check_reduce_each
+    from pdtool.errors import ScheduleError
+
+    check_reduce_each(generate("pipedream", (1, 3, 1), 2, 1), (1,))
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_reduce_each(generate("pipedream", (1, 3, 1), 6, 1), (1,))
+    straight = make_plan(chain_profile([1.0] * 3, [1e6] * 3, [1e3] * 3), parse_cluster("5x10GB/s"), straight=True,
+                         mode="pipedream", simulate=False)
+    stages = tuple(dataclasses.replace(s, ranks=ranks, shard="gradients" if len(ranks) > 1 else "none")
+                   for s, ranks in zip(straight.stages, [(0,), (1, 2, 3), (4,)]))
+    plan = dataclasses.replace(straight, stages=stages)
+    assert plan.reduce_check_steps() >= 6 and "deadlock" in plan.gradient_sharding_refusal()
+    assert "deadlock" in plan.gradient_sharding_refusal() and plan.with_shard("optimizer").gradient_sharding_refusal() \
+        is None
+    weightless = dataclasses.replace(plan, stages=(stages[0], dataclasses.replace(stages[1], param_bytes=0), stages[2]))
+    assert weightless.reduce_each == () and weightless.gradient_sharding_refusal() is None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 from dataclasses import InitVar, dataclass
 from pathlib import Path
@@ -344,11 +345,22 @@ class Plan(Artifact):
     def reduce_each(self) -> tuple[int, ...]:
         """The stages whose replicas reduce their gradients after every backward (`--shard
         gradients`: `REDUCES_EACH_BACKWARD`), for `schedule.lower`."""
-        return tuple(i for i, s in enumerate(self.stages) if s.shard in REDUCES_EACH_BACKWARD and s.replicas > 1)
+        return tuple(i for i, s in enumerate(self.stages)
+                     if s.shard in REDUCES_EACH_BACKWARD and s.replicas > 1 and s.param_bytes > 0)
+
+    def reduce_check_steps(self) -> int:
+        """Steps of stage 0 whose schedule shows whether the replicas that reduce after every
+        backward deadlock (`gradient_sharding_refusal`): two, and past the warm-up of every
+        replica's round (a pipeline without flushes reaches its steady order only after about
+        stages x lcm(replicas) minibatches; a deadlock there shows from 6 minibatches on a (1, 3, 1)
+        pipedream pipeline)."""
+        run = self.run()
+        horizon = 4 * len(self.stages) * math.lcm(*(s.replicas for s in self.stages))
+        return max(2, -(-horizon // run.per_step))
 
     def gradient_sharding_refusal(self, schedule=None) -> str | None:
         """Why the replicas of the stages that shard their gradients (`reduce_each`) cannot in
-        `schedule` (default: two steps of the plan's mode and group), in one line, or None: a
+        `schedule` (default: `reduce_check_steps` steps of the plan's mode and group), in one line, or None: a
         weight shared with another stage (its copies add their whole gradients at the step), or a
         deadlock once the replicas reduce after every backward (`schedule.check.check_reduce_each`)."""
         from ..schedule import generate
@@ -364,12 +376,15 @@ class Plan(Artifact):
                     f"{', '.join(map(str, users))}, which add its whole gradient at every step; use --shard optimizer")
         if schedule is None:
             run = self.run()
-            schedule = generate(run.name, [s.replicas for s in self.stages], 2 * run.per_step, run.group,
-                                placement=self.placement)
+            schedule = generate(run.name, [s.replicas for s in self.stages], self.reduce_check_steps() * run.per_step,
+                                run.group, placement=self.placement)
         try:
             check_reduce_each(schedule, stages)
         except ScheduleError as error:
-            return f"--shard gradients: {error}"
+            found = str(error).split("; reorder the actions")[0]
+            return (f"--shard gradients would deadlock this schedule once the replicas of stage(s) "
+                    f"{', '.join(map(str, stages))} reduce after every backward ({found}); use --shard optimizer, or "
+                    "another mode (flush)")
         return None
 
     def with_shard(self, shard: str | None) -> "Plan":

@@ -132,7 +132,8 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
     result = dataclasses.replace(result, optimizer=optimizer)  # what its memory figures counted: pd show's terms
     refusal = result.gradient_sharding_refusal()
     if refusal:
-        raise PlanError(f"{profile_path}: the plan's {refusal}")
+        raise PlanError(f"{profile_path}: the plan's {refusal}"
+                        + (" (--shard auto chose gradients: give --shard optimizer)" if shard == "auto" else ""))
     result.save(output)
     if output != "-":
         pred = result.predicted

@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from ...errors import LaunchError
 from ...memory import GRADIENT_BUCKET_BYTES as BUCKET_BYTES  # a bucket's gradients (a larger parameter: its own)
 
 Allreduce = Callable[[torch.Tensor], None]  # sums a flat buffer over the stage's replicas, in place
@@ -81,6 +82,10 @@ class GradientReducer:
     def take(self, index: int, grad: torch.Tensor) -> None:
         """Parameter `index`'s gradient of this backward (added to one it already gave); the
         buckets it completes are reduced."""
+        if self.bucket_of[index] < self.next:  # its bucket went: the sum would carry it into the next backward
+            raise LaunchError(f"parameter {index} of this stage got a second gradient in one backward after its bucket "
+                              "was reduced (a reentrant torch.utils.checkpoint around a weight used twice?); use "
+                              "--shard optimizer, or checkpoint with use_reentrant=False")
         held = self.held.get(index)
         self.held[index] = grad if held is None else held.add_(grad)
         while self.next < len(self.buckets) and all(i in self.held for i, _, _ in self.buckets[self.next][1]):
@@ -94,6 +99,7 @@ class GradientReducer:
             self._reduce(self.next, 1.0 if real else 0.0)
             self.next += 1
         self.next = 0
+        assert not self.held, "every bucket was reduced, so no gradient is held"
 
     def _reduce(self, b: int, count: float) -> None:
         if self.allreduce is None:

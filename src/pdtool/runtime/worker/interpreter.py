@@ -249,7 +249,9 @@ class Interpreter:
     def reduce(self, op: Op) -> None:
         """`--shard gradients`: the replicas' sum of what the backward left to reduce (an empty
         one: zeros, `worker.gradient_shard`)."""
-        self.workers[op.stage].stepper.reducer.flush(real=op.weights)
+        reducer = self.workers[op.stage].stepper.reducer
+        if reducer is not None:  # a stage without parameters has nothing to reduce (and no replica of it has)
+            reducer.flush(real=op.weights)
 
     def step(self, op: Op) -> None:
         """The optimizer step, then the checkpoint that falls after it (replica 0 saves). The whole

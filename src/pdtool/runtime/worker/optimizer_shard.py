@@ -48,7 +48,7 @@ class _Group:
     def __init__(self, params: list[torch.nn.Parameter], replicas: int, index: int):
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) > 1:
-            raise LaunchError(f"--shard optimizer lays a parameter group out in one buffer, but its parameters have "
+            raise LaunchError(f"--shard optimizer/gradients lays a parameter group out in one buffer, but its parameters have "
                               f"{len(kinds)} dtypes or devices ({sorted(str(d) for d, _ in kinds)}); use --shard none")
         self.params = params
         size = sum(p.numel() for p in params)
