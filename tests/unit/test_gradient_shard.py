@@ -34,11 +34,12 @@ class _Sum:
         return allreduce
 
 
-def _run(r, backwards, grads, bucket_bytes, skip=(), empty=()):
+def _run(r, backwards, grads, bucket_bytes, skip=(), empty=(), announce=False):
     """Each replica's (reducer, its pieces' gradients, the most gradient elements it held at once)
     after `backwards` backwards; `grads[me][k]` are replica me's gradients of backward k (in the
     stage's parameter order); a parameter in `skip` gets no gradient; (replica, k) in `empty`:
-    that replica's backward k is an empty reduce (it runs fewer backwards)."""
+    that replica's backward k is an empty reduce (it runs fewer backwards); `announce`: the
+    skipped ones are said absent before the backward (`reached` found no path to them)."""
     total = _Sum(r)
     found, errors = [None] * r, []
 
@@ -57,10 +58,12 @@ def _run(r, backwards, grads, bucket_bytes, skip=(), empty=()):
                 if (me, k) in empty:
                     reducer.flush(real=False)
                     continue
+                for i in skip if announce else ():
+                    reducer.absent(i)
                 for i in reversed(range(len(params))):  # as a backward makes them: the last layer's first
                     if i not in skip:
                         reducer.take(i, grads[me][k][i].clone())
-                    most = max(most, sum(g.numel() for g in reducer.held.values()))
+                    most = max(most, sum(g.numel() for g in reducer.held.values() if g is not None))
                 reducer.flush()
             reducer.mean()
             found[me] = (reducer, reducer.views(), most, shard)
@@ -145,3 +148,20 @@ def test_a_gradient_after_its_bucket_went_is_one_line_not_a_wrong_mean():
     assert reducer.next == 1
     with pytest.raises(LaunchError, match="second gradient in one backward after its bucket"):
         reducer.take(last, torch.ones(SHAPES[last]))
+
+
+def test_a_parameter_the_backward_does_not_reach_holds_no_bucket_back():
+    """An early bucket's parameter without a gradient holds every later bucket's gradients until the backward ends;
+    said absent up front (autograd's graph does not reach it: `reached`), it adds zeros and the buckets go on."""
+    from pdtool.runtime.worker.gradient_shard import reached
+
+    torch.manual_seed(3)
+    grads = [[[torch.randn(s) for s in SHAPES] for _ in range(2)] for _ in range(2)]
+    late = 2  # the (4, 6) weight: the first bucket of a backward (weights before biases, the last layer first)
+    blocked = _run(2, 2, grads, 64, skip={late})[0][0][2]
+    found, _ = _run(2, 2, grads, 64, skip={late}, announce=True)
+    assert found[0][2] < blocked and found[0][2] <= 2 * 30  # a bucket's worth (the largest parameter: 30)
+    # reached: the leaves a backward from the roots accumulates into
+    w, unused = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    x = torch.ones(3, requires_grad=True)
+    assert reached([(w * x).sum()]) == {id(w), id(x)}

@@ -31,6 +31,7 @@ from ...precision import autocast, message_dtype
 from ...errors import LaunchError
 from ...schedule import Action, Schedule
 from ..run import OptimizerConfig
+from .gradient_shard import reached
 from .split_backward import ParameterNodes, input_gradients, weight_gradients
 from .stepper import Stepper
 
@@ -206,6 +207,10 @@ class StageWorker:
         if self.reducer is not None:  # each weight's gradient handed over as autograd makes it (its hook)
             for i, p in enumerate(params.values()):
                 self._hand_over(i, p)
+            found_leaves = reached(roots)  # the weights it does not reach add zeros now (their buckets go on)
+            for i, p in enumerate(params.values()):
+                if id(p) not in found_leaves:
+                    self.reducer.absent(i)
         if not (roots and targets):
             found = [None] * len(inputs)
         elif self.reducer is not None or (self.live and targets[0] is self.live[0]):

@@ -10,12 +10,14 @@ run of consecutive parameters of one parameter group, in the reverse of the stag
 order a backward makes them), of at most `BUCKET_BYTES` (or one larger parameter), the weight-decay
 group's buckets before the no-decay group's (biases and norms, spread over every layer: their
 buckets complete only at the backward's end, so they wait, small, and the weights' buckets go
-as they complete); once every parameter of the next bucket has its gradient, the bucket is flattened into one reused buffer,
-all-reduced among the replicas (what gloo runs for a reduce-scatter anyway; NCCL's
+as they complete); once every parameter of the next bucket has its gradient, the bucket is
+flattened into one reused buffer, all-reduced among the replicas (what gloo runs for a reduce-scatter anyway; NCCL's
 reduce-scatter would move half the bytes), its part of this replica's slice added to the
-accumulator, and its gradients let go. So a replica holds, beyond its slice, the gradients of at
-most the bucket being filled and the bucket's buffer; where a backward cannot hand its
-gradients over one at a time (the `W` of the split-backward modes computes them together), one
+accumulator, and its gradients let go. A parameter the backward's graph does not reach (an unused
+head, an expert no token was routed to: `reached`, as DDP's `find_unused_parameters`) adds zeros
+at once instead of holding its bucket and the ones after it back. So a replica holds, beyond its
+slice, the gradients of at most the bucket being filled and the bucket's buffer; where a
+backward cannot hand its gradients over one at a time (the `W` of the split-backward modes computes them together), one
 backward's.
 
 Buckets are reduced in their order, every one after every backward (`flush` reduces what the
@@ -79,6 +81,14 @@ class GradientReducer:
         hi = max(at + n for _, at, n in entries)
         self.buckets.append((group, sorted(entries, key=lambda e: e[1]), lo, hi))
 
+    def absent(self, index: int) -> None:
+        """Parameter `index` gets no gradient in this backward (autograd's graph does not reach
+        it, `reached`): it adds zeros, and the buckets it completes are reduced, so that an unused
+        parameter does not hold the buckets after it back until the backward ends."""
+        if index not in self.held:
+            self.held[index] = None
+            self._advance()
+
     def take(self, index: int, grad: torch.Tensor) -> None:
         """Parameter `index`'s gradient of this backward (added to one it already gave); the
         buckets it completes are reduced."""
@@ -88,6 +98,9 @@ class GradientReducer:
                               "--shard optimizer, or checkpoint with use_reentrant=False")
         held = self.held.get(index)
         self.held[index] = grad if held is None else held.add_(grad)
+        self._advance()
+
+    def _advance(self) -> None:
         while self.next < len(self.buckets) and all(i in self.held for i, _, _ in self.buckets[self.next][1]):
             self._reduce(self.next, 1.0)
             self.next += 1
@@ -148,3 +161,20 @@ class GradientReducer:
         """The bytes this reducer keeps: its slice's accumulators and the bucket buffer."""
         return sum(a.numel() * a.element_size() for a in self.accumulators) + \
             self.buffer.numel() * self.buffer.element_size()
+
+
+def reached(roots) -> set[int]:
+    """The ids of the leaf tensors whose gradients a backward from `roots` accumulates: the
+    variables of the AccumulateGrad nodes its graph reaches (as DDP's `find_unused_parameters`)."""
+    found, seen = set(), set()
+    stack = [r.grad_fn for r in roots if r.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
