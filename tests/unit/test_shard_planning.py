@@ -258,9 +258,9 @@ def test_pd_plan_shard_gradients_writes_it(tmp_path):
 
 def test_auto_shards_the_gradients_where_only_that_fits():
     """Twelve layers of 10 MB of parameters on 2 workers with AdamW under 360 MB: one stage of all of them fits
-    neither unsharded (weights 120, gradients 120, state 240, step temporaries 20: 500 MB) nor with its optimizer
-    state sharded (380 MB); with its gradients sharded too (60 MB and two 10 MB buckets for 120 MB: 340 MB) it
-    does, and auto takes that, the least sharding that fits."""
+    neither unsharded (weights 120, gradients and the reduce buffer 240, state 240, step temporaries 20: 620 MB)
+    nor with its optimizer state sharded (500 MB); with its gradients sharded too (60 MB and two 10 MB buckets,
+    80 MB: 340 MB) it does, and auto takes that, the least sharding that fits."""
     from pdtool.planner.costmodel import ChainCosts, DefaultModel
     from pdtool.planner.partition import Solver
 
@@ -296,3 +296,23 @@ def test_pipedream_with_a_replicated_middle_stage_deadlocks_past_its_warm_up_and
         is None
     weightless = dataclasses.replace(plan, stages=(stages[0], dataclasses.replace(stages[1], param_bytes=0), stages[2]))
     assert weightless.reduce_each == () and weightless.gradient_sharding_refusal() is None
+
+
+def test_auto_plans_again_without_sharded_gradients_where_they_are_refused(monkeypatch):
+    """--shard auto's pick shards gradients that the schedule or a tied weight would refuse: planned again without
+    them (here nothing else fits: one line), never a plan pd plan or pd train then refuse."""
+    profile = chain_profile([1.0] * 12, [10e6] * 12, [1e3] * 12)
+    cluster = parse_cluster("2x10GB/s", memory="360MB")  # as test_auto_shards_the_gradients_where_only_that_fits
+    plan = make_plan(profile, cluster, optimizer_slots=2, recompute="none", mode="flush", data_parallel=True,
+                     shard="auto")
+    assert [s.shard for s in plan.stages] == ["gradients"]
+    monkeypatch.setattr(Plan, "gradient_sharding_refusal",
+                        lambda self, schedule=None: "refused" if self.reduce_each else None)
+    said = []
+    with pytest.raises(PlanError, match="no plan fits"):
+        make_plan(profile, cluster, optimizer_slots=2, recompute="none", mode="flush", data_parallel=True,
+                  shard="auto", say=said.append)
+    assert said == ["--shard auto: refused; planning again without sharded gradients"]
+    roomy = parse_cluster("2x10GB/s", memory="510MB")  # the optimizer's shard fits (500 MB): that, and no line
+    assert [s.shard for s in make_plan(profile, roomy, optimizer_slots=2, recompute="none", mode="flush",
+                                        data_parallel=True, shard="auto").stages] == ["optimizer"]

@@ -15,7 +15,7 @@ from .. import __version__
 from ..sim import simulate as simulator
 from ..artifacts.cluster import Cluster
 from ..artifacts.plan import (
-    MS_PER_S, SYNC_SCALE, Plan, PlanGroup, PlanStage, Prediction, ProfileRef, compact_ranges, profile_sha256,
+    MS_PER_S, SHARDS, SYNC_SCALE, Plan, PlanGroup, PlanStage, Prediction, ProfileRef, compact_ranges, profile_sha256,
     with_boundaries,
 )
 from ..artifacts.profile import Profile
@@ -55,7 +55,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
               mode: str | None = None, optimizer_slots: int = 1, command: str = "", simulate: bool = True,
               data_parallel: bool = False, profile_file: str | None = None, recompute: str = "auto",
               say=lambda message: None, every_worker: bool = False, group: int | None = None,
-              quick: bool = False, shard: str = "none") -> Plan:
+              quick: bool = False, shard: str = "none", auto_shards: tuple[str, ...] = SHARDS) -> Plan:
     """Run PipeDream's optimizer on `profile` for `cluster` and describe the result as a Plan.
 
     Trainability is decided here, not by the workers: the stages only cut where the model can
@@ -73,7 +73,9 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     those that fit the cluster's memory only so. `shard` (`artifacts.plan.SHARDS`): what replicated
     stages shard among their replicas (`optimizer`: their optimizer state, which the memory model
     divides by the replicas; the cost model and simulator add the all-gather of the weights; `auto`:
-    each replicated stage shards where it fits the memory limit only so, `Solver`).
+    each replicated stage shards where it fits the memory limit only so, `Solver`, choosing among
+    `auto_shards`; where its pick shards gradients that the schedule or a tied weight rules out,
+    `Plan.gradient_sharding_refusal`, it is planned again without them).
 
     With `simulate` (what `pd plan` does), the dynamic program's candidates (its best plan for
     each number of workers it may use, and data parallelism) are run through the simulator,
@@ -102,7 +104,7 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     search = _Search(profile=profile, cluster=cluster, cost_model=cost_model, model=model, costs=costs, states=states,
                      memory=memory, optimizer_slots=optimizer_slots, straight=straight, data_parallel=data_parallel,
                      mode=mode, recompute=recompute, command=command, profile_file=profile_file,
-                     every_worker=every_worker, group=group, shard=shard)
+                     every_worker=every_worker, group=group, shard=shard, auto_shards=auto_shards)
     plans, ranking = _candidates(search, ranked=simulate)
     if not simulate:  # the cost model's optimum, as PipeDream's optimizer gives it
         return _trainable(plans[0], mode, say)
@@ -126,6 +128,13 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
         best = _mode_memory(best, optimizer_slots, memory, short=quick)
     if group is not None and best.group != group:
         _refuse_group(best, group)
+    if shard == "auto" and "gradients" in auto_shards and best.gradient_sharding_refusal() is not None:
+        say(f"--shard auto: {best.gradient_sharding_refusal()}; planning again without sharded gradients")
+        return make_plan(profile, cluster, straight=straight, cost_model=cost_model, mode=mode,
+                         optimizer_slots=optimizer_slots, command=command, simulate=simulate,
+                         data_parallel=data_parallel, profile_file=profile_file, recompute=recompute, say=say,
+                         every_worker=every_worker, group=group, quick=quick, shard=shard,
+                         auto_shards=tuple(s for s in auto_shards if s != "gradients"))
     return _trainable(best, mode, say)
 
 
@@ -163,6 +172,7 @@ class _Search:
     every_worker: bool = False
     group: int | None = None
     shard: str = "none"
+    auto_shards: tuple[str, ...] = SHARDS
 
     def unlimited(self) -> Memory:
         """The memory model without a limit (a plan's figures where the cluster states none)."""
@@ -171,7 +181,7 @@ class _Search:
     def solver(self, **options) -> Solver:
         """The dynamic program over this search's states and cluster (`options`: Solver's)."""
         options = {"states": self.states, "memory": self.memory, "recompute": self.recompute, "shard": self.shard,
-                   **options}
+                   "auto_shards": self.auto_shards, **options}
         return Solver(options.pop("states"), [level.count for level in self.cluster.levels],
                       [level.bandwidth for level in self.cluster.levels], self.model, **options)
 

@@ -100,7 +100,7 @@ class Solver:
 
     def __init__(self, costs: ChainCosts | States, counts: list[int], bandwidths: list[float], model: CostModel,
                  straight: bool = False, memory: Memory | None = None, every_worker: bool = False,
-                 recompute: str = "none", shard: str = "none"):
+                 recompute: str = "none", shard: str = "none", auto_shards: tuple[str, ...] = SHARDS):
         if recompute not in RECOMPUTE:
             raise PlanError(f"unknown --recompute {recompute!r}; use one of {', '.join(RECOMPUTE)}")
         if not counts or min(counts) < 1:
@@ -131,6 +131,7 @@ class Solver:
                                                           else np.zeros(self.S))
         self._recomputing: dict[tuple, np.ndarray | bool] = {}  # per stage key: a matrix, or one answer for all
         self.shard = shard
+        self.auto_shards = auto_shards  # `shard` auto: the ones it chooses among
         self.sharded_model = copy.copy(model)  # `shard` auto: the stages that shard pay the gather too
         self.sharded_model.sync = SYNC_SCALE["optimizer"]
         self._sharding: dict[tuple, np.ndarray | int] = {}  # as `_recomputing`: what the replicas shard (SHARDS index)
@@ -215,7 +216,8 @@ class Solver:
         outer_before, outer = context
         k = Memory.in_flight(self.workers, outer_before + outer * before, outer * r)
         cut = (self.states.cut[:, None], self.states.cut[None, :])
-        kinds = range(len(SHARDS)) if self.shard == "auto" and outer * r > 1 else (0,)  # SHARDS' indices
+        kinds = ([SHARDS.index(s) for s in self.auto_shards] if self.shard == "auto" and outer * r > 1
+                 else (0,))  # SHARDS' indices
         ways = [(again, kind) for again in {"none": (False,), "all": (True,), "auto": (False, True)}[self.recompute]
                 for kind in kinds]
         best, recomputing, sharding = np.full_like(times, INF), False, 0
