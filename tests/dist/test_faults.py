@@ -157,20 +157,21 @@ def test_a_port_in_use_is_one_line(tmp_path):
 
 
 def test_a_worker_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
-    """SIGKILL a worker while checkpoints are written every step; `--resume` continues from the
-    last complete one and ends exactly where an uninterrupted run ends (flush is deterministic)."""
+    """SIGKILL a worker while checkpoints are written every step (60 steps, killed after the 10th);
+    `--resume` continues from the last complete one and ends exactly where an uninterrupted run ends
+    (flush is deterministic)."""
     import torch
 
     from pdtool.artifacts.checkpoint import latest_complete, load_checkpoint
 
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=DIGITS, batch_size=32, mode="flush")
-    args = ["train", str(path), "--data", "digits", "--steps", "120", "--quiet", "--checkpoint-every", "1"]
+    args = ["train", str(path), "--data", "digits", "--steps", "60", "--quiet", "--checkpoint-every", "1"]
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     subprocess.run([PD, *args, "--checkpoint-dir", str(whole)], check=True, capture_output=True)
     process = subprocess.Popen([PD, *args, "--checkpoint-dir", str(broken)], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 60
-    while not (broken / "step-00000020" / "manifest.json").exists():
+    while not (broken / "step-00000010" / "manifest.json").exists():  # 50 steps before its end
         assert process.poll() is None and time.monotonic() < deadline, output_of(process)
         time.sleep(0.05)
     os.kill(workers_of(process.pid)[-1], signal.SIGKILL)
@@ -179,8 +180,8 @@ def test_a_worker_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
     assert latest_complete(broken) is not None
     resumed = subprocess.run([PD, *args, "--checkpoint-dir", str(broken), "--resume"], capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
-    _, expected, _ = load_checkpoint(whole / "step-00000120")
-    _, got, _ = load_checkpoint(broken / "step-00000120")
+    _, expected, _ = load_checkpoint(whole / "step-00000060")
+    _, got, _ = load_checkpoint(broken / "step-00000060")
     assert expected.keys() == got.keys()
     for name in expected:
         torch.testing.assert_close(got[name], expected[name])
