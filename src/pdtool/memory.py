@@ -123,6 +123,12 @@ class Memory:
         backward runs the gradients of the bucket being filled and the bucket's buffer, two
         buckets of `GRADIENT_BUCKET_BYTES` or the largest layer; where the mode `splits` its
         backward, its W makes the stage's gradients at once: the whole gradient and the buffer.
+        `parameters` (`runtime.worker.parameter_shard`, FSDP2): each keeps 1/sharing of the weights
+        too, and gathers a unit (a layer; `largest` bounds it) at a time for its forward and its
+        backward, the next one's gather begun: two units of weights, and two of gradients (a
+        unit's, and the buffer it is reduce-scattered from); where the mode `splits` its backward,
+        the weights stay gathered from the step's first forward to the step and the gradients
+        accumulate whole: a whole stage of each beside the shards.
 
         `replicas`: the stage's replicas. Where there are several and they do not shard their
         gradients, each keeps, beside the gradients it accumulates, the flat buffer it all-reduces
@@ -132,13 +138,19 @@ class Memory:
             versions = in_flight if self.versions_kept is None else np.minimum(in_flight, self.versions_kept)
         held = in_flight if recompute is None else 1
         activations = in_flight * stashed if recompute is None else (in_flight - 1) * recompute + stashed
-        if (shard or self.shard) == "gradients" and sharing > 1:
+        kind = shard or self.shard
+        weights = params * versions
+        if kind == "gradients" and sharing > 1:
             bucket = np.minimum(params, np.maximum(GRADIENT_BUCKET_BYTES, largest))
             transient = (params if self.splits else bucket) + bucket  # what waits for its bucket, and the buffer
             gradients = params / sharing + transient
+        elif kind == "parameters" and sharing > 1:
+            gathered = params if self.splits else np.minimum(params, 2 * largest)
+            weights = params / sharing + gathered
+            gradients = params / sharing + (params + np.minimum(params, largest) if self.splits else gathered)
         else:
             gradients = params * (2 if replicas > 1 else 1)
-        terms = {"weights": params * versions, "gradients": gradients,
+        terms = {"weights": weights, "gradients": gradients,
                  "optimizer": params * self.optimizer_slots / sharing, "activations": activations}
         if cut is not None:
             received, sent = cut

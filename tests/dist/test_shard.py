@@ -23,8 +23,26 @@ RECIPE = OptimizerConfig(name="adamw", lr=0.02, momentum=None, weight_decay=0.1,
                          schedule=LrSchedule("cosine", 2, 0.002), clip_grad_norm=0.05)
 
 
-def _weights_of_every_replica(reports):
-    return {(r.stage, r.replica): r.weights for r in reports.values()}
+def _close_to_the_unsharded_run(sharded, plain, atol=1e-6):
+    """The sharded run's losses and weights those of the unsharded one within fp32's rounding (its sums add in
+    another order), every replica holding the same (gathered) weights, the same (fp16) steps skipped."""
+    losses, weights = merged(plain)
+    shard_losses, shard_weights = merged(sharded)
+    assert shard_losses == pytest.approx(losses, rel=1e-5)
+    assert weights.keys() == shard_weights.keys()
+    for name, value in weights.items():
+        torch.testing.assert_close(shard_weights[name], value, rtol=1e-5, atol=atol)
+    _same_on_every_replica(sharded)
+    for report in sharded.values():
+        unsharded = next(r for r in plain.values() if r.rank == report.rank)
+        assert [e[-1] for e in report.step_log] == [e[-1] for e in unsharded.step_log]
+
+
+def _same_on_every_replica(reports):
+    every = {(r.stage, r.replica): r.weights for r in reports.values()}
+    for (stage, replica), held in every.items():
+        for name, value in held.items():
+            assert torch.equal(value, every[(stage, 0)][name])
 
 
 @pytest.mark.parametrize("mode, split, precision", [
@@ -46,11 +64,7 @@ def test_a_sharded_optimizer_ends_with_the_unsharded_weights_bit_for_bit(tmp_pat
     assert weights.keys() == shard_weights.keys()
     for name, value in weights.items():
         assert torch.equal(shard_weights[name], value), name
-    # the replicas of a sharded stage hold the same (gathered) weights
-    every = _weights_of_every_replica(shard)
-    for (stage, replica), held in every.items():
-        for name, value in held.items():
-            assert torch.equal(value, every[(stage, 0)][name])
+    _same_on_every_replica(shard)  # the replicas of a sharded stage hold the same (gathered) weights
     # each replica of the sharded stage measured about half the optimizer state of an unsharded one
     replicated = next(s for s, (_, r) in enumerate(split) if r == 2)
     plain_state = next(r.memory["optimizer"] for r in plain.values() if r.stage == replicated)
@@ -59,14 +73,7 @@ def test_a_sharded_optimizer_ends_with_the_unsharded_weights_bit_for_bit(tmp_pat
     # sharded gradients: each replica's slice reduced after every backward, the weights of the unsharded run within
     # fp32's rounding (bf16's autocast and fp16's scaling round in the same places), the same steps skipped
     grads = launch(dataclasses.replace(config, shard="gradients"), len(plan.used_ranks))
-    grad_losses, grad_weights = merged(grads)
-    assert grad_losses == pytest.approx(losses, rel=1e-5)
-    for name, value in weights.items():
-        torch.testing.assert_close(grad_weights[name], value, rtol=1e-5, atol=1e-6)
-    every = _weights_of_every_replica(grads)
-    for (stage, replica), held in every.items():
-        for name, value in held.items():
-            assert torch.equal(value, every[(stage, 0)][name])
+    _close_to_the_unsharded_run(grads, plain)
     # measured gradients of a replica of the replicated stage: unsharded, its gradient and the flat buffer it
     # all-reduces in (and the count of backwards); sharded, its slice and one bucket's buffer (here the whole stage)
     held = {how: [r.memory["gradients"] for r in reports.values() if r.stage == replicated]
@@ -74,9 +81,6 @@ def test_a_sharded_optimizer_ends_with_the_unsharded_weights_bit_for_bit(tmp_pat
     params = next(r.memory["weights"] // (1 + r.peak_versions) for r in plain.values() if r.stage == replicated)
     assert held["plain"] == [2 * params + 4] * 2, (held, params)
     assert all(params // 2 < g < held["plain"][0] for g in held["gradients"]), (held, params)
-    for report in grads.values():  # fp16's skipped steps as unsharded
-        unsharded = next(r for r in plain.values() if r.rank == report.rank)
-        assert [e[-1] for e in report.step_log] == [e[-1] for e in unsharded.step_log]
     # and the unsharded run differs from a run without clipping: the comparisons above could fail
     assert losses != merged(launch(dataclasses.replace(
         config, optimizer=dataclasses.replace(RECIPE, clip_grad_norm=None)), len(plan.used_ranks)))[0]
@@ -96,14 +100,18 @@ def test_a_sharded_run_resumes_unsharded_and_back_as_the_uninterrupted_run(tmp_p
     expected = {n: t for r in whole.reports.values() if r.replica == 0 for n, t in r.weights.items()}
     for name, value in expected.items():
         assert torch.equal(final[name], value), name
-    # sharded gradients keep nothing across a step: their run's checkpoint (unsharded layout) resumes unsharded, and
-    # the losses of both are the uninterrupted run's within fp32's rounding
-    root = str(tmp_path / "gradients")
-    first = run(config_for(path, steps=2, optimizer=recipe, shard="gradients", checkpoint_dir=root))
-    second = run(config_for(path, steps=4, optimizer=recipe, shard="none", checkpoint_dir=root), resume=True)
-    assert second.first_step == 2
-    losses = {**first.losses, **second.losses}
-    assert losses == pytest.approx({b: whole.losses[b] for b in losses}, rel=1e-5)
+    # checkpoints keep the unsharded layout whatever the run sharded (sharded gradients keep nothing across a step;
+    # sharded parameters are gathered): sharded gradients resume with sharded parameters, and those unsharded, with
+    # the uninterrupted run's losses and weights within fp32's rounding
+    root = str(tmp_path / "others")
+    runs = [run(config_for(path, steps=2 * (k + 1), optimizer=recipe, shard=shard, checkpoint_dir=root), resume=k > 0)
+            for k, shard in enumerate(("gradients", "parameters", "none"))]
+    assert [r.first_step for r in runs] == [0, 2, 4]
+    losses = {b: loss for r in runs for b, loss in r.losses.items()}
+    assert losses == pytest.approx(whole.losses, rel=1e-5)
+    final = {n: t for r in runs[-1].reports.values() if r.replica == 0 for n, t in r.weights.items()}
+    for name, value in expected.items():
+        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6)
 
 
 def test_shard_without_replicas_or_with_a_factory_optimizer_is_one_line_before_any_worker(tmp_path):
@@ -119,13 +127,23 @@ def test_shard_without_replicas_or_with_a_factory_optimizer_is_one_line_before_a
         check_shard(plan, config_for(path, shard="optimizer", optimizer=factory))
     check_shard(Plan.load(str(path)), config_for(path, shard="optimizer"))  # accepted
     check_shard(Plan.load(str(path)), config_for(path, shard="gradients"))  # accepted
+    check_shard(Plan.load(str(path)), config_for(path, shard="parameters", group=4))  # accepted
+    # sharded parameters: one version of the weights, and replicas that run their actions in one order
+    with pytest.raises(LaunchError, match="--shard parameters gathers one version .* mode pipedream keeps one per "
+                                          "minibatch in flight; use --shard gradients, or a mode that keeps one"):
+        check_shard(plan, config_for(path, shard="parameters", mode="pipedream"))
+    with pytest.raises(LaunchError, match="replicas of stage 0 run their actions in different orders .*a --group "
+                                          "that is a multiple of the stage's replicas"):
+        check_shard(plan, config_for(path, shard="parameters", group=3))
     # a weight the replicated stage shares with another stage: its copies add whole gradients at every step
     from pdtool.artifacts.profile import ModelRef
 
     plan, path = plan_with(tmp_path, [((0, 1), 2), ((2, 3), 1)], mode="flush", ref=ModelRef("toymodels:tied_lm"),
                            name="t.plan.json")
-    with pytest.raises(LaunchError, match="parameter emb.weight is shared by stages 0, 1, .* use --shard optimizer"):
-        check_shard(plan, config_for(path, shard="gradients"))
+    for kind in ("gradients", "parameters"):
+        with pytest.raises(LaunchError, match=f"--shard {kind} keeps .* emb.weight is shared by stages 0, 1, .* use "
+                                              "--shard optimizer"):
+            check_shard(plan, config_for(path, shard=kind))
     check_shard(plan, config_for(path, shard="optimizer"))
 
 
@@ -167,3 +185,24 @@ def test_undoing_the_plans_sharding_past_its_memory_limit_says_so(tmp_path):
     check_memory(capped.with_shard("optimizer"), config, resolved(capped, config))  # fits sharded
     with pytest.raises(LaunchError, match="leave out --shard none"):
         check_memory(capped, config, resolved(capped, config), unsharding=True)
+
+
+@pytest.mark.parametrize("mode, split, precision, group", [
+    ("flush", [((0, 1), 2), ((2, 3), 1)], "fp32", 4),  # a replicated stage inside a pipeline, whole backwards
+    ("gpipe", [((0, 3), 2)], "bf16", 2),               # pure data parallelism, autocast over fp32 masters
+    ("zb", [((0, 1), 1), ((2, 3), 2)], "fp16", 4),     # split backward (kept gathered to the step), loss scaling
+])
+def test_sharded_parameters_end_with_the_unsharded_weights(tmp_path, mode, split, precision, group):
+    """--shard parameters (ZeRO stage 3, FSDP2 over the replicas): the weights and losses of the unsharded run
+    within fp32's rounding, every replica gathering the same weights, the same fp16 steps skipped, and each replica
+    of the sharded stage measuring half the weights and optimizer state of an unsharded one."""
+    plan, path = plan_with(tmp_path, split, mode=mode)
+    config = config_for(path, steps=4, group=group, optimizer=RECIPE, precision=precision)
+    plain = launch(config, len(plan.used_ranks))
+    shard = launch(dataclasses.replace(config, shard="parameters"), len(plan.used_ranks))
+    _close_to_the_unsharded_run(shard, plain)
+    replicated = next(s for s, (_, r) in enumerate(split) if r == 2)
+    for term in ("weights", "optimizer"):
+        whole = next(r.memory[term] for r in plain.values() if r.stage == replicated)
+        halves = [r.memory[term] for r in shard.values() if r.stage == replicated]
+        assert all(0.4 * whole <= h <= 0.6 * whole for h in halves), (term, whole, halves)

@@ -244,7 +244,7 @@ def test_pd_plan_shard_gradients_writes_it(tmp_path):
                                       "--optimizer", "adamw", "-o", str(out)])
     assert result.exit_code == 0, result.output
     plan = Plan.load(str(out))
-    assert plan.stages[0].shard == "gradients" and plan.reduce_each == (0,) and plan.gradient_sharding_refusal() is None
+    assert plan.stages[0].shard == "gradients" and plan.reduce_each == (0,) and plan.sharding_refusal() is None
     # pd show: each worker's memory by term, with the optimizer the plan recorded (AdamW: 2 x the parameters / 4)
     assert plan.optimizer == "adamw"
     table = plan_table(plan)
@@ -291,28 +291,85 @@ def test_pipedream_with_a_replicated_middle_stage_deadlocks_past_its_warm_up_and
     stages = tuple(dataclasses.replace(s, ranks=ranks, shard="gradients" if len(ranks) > 1 else "none")
                    for s, ranks in zip(straight.stages, [(0,), (1, 2, 3), (4,)]))
     plan = dataclasses.replace(straight, stages=stages)
-    assert plan.reduce_check_steps() >= 6 and "deadlock" in plan.gradient_sharding_refusal()
-    assert "deadlock" in plan.gradient_sharding_refusal() and plan.with_shard("optimizer").gradient_sharding_refusal() \
+    assert plan.reduce_check_steps() >= 6 and "deadlock" in plan.sharding_refusal()
+    assert "deadlock" in plan.sharding_refusal() and plan.with_shard("optimizer").sharding_refusal() \
         is None
     weightless = dataclasses.replace(plan, stages=(stages[0], dataclasses.replace(stages[1], param_bytes=0), stages[2]))
-    assert weightless.reduce_each == () and weightless.gradient_sharding_refusal() is None
+    assert weightless.reduce_each == () and weightless.sharding_refusal() is None
 
 
 def test_auto_plans_again_without_sharded_gradients_where_they_are_refused(monkeypatch):
-    """--shard auto's pick shards gradients that the schedule or a tied weight would refuse: planned again without
-    them (here nothing else fits: one line), never a plan pd plan or pd train then refuse."""
+    """--shard auto's pick shards gradients (then parameters) that the schedule or a tied weight would refuse:
+    planned again without them (here nothing else fits: one line), never a plan pd plan or pd train then refuse."""
     profile = chain_profile([1.0] * 12, [10e6] * 12, [1e3] * 12)
     cluster = parse_cluster("2x10GB/s", memory="360MB")  # as test_auto_shards_the_gradients_where_only_that_fits
     plan = make_plan(profile, cluster, optimizer_slots=2, recompute="none", mode="flush", data_parallel=True,
                      shard="auto")
     assert [s.shard for s in plan.stages] == ["gradients"]
-    monkeypatch.setattr(Plan, "gradient_sharding_refusal",
-                        lambda self, schedule=None: "refused" if self.reduce_each else None)
+    monkeypatch.setattr(Plan, "sharding_refusal",
+                        lambda self, schedule=None, kinds=("gradients", "parameters"):
+                        "refused" if any(s.shard in kinds for s in self.stages) else None)
     said = []
     with pytest.raises(PlanError, match="no plan fits"):
         make_plan(profile, cluster, optimizer_slots=2, recompute="none", mode="flush", data_parallel=True,
                   shard="auto", say=said.append)
-    assert said == ["--shard auto: refused; planning again without sharded gradients"]
+    # without sharded gradients, sharded parameters fit (and are refused too): planned again without either
+    assert said == ["--shard auto: refused; planning again without sharded gradients",
+                    "--shard auto: refused; planning again without sharded parameters"]
     roomy = parse_cluster("2x10GB/s", memory="510MB")  # the optimizer's shard fits (500 MB): that, and no line
     assert [s.shard for s in make_plan(profile, roomy, optimizer_slots=2, recompute="none", mode="flush",
                                         data_parallel=True, shard="auto").stages] == ["optimizer"]
+
+
+def test_parameter_sharing_keeps_a_slice_of_everything_and_two_gathered_layers():
+    """--shard parameters (ZeRO stage 3): each of r replicas keeps 1/r of the weights, gradients and optimizer
+    state, and two layers' weights gathered (a unit's, and the next one's gather) and two of gradients (a unit's,
+    and the buffer it is reduce-scattered from); where the mode splits its backward the weights stay gathered from
+    the step's first forward to the step and the gradients accumulate whole."""
+    whole = memory_model(None, 2, "fp32", "flush").terms(120.0, 0.0, 1, largest=10.0, sharing=4, shard="parameters",
+                                                         replicas=4)
+    assert (whole["weights"], whole["gradients"], whole["optimizer"]) == (30 + 20, 30 + 20, 60)
+    split = memory_model(None, 2, "fp32", "zb").terms(120.0, 0.0, 1, largest=10.0, sharing=4, shard="parameters",
+                                                      replicas=4)
+    assert (split["weights"], split["gradients"], split["optimizer"]) == (30 + 120, 30 + 120 + 10, 60)
+
+
+def test_auto_shards_the_parameters_where_only_that_fits():
+    """The twelve 10 MB layers of test_auto_shards_the_gradients_where_only_that_fits on 2 workers: sharded
+    gradients need 340 MB, sharded parameters 300 (weights 60 + two gathered layers, gradients likewise, state
+    120, step temporaries 20): under 320 MB auto shards the parameters, the only choice that fits; the simulator
+    prices their gathers (a slower step than sharded gradients')."""
+    from pdtool.planner.costmodel import ChainCosts, DefaultModel
+    from pdtool.planner.partition import Solver
+
+    model = memory_model(320e6, 2, "fp32", "flush")
+    need = {kind: model.need(120e6, 12e3, 1, largest=10e6, sharing=2, shard=kind, replicas=2)
+            for kind in ("gradients", "parameters")}
+    assert need["parameters"] <= 320e6 < need["gradients"], need
+    profile = chain_profile([1.0] * 12, [10e6] * 12, [1e3] * 12)
+    solver = Solver(ChainCosts.from_profile(profile), [2], [10e9], DefaultModel(), memory=model, shard="auto")
+    where = dict(level=0, context=(0, 1), r=2, before=0, first=True, final=True)
+    assert solver.shards(**where, k=0, j=12) == "parameters"
+    # (a group of 2, one minibatch a replica: in data parallelism the default group of 1 leaves a replica idle, which
+    # sharded parameters refuse: auto plans again without them, and nothing fits)
+    said = []
+    with pytest.raises(PlanError, match="no plan fits"):
+        make_plan(profile, parse_cluster("2x10GB/s", memory="320MB"), optimizer_slots=2, recompute="none",
+                  mode="flush", data_parallel=True, shard="auto", say=said.append)
+    assert said[0].startswith("--shard auto: --shard parameters: the replicas of stage 0 run their actions in "
+                              "different orders")
+    plan = make_plan(profile, parse_cluster("2x10GB/s", memory="320MB"), optimizer_slots=2, recompute="none",
+                     mode="flush", data_parallel=True, shard="auto", group=2)
+    assert [s.shard for s in plan.stages] == ["parameters"] and plan.reduce_each == (0,)
+    assert plan.sharding_refusal() is None
+    # asked for explicitly, the group is rounded up to the replicas
+    said = []
+    plan = make_plan(profile, parse_cluster("2x10GB/s", memory="320MB"), optimizer_slots=2, recompute="none",
+                     mode="flush", data_parallel=True, shard="parameters", say=said.append)
+    assert plan.group == 2 and said == ["--shard parameters: planning again with 2 microbatches a step (--group), a "
+                                        "multiple of the sharded stages' replicas (2), so that each replica runs as many"]
+    from pdtool.sim.simulate import allreduce_ms, backward_reduce_ms
+
+    gradients = plan.with_shard("gradients")
+    assert backward_reduce_ms(plan, 0) > backward_reduce_ms(gradients, 0) and allreduce_ms(plan, 0) < allreduce_ms(
+        gradients, 0)

@@ -35,17 +35,21 @@ MS_PER_S = 1e3  # the planner works in seconds, plans and the simulator in ms
 
 
 COST_MODELS = ("pdtool", "pipedream")  # the planner's cost models (`planner.costmodel`), by name
-SHARDS = ("none", "optimizer", "gradients")  # what a replicated stage's replicas shard among themselves (PlanStage.shard)
-SYNC_SCALE = {"none": 1.0, "optimizer": 1.5, "gradients": 1.5}
+SHARDS = ("none", "optimizer", "gradients", "parameters")  # what a replicated stage's replicas shard (PlanStage.shard)
+SYNC_SCALE = {"none": 1.0, "optimizer": 1.5, "gradients": 1.5, "parameters": 2.0}
 """The replicas' synchronisation per step, in all-reduces of the stage's gradients, by what they
 shard (`artifacts.plan.SHARDS`): `optimizer` adds the all-gather of the updated weights, half an
 all-reduce's bytes ((r - 1) / r of them; the all-reduce of gradients stays, which gloo runs as
 a reduce-scatter would cost anyway: see docs/sharding.md). `gradients` reduces after every
 backward instead of once a step (`REDUCES_EACH_BACKWARD`): 1.5 where a replica runs one backward
-a step (PipeDream's rounds, which the planner's cost model prices); the simulator prices each."""
-REDUCES_EACH_BACKWARD = ("gradients",)
-"""The shards whose replicas all-reduce their gradients after every backward (and keep only their
-slice of the sum), not once a step (`schedule.lower`'s `reduce` ops)."""
+a step (PipeDream's rounds, which the planner's cost model prices); the simulator prices each.
+`parameters` gathers the weights for every forward and again for every backward, and reduces
+after every backward: 2 all-reduces' bytes a backward (where the mode splits its backward, the
+weights stay gathered from the step's first forward to the step, which reduces once: 1.5)."""
+REDUCES_EACH_BACKWARD = ("gradients", "parameters")
+"""The shards whose replicas reduce their gradients after every backward (and keep only their
+slice of the sum), not once a step (`schedule.lower`'s `reduce` ops); `parameters` only where
+the mode does not split its backward (`Plan.reduce_each`)."""
 RECOMPUTE = ("auto", "none", "all")  # pd plan --recompute: which stages recompute their forward in the backward
 DOWN_SETS, PREFIXES = "down-sets", "prefixes"  # the planner's state spaces (`planner.states`)
 
@@ -132,8 +136,10 @@ class PlanStage(LayerSet):
                             "stashes only its input (pd plan --recompute).")
     shard: str = field(Str(SHARDS), "none", omit="none", doc="What the stage's replicas shard among themselves (pd plan --shard): "
                        "none, optimizer (each replica keeps the optimizer state of 1/replicas of the stage's "
-                       "parameters: ZeRO stage 1) or gradients (also 1/replicas of the summed gradients, reduced "
-                       "after every backward: ZeRO stage 2). Only a stage with replicas is sharded.")
+                       "parameters: ZeRO stage 1), gradients (also 1/replicas of the summed gradients, reduced "
+                       "after every backward: ZeRO stage 2) or parameters (also 1/replicas of the weights, "
+                       "gathered for each forward and backward: ZeRO stage 3, FSDP). Only a stage with replicas is "
+                       "sharded.")
 
     @classmethod
     def _read_check(cls, at: At, values: dict[str, Any], figures: dict[str, Any], index: int) -> None:
@@ -345,12 +351,13 @@ class Plan(Artifact):
     def reduce_each(self) -> tuple[int, ...]:
         """The stages whose replicas reduce their gradients after every backward (`--shard
         gradients`: `REDUCES_EACH_BACKWARD`), for `schedule.lower`."""
-        return tuple(i for i, s in enumerate(self.stages)
-                     if s.shard in REDUCES_EACH_BACKWARD and s.replicas > 1 and s.param_bytes > 0)
+        split = rules(self.mode).split
+        return tuple(i for i, s in enumerate(self.stages) if s.shard in REDUCES_EACH_BACKWARD and s.replicas > 1
+                     and s.param_bytes > 0 and not (s.shard == "parameters" and split))
 
     def reduce_check_steps(self) -> int:
         """Steps of stage 0 whose schedule shows whether the replicas that reduce after every
-        backward deadlock (`gradient_sharding_refusal`): two, and past the warm-up of every
+        backward deadlock (`sharding_refusal`): two, and past the warm-up of every
         replica's round (a pipeline without flushes reaches its steady order only after about
         stages x lcm(replicas) minibatches; a deadlock there shows from 6 minibatches on a (1, 3, 1)
         pipedream pipeline)."""
@@ -358,32 +365,51 @@ class Plan(Artifact):
         horizon = 4 * len(self.stages) * math.lcm(*(s.replicas for s in self.stages))
         return max(2, -(-horizon // run.per_step))
 
-    def gradient_sharding_refusal(self, schedule=None) -> str | None:
-        """Why the replicas of the stages that shard their gradients (`reduce_each`) cannot in
-        `schedule` (default: `reduce_check_steps` steps of the plan's mode and group), in one line, or None: a
-        weight shared with another stage (its copies add their whole gradients at the step), or a
-        deadlock once the replicas reduce after every backward (`schedule.check.check_reduce_each`)."""
+    def sharding_refusal(self, schedule=None, kinds: tuple[str, ...] = ("gradients", "parameters")) -> str | None:
+        """Why the replicas of the stages that shard `kinds` cannot in `schedule` (default:
+        `reduce_check_steps` steps of the plan's mode and group), in one line, or None. Sharded
+        gradients and parameters: a weight shared with another stage (its copies add their whole
+        gradients at the step), or a deadlock once the replicas reduce after every backward
+        (`schedule.check.check_reduce_each`). Sharded parameters also: a mode that keeps more than
+        one version of the weights (`Mode.versions_kept`), or replicas that run their forwards and
+        backwards in different orders (`schedule.check.check_same_order`)."""
         from ..schedule import generate
-        from ..schedule.check import check_reduce_each
+        from ..schedule.check import check_reduce_each, check_same_order
 
-        stages = self.reduce_each
-        if not stages:
+        stages = {kind: [i for i, s in enumerate(self.stages) if s.shard == kind and s.replicas > 1 and s.param_bytes]
+                  for kind in kinds}
+        if not any(stages.values()):
             return None
-        tied = [(name, users) for name, users in self.shared if set(users) & set(stages)]
-        if tied:
-            name, users = tied[0]
-            return (f"--shard gradients keeps a slice of each gradient, but parameter {name} is shared by stages "
-                    f"{', '.join(map(str, users))}, which add its whole gradient at every step; use --shard optimizer")
+        mode = self.mode if schedule is None else schedule.mode
+        kept = rules(mode).versions_kept
+        if stages.get("parameters") and kept != 1:
+            keeping = [m.name for m in TABLE.values() if m.versions_kept == 1 and not m.placement]
+            return (f"--shard parameters gathers one version of a stage's weights, but mode {mode} keeps "
+                    f"{kept or 'one per minibatch in flight'}; use --shard gradients, or a mode that keeps one "
+                    f"({', '.join(keeping)})")
+        for kind, these in stages.items():
+            tied = [(name, users) for name, users in self.shared if set(users) & set(these)]
+            if tied:
+                name, users = tied[0]
+                return (f"--shard {kind} keeps a slice of each gradient, but parameter {name} is shared by stages "
+                        f"{', '.join(map(str, users))}, which add its whole gradient at every step; use --shard "
+                        "optimizer")
         if schedule is None:
             run = self.run()
             schedule = generate(run.name, [s.replicas for s in self.stages], self.reduce_check_steps() * run.per_step,
                                 run.group, placement=self.placement)
         try:
-            check_reduce_each(schedule, stages)
+            check_same_order(schedule, stages.get("parameters", ()))
+        except ScheduleError as error:
+            return f"--shard parameters: {error}"
+        reducing = [i for i in self.reduce_each if any(i in these for these in stages.values())]
+        try:
+            check_reduce_each(schedule, reducing)
         except ScheduleError as error:
             found = str(error).split("; reorder the actions")[0]
-            return (f"--shard gradients would deadlock this schedule once the replicas of stage(s) "
-                    f"{', '.join(map(str, stages))} reduce after every backward ({found}); use --shard optimizer, or "
+            kind = "/".join(sorted({self.stages[i].shard for i in reducing}))
+            return (f"--shard {kind} would deadlock this schedule once the replicas of stage(s) "
+                    f"{', '.join(map(str, reducing))} reduce after every backward ({found}); use --shard optimizer, or "
                     "another mode (flush)")
         return None
 

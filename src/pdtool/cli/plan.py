@@ -130,10 +130,10 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
         result = make_plan(profile, cluster, straight=straight, data_parallel=data_parallel, mode=single, group=m,
                            say=say, **options)
     result = dataclasses.replace(result, optimizer=optimizer)  # what its memory figures counted: pd show's terms
-    refusal = result.gradient_sharding_refusal()
+    refusal = result.sharding_refusal()
     if refusal:
         raise PlanError(f"{profile_path}: the plan's {refusal}"
-                        + (" (--shard auto chose gradients: give --shard optimizer)" if shard == "auto" else ""))
+                        + (" (--shard auto chose that sharding: give --shard optimizer)" if shard == "auto" else ""))
     result.save(output)
     if output != "-":
         pred = result.predicted

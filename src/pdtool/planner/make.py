@@ -8,6 +8,7 @@ simulator's figures for the plan's schedule.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -74,8 +75,8 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     stages shard among their replicas (`optimizer`: their optimizer state, which the memory model
     divides by the replicas; the cost model and simulator add the all-gather of the weights; `auto`:
     each replicated stage shards where it fits the memory limit only so, `Solver`, choosing among
-    `auto_shards`; where its pick shards gradients that the schedule or a tied weight rules out,
-    `Plan.gradient_sharding_refusal`, it is planned again without them).
+    `auto_shards`; where its pick shards gradients or parameters that the mode, the schedule or a
+    tied weight rules out, `Plan.sharding_refusal`, it is planned again without that choice).
 
     With `simulate` (what `pd plan` does), the dynamic program's candidates (its best plan for
     each number of workers it may use, and data parallelism) are run through the simulator,
@@ -128,13 +129,24 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
         best = _mode_memory(best, optimizer_slots, memory, short=quick)
     if group is not None and best.group != group:
         _refuse_group(best, group)
-    if shard == "auto" and "gradients" in auto_shards and best.gradient_sharding_refusal() is not None:
-        say(f"--shard auto: {best.gradient_sharding_refusal()}; planning again without sharded gradients")
+    even = math.lcm(1, *(s.replicas for s in best.stages if s.shard == "parameters"))
+    if shard == "parameters" and group is None and not rules(best.mode).per_round and best.run().group % even:
+        rounded = -(-best.run().group // even) * even  # each replica of a stage as many forwards and backwards
+        say(f"--shard parameters: planning again with {rounded} microbatches a step (--group), a multiple of the "
+            f"sharded stages' replicas ({even}), so that each replica runs as many")
         return make_plan(profile, cluster, straight=straight, cost_model=cost_model, mode=mode,
                          optimizer_slots=optimizer_slots, command=command, simulate=simulate,
                          data_parallel=data_parallel, profile_file=profile_file, recompute=recompute, say=say,
-                         every_worker=every_worker, group=group, quick=quick, shard=shard,
-                         auto_shards=tuple(s for s in auto_shards if s != "gradients"))
+                         every_worker=every_worker, group=rounded, quick=quick, shard=shard, auto_shards=auto_shards)
+    for kind in ("parameters", "gradients") if shard == "auto" else ():
+        refusal = best.sharding_refusal(kinds=(kind,)) if kind in auto_shards else None
+        if refusal is not None:
+            say(f"--shard auto: {refusal}; planning again without sharded {kind}")
+            return make_plan(profile, cluster, straight=straight, cost_model=cost_model, mode=mode,
+                             optimizer_slots=optimizer_slots, command=command, simulate=simulate,
+                             data_parallel=data_parallel, profile_file=profile_file, recompute=recompute, say=say,
+                             every_worker=every_worker, group=group, quick=quick, shard=shard,
+                             auto_shards=tuple(s for s in auto_shards if s != kind))
     return _trainable(best, mode, say)
 
 
@@ -468,7 +480,8 @@ def _describe(pipeline: Pipeline, profile: Profile, costs: ChainCosts, model: Co
             members = list(stage.layers)
             unit = stage.inner.time if stage.inner is not None else float(
                 costs.compute[members].sum() + (costs.forwards[members].sum() if stage.recompute else 0.0))
-            priced = solver.sharded_model if stage.shard != "none" else model  # `shard` auto: the stages that shard gather too
+            # `shard` auto: the stages that shard gather too
+            priced = solver.sharded_models[SHARDS.index(stage.shard)] if stage.shard != "none" else model
             terms = priced.terms(unit, float(costs.params[members].sum()),
                                 float(cut[stage.start]), float(cut[stage.end]), stage.replicas,
                                 solver.bandwidths[p.level], size, index == 0, charge)

@@ -121,7 +121,8 @@ class Solver:
         self.params = states.stage_sums(states.params)
         # the largest layer's parameters of each stage (`Memory.terms`' temporaries), where they count
         self.largest = states.stage_maxima(states.layer_params) if memory is not None and (
-            memory.step_temporaries or memory.accumulates) and states.layer_params is not None else 0.0
+            memory.step_temporaries or memory.accumulates or shard in ("parameters", "auto")) \
+            and states.layer_params is not None else 0.0
         self.stashed = states.stage_sums(states.acts if states.stash is None else states.stash) + states.cut[:, None]
         self.compute = states.stage_sums(states.compute, empty=INF)  # +inf: no such stage
         self.recompute = recompute
@@ -132,8 +133,10 @@ class Solver:
         self._recomputing: dict[tuple, np.ndarray | bool] = {}  # per stage key: a matrix, or one answer for all
         self.shard = shard
         self.auto_shards = auto_shards  # `shard` auto: the ones it chooses among
-        self.sharded_model = copy.copy(model)  # `shard` auto: the stages that shard pay the gather too
-        self.sharded_model.sync = SYNC_SCALE["optimizer"]
+        self.sharded_models = {}  # `shard` auto: the stages that shard pay the gather too, by SHARDS index
+        for kind in range(1, len(SHARDS)):
+            self.sharded_models[kind] = copy.copy(model)
+            self.sharded_models[kind].sync = SYNC_SCALE[SHARDS[kind]]
         self._sharding: dict[tuple, np.ndarray | int] = {}  # as `_recomputing`: what the replicas shard (SHARDS index)
         self.final = model.final_charge(self.S)
         self._params_sorted = states.params_sorted
@@ -204,15 +207,15 @@ class Solver:
         where a stage does not fit; per stage the fastest of the allowed ways that fits (keeping
         its activations or recomputing them; its replicas sharding the optimizer state or not,
         `shard` auto), the earlier of equals (keeping, unsharded), recorded under `key`."""
-        def priced(unit, sharded: bool):
-            model = self.sharded_model if sharded else self.model
+        def priced(unit, kind: int):
+            model = self.sharded_models[kind] if kind else self.model
             return model.stage_times(self.states.cut, unit, self.params, r, self.bandwidths[0], self.inner[0], first,
                                      charge)
 
         if not self.memory:
             self._recomputing[key] = self.recompute == "all"
             self._sharding[key] = 0
-            return priced(self.again, False) if self.recompute == "all" else times
+            return priced(self.again, 0) if self.recompute == "all" else times
         outer_before, outer = context
         k = Memory.in_flight(self.workers, outer_before + outer * before, outer * r)
         cut = (self.states.cut[:, None], self.states.cut[None, :])
@@ -226,7 +229,7 @@ class Solver:
             need = self.memory.need(self.params, self.stashed, k, recompute=self.states.cut[:, None] if again else None,
                                     cut=cut, largest=self.largest, sharing=sharing, shard=SHARDS[kind] if kind else None,
                                     replicas=outer * r)
-            way = times if not (again or kind) else priced(self.again if again else self.compute, bool(kind))
+            way = times if not (again or kind) else priced(self.again if again else self.compute, kind)
             better = (need <= self.memory.limit) & (way < best)
             best = np.where(better, way, best)
             recomputing, sharding = np.where(better, again, recomputing), np.where(better, kind, sharding)

@@ -137,7 +137,7 @@ def sharded(plan: Plan, config: RunConfig) -> tuple[str | None, ...]:
 def check_shard(plan: Plan, config: RunConfig) -> None:
     """A `--shard` that cannot run, in one line before any worker starts: no stage to shard, an
     optimizer that a flat slice would not step as it steps the parameters, or sharded gradients
-    that a tied weight or the schedule rule out (`Plan.gradient_sharding_refusal`)."""
+    or parameters that a tied weight, the mode or the schedule rule out (`Plan.sharding_refusal`)."""
     if config.shard not in (None, "none") and not any(s.replicas > 1 for s in plan.stages):
         raise LaunchError(f"--shard {config.shard} shards a stage's state across its replicas, but no stage of "
                           f"{config.plan_path} has replicas; drop --shard, or plan with replicated stages "
@@ -147,10 +147,9 @@ def check_shard(plan: Plan, config: RunConfig) -> None:
         raise LaunchError(f"--shard {kinds} steps flat slices of a stage's parameters, which only the built-in "
                           f"optimizers (sgd, adam, adamw) step exactly as whole ones; optimizer {config.optimizer.name!r} "
                           "may compute per-tensor quantities: use --shard none or a built-in optimizer")
-    reducing = plan.with_shard(config.shard).reduce_each
-    if reducing:
+    if {"gradients", "parameters"} & set(sharded(plan, config)):
         steps = max(config.checkpoint_every, config.eval_every or 0, plan.reduce_check_steps())
-        refusal = plan.with_shard(config.shard).gradient_sharding_refusal(
+        refusal = plan.with_shard(config.shard).sharding_refusal(
             make_schedule(plan, dataclasses.replace(config, steps=steps)))
         if refusal:
             raise LaunchError(f"{config.plan_path}: {refusal}")

@@ -53,6 +53,25 @@ def check_reduce_each(schedule: Schedule, stages) -> None:
     _check_deadlock(schedule, lower(schedule, reduce_each=tuple(stages)).workers)
 
 
+def check_same_order(schedule: Schedule, stages) -> None:
+    """Raise ScheduleError (one line) unless the replicas of every stage of `stages` run the same
+    sequence of forwards, backwards, weight-gradient passes and steps (`--shard parameters`: each
+    gathers the parameters and reduce-scatters the gradients with the other replicas, in the
+    order it runs them)."""
+    for stage in stages:
+        if schedule.replicas[stage] < 2:
+            continue
+        orders = [[a.kind for a in schedule.workers[schedule.rank(stage, r)] if a.stage == stage]
+                  for r in range(schedule.replicas[stage])]
+        for replica, order in enumerate(orders[1:], start=1):
+            if order != orders[0]:
+                at = next((i for i, (x, y) in enumerate(zip(order, orders[0])) if x != y), min(len(order), len(orders[0])))
+                raise ScheduleError(f"the replicas of stage {stage} run their actions in different orders (replica "
+                                    f"{replica}'s action {at} is {''.join(order[at:at + 1]) or 'missing'} where replica "
+                                    f"0's is {''.join(orders[0][at:at + 1]) or 'missing'}); give each replica as many "
+                                    "minibatches per step (a --group that is a multiple of the stage's replicas)")
+
+
 def _check_placement(schedule: Schedule) -> None:
     n = schedule.minibatches
     for rank, actions in enumerate(schedule.workers):

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import ScheduleError
-from ..artifacts.plan import MS_PER_S, SYNC_SCALE, Plan, REDUCES_EACH_BACKWARD
+from ..artifacts.plan import MS_PER_S, SYNC_SCALE, Plan
 from ..schedule import Schedule, generate, peak_versions, stash_depth, step_group
 from ..schedule.lower import ACTIVATION, COLLECTIVES, Op, collective_key, lower, message
 
@@ -177,9 +177,11 @@ def allreduce_ms(plan: Plan, stage: int) -> float:
     shards its optimizer state (`shard`) also all-gathers its weights after the step:
     (r - 1) / r * param_bytes / B + (r - 1) L more (`artifacts.plan.SYNC_SCALE`)."""
     s = plan.stages[stage]
-    if s.shard in REDUCES_EACH_BACKWARD:  # the gradients were reduced after each backward: the gather
-        return _ring_ms(plan, stage, 1)
-    passes = 2 * SYNC_SCALE[s.shard]  # ring passes over the parameters: 2 for the all-reduce, 1 more to gather
+    if stage in plan.reduce_each:  # the gradients were reduced after each backward: the gather (sharded parameters:
+        return _ring_ms(plan, stage, 0 if s.shard == "parameters" else 1)  # none, each forward gathers its own)
+    # ring passes over the parameters: 2 for the all-reduce, 1 more to gather (sharded parameters, kept gathered
+    # through the step where the mode splits its backward: gathered once at its first forward)
+    passes = 3 if s.shard == "parameters" else 2 * SYNC_SCALE[s.shard]
     return _ring_ms(plan, stage, passes) + (s.reduce_ms if s.replicas > 1 and s.param_bytes else 0.0)
 
 
@@ -188,9 +190,10 @@ def backward_reduce_ms(plan: Plan, stage: int) -> float:
     (`REDUCES_EACH_BACKWARD`): a ring all-reduce of the parameters' gradients and the stage's
     `reduce_ms` (0 for any other stage, and unreplicated)."""
     s = plan.stages[stage]
-    if s.shard not in REDUCES_EACH_BACKWARD or s.replicas == 1 or s.param_bytes == 0:
+    if stage not in plan.reduce_each:
         return 0.0
-    return _ring_ms(plan, stage, 2) + s.reduce_ms
+    # sharded parameters: the backward's all-reduce and its gather of the weights, and the forward's gather before it
+    return _ring_ms(plan, stage, 4 if s.shard == "parameters" else 2) + s.reduce_ms
 
 
 def _ring_ms(plan: Plan, stage: int, passes: float) -> float:

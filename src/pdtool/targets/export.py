@@ -170,11 +170,13 @@ def _placed(plan: Plan, mode: str) -> Plan:
 
 def _shard(plan: Plan, target: str, notes: list[str]) -> str:
     shard = "optimizer" if any(s.shard != "none" for s in plan.stages) else "none"
-    if any(s.shard == "gradients" for s in plan.stages) and target != "torchtitan":
-        notes.append(f"{NAMES[target]} has no per-backward gradient sharding beside pipeline stages: --shard gradients "
-                     "is exported as the optimizer sharding it builds on (each replica keeps the whole gradient "
-                     "while it accumulates)")
-    if shard == "optimizer" and target == "torchtitan":
+    finer = sorted({s.shard for s in plan.stages if s.shard in ("gradients", "parameters")})
+    if finer and target != "torchtitan":
+        notes.append(f"{NAMES[target]} has no per-backward gradient or parameter sharding beside pipeline stages: "
+                     f"--shard {'/'.join(finer)} is exported as the optimizer sharding it builds on (each replica "
+                     "keeps the whole weights and gradient while it accumulates)")
+    if shard == "optimizer" and target == "torchtitan" and any(s.shard in ("optimizer", "gradients")
+                                                               for s in plan.stages):
         notes.append("torchtitan has no optimizer-only sharding: exported as FSDP over the replicas "
                      "(data_parallel_shard_degree), which shards gradients and weights too (less memory, an all-gather "
                      "of each layer's weights in every forward and backward); the time below prices pdtool's "

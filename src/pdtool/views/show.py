@@ -114,6 +114,12 @@ def plan_table(plan: Plan) -> str:
            "which the replicas all-reduce bucket by bucket during every backward (its memory GiB counts the share "
            "and two buckets; the simulator prices each backward's all-reduce, its allreduce ms a step's): ZeRO "
            "stage 2"] if any(s.shard == "gradients" for s in plan.stages) else []),
+        *(["shard        each replica of a stage marked parameters keeps 1/replicas of its weights, gradients and "
+           "optimizer state, and gathers each layer's weights for its forward and again for its backward, "
+           "reduce-scattering its gradients after it (FSDP2; where the mode splits its backward the weights stay "
+           "gathered until the step); its memory GiB counts the shares and two gathered layers, the simulator "
+           "prices the gathers and reductions: ZeRO stage 3"] if any(s.shard == "parameters" for s in plan.stages)
+          else []),
         *([f"chunks       {rules(plan.mode).placement} placement, {len(plan.stages) // len(plan.used_ranks)} stages "
            "on each worker: " + "; ".join(f"rank {rank} holds stages {', '.join(map(str, stages))}"
                                           for rank, stages, _ in _workers(plan))] if plan.placement else []),

@@ -86,7 +86,10 @@ def memory_lines(result, plan: Plan, config: RunConfig) -> list[str]:
             for term in ("weights", "gradients", "optimizer"))
             + {"none": "", "optimizer": f" (optimizer sharded over {plan.stages[first].replicas} replicas)",
                "gradients": f" (optimizer and gradients sharded over {plan.stages[first].replicas} replicas: its "
-                            "gradients are its slice and bucket buffer)"}[plan.stages[first].shard])
+                            "gradients are its slice and bucket buffer)",
+               "parameters": f" (parameters, gradients and optimizer sharded over {plan.stages[first].replicas} "
+                             "replicas: each term its shards; the gathered layers count as activations)"}[
+                plan.stages[first].shard])
         gap = memory_gap(report.memory, planned[report.rank])
         if gap:
             gaps.append(f"  - stage {stage}: {gap}")

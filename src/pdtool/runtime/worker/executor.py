@@ -50,7 +50,7 @@ class StageWorker:
     def __init__(self, *, stage, schedule: Schedule, replica: int, optimizer: OptimizerConfig,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, seed: int = 0, first: int = 0,
                  no_decay: frozenset[str] = frozenset(), model_parameters: int | None = None,
-                 precision: str = "fp32", recompute: bool = False, sharded: bool = False):
+                 precision: str = "fp32", recompute: bool = False, sharded: bool | str = False, parameters=None):
         self.stage = stage
         self.seed, self.first = seed, first
         self.index = stage.index
@@ -69,7 +69,9 @@ class StageWorker:
                                     versions=schedule.versions())
         self.stepper = Stepper(stage=stage, schedule=schedule, names=self.names, live=self.live, weights=self.weights,
                                optimizer=optimizer, first=first, no_decay=no_decay, model_parameters=model_parameters,
-                               precision=precision, sharded=sharded, replica=replica)
+                               precision=precision, sharded=sharded, replica=replica, parameters=parameters)
+        # --shard parameters (`parameter_shard`): `live` are this replica's shards; FSDP gathers what the graph uses
+        self.parameters = parameters
         # minibatch -> (input leaves, outputs, version, weights); recomputing, (inputs, target, version, weights)
         self.stash: dict[int, tuple[dict, Any, int, dict]] = {}
         self._unchanged: dict[int, dict[str, int]] = {}  # recomputing: each stashed input's version counter
@@ -198,6 +200,8 @@ class StageWorker:
         wanted_inputs = [k for k, t in leaves.items() if t.requires_grad]
         inputs = [leaves[k] for k in wanted_inputs]
         self.weights.used(v)
+        if self.parameters is not None:  # the parameters as gathered: what the graph used
+            params = dict(zip(self.names, self.parameters.gathered()))
         if not weights:
             found, pending = (input_gradients(roots, seeds, inputs, list(params.values()), self.parameter_nodes)
                               if roots else ([], None))
@@ -213,6 +217,13 @@ class StageWorker:
                     self.reducer.absent(i)
         if not (roots and targets):
             found = [None] * len(inputs)
+        elif self.parameters is not None and not self.parameters.split:
+            # FSDP's hooks gather each unit again, and reduce-scatter its gradients into the shards as they are made
+            torch.autograd.backward(roots, seeds)
+            found = [leaf.grad for leaf in inputs]
+        elif self.parameters is not None:  # kept gathered until the step: the gradients accumulate whole
+            torch.autograd.backward(roots, seeds, inputs=targets)
+            found = [leaf.grad for leaf in inputs]
         elif self.reducer is not None or (self.live and targets[0] is self.live[0]):
             # the live weights (or, sharding gradients, a stashed version's copies): autograd adds to their .grad
             torch.autograd.backward(roots, seeds, inputs=targets)
@@ -236,7 +247,8 @@ class StageWorker:
                 if grad is not None:
                     self.reducer.take(i, grad)
         elif pending is not None:
-            self._add_gradients(weight_gradients(pending))
+            # the live weights' (a stashed version's gradient too); sharded parameters: the gathered ones'
+            self._add_gradients(weight_gradients(pending), pending.params if self.parameters is not None else None)
         self.weights.used(v)
         self.stepper.backwards += 1
 
@@ -253,8 +265,9 @@ class StageWorker:
         p.register_post_accumulate_grad_hook(hook)
         p._pdtool_hands_over = True
 
-    def _add_gradients(self, grads) -> None:
-        for live, grad in zip(self.live, grads):
+    def _add_gradients(self, grads, params=None) -> None:
+        """Add `grads` to the `.grad` of `params` (default: the live weights)."""
+        for live, grad in zip(self.live if params is None else params, grads):
             if grad is not None:
                 live.grad = grad.detach() if live.grad is None else live.grad.add_(grad)
 

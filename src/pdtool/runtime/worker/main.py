@@ -28,7 +28,7 @@ from .comm import BoundaryTensor, Link, layout, link_groups, message_specs
 from .. import peers
 from .. import optimizers
 from ..ties import check_mode, sets
-from . import evaluation, memory, optim, shm, tied
+from . import evaluation, memory, optim, parameter_shard, shm, tied
 from ..device import Placement, choose
 from .executor import StageWorker
 from .interpreter import Context, Interpreter
@@ -255,12 +255,17 @@ def _stage_workers(config: RunConfig, built: _Built, device: torch.device, shard
         loss_fn = built.loss_fn
         if last and isinstance(loss_fn, torch.nn.Module):
             loss_fn.to(device)  # e.g. class weights
+        parameters = None
+        if shard[index] == "parameters":  # FSDP2 over the replicas (`parameter_shard`), before the optimizer is made
+            from .parameter_shard import ParameterSharding
+
+            parameters = ParameterSharding(stage.module, replicas_group, device, built.schedule.rules.split)
         worker = workers[index] = StageWorker(
             stage=stage, schedule=built.schedule, replica=built.replica, optimizer=config.recipe,
             loss_fn=loss_fn if last else None, seed=config.seed, first=built.first, no_decay=built.no_decay,
             model_parameters=built.model_parameters, precision=built.precision, recompute=built.recompute[index],
-            sharded=shard[index])
-        if shard[index] and worker.stepper.optimizer is not None:
+            sharded=shard[index], parameters=parameters)
+        if shard[index] in ("optimizer", "gradients") and worker.stepper.optimizer is not None:
             worker.stepper.optimizer.gather = functools.partial(_gather, ranks=ranks[index],
                                                                 group=replicas_group)
         if worker.stepper.reducer is not None:
@@ -301,8 +306,8 @@ def _end(config: RunConfig, report: WorkerReport, workers: list[StageWorker], li
     report.peak_versions = max(worker.peak_versions for worker in workers)
     report.rings = len(link.rings)
     report.memory = measured
-    if config.return_weights:
-        report.weights = {worker.stage.param_names[n]: p.detach().cpu().clone()
+    if config.return_weights:  # sharded parameters gathered (a collective of the stage's replicas)
+        report.weights = {worker.stage.param_names[n]: parameter_shard.full(p.detach()).cpu().clone()
                           for worker in workers for n, p in worker.stage.module.named_parameters()}
     dist.barrier()
     dist.destroy_process_group()

@@ -20,6 +20,8 @@ import resource
 
 import torch
 
+from .parameter_shard import local
+
 TERMS = ("weights", "gradients", "optimizer", "activations")
 
 
@@ -106,15 +108,20 @@ def measure(workers, device: torch.device, base: int, startup: int = 0) -> dict[
     training = peak - files
     exact = {"weights": 0, "gradients": 0, "optimizer": 0}
     for worker in workers:
-        params = sum(p.numel() * p.element_size() for p in worker.live)
+        params = sum(_nbytes(p) for p in worker.live)  # sharded parameters: this replica's shards
         state = worker.stepper.optimizer.state.values() if worker.stepper.optimizer is not None else ()
-        exact["optimizer"] += sum(t.numel() * t.element_size() for entry in state for t in entry.values()
-                                  if torch.is_tensor(t))
+        exact["optimizer"] += sum(_nbytes(t) for entry in state for t in entry.values() if torch.is_tensor(t))
         exact["weights"] += params * (1 + worker.peak_versions)
         reducer = getattr(worker.stepper, "reducer", None)  # --shard gradients: its slice and bucket buffer, not a whole gradient
         flat = getattr(worker.stepper, "_flat", None)  # replicas unsharded: the buffer they all-reduce in, kept
-        exact["gradients"] += (params + (flat.numel() * flat.element_size() if flat is not None else 0)
+        exact["gradients"] += (params + (_nbytes(flat) if flat is not None else 0)
                                if reducer is None else reducer.nbytes)
     rest = max(training - base - sum(exact.values()), 0)
     return {"base": base, "peak": max(peak, startup), "training": training, **exact, "activations": rest,
             "files": files}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """The bytes `t` holds in this process (of a sharded parameter or state, this replica's part)."""
+    t = local(t)
+    return t.numel() * t.element_size()

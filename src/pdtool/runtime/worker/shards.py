@@ -28,6 +28,7 @@ from ...errors import LaunchError
 from ...schedule import step_group
 from ..ties import owner
 from .executor import StageWorker
+from .parameter_shard import full, load
 
 SEPARATOR = "::"
 
@@ -40,7 +41,8 @@ def stage_state(worker: StageWorker, keep: bool = True) -> tuple[dict[str, torch
     stage = worker.stage
     ties = stage.tied
     mine = {n for n, _ in stage.module.named_parameters() if n not in ties or owner(ties[n]) == stage.index}
-    tensors = {stage.param_names[n]: p.detach() for n, p in stage.module.named_parameters() if n in mine}
+    # sharded parameters gathered whole (a collective every replica of the stage calls, in one order)
+    tensors = {stage.param_names[n]: full(p.detach()) for n, p in stage.module.named_parameters() if n in mine}
     buffer_names, shared = stage.buffer_names, stage.shared_buffers
     tensors.update({buffer_names[n]: b.detach() for n, b in stage.module.named_buffers()
                     if n in buffer_names and (n not in shared or owner(shared[n]) == stage.index)})
@@ -111,10 +113,10 @@ def restore(worker: StageWorker, folder: str) -> None:
             qualified = stage.param_names[name]
             if qualified not in tensors:
                 raise LaunchError(f"checkpoint {folder} has no parameter {qualified}; it was saved from another model")
-            if tensors[qualified].shape != p.shape:
+            if tensors[qualified].shape != p.shape:  # a sharded parameter's shape is the whole one
                 raise LaunchError(f"checkpoint {folder}: {qualified} has shape {tuple(tensors[qualified].shape)}, "
                                   f"the model {tuple(p.shape)}; it was saved from another model")
-            p.copy_(tensors[qualified])
+            load(p, tensors[qualified])  # sharded: this replica's part
         buffer_names = stage.buffer_names
         for name, b in stage.module.named_buffers():
             if buffer_names.get(name) in tensors:

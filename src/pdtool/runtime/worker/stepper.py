@@ -27,6 +27,7 @@ from ..run import OptimizerConfig
 from .. import optimizers
 from . import optim
 from .optimizer_shard import ShardedOptimizer
+from .parameter_shard import full, local, shard_like
 
 Allreduce = Callable[[torch.Tensor], None]  # sums a flat gradient buffer over the stage's replicas, in place
 
@@ -46,7 +47,7 @@ class Stepper:
     def __init__(self, *, stage, schedule: Schedule, names: list[str], live: list[torch.nn.Parameter], weights,
                  optimizer: OptimizerConfig, first: int = 0, no_decay: frozenset[str] = frozenset(),
                  model_parameters: int | None = None, precision: str = "fp32", sharded: bool | str = False,
-                 replica: int = 0):
+                 replica: int = 0, parameters=None):
         self.schedule = schedule
         self.live = live
         self.weights = weights
@@ -57,9 +58,12 @@ class Stepper:
         # loss / m; the mean over the step's backwards then leaves the gradients scale / m times the true mean
         self.per_step_last = step_group(schedule, schedule.stages - 1)
         named = [(stage.param_names.get(n, n), p) for n, p in zip(names, live)]
-        # sharded: "optimizer" (or True) shards the optimizer state, "gradients" the summed gradients too
+        # sharded: "optimizer" (or True) shards the optimizer state, "gradients" the summed gradients too;
+        # `parameters` (--shard parameters, `parameter_shard`): the live weights are shards, stepped as they are
+        self.parameters = parameters
+        flat = sharded and parameters is None
         self.optimizer = _optimizer(optimizer, named, lr_scale(schedule, stage.index), no_decay,
-                                    schedule.replicas[stage.index] if sharded else 1, replica,
+                                    schedule.replicas[stage.index] if flat else 1, replica,
                                     {p: i for i, p in enumerate(live)} if sharded == "gradients" else None)
         self.reducer = getattr(self.optimizer, "reducer", None)  # --shard gradients: `gradient_shard`
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
@@ -99,6 +103,14 @@ class Stepper:
         elif self.reducer is not None:  # reduced after each backward: the mean of what the slice holds
             self.weights.keep_current()
             self.reducer.mean()
+        elif self.parameters is not None:  # the shards hold the replicas' sum: divided by their backwards
+            self.weights.keep_current()
+            self.parameters.reduce_for_step()
+            count = torch.tensor([float(self.backwards)], dtype=torch.float64)
+            self.parameters.allreduce(count)
+            grads = self._grads()
+            if grads:
+                torch._foreach_div_(grads, max(float(count), 1.0))
         else:
             buffer = self.gradient_buffer()
             allreduce(buffer)
@@ -137,10 +149,11 @@ class Stepper:
         """The squared norm of this stage's gradients (a tied parameter's only in its owner stage),
         unscaled; not finite when one overflowed."""
         self.unscale()
-        if self.reducer is not None:  # each replica holds a slice: their squares summed (no tied weights here)
-            total = torch.tensor([optim.squared_norm(self.reducer.accumulators)], dtype=torch.float64,
-                                 device=self.reducer.buffer.device)
-            self.reducer.allreduce(total)
+        shards = self.reducer or self.parameters
+        if shards is not None:  # each replica holds a slice: their squares summed (no tied weights here)
+            total = torch.tensor([optim.squared_norm(self._grads())], dtype=torch.float64,
+                                 device=self.live[0].device if self.live else None)
+            shards.allreduce(total)
             return float(total)
         return optim.squared_norm([p.grad for p in self.owned if p.grad is not None])
 
@@ -149,6 +162,8 @@ class Stepper:
         replica's slices of them."""
         if self.reducer is not None:
             return list(self.reducer.accumulators)
+        if self.parameters is not None:  # sharded parameters: this replica's part of each gradient
+            return [local(p.grad) for p in self.live if p.grad is not None]
         return [p.grad for p in self.live if p.grad is not None]
 
     def lr_now(self) -> float:
@@ -195,6 +210,14 @@ class Stepper:
         replica only gives its slices and gets nothing)."""
         if isinstance(self.optimizer, ShardedOptimizer):
             return self.optimizer.param_state(keep)
+        if self.parameters is not None:  # every replica gathers each state value in one order (collectives)
+            found = {}
+            for p in self.live:
+                state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
+                whole = {key: full(state[key]) for key in sorted(state)}
+                if keep and whole:
+                    found[p] = whole
+            return found
         return {p: self.optimizer.state[p] for p in self.live if self.optimizer is not None and p in self.optimizer.state}
 
     def load_param_state(self, state: dict[torch.Tensor, dict]) -> None:
@@ -203,7 +226,8 @@ class Stepper:
             self.optimizer.load_param_state(state)
         elif self.optimizer is not None:
             for p, values in state.items():
-                self.optimizer.state[p].update(values)
+                self.optimizer.state[p].update({key: shard_like(p, value) if isinstance(value, torch.Tensor) else value
+                                                for key, value in values.items()})
 
     def _step_optimizer(self, skip: bool = False) -> None:
         if self.optimizer is not None:
