@@ -1,14 +1,14 @@
-"""Benchmark of `--shard optimizer` and `--shard gradients` (issue 38 item 5): replicated plans
-that do not fit a memory limit unsharded (or with only the optimizer state sharded) and fit
-sharded, trained on the same stages; each worker's peak memory, optimizer state and gradients
-against the plan, and the time per minibatch against the simulator.
+"""Benchmark of `--shard optimizer`, `gradients` and `parameters` (issue 38 item 5): replicated
+plans that do not fit a memory limit unsharded (or with less sharded) and fit sharded, trained on
+the same stages; each worker's peak memory, weights, optimizer state and gradients against the
+plan, and the time per minibatch against the simulator.
 
 An MLP whose weights outweigh its activations (`pdtool.zoo:mlp`, 512 inputs, 12 hidden layers of
 1024, batch 64: 50 MiB of parameters in layers of 4 MiB, AdamW's state twice that) is profiled and
 planned as data parallelism over `2x10GB/s` with `--optimizer adamw` and a group of 4
-microbatches (2 backwards a replica a step): unsharded, `--shard optimizer` and `--shard
-gradients` (no limit), then under `--memory` halfway between the needs of two of them, where
-only the more sharded plan fits. The three plans are trained 8 steps of `flush` with AdamW on 2
+microbatches (2 backwards a replica a step): unsharded, `--shard optimizer`, `gradients` and
+`parameters` (no limit), then under `--memory` halfway between the needs of two of them, where
+only the more sharded plan fits. The four plans are trained 8 steps of `flush` with AdamW on 2
 local CPU workers (the workers' allocator returns freed blocks, `PDTOOL_MALLOC=release`, so that
 a resident set follows the tensors held). Per replica: the measured peak beyond its start, the
 optimizer state and the gradients it holds, beside the plan's (`prediction.planned_for_run`, the
@@ -42,7 +42,7 @@ def _train(plan_path: str, steps: int, shard: str, group: int):
     return job.plan, job.config, run(dataclasses.replace(job.config))
 
 
-WAYS = ("none", "optimizer", "gradients")
+WAYS = ("none", "optimizer", "gradients", "parameters")
 
 
 def main() -> None:
@@ -97,8 +97,9 @@ def main() -> None:
             same = [s.shard for s in auto.stages] == [s.shard for s in Plan.load(paths[more]).stages]
             print(f"under --memory {format_bytes(limit)}: --shard {less} {refused}, --shard {more} planned; --shard auto "
                   f"shards {', '.join(s.shard for s in auto.stages)}{' (the same plan)' if same else ''}")
-        print(f"{'shard':>9} {'replica':>7} {'measured MiB':>12} {'planned MiB':>11} {'measured/planned':>16} "
-              f"{'optimizer MiB':>13} {'planned':>7} {'gradients MiB':>13} {'planned':>7}")
+        print(f"{'shard':>10} {'replica':>7} {'measured MiB':>12} {'planned MiB':>11} {'measured/planned':>16} "
+              f"{'weights MiB':>11} {'planned':>7} {'optimizer MiB':>13} {'planned':>7} {'gradients MiB':>13} "
+              f"{'planned':>7}")
         peaks, times, predicted = {}, {}, {}
         for how, path in paths.items():
             plan_now, config, result = _train(path, args.steps, how, args.group)
@@ -107,7 +108,8 @@ def main() -> None:
                 report = result.reports[rank]
                 beyond, total = measured_beyond(report.memory), sum(planned[rank].values())
                 peaks.setdefault(how, []).append((beyond, total))
-                print(f"{how:>9} {report.replica:>7} {beyond / MiB:>12.1f} {total / MiB:>11.1f} {beyond / total:>16.2f} "
+                print(f"{how:>10} {report.replica:>7} {beyond / MiB:>12.1f} {total / MiB:>11.1f} {beyond / total:>16.2f} "
+                      f"{report.memory['weights'] / MiB:>11.1f} {planned[rank]['weights'] / MiB:>7.1f} "
                       f"{report.memory['optimizer'] / MiB:>13.1f} {planned[rank]['optimizer'] / MiB:>7.1f} "
                       f"{report.memory['gradients'] / MiB:>13.1f} {planned[rank]['gradients'] / MiB:>7.1f}")
             times[how] = result.time_per_minibatch_ms()
@@ -121,16 +123,17 @@ def main() -> None:
             targets.append((more, less, min(measured / planned if planned > 0 else 0.0 for measured, planned in saved)))
         print("time per minibatch measured (simulated): " + ", ".join(
             f"{how} {times[how]:.2f} ms ({predicted[how]:.2f})" for how in WAYS)
-            + f"; sharded / unsharded measured {times['optimizer'] / times['none']:.2f}x and "
-              f"{times['gradients'] / times['none']:.2f}x, simulated {predicted['optimizer'] / predicted['none']:.2f}x "
-              f"and {predicted['gradients'] / predicted['none']:.2f}x")
+            + "; sharded / unsharded measured " + ", ".join(f"{times[how] / times['none']:.2f}x" for how in WAYS[1:])
+            + ", simulated " + ", ".join(f"{predicted[how] / predicted['none']:.2f}x" for how in WAYS[1:]))
         r, backwards = 2, args.group // 2
         moved = {"none": (2 * params, 2 * params), "optimizer": (3 * params, 2 * params),
-                 "gradients": ((2 * backwards + 1) * params, (backwards + 1) * params)}
+                 "gradients": ((2 * backwards + 1) * params, (backwards + 1) * params),
+                 "parameters": (4 * backwards * params, 3 * backwards * params)}
         print("bytes a replica's collectives move per step, gloo / NCCL: " + ", ".join(
             f"{how} {format_bytes((r - 1) / r * g)} / {format_bytes((r - 1) / r * n)}" for how, (g, n) in moved.items())
             + " (gloo all-reduces where NCCL would reduce-scatter; sharded gradients reduce after each of a "
-              f"replica's {backwards} backwards)")
+              f"replica's {backwards} backwards; sharded parameters also gather the weights for each forward and "
+              "backward)")
         for more, less, worst in targets:
             print(f"- target: --shard {more} lowered each replica's measured peak below --shard {less}'s by at least "
                   f"half of what the plans say: {worst:.2f}, {'met' if worst >= 0.5 else 'NOT met'}")

@@ -63,7 +63,8 @@ GROUPS = {"cluster": ("cluster_spec", "memory"),
                    "optimizer state of 1/replicas of the stage, ZeRO stage 1: the memory model divides that state by "
                    "the replicas, the simulator adds the all-gather of the weights after each step), gradients (also "
                    "1/replicas of the summed gradients, all-reduced bucket by bucket after every backward: ZeRO stage "
-                   "2), none, or auto (each replicated stage shards where it fits --memory only so, the least it "
+                   "2), parameters (also 1/replicas of the weights, gathered layer by layer for each forward and "
+                   "backward: ZeRO stage 3, FSDP2), none, or auto (each replicated stage shards where it fits --memory only so, the least it "
                    "needs).")
 @click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, allow_dash=True),
               help="Plan JSON to write ('-' for stdout). Written atomically.")

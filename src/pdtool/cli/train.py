@@ -57,8 +57,10 @@ GROUPS = {
 @click.option("--shard", type=click.Choice(SHARDS),
               help="What the replicas of each replicated stage shard among themselves: none, optimizer (each "
                    "keeps the optimizer state of 1/replicas of the stage and all-gathers the updated weights: ZeRO "
-                   "stage 1), or gradients (also 1/replicas of the summed gradients, reduced after every backward: "
-                   "ZeRO stage 2) [default: the plan's, per stage (pd plan --shard)].")
+                   "stage 1), gradients (also 1/replicas of the summed gradients, reduced after every backward: "
+                   "ZeRO stage 2), or parameters (also 1/replicas of the weights, gathered layer by layer for each "
+                   "forward and backward: ZeRO stage 3, FSDP2; modes that keep one weight version) [default: the "
+                   "plan's, per stage (pd plan --shard)].")
 @click.option("--seed", type=Count(0, 2**63 - 1), default=0, show_default=True, help="Seed of the initial weights and the data order.")
 @click.option("--optimizer", default="sgd", show_default=True, metavar="|".join(OPTIMIZERS) + "|PKG.MODULE:FACTORY",
               help="sgd (with momentum), adam, adamw (decoupled weight decay), or a factory called as "
