@@ -132,6 +132,8 @@ def test_shard_without_replicas_or_with_a_factory_optimizer_is_one_line_before_a
     with pytest.raises(LaunchError, match="--shard parameters gathers one version .* mode pipedream keeps one per "
                                           "minibatch in flight; use --shard gradients, or a mode that keeps one"):
         check_shard(plan, config_for(path, shard="parameters", mode="pipedream"))
+    with pytest.raises(LaunchError, match="first replica of each stage alone, which cannot gather the weights"):
+        check_shard(plan, config_for(path, shard="parameters", group=4, eval_every=1))
     with pytest.raises(LaunchError, match="replicas of stage 0 run their actions in different orders .*a --group "
                                           "that is a multiple of the stage's replicas"):
         check_shard(plan, config_for(path, shard="parameters", group=3))

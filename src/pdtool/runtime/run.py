@@ -147,6 +147,10 @@ def check_shard(plan: Plan, config: RunConfig) -> None:
         raise LaunchError(f"--shard {kinds} steps flat slices of a stage's parameters, which only the built-in "
                           f"optimizers (sgd, adam, adamw) step exactly as whole ones; optimizer {config.optimizer.name!r} "
                           "may compute per-tensor quantities: use --shard none or a built-in optimizer")
+    if "parameters" in sharded(plan, config) and (config.eval_every or config.evaluate):
+        raise LaunchError("--eval-every/--evaluate runs the held-out split through the first replica of each stage "
+                          "alone, which cannot gather the weights of a stage whose replicas shard them (--shard "
+                          "parameters); use --shard gradients, or evaluate the checkpoints in a run of their own")
     if {"gradients", "parameters"} & set(sharded(plan, config)):
         steps = max(config.checkpoint_every, config.eval_every or 0, plan.reduce_check_steps())
         refusal = plan.with_shard(config.shard).sharding_refusal(
