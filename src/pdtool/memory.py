@@ -6,6 +6,7 @@ Pure: no torch.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,20 +41,21 @@ def step_temporaries(optimizer_slots: int, weight_decay: bool = False, decoupled
 
 def memory_model(limit: float | None, optimizer_slots: int, precision: str, mode: str | None = None,
                  weight_decay: bool = False, decoupled: bool = True, rings: bool = True,
-                 shard: str = "none") -> "Memory":
+                 shard: str = "none", method: str | None = None) -> "Memory":
     """The memory model of a run: `limit` bytes per worker (None: no limit), the optimizer's state
     and step temporaries, autocast's weight copies in `precision`, and what `mode` keeps (its
     weight versions; whether a worker accumulates gradients over a group); `rings`: whether
     messages travel through shared-memory rings (copied out of them) or, False, over a process
     group (a received activation is the stashed input itself); `shard`: what the planner's
     replicated stages shard (`pd plan --shard optimizer|gradients`; `auto` decides per stage:
-    none here)."""
+    none here); `method`: how the profile captured the model (`torch.export`'s graphs read every
+    weight by attribute, so sharded parameters are gathered a whole stage at a time)."""
     rows = rules(mode or DEFAULT)
     return Memory(limit=float("inf") if limit is None else float(limit), optimizer_slots=optimizer_slots,
                   copies=COMPUTE_COPY[precision], versions_kept=rows.versions_kept,
                   step_temporaries=step_temporaries(optimizer_slots, weight_decay, decoupled),
                   accumulates=rows.steps == GROUP, rings=rings, shard=shard if shard != "auto" else "none",
-                  splits=rows.split)
+                  splits=rows.split, whole_units=method == "export")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +72,7 @@ class Memory:
     rings: bool = True             # messages are copied out of shared-memory rings (False: a process group's)
     shard: str = "none"            # what the planner's replicated stages shard among their replicas (PlanStage.shard)
     splits: bool = False           # the mode splits its backward (B, then W computes the weight gradients at once)
+    whole_units: bool = False      # sharded parameters are gathered a whole stage at a time (an exported graph's)
 
     @staticmethod
     def in_flight(workers: int, before: int, replicas: int) -> int:
@@ -128,7 +131,9 @@ class Memory:
         backward, the next one's gather begun: two units of weights, and two of gradients (a
         unit's, and the buffer it is reduce-scattered from); where the mode `splits` its backward,
         the weights stay gathered from the step's first forward to the step and the gradients
-        accumulate whole: a whole stage of each beside the shards.
+        accumulate whole: a whole stage of each beside the shards. A graph captured by torch.export
+        reads every weight by attribute, not through its module (`whole_units`): FSDP gathers the
+        stage as one unit, a whole stage of weights and of gradients at a time.
 
         `replicas`: the stage's replicas. Where there are several and they do not shard their
         gradients, each keeps, beside the gradients it accumulates, the flat buffer it all-reduces
@@ -145,7 +150,7 @@ class Memory:
             transient = (params if self.splits else bucket) + bucket  # what waits for its bucket, and the buffer
             gradients = params / sharing + transient
         elif kind == "parameters" and sharing > 1:
-            gathered = params if self.splits else np.minimum(params, 2 * largest)
+            gathered = params if self.splits or self.whole_units else np.minimum(params, 2 * largest)
             weights = params / sharing + gathered
             gradients = params / sharing + (params + np.minimum(params, largest) if self.splits else gathered)
         else:
@@ -173,6 +178,8 @@ class Memory:
         """Per plan rank, `terms` for the schedule a simulation ran. A worker of several stages
         holds all of its chunks', each with the minibatches the mode's order keeps in flight on it
         (`schedule.chunked.depths`)."""
+        if plan.profile.method == "export" and not self.whole_units:
+            return dataclasses.replace(self, whole_units=True).worker_terms(plan, result)
         if not plan.placement:
             return {rank: self.stage_terms(stage, result.peak_in_flight[rank], result.peak_versions[rank])
                     for stage in plan.stages for rank in stage.ranks}

@@ -373,3 +373,14 @@ def test_auto_shards_the_parameters_where_only_that_fits():
     gradients = plan.with_shard("gradients")
     assert backward_reduce_ms(plan, 0) > backward_reduce_ms(gradients, 0) and allreduce_ms(plan, 0) < allreduce_ms(
         gradients, 0)
+
+
+def test_an_exported_graphs_sharded_parameters_are_gathered_a_stage_at_a_time():
+    """torch.export's stage graphs read every weight by attribute, not through its module, so FSDP gathers the
+    stage as one unit: the memory model counts the whole stage gathered (weights and gradients) for such a
+    profile's plans, two layers for an fx profile's."""
+    fx = memory_model(None, 2, "fp32", "flush", method="fx").terms(120.0, 0.0, 1, largest=10.0, sharing=4,
+                                                                   shard="parameters", replicas=4)
+    exported = memory_model(None, 2, "fp32", "flush", method="export").terms(120.0, 0.0, 1, largest=10.0, sharing=4,
+                                                                             shard="parameters", replicas=4)
+    assert (fx["weights"], exported["weights"], exported["gradients"]) == (30 + 20, 30 + 120, 30 + 120)

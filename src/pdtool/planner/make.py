@@ -96,8 +96,8 @@ def make_plan(profile: Profile, cluster: Cluster, *, cost_model: str = "pdtool",
     model = MODELS[cost_model](sync_scale=SYNC_SCALE[shard if shard != "auto" else "none"])
     costs = ChainCosts.from_profile(profile)
     # what the plan's mode keeps (the default mode's when none is given: PipeDream's weight versions, the most)
-    memory = (memory_model(cluster.memory, optimizer_slots, profile.precision, mode, shard=shard)
-              if cluster.memory else None)
+    memory = (memory_model(cluster.memory, optimizer_slots, profile.precision, mode, shard=shard,
+                           method=profile.method) if cluster.memory else None)
     # zero-time layers follow their producers only where that is safe (states.py, `_followers`)
     states = _splittable(build_states(costs, followers=not model.exact_workers and memory is None), profile, say)
     if data_parallel:
@@ -188,7 +188,8 @@ class _Search:
 
     def unlimited(self) -> Memory:
         """The memory model without a limit (a plan's figures where the cluster states none)."""
-        return memory_model(None, self.optimizer_slots, self.profile.precision, self.mode, shard=self.shard)
+        return memory_model(None, self.optimizer_slots, self.profile.precision, self.mode, shard=self.shard,
+                            method=self.profile.method)
 
     def solver(self, **options) -> Solver:
         """The dynamic program over this search's states and cluster (`options`: Solver's)."""
