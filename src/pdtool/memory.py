@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 
 OPTIMIZER_SLOTS = {"sgd": 1, "adam": 2, "adamw": 2}  # buffers per parameter: SGD's momentum; Adam's two moments
 COMPUTE_COPY = {"fp32": 0.0, "bf16": 0.5, "fp16": 0.5}  # bytes of autocast's weight copy per fp32 weight byte
+WHOLE_UNITS = ("export", "modules")
+"""The profile methods whose stages FSDP gathers whole (`--shard parameters`): torch.export's graphs
+read every weight by attribute, and a module that is not a graph may read a child's weight without
+calling the child (`runtime.worker.parameter_shard.units`)."""
 GRADIENT_BUCKET_BYTES = 4 * 2 ** 20
 """`--shard gradients`: the gradients a bucket reduces at once (`runtime.worker.gradient_shard`;
 a larger parameter is a bucket of its own)."""
@@ -48,14 +52,14 @@ def memory_model(limit: float | None, optimizer_slots: int, precision: str, mode
     messages travel through shared-memory rings (copied out of them) or, False, over a process
     group (a received activation is the stashed input itself); `shard`: what the planner's
     replicated stages shard (`pd plan --shard optimizer|gradients`; `auto` decides per stage:
-    none here); `method`: how the profile captured the model (`torch.export`'s graphs read every
-    weight by attribute, so sharded parameters are gathered a whole stage at a time)."""
+    none here); `method`: how the profile captured the model (`WHOLE_UNITS`: sharded parameters
+    are gathered a whole stage at a time)."""
     rows = rules(mode or DEFAULT)
     return Memory(limit=float("inf") if limit is None else float(limit), optimizer_slots=optimizer_slots,
                   copies=COMPUTE_COPY[precision], versions_kept=rows.versions_kept,
                   step_temporaries=step_temporaries(optimizer_slots, weight_decay, decoupled),
                   accumulates=rows.steps == GROUP, rings=rings, shard=shard if shard != "auto" else "none",
-                  splits=rows.split, whole_units=method == "export")
+                  splits=rows.split, whole_units=method in WHOLE_UNITS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,7 +137,8 @@ class Memory:
         the weights stay gathered from the step's first forward to the step and the gradients
         accumulate whole: a whole stage of each beside the shards. A graph captured by torch.export
         reads every weight by attribute, not through its module (`whole_units`): FSDP gathers the
-        stage as one unit, a whole stage of weights and of gradients at a time.
+        stage as one unit, a whole stage of weights and of gradients at a time; so does a stage that
+        is not a graph (`WHOLE_UNITS`).
 
         `replicas`: the stage's replicas. Where there are several and they do not shard their
         gradients, each keeps, beside the gradients it accumulates, the flat buffer it all-reduces
@@ -178,7 +183,7 @@ class Memory:
         """Per plan rank, `terms` for the schedule a simulation ran. A worker of several stages
         holds all of its chunks', each with the minibatches the mode's order keeps in flight on it
         (`schedule.chunked.depths`)."""
-        if plan.profile.method == "export" and not self.whole_units:
+        if plan.profile.method in WHOLE_UNITS and not self.whole_units:
             return dataclasses.replace(self, whole_units=True).worker_terms(plan, result)
         if not plan.placement:
             return {rank: self.stage_terms(stage, result.peak_in_flight[rank], result.peak_versions[rank])

@@ -132,6 +132,13 @@ def test_shard_without_replicas_or_with_a_factory_optimizer_is_one_line_before_a
     with pytest.raises(LaunchError, match="--shard parameters gathers one version .* mode pipedream keeps one per "
                                           "minibatch in flight; use --shard gradients, or a mode that keeps one"):
         check_shard(plan, config_for(path, shard="parameters", mode="pipedream"))
+    # the mode the run uses decides (pd train --mode): a zb plan's sharded stage reduces at the step, under flush after
+    # every backward, where the replicated middle stage of (1, 3, 1) deadlocks
+    middle, middle_path = plan_with(tmp_path, [((0, 0), 1), ((1, 1), 3), ((2, 3), 1)], mode="zb", name="m.plan.json")
+    check_shard(middle, config_for(middle_path, shard="parameters", group=6))
+    with pytest.raises(LaunchError, match="--shard parameters would deadlock this schedule once the replicas of "
+                                          "stage.s. 1 reduce after every backward"):
+        check_shard(middle, config_for(middle_path, shard="parameters", group=6, mode="flush"))
     with pytest.raises(LaunchError, match="first replica of each stage alone, which cannot gather the weights"):
         check_shard(plan, config_for(path, shard="parameters", group=4, eval_every=1))
     with pytest.raises(LaunchError, match="replicas of stage 0 run their actions in different orders .*a --group "

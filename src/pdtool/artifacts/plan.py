@@ -349,9 +349,14 @@ class Plan(Artifact):
 
     @property
     def reduce_each(self) -> tuple[int, ...]:
+        """`reduces_each` in the plan's own mode."""
+        return self.reduces_each()
+
+    def reduces_each(self, mode: str | None = None) -> tuple[int, ...]:
         """The stages whose replicas reduce their gradients after every backward (`--shard
-        gradients`: `REDUCES_EACH_BACKWARD`), for `schedule.lower`."""
-        split = rules(self.mode).split
+        gradients`, `parameters`: `REDUCES_EACH_BACKWARD`) in `mode` (default: the plan's; `pd train
+        --mode` runs another), for `schedule.lower`."""
+        split = rules(mode or self.mode).split
         return tuple(i for i, s in enumerate(self.stages) if s.shard in REDUCES_EACH_BACKWARD and s.replicas > 1
                      and s.param_bytes > 0 and not (s.shard == "parameters" and split))
 
@@ -402,7 +407,7 @@ class Plan(Artifact):
             check_same_order(schedule, stages.get("parameters", ()))
         except ScheduleError as error:
             return f"--shard parameters: {error}"
-        reducing = [i for i in self.reduce_each if any(i in these for these in stages.values())]
+        reducing = [i for i in self.reduces_each(schedule.mode) if any(i in these for these in stages.values())]
         try:
             check_reduce_each(schedule, reducing)
         except ScheduleError as error:

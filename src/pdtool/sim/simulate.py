@@ -169,7 +169,7 @@ def link_latency(plan: Plan, x: int, y: int) -> float:
     return 0.0 if x == y else _parting_level(plan, x, y).latency
 
 
-def allreduce_ms(plan: Plan, stage: int) -> float:
+def allreduce_ms(plan: Plan, stage: int, mode: str | None = None) -> float:
     """One ring all-reduce of `stage`'s gradients among its replicas, in ms (0 when unreplicated):
     2 (r - 1) / r * param_bytes / B + 2 (r - 1) L, B the slowest link between two of its ranks
     and L the longest latency (a ring's 2 (r - 1) steps each wait for one), plus the stage's
@@ -177,7 +177,7 @@ def allreduce_ms(plan: Plan, stage: int) -> float:
     shards its optimizer state (`shard`) also all-gathers its weights after the step:
     (r - 1) / r * param_bytes / B + (r - 1) L more (`artifacts.plan.SYNC_SCALE`)."""
     s = plan.stages[stage]
-    if stage in plan.reduce_each:  # the gradients were reduced after each backward: the gather (sharded parameters:
+    if stage in plan.reduces_each(mode):  # the gradients were reduced after each backward: the gather (sharded parameters:
         return _ring_ms(plan, stage, 0 if s.shard == "parameters" else 1)  # none, each forward gathers its own)
     # ring passes over the parameters: 2 for the all-reduce, 1 more to gather (sharded parameters, kept gathered
     # through the step where the mode splits its backward: gathered once at its first forward)
@@ -185,12 +185,12 @@ def allreduce_ms(plan: Plan, stage: int) -> float:
     return _ring_ms(plan, stage, passes) + (s.reduce_ms if s.replicas > 1 and s.param_bytes else 0.0)
 
 
-def backward_reduce_ms(plan: Plan, stage: int) -> float:
+def backward_reduce_ms(plan: Plan, stage: int, mode: str | None = None) -> float:
     """The all-reduce after each backward of a stage whose replicas shard their gradients
     (`REDUCES_EACH_BACKWARD`): a ring all-reduce of the parameters' gradients and the stage's
     `reduce_ms` (0 for any other stage, and unreplicated)."""
     s = plan.stages[stage]
-    if stage not in plan.reduce_each:
+    if stage not in plan.reduces_each(mode):
         return 0.0
     # sharded parameters: the backward's all-reduce and its gather of the weights, and the forward's gather before it
     return _ring_ms(plan, stage, 4 if s.shard == "parameters" else 2) + s.reduce_ms
@@ -315,11 +315,11 @@ class _Run:
 
     def __init__(self, plan: Plan, schedule: Schedule):
         self.plan, self.schedule = plan, schedule
-        self.ops = lower(schedule, reduce_each=plan.reduce_each).workers
+        self.ops = lower(schedule, reduce_each=plan.reduces_each(schedule.mode)).workers
         n = len(schedule.workers)
         self.ranks = [worker_rank(plan, schedule, w) for w in range(n)]  # schedule rank -> plan rank
-        self.allreduce = [allreduce_ms(plan, s) for s in range(len(plan.stages))]
-        self.reduce = [backward_reduce_ms(plan, s) for s in range(len(plan.stages))]
+        self.allreduce = [allreduce_ms(plan, s, schedule.mode) for s in range(len(plan.stages))]
+        self.reduce = [backward_reduce_ms(plan, s, schedule.mode) for s in range(len(plan.stages))]
         self.next = [0] * n            # index of each worker's next op
         self.free = [0.0] * n          # when each worker is free, ms
         self.began = [0.0] * n         # when the worker's current step began (its all-reduce)

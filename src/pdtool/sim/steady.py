@@ -443,10 +443,10 @@ class _FlushBatch:
         self.stages = plan.stages
         self.per_mib = plan.profile.message_ms_per_mib
         ranks = [s.ranks[::g] for s in self.stages]
-        self.took = [allreduce_ms(plan, s) for s in range(len(self.stages))]
-        self.reduce = [backward_reduce_ms(plan, s) for s in range(len(self.stages))]
+        self.took = [allreduce_ms(plan, s, mode) for s in range(len(self.stages))]
+        self.reduce = [backward_reduce_ms(plan, s, mode) for s in range(len(self.stages))]
         schedule = generate(mode, tuple(reduced), group, group, placement=placement)
-        self.workers = lower(schedule, reduce_each=plan.reduce_each).workers
+        self.workers = lower(schedule, reduce_each=plan.reduces_each(mode)).workers
         if placement:
             self.plan_rank = [worker_rank(plan, schedule, w) for w in range(len(self.workers))]
         else:

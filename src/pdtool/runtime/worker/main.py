@@ -207,7 +207,7 @@ def _connect(config: RunConfig, plan: Plan, built: _Built, rank: int, device: to
     stages (else None) and its stage's replicas' process group (None: no replicas). Every rank
     makes every process group, in one order."""
     lowered = lower(built.schedule, sets(built.capture.stages), plan.schedule_ranks,
-                    reduce_each=plan.with_shard(config.shard).reduce_each)
+                    reduce_each=plan.with_shard(config.shard).reduces_each(built.schedule.mode))
     ops = lowered.workers[lowered.index(rank)]
     if built.evaluation is not None:
         ops = evaluation.with_evaluations(ops, sorted(built.stages), built.replica,

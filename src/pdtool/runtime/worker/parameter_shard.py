@@ -38,28 +38,42 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...errors import LaunchError
+
 # torch.distributed.tensor and .fsdp are imported where used: importing them takes about half a second, which
 # only a worker that shards its parameters pays
 
 
 def units(module: nn.Module) -> list[nn.Module]:
-    """The submodules of a stage that become FSDP units of their own: those that hold parameters
-    directly, none of them shared with another module, and that the stage calls (an fx graph's
-    `call_module` targets; every such submodule of a module that is not a graph). Deepest first."""
-    owners = Counter(id(p) for m in module.modules() for p in m.parameters(recurse=False))
-    called: set[str] | None = None
+    """The submodules of a stage that become FSDP units of their own: the modules its fx graph
+    calls (`call_module` targets) that hold parameters, none of them shared with another module
+    or read by the graph directly (`get_attr`). Everything else is the stage's own unit, gathered
+    for the whole forward and again for the whole backward: all of a stage that is not an fx
+    graph (torch.export's graphs read every weight by attribute; a module that is not a graph may
+    read a child's weight without calling it, as `nn.MultiheadAttention` reads its `out_proj`'s)."""
     graphs = [(name, m) for name, m in module.named_modules() if isinstance(m, torch.fx.GraphModule)]
-    if graphs:
-        called = {f"{name}.{node.target}" if name else str(node.target)
-                  for name, graph in graphs for node in graph.graph.nodes if node.op == "call_module"}
+    owners = Counter(id(p) for m in module.modules() for p in m.parameters(recurse=False))
+    called, read = set(), []
+    for name, graph in graphs:
+        for node in graph.graph.nodes:
+            target = f"{name}.{node.target}" if name else str(node.target)
+            if node.op == "call_module":
+                called.add(target)
+            elif node.op == "get_attr":
+                read.append(target)
     found = []
-    for name, m in module.named_modules():
-        own = list(m.parameters(recurse=False))
-        if not name or not own or any(owners[id(p)] > 1 for p in own):
+    for target in sorted(called):
+        m = module.get_submodule(target)
+        own = list(m.parameters())
+        if not own or any(owners[id(p)] > 1 for p in own) or any(r.startswith(f"{target}.") for r in read):
             continue
-        if called is None or name in called:
-            found.append((name.count("."), name, m))
-    return [m for *_, m in sorted(found, key=lambda item: (-item[0], item[1]))]
+        found.append(m)
+    return found
+
+
+def scalar_parameters(module: nn.Module) -> list[str]:
+    """The stage's parameters without dimensions (FSDP shards along the first: none to shard)."""
+    return [name for name, p in module.named_parameters() if p.dim() == 0]
 
 
 class ParameterSharding:
@@ -71,6 +85,10 @@ class ParameterSharding:
         from torch.distributed.fsdp import fully_shard
 
         self.module, self.split, self.group = module, split, group
+        scalars = scalar_parameters(module)
+        if scalars:
+            raise LaunchError(f"--shard parameters shards each weight along its first dimension, but {scalars[0]} "
+                              f"(and {len(scalars) - 1} more) has none; use --shard gradients")
         # FSDP warns of every unit whose output is a view (an in-place op on it would skip the unit's gather for the
         # backward): a stage graph's ops on a unit's output are those of the model, whose gradients the equality
         # tests compare with the unsharded run's (tests/dist/test_shard.py); the warning says nothing a user can act on
@@ -103,16 +121,14 @@ class ParameterSharding:
     def reduce_for_step(self) -> None:
         """Split backwards, at the step: every unit's whole gradients reduce-scattered into the
         shards and its gathered parameters freed (a collective per unit, in one order on every
-        replica: the stage's modules')."""
+        replica), then FSDP's end of a backward (it waits for the reductions and lets their buffers
+        go), as torch.distributed.pipelining ends FSDP's backward in its schedules."""
         if not self.split:
             return
         from torch.distributed.fsdp import fully_shard
 
         self._accumulate(False)
-        for m in self._units():
-            group = fully_shard.state(m)._fsdp_param_group
-            if group is not None:
-                group.post_backward()
+        fully_shard.state(self.module)._root_post_backward_final_callback()
         self._accumulate(True)
 
     def allreduce(self, tensor: torch.Tensor) -> None:

@@ -106,7 +106,8 @@ class Stepper:
         elif self.parameters is not None:  # the shards hold the replicas' sum: divided by their backwards
             self.weights.keep_current()
             self.parameters.reduce_for_step()
-            count = torch.tensor([float(self.backwards)], dtype=torch.float64)
+            count = torch.tensor([float(self.backwards)], dtype=torch.float64,  # on the device: NCCL's groups
+                                 device=self.live[0].device if self.live else None)
             self.parameters.allreduce(count)
             grads = self._grads()
             if grads:
