@@ -293,3 +293,21 @@ def fp16_overflow(factor=1e6):
 def ignores_its_groups(param_groups, lr):
     """An --optimizer factory that builds its optimizer over a parameter of its own, not the ones it is given."""
     return torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
+
+
+class _Temperature(nn.Module):
+    """Divides by a learned scalar (a parameter without dimensions, as a softmax temperature)."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x):
+        return x / self.t
+
+
+@pdtool.factory
+def scalar_parameter():
+    """A chain with a parameter of no dimensions between two layers."""
+    model = nn.Sequential(nn.Linear(8, 8), _Temperature(), nn.Linear(8, 4))
+    return model, (lambda n: (torch.randn(n, 8), torch.randint(0, 4, (n,)))), F.cross_entropy

@@ -156,6 +156,17 @@ def test_shard_without_replicas_or_with_a_factory_optimizer_is_one_line_before_a
     check_shard(plan, config_for(path, shard="optimizer"))
 
 
+def test_a_weight_without_dimensions_is_one_line_before_any_worker_with_sharded_parameters(tmp_path):
+    from pdtool.artifacts.plan import Plan
+    from pdtool.artifacts.profile import ModelRef
+    from pdtool.runtime.launcher.job import prepare
+
+    plan, path = plan_with(tmp_path, [((0, 1), 2)], mode="flush", ref=ModelRef("toymodels:scalar_parameter"))
+    with pytest.raises(LaunchError, match="stage 0's 1.t has none; use --shard gradients"):
+        prepare(Plan.load(str(path)), config_for(path, shard="parameters", group=2))
+    prepare(Plan.load(str(path)), config_for(path, shard="gradients", group=2))  # accepted
+
+
 def test_tied_weights_and_recomputation_shard_exactly(tmp_path):
     """gpipe on a tied language model, its first stage (the embedding, tied to the last stage's head)
     replicated twice, sharded and recomputing its activations: the weights of the unsharded run, bit

@@ -60,6 +60,7 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
                             model=config.model, init=config.init, warn=warn, imports=imports,
                             init_from=config.init_from)
     config = dataclasses.replace(config, capture=checked.capture, precision=config.precision or plan.profile.precision)
+    _check_shardable(plan, checked.capture)
     if config.precision == "fp16" and run.mode.per_round and len(plan.stages) > 1:
         raise LaunchError(f"--precision fp16 skips a step whose gradients overflow on every stage at once, and in mode "
                           f"{run.name} the stages step after different minibatches; use --precision bf16 (no loss "
@@ -144,6 +145,18 @@ def _tensors_of(held, trained):
         yield f"input {i}", pick(held_inputs), pick(inputs)
     if held_target is not None or target is not None:
         yield "a target", held_target, target
+
+
+def _check_shardable(plan: Plan, capture) -> None:
+    """`--shard parameters` shards each weight of a stage along its first dimension: a weight
+    without one is one line here, before any worker starts (`worker.parameter_shard`)."""
+    shapes = dict(capture.parameters)
+    for info, stage in zip(capture.stages, plan.stages):
+        if stage.shard == "parameters" and stage.replicas > 1:
+            scalar = next((name for name in info.param_names.values() if shapes.get(name) == ()), None)
+            if scalar is not None:
+                raise LaunchError(f"--shard parameters shards each weight along its first dimension, but stage "
+                                  f"{info.index}'s {scalar} has none; use --shard gradients")
 
 
 def check_memory(plan: Plan, config: RunConfig, run: Run, unsharding: bool = False) -> None:
