@@ -1,0 +1,79 @@
+"""`runtime.worker.lazy_dynamo`: a worker does everything eager torch does in a training step
+without importing torch._dynamo (2.7 s of a core), and anything that needs dynamo gets the real
+one. Run in a fresh interpreter: the stand-in must be installed before anything imports dynamo."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.slow  # a fresh Python process importing torch: seconds
+
+STEP = textwrap.dedent("""
+    import json, os, sys
+    from pdtool.runtime.worker import lazy_dynamo
+    import torch
+    lazy_dynamo.install()
+    import torch._dynamo  # what torch.optim's step wrapper does: the stand-in answers
+    import torch.distributed as dist
+    from torch import nn
+
+    seen = {}
+    def real():
+        return type(sys.modules["torch._dynamo"]).__name__ != "_Standin"
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    reference = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    reference.load_state_dict(model.state_dict())
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)  # clears dynamo's trace rules' caches
+    x = torch.randn(8, 4)
+    for net in (model,):
+        for opt in (torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                    torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.1)):
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+            for _ in range(2):
+                opt.zero_grad()
+                net(x).square().mean().backward()
+                for p in net.parameters():
+                    dist.all_reduce(p.grad)
+                nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+                opt.step()
+                sched.step()
+            opt.load_state_dict(opt.state_dict())
+    seen["after_steps"] = real()
+    # the same steps with the real dynamo, for the values
+    from torch._dynamo import config  # a name the stand-in does not answer: the real module
+    seen["after_from_import"] = real()
+    seen["torch_attribute_is_real"] = torch._dynamo is sys.modules["torch._dynamo"] and real()
+    import torch._dynamo.utils  # a submodule of the real package
+    seen["compiled"] = torch.compile(lambda t: t * 2, backend="eager")(torch.ones(2)).tolist()
+    for opt in (torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9),
+                torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.1)):
+        for _ in range(2):
+            opt.zero_grad()
+            reference(x).square().mean().backward()
+            nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+            opt.step()
+    seen["equal"] = all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    dist.destroy_process_group()
+    print(json.dumps(seen))
+""")
+
+
+def test_a_training_step_runs_without_dynamo_and_anything_else_gets_the_real_one():
+    done = subprocess.run([sys.executable, "-c", STEP], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"after_steps": False, "after_from_import": True, "torch_attribute_is_real": True,
+                    "compiled": [2.0, 2.0], "equal": True}
+
+
+def test_the_workers_forkserver_installs_it_before_importing_torch_and_keeps_dynamo_out():
+    code = ("import sys, pdtool.runtime.worker.preload; "
+            "print(type(sys.modules['torch._dynamo']).__name__, 'sympy' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["_Standin", "True"]  # sympy: the workers' meta tensors need it (preloaded)
