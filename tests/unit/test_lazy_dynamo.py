@@ -1,4 +1,4 @@
-"""`runtime.worker.lazy_dynamo`: a worker does everything eager torch does in a training step
+"""`pdtool.lazy_dynamo`: a worker does everything eager torch does in a training step
 without importing torch._dynamo (2.7 s of a core), and anything that needs dynamo gets the real
 one. Run in a fresh interpreter: the stand-in must be installed before anything imports dynamo."""
 import json
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow  # a fresh Python process importing torch: seconds
 
 STEP = textwrap.dedent("""
     import json, os, sys
-    from pdtool.runtime.worker import lazy_dynamo
+    from pdtool import lazy_dynamo
     import torch
     lazy_dynamo.install()
     import torch._dynamo  # what torch.optim's step wrapper does: the stand-in answers
@@ -42,12 +42,16 @@ STEP = textwrap.dedent("""
                 opt.step()
                 sched.step()
             opt.load_state_dict(opt.state_dict())
-    seen["after_steps"] = real()
-    # the same steps with the real dynamo, for the values
-    from torch._dynamo import config  # a name the stand-in does not answer: the real module
-    seen["after_from_import"] = real()
+    seen["after_steps"] = real()  # the same steps with the real dynamo follow, for the values
+    disabled = torch._disable_dynamo(lambda t: t + 1)
+    seen["disabled_before"] = disabled(torch.ones(1)).tolist()
+    # a submodule first: Python reads the stand-in's __path__ (the real package is imported, and the
+    # submodule with it), then finds the submodule: it must be the one the real package imported
+    from torch._dynamo.exc import Unsupported
+    seen["one_copy"] = Unsupported is sys.modules["torch._dynamo.symbolic_convert"].Unsupported
     seen["torch_attribute_is_real"] = torch._dynamo is sys.modules["torch._dynamo"] and real()
-    import torch._dynamo.utils  # a submodule of the real package
+    from torch._dynamo import config  # the real module answers everything now
+    seen["disabled_after"] = disabled(torch.ones(1)).tolist()
     seen["compiled"] = torch.compile(lambda t: t * 2, backend="eager")(torch.ones(2)).tolist()
     for opt in (torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9),
                 torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.1)):
@@ -67,8 +71,8 @@ def test_a_training_step_runs_without_dynamo_and_anything_else_gets_the_real_one
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen == {"after_steps": False, "after_from_import": True, "torch_attribute_is_real": True,
-                    "compiled": [2.0, 2.0], "equal": True}
+    assert seen == {"after_steps": False, "disabled_before": [2.0], "one_copy": True, "torch_attribute_is_real": True,
+                    "disabled_after": [2.0], "compiled": [2.0, 2.0], "equal": True}
 
 
 def test_the_workers_forkserver_installs_it_before_importing_torch_and_keeps_dynamo_out():

@@ -14,7 +14,7 @@ MODULES = ("torch", "torch.fx.experimental.symbolic_shapes", "torch.distributed"
            "pdtool.runtime.worker.main", "pdtool.runtime.worker.interpreter", "pdtool.runtime.worker.executor",
            "pdtool.model.build", "pdtool.model.capture", "pdtool.model.program")  # its stage (model.capture.own_stage)
 
-from . import lazy_dynamo  # noqa: E402
+from ... import lazy_dynamo  # noqa: E402
 
 lazy_dynamo.install()  # before anything imports torch._dynamo
 for _name in MODULES:
