@@ -1,15 +1,16 @@
-"""torch._dynamo in a worker, imported only if the worker compiles something.
+"""torch._dynamo in `pd` and the workers, imported only if something needs it.
 
-Importing torch._dynamo takes about 2.7 s of a core on this machine (half the start-up of a small
-`pd train`: its workers' forkserver imported it so that no worker would import it at its first
-optimizer step). A worker compiles nothing, and eager torch asks dynamo for little:
+Importing torch._dynamo takes about 2.7 s of a core on this machine: half the start-up of a small
+`pd train` (its workers' forkserver imported it, or every worker would at its first optimizer step)
+and of a small `pd profile` (which times an optimizer step). Eager torch asks dynamo for little:
 torch.optim's `step` wrapper calls `graph_break()` (a no-op outside a compilation),
 `torch._disable_dynamo` asks `disable(fn)` for a version of `fn` that dynamo will not trace (`fn`
 itself while nothing can trace), `init_process_group` clears `trace_rules`' caches (there are none
 yet). `install()` puts a module in dynamo's place that answers those, and imports the real
 torch._dynamo the first time anything else is asked of it (an attribute, `from torch._dynamo
-import X`, a submodule), which from then on serves every caller (`torch._dynamo` is looked up on
-each use). A function `disable`d before that calls the real `disable(fn)` from then on.
+import X`, a submodule; torch.export does), which from then on serves every caller
+(`torch._dynamo` is looked up on each use). A function `disable`d before that calls the real
+`disable(fn)` from then on.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import functools
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import types
 
@@ -37,7 +39,7 @@ def _disable(fn=None, recursive: bool = True, *, reason=None, wrapping: bool = T
     @functools.wraps(fn)
     def eager(*args, **kwargs):
         nonlocal disabled
-        if isinstance(sys.modules.get(NAME), _Standin):
+        if installed():
             return fn(*args, **kwargs)
         if disabled is None:
             disabled = _real().disable(fn, recursive, reason=reason, wrapping=False)
@@ -72,12 +74,11 @@ class _Standin(types.ModuleType):
 
 def _real() -> types.ModuleType:
     """The real torch._dynamo, imported in place of the stand-in."""
-    import torch
-
     module = sys.modules.get(NAME)
     if isinstance(module, _Standin):
         del sys.modules[NAME]
-        if torch.__dict__.get("_dynamo") is module:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.__dict__.get("_dynamo") is module:
             del torch._dynamo
         module = importlib.import_module(NAME)  # also sets torch._dynamo
     return module
@@ -108,15 +109,24 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None if module is None else importlib.machinery.ModuleSpec(name, _Imported(module))
 
 
-def install() -> None:
-    """Put the stand-in where `import torch._dynamo` finds it, unless dynamo is imported already."""
-    import torch
+def installed() -> bool:
+    """Whether torch._dynamo is the stand-in in this process."""
+    return isinstance(sys.modules.get(NAME), _Standin)
 
+
+def install() -> None:
+    """Put the stand-in where `import torch._dynamo` (and `torch._dynamo`, through torch's lazy
+    modules) finds it, unless dynamo is imported already. Imports nothing: a command that never
+    imports torch pays nothing for it."""
     if NAME in sys.modules:
         return
-    sys.meta_path.insert(0, _Finder())
+    torch = importlib.util.find_spec("torch")  # found, not run
+    spec = torch and importlib.machinery.PathFinder.find_spec(NAME, torch.submodule_search_locations)
+    if spec is None:  # no torch here
+        return
     standin = _Standin(NAME, __doc__)
-    standin.__spec__ = importlib.machinery.PathFinder.find_spec(NAME, torch.__path__)  # found, not run
-    standin.__file__ = standin.__spec__.origin  # inspect.getmodule asks every module for it
+    standin.__spec__, standin.__file__ = spec, spec.origin  # inspect.getmodule asks every module for __file__
+    sys.meta_path.insert(0, _Finder())
     sys.modules[NAME] = standin
-    torch._dynamo = standin
+    if "torch" in sys.modules:
+        sys.modules["torch"]._dynamo = standin

@@ -75,9 +75,39 @@ def test_a_training_step_runs_without_dynamo_and_anything_else_gets_the_real_one
                     "disabled_after": [2.0], "compiled": [2.0, 2.0], "equal": True}
 
 
-def test_the_workers_forkserver_installs_it_before_importing_torch_and_keeps_dynamo_out():
-    code = ("import sys, pdtool.runtime.worker.preload; "
-            "print(type(sys.modules['torch._dynamo']).__name__, 'sympy' in sys.modules)")
+FORKSERVER = textwrap.dedent("""
+    import multiprocessing, os, sys
+    from types import SimpleNamespace
+    from pdtool import lazy_dynamo
+    from pdtool.runtime.launcher import forked
+
+    if sys.argv[1] == "pd":  # pd's own process (`cli.main`) runs with the stand-in
+        lazy_dynamo.install()
+    forked.start_early(SimpleNamespace(device="cpu", data="synthetic", model=None, init="rule"), 1)
+    forked.tell(())
+    worker = multiprocessing.get_context("forkserver").Process(target=exec, args=(
+        "import sys; print(type(sys.modules['torch._dynamo']).__name__, 'sympy' in sys.modules, flush=True)",))
+    worker.start()
+    worker.join(60)
+""")
+
+
+@pytest.mark.parametrize("launcher, dynamo", [("pd", "_Standin"), ("library", "module")])
+def test_a_forkserver_for_pds_one_launch_has_the_stand_in_and_one_for_many_the_real_one(launcher, dynamo):
+    """`pd train` launches once: its workers' forkserver keeps dynamo out. A process that launches
+    many times (the test suite, a bench) keeps the real one in its forkserver, imported once, for the
+    workers that need it (a worker that captures its stage itself traces with fake tensors)."""
+    done = subprocess.run([sys.executable, "-c", FORKSERVER, launcher], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [dynamo, "True"]  # sympy: a stage built from meta tensors needs it (preloaded)
+
+
+def test_pd_profile_of_a_traceable_model_never_imports_dynamo(tmp_path):
+    """`pd` installs the stand-in first thing; timing an optimizer step does not need the real one."""
+    code = ("import atexit, sys; from pdtool.cli import main; "
+            "atexit.register(lambda: print('dynamo:', type(sys.modules.get('torch._dynamo')).__name__)); "
+            f"sys.argv = ['pd', 'profile', '-m', 'pdtool.zoo:mlp', '-a', 'hidden=16', '-a', 'depth=2', '-b', '4', "
+            f"'--repeats', '1', '-q', '-o', {str(tmp_path / 'p.json')!r}]; main()")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["_Standin", "True"]  # sympy: the workers' meta tensors need it (preloaded)
+    assert "dynamo: _Standin" in done.stdout and (tmp_path / "p.json").exists()

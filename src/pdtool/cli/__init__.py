@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+from .. import lazy_dynamo
 from ..signals import install as install_signal_handlers
 from .group import cli
 from . import export, export_plan, plan, plot, profile, show, simulate, train  # noqa: F401 - each adds its command to `cli`
@@ -19,6 +20,7 @@ def main() -> None:
     # torch's C++ warnings (e.g. a peer whose host name has no reverse DNS entry) are not one line
     # of what to do; pd says what matters itself. TORCH_CPP_LOG_LEVEL=WARNING shows them again.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    lazy_dynamo.install()  # torch._dynamo (2.7 s) only if the command needs it (pd profile's optimizer: not)
     install_signal_handlers()
     try:
         cli(prog_name="pd")  # click ends with SystemExit, whatever happened

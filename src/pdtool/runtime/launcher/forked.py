@@ -160,7 +160,8 @@ def start_early(config, local_workers: int) -> None:
         return
     if sys.version_info >= (3, 14):  # the default start method there: a factory's own pool would wait on it too
         return
-    from ..worker.preload_model import FILE_VARIABLE
+    from ... import lazy_dynamo
+    from ..worker.preload_model import FILE_VARIABLE, LAZY_VARIABLE
 
     _PRELOADED.insert(0, "pdtool.runtime.worker.preload_model")  # first: it imports `PRELOAD` itself, then waits
     _preload()
@@ -172,10 +173,11 @@ def start_early(config, local_workers: int) -> None:
     mark(util.get_temp_dir())  # a launcher killed before its exit handler leaves it: the next launch sweeps it
     path = os.path.join(util.get_temp_dir(), "forkserver-modules.json")
     os.environ[FILE_VARIABLE] = f"{os.getpid()}:{path}"
+    os.environ[LAZY_VARIABLE] = "1" if lazy_dynamo.installed() else ""
     try:
         started = _ensure_running()
     finally:
-        del os.environ[FILE_VARIABLE]
+        del os.environ[FILE_VARIABLE], os.environ[LAZY_VARIABLE]
     if not started:
         return
     _AWAITING.append(path)

@@ -1,5 +1,6 @@
 """What the workers' forkserver imports when `pd train` starts it first thing
-(`runtime.launcher.forked.start_early`): the worker's modules (`preload`: torch among them), then
+(`runtime.launcher.forked.start_early`): the worker's modules (`preload`: torch among them; torch._dynamo
+as `lazy_dynamo`'s stand-in where the launcher runs with it: `LAZY_VARIABLE`), then
 the modules the model's classes come from, which the launcher names only once it has imported
 them with the user's consent (or a run of the same plan, model and folder did: `capture_cache`).
 The forkserver imports torch while the launcher does and builds the model; it forks no worker
@@ -16,6 +17,10 @@ import sys
 import time
 
 FILE_VARIABLE = "PDTOOL_FORKSERVER_MODULES"
+LAZY_VARIABLE = "PDTOOL_FORKSERVER_LAZY_DYNAMO"
+"""Set (to 1) when the launcher runs with `lazy_dynamo`'s stand-in (`pd`'s own process, one launch):
+this forkserver then imports torch._dynamo only if a worker needs it. A process that launches more
+than once (the test suite) keeps the forkserver's real one for every launch."""
 POLL_S = 0.02
 _PR_SET_PDEATHSIG = 1
 
@@ -58,6 +63,7 @@ def _await(launcher: int, path: str) -> None:
 
 
 _told = os.environ.pop(FILE_VARIABLE, "")  # read once: a worker forked from here is told nothing
+_lazy = os.environ.pop(LAZY_VARIABLE, "") == "1"
 if _told:
     _launcher, _, _path = _told.partition(":")
     _end_with(int(_launcher))
@@ -65,6 +71,8 @@ if _told:
     # launcher's end ends it); the forkserver hands its workers the handler it finds after this, so it is put back
     _interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        if _lazy:
+            importlib.import_module("pdtool.lazy_dynamo").install()
         importlib.import_module("pdtool.runtime.worker.preload")
         _await(int(_launcher), _path)
     finally:
