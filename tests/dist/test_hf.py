@@ -89,7 +89,10 @@ def test_gpt2_checkpoint_resumes_under_another_plan(tmp_path):
     _, two = cuts(tmp_path, GPT2, ["transformer.h.1.ln_1"], name="two.plan.json")
     _, three = cuts(tmp_path, GPT2, ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"], name="three.plan.json")
     root = tmp_path / "ckpt"
-    first = run(captured(two, steps=2, group=2, checkpoint_dir=str(root)))
+    config = captured(two, steps=2, group=2, checkpoint_dir=str(root))
+    # the launch tells its workers' forkserver to import transformers' GPT-2 once (runtime.worker.told)
+    assert "transformers.models.gpt2.modeling_gpt2" in config.modules
+    first = run(config)
     # the 2-stage flush run (the tied head on the last stage) is gradient accumulation
     assert first.plan.profile.method == "export"
     losses, weights = merged(first.reports)

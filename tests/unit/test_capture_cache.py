@@ -104,6 +104,7 @@ def test_a_second_run_of_a_plan_takes_the_capture_from_the_cache(folder, cuts, m
     # the workers' forkserver hears the model's modules (its factory's and its classes') at once, and the
     # launcher does not build the model
     assert order == [(name, "torch.nn.modules.activation", "torch.nn.modules.container", "torch.nn.modules.linear")]
+    assert first.modules == second.modules == order[0]  # what job.prepare hands the launch (RunConfig.modules)
 
 
 def test_a_config_file_the_factory_read_is_part_of_the_capture(folder, cuts):

@@ -75,6 +75,58 @@ def test_the_forkserver_imports_the_models_modules_once_told_and_before_it_forks
     assert marks[started["forkserver"]] >= ended["told"]
 
 
+@pytest.mark.slow
+def test_a_later_launch_forks_its_workers_with_its_installed_modules_and_its_own_factory(tmp_path):
+    """A process that launches twice (the Python API, the test suite): before the second launch's
+    workers are forked, the forkserver imports the modules of installed packages it is told
+    (here the standard library's _codecs_jp; transformers' modeling files in use), not the
+    experiment folder's; and it forgets the first launch's `marked` (another folder's file of
+    that name), so each worker imports the second launch's own."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "marked.py").write_text("import os\nwith open(os.environ['MARKS'], 'a') as f:\n"
+                                     "    f.write(f'{os.getpid()} -1\\n')\n")  # -1: the other folder's file
+    body = f"""
+    import importlib, pathlib
+    from pdtool.consent import import_path
+    context = multiprocessing.get_context("forkserver")
+
+    def launch(modules):
+        assert forked.start_method("cpu", 2, modules) == forked.FORKSERVER
+        workers = [context.Process(target=importlib.import_module, args=("marked",)) for _ in range(2)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+        return [worker.pid for worker in workers]
+
+    sys.path.remove("")
+    forked.warm("cpu", 2, ("marked",))
+    import_path()
+    import marked
+    first = launch(("marked",))  # the forkserver imported this folder's marked.py: the workers have it
+    os.chdir({str(other)!r})
+    sys.path.remove({str(tmp_path)!r})
+    del sys.modules["marked"]
+    import_path()
+    import marked
+    second = launch(("marked", "_codecs_jp"))
+    held = pathlib.Path(f"/proc/{{server}}/maps").read_text()
+    print(json.dumps({{"first": first, "second": second, "codecs": "_codecs_jp" in held}}))
+    """
+    run = _launcher(tmp_path, body)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 0, err
+    started, ended = (json.loads(line) for line in out.split("\n") if line)
+    assert ended["codecs"]  # imported by the forkserver for the second launch
+    lines = (tmp_path / "marks.txt").read_text().split()
+    marks = [(int(pid), when) for pid, when in zip(lines[::2], lines[1::2])]
+    # the first folder's marked.py: the launcher and the forkserver; the other folder's: the launcher and each
+    # worker of the second launch (the forkserver forgot the first one, and imports no experiment folder's module)
+    assert sorted(pid for pid, when in marks if when != "-1") == sorted([started["launcher"], started["forkserver"]])
+    assert sorted(pid for pid, when in marks if when == "-1") == sorted([started["launcher"], *ended["second"]])
+
+
 def test_a_forkserver_never_told_ends_with_its_launcher(tmp_path):
     run = _launcher(tmp_path, "time.sleep(0.5)  # then ends (e.g. refused by its checks) without naming modules")
     out, err = run.communicate(timeout=120)

@@ -103,10 +103,11 @@ def test_nothing_imports_the_cli():
 
 
 CROSSING = {"pdtool.runtime.worker.entry", "pdtool.runtime.worker.main", "pdtool.runtime.worker.shm",
-            "pdtool.runtime.worker.preload_model"}
+            "pdtool.runtime.worker.preload_model", "pdtool.runtime.worker.told"}
 """What crosses the process boundary: the entry a worker process runs (and its state and failure
 handling), the worker itself (under torchrun or srun the launcher's process is one), the
-shared-memory rings whose files the launcher removes, and the forkserver's preload."""
+shared-memory rings whose files the launcher removes, the forkserver's preload and the file of
+modules the launcher names to it."""
 
 
 def test_the_launcher_imports_from_the_worker_package_only_what_crosses_the_process_boundary():

@@ -56,6 +56,7 @@ class RunConfig:
     run_id: str | None = None        # the run's id in its checkpoint shards and manifests (session.run sets it)
     init: str = "rule"               # pd train --init: the initialization rule, or the factory's values (model.build)
     capture: Capture | None = None   # every stage's program and message specs (the launcher's preflight)
+    modules: tuple[str, ...] = ()    # those the model's classes come from (preflight): the forkserver imports them
     init_from: str | None = None     # pd train --init-from: a safetensors file or Hugging Face folder (model.weights)
     precision: str | None = None     # pd train --precision: fp32, bf16 or fp16 (None: the plan's profile's)
     metrics: str | None = None       # pd train --metrics: the CSV the launcher writes as the run goes (launcher.live)

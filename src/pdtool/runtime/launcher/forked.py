@@ -117,15 +117,32 @@ def _short_temp_dir() -> None:
 
 
 def _ensure_running() -> bool:
-    """Start multiprocessing's forkserver unless it runs; whether it does."""
+    """Start multiprocessing's forkserver unless it runs, told where this process names the
+    model's modules (`tell`); whether it runs."""
     from multiprocessing import forkserver
 
+    from ..worker import told
+
     _short_temp_dir()
+    os.environ[told.VARIABLE] = f"{os.getpid()}:{_modules_file()}"
     try:
         forkserver.ensure_running()
     except OSError:  # e.g. a temp folder whose path is too long for a socket: the launch says so itself
         return False
+    finally:
+        del os.environ[told.VARIABLE]
     return True
+
+
+def _modules_file() -> str:
+    """Where this process names the model's modules to its workers' forkserver (`worker.told`): in
+    its own multiprocessing folder (the forkserver's socket is there too), removed at its exit."""
+    from multiprocessing import util
+
+    from ..worker import told
+
+    _short_temp_dir()
+    return os.path.join(util.get_temp_dir(), told.FILE)
 
 
 def warm(device: str, local_workers: int, modules: tuple[str, ...]) -> None:
@@ -161,7 +178,7 @@ def start_early(config, local_workers: int) -> None:
     if sys.version_info >= (3, 14):  # the default start method there: a factory's own pool would wait on it too
         return
     from ... import lazy_dynamo
-    from ..worker.preload_model import FILE_VARIABLE, LAZY_VARIABLE
+    from ..worker.preload_model import LAZY_VARIABLE
 
     _PRELOADED.insert(0, "pdtool.runtime.worker.preload_model")  # first: it imports `PRELOAD` itself, then waits
     _preload()
@@ -171,42 +188,33 @@ def start_early(config, local_workers: int) -> None:
     from .scratch import mark
 
     mark(util.get_temp_dir())  # a launcher killed before its exit handler leaves it: the next launch sweeps it
-    path = os.path.join(util.get_temp_dir(), "forkserver-modules.json")
-    os.environ[FILE_VARIABLE] = f"{os.getpid()}:{path}"
     os.environ[LAZY_VARIABLE] = "1" if lazy_dynamo.installed() else ""
     try:
         started = _ensure_running()
     finally:
-        del os.environ[FILE_VARIABLE], os.environ[LAZY_VARIABLE]
+        del os.environ[LAZY_VARIABLE]
     if not started:
         return
-    _AWAITING.append(path)
+    _AWAITING.append(_modules_file())
 
 
 def tell(modules: tuple[str, ...] = ()) -> None:
-    """Name `modules` to the forkserver started early, if it waits (`start_early`), with this
-    process's sys.path and the current folder after it (where a factory of the experiment folder
-    is imported from: `consent.import_path`); the first call counts. The forkserver hears
-    something whatever happens here (else a later launch from this process would wait on it)."""
-    import json
+    """Name `modules` to the workers' forkserver (`worker.told`), with this process's sys.path and
+    the current folder after it (where a factory of the experiment folder is imported from:
+    `consent.import_path`): one started early (`start_early`) imports them all before it forks any
+    worker (the first call counts), every one imports those of installed packages before its next
+    fork (a later launch of this process). The file names every module this process told (a
+    forkserver may read it only after a later call). Something is written whatever happens here
+    (else a forkserver started early would wait on it)."""
+    from ..worker import told
 
-    while _AWAITING:
-        path = _AWAITING[-1]
-        folders = [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike))]
-        here = [] if os.getcwd() in folders else [os.getcwd()]
-        named = {"path": folders + here, "modules": [str(m) for m in modules]}
-        try:
-            _write(path, json.dumps(named))
-        except (OSError, TypeError, ValueError):
-            _write(path, json.dumps({"path": folders, "modules": []}))  # the workers import the model's modules
-        _AWAITING.pop()
+    _TOLD.update(dict.fromkeys(modules))
+    told.write(_modules_file(), tuple(_TOLD))
+    _AWAITING.clear()
 
 
-def _write(path: str, text: str) -> None:
-    """`text` at `path`, whole: written beside it, then renamed into place."""
-    with open(path + ".part", "w") as file:
-        file.write(text)
-    os.replace(path + ".part", path)
+_TOLD: dict = {}
+"""The modules this process named to its workers' forkserver (`tell`), in order."""
 
 
 def _surely_cpu(device: str) -> bool:

@@ -59,7 +59,8 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
         checked = preflight(plan, plan_path=config.plan_path, mode=run.name, data=config.data, seed=config.seed,
                             model=config.model, init=config.init, warn=warn, imports=imports,
                             init_from=config.init_from)
-    config = dataclasses.replace(config, capture=checked.capture, precision=config.precision or plan.profile.precision)
+    config = dataclasses.replace(config, capture=checked.capture, modules=checked.modules,
+                                 precision=config.precision or plan.profile.precision)
     _check_shardable(plan, checked.capture)
     if config.precision == "fp16" and run.mode.per_round and len(plan.stages) > 1:
         raise LaunchError(f"--precision fp16 skips a step whose gradients overflow on every stage at once, and in mode "

@@ -76,7 +76,7 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     logs = scratch.make(lambda gone: shm.remove_node(scratch.launcher_id(gone)))
     node = scratch.launcher_id(logs)  # the workers of this launcher: their links may use shared memory (runtime.worker.shm)
     network_env[peers.NODE_ENV] = node
-    method = forked.start_method(config.device, per_node)
+    method = forked.start_method(config.device, per_node, config.modules)
     settings = LaunchConfig(min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=per_node, **rendezvous,
                             max_restarts=0, monitor_interval=0.1, start_method=method,
                             logs_specs=DefaultLogsSpecs(log_dir=logs), **_shutdown(LaunchConfig))

@@ -39,6 +39,7 @@ class Checked:
     capture: Capture | None = None
     keywords: tuple[str, ...] = ()
     cached: str | None = None  # the capture cache's entry the capture came from (`capture_cache`), if it did
+    modules: tuple[str, ...] = ()  # those the model's classes come from (`model.capture.model_modules`)
 
 
 def preflight(plan: Plan, *, plan_path: str, mode: str, data: str, seed: int, model: str | None = None,
@@ -90,7 +91,7 @@ def preflight(plan: Plan, *, plan_path: str, mode: str, data: str, seed: int, mo
         )
     _check_init_from(init_from, capture)
     return Checked(batches_per_epoch=source.batches_per_epoch, parameters=dict(capture.parameters), capture=capture,
-                   keywords=bundle.keywords)
+                   keywords=bundle.keywords, modules=tuple(modules))
 
 
 def _from_cache(*, entry: capture_cache.Entry, plan: Plan, mode: str, data: str, seed: int, model: str | None,
@@ -122,7 +123,8 @@ def _from_cache(*, entry: capture_cache.Entry, plan: Plan, mode: str, data: str,
         warn(message)
     ties.check_mode(capture.stages, mode)
     return Checked(batches_per_epoch=source.batches_per_epoch if source is not None else None,
-                   parameters=dict(capture.parameters), capture=capture, keywords=keywords, cached=entry.path)
+                   parameters=dict(capture.parameters), capture=capture, keywords=keywords, cached=entry.path,
+                   modules=tuple(entry.modules))
 
 
 def _check_init_from(init_from: str | None, capture: Capture) -> None:

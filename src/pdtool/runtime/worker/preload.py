@@ -8,6 +8,8 @@ it; `torch.cuda.is_initialized()` stays False)."""
 import importlib
 import os
 
+from . import told
+
 MODULES = ("torch", "torch._dynamo", "torch.fx.experimental.symbolic_shapes", "torch.distributed",
            "torch.distributed.elastic.multiprocessing.errors",
            "pdtool.runtime.worker.entry",  # what every worker runs
@@ -16,6 +18,10 @@ MODULES = ("torch", "torch._dynamo", "torch.fx.experimental.symbolic_shapes", "t
 
 for _name in MODULES:
     importlib.import_module(_name)
+
+_told = os.environ.pop(told.VARIABLE, "")  # the launcher's file of modules (`worker.told`), if it names one
+if _told:
+    told.import_before_each_fork(_told.partition(":")[2])
 
 BASE_ENV = dict(os.environ)
 """The forkserver's environment (the launcher's at its first launch): a worker's variables that

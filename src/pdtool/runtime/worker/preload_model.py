@@ -4,9 +4,8 @@ as `lazy_dynamo`'s stand-in where the launcher runs with it: `LAZY_VARIABLE`), t
 the modules the model's classes come from, which the launcher names only once it has imported
 them with the user's consent (or a run of the same plan, model and folder did: `capture_cache`).
 The forkserver imports torch while the launcher does and builds the model; it forks no worker
-before this module is done. The launcher names the modules in a JSON file, {"path": its sys.path,
-"modules": [...]}, at the path in `FILE_VARIABLE` (written whole, then renamed into place), always
-before it forks a worker; the variable's value is "LAUNCHER_PID:PATH". A launcher that ends first
+before this module is done. The launcher names the modules in a JSON file (`worker.told`), at the
+path in `told.VARIABLE`, always before it forks a worker. A launcher that ends first
 takes the forkserver along at once (a parent-death signal, on Linux), so nothing it started holds
 its standard streams open after it (`pd train ... | tee` ends with it). Nothing here may initialise
 CUDA (see `preload`)."""
@@ -16,7 +15,8 @@ import signal
 import sys
 import time
 
-FILE_VARIABLE = "PDTOOL_FORKSERVER_MODULES"
+from . import told
+
 LAZY_VARIABLE = "PDTOOL_FORKSERVER_LAZY_DYNAMO"
 """Set (to 1) when the launcher runs with `lazy_dynamo`'s stand-in (`pd`'s own process, one launch):
 this forkserver then imports torch._dynamo only if a worker needs it. A process that launches more
@@ -42,19 +42,14 @@ def _end_with(launcher: int) -> None:
 def _await(launcher: int, path: str) -> None:
     """Wait for the file at `path` of the launcher (process `launcher`), then import what it
     names; end this process when the launcher ends first (it then never forks a worker from here)."""
-    import json
-
     while not os.path.exists(path):
         if os.getppid() != launcher:
             os._exit(0)
         time.sleep(POLL_S)
-    try:
-        with open(path) as file:
-            named = json.load(file)
-        sys.path[:] = [str(entry) for entry in named["path"]]
-        modules = [str(name) for name in named["modules"]]
-    except (OSError, ValueError, KeyError, TypeError):
+    named = told.read(path)
+    if named is None:
         return  # the workers import what they need themselves
+    sys.path[:], modules, _ = named
     for name in modules:
         try:
             importlib.import_module(name)
@@ -62,7 +57,7 @@ def _await(launcher: int, path: str) -> None:
             pass
 
 
-_told = os.environ.pop(FILE_VARIABLE, "")  # read once: a worker forked from here is told nothing
+_told = os.environ.get(told.VARIABLE, "")  # `preload` takes it out: a worker forked from here is told nothing
 _lazy = os.environ.pop(LAZY_VARIABLE, "") == "1"
 if _told:
     _launcher, _, _path = _told.partition(":")
