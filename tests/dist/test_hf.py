@@ -1,7 +1,7 @@
 """Real model code nobody on this project wrote: Hugging Face GPT-2, BERT and Llama, built from
 tiny configs with random weights (nothing downloaded). torch.fx cannot trace them; pdtool
 captures them with torch.export (once, in the launcher's checks, as `pd train` does; one test
-leaves it to each worker, the fallback), plans them, trains them on gloo workers, checkpoints and
+leaves it to `launch`), plans them, trains them on gloo workers, checkpoints and
 resumes under another plan, and every number is checked against an oracle:
 `flush` against one process's gradient accumulation, `pipedream`/`2bw` against the reference
 executor. Skipped where `transformers` is not installed (`pip install -e '.[hf]'`)."""
@@ -79,7 +79,7 @@ def test_a_replicated_llama_pipeline_in_pipedream_equals_the_reference_executor(
 def test_gpt2_with_its_tied_head_in_2bw_equals_the_reference_executor(tmp_path):
     plan, path = cuts(tmp_path, GPT2, ["transformer.h.1.ln_1"], mode="2bw")
     assert plan.shared == (("transformer.wte.weight", (0, 1)),)
-    config = config_for(path, steps=3, group=2)  # no capture: each worker exports the model itself (the fallback)
+    config = config_for(path, steps=3, group=2)  # no capture: `launch` exports the model once (job.with_capture)
     losses, weights = merged(launch(config, len(plan.used_ranks)))
     expected = reference(plan, config, ref=GPT2)
     assert_same_run(losses, weights, expected.losses, expected.weights, **TOLERANCE)

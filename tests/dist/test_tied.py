@@ -58,9 +58,9 @@ def test_tied_weights_checkpoint_once_and_resume(tmp_path):
     assert_same_run(*merged(resumed.reports), {b: whole_losses[b] for b in range(4, 8)}, whole_weights, rel=1e-6)
 
 
-def test_tied_weights_in_an_asynchronous_mode_are_refused_in_one_line(tmp_path):
+def test_tied_weights_in_an_asynchronous_mode_are_refused_in_one_line_before_any_worker_starts(tmp_path):
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)], mode="pipedream", ref=TIED)
-    with pytest.raises(LaunchError, match=r"worker rank \d failed: parameter emb\.weight is used by stages 0 and 1 "
+    with pytest.raises(LaunchError, match=r"p\.plan\.json: parameter emb\.weight is used by stages 0 and 1 "
                                           r"\(tied weights\), and mode 'pipedream' would update its copies after "
                                           r"different minibatches; use --mode 2bw, flush, gpipe, zb or zb2"):
-        launch(config_for(path, steps=2), 2)
+        launch(config_for(path, steps=2), 2)  # the launcher's checks (job.with_capture), not a worker's

@@ -48,17 +48,11 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
     """Check everything the files and options show, before any worker starts (one line each),
     and fill in the steps (from `epochs`) and the threads per CPU worker. `imports` is called with
     the modules the model's classes come from as soon as the checks know them (`preflight`)."""
-    overdue = LaunchError(f"the launcher's checks (importing and building the model, its first minibatch) took more "
-                          f"than --startup-timeout {config.startup_timeout_s:g} s; raise it if the model takes that "
-                          "long to build, else look at what its factory waits for")
     run = resolved(plan, config)  # mode, group, minibatches per step: the only place the launcher resolves them
     check_shard(plan, config)
     unsharding = config.shard == "none" and any(s.shard != "none" for s in plan.stages)
     plan = plan.with_shard(config.shard)  # what each stage shards (--shard, else the plan's): memory, prediction
-    with deadline(config.startup_timeout_s, overdue):
-        checked = preflight(plan, plan_path=config.plan_path, mode=run.name, data=config.data, seed=config.seed,
-                            model=config.model, init=config.init, warn=warn, imports=imports,
-                            init_from=config.init_from)
+    checked = _checked(plan, config, run.name, warn, imports)
     config = dataclasses.replace(config, capture=checked.capture, modules=checked.modules,
                                  precision=config.precision or plan.profile.precision)
     _check_shardable(plan, checked.capture)
@@ -94,6 +88,28 @@ def prepare(plan: Plan, config: RunConfig, *, epochs: int | None = None, nnodes:
         warn("--transport shared-memory needs CPU workers on x86 and a writable /dev/shm, which this machine's "
              "workers lack: their messages go through the process group")
     return Job(plan=plan, config=config, run=run, checked=checked, local=local, cores=cores, on_cpu=on_cpu)
+
+
+def _checked(plan: Plan, config: RunConfig, mode: str, warn, imports) -> Checked:
+    """The launcher's checks (`preflight`), within --startup-timeout."""
+    overdue = LaunchError(f"the launcher's checks (importing and building the model, its first minibatch) took more "
+                          f"than --startup-timeout {config.startup_timeout_s:g} s; raise it if the model takes that "
+                          "long to build, else look at what its factory waits for")
+    with deadline(config.startup_timeout_s, overdue):
+        return preflight(plan, plan_path=config.plan_path, mode=mode, data=config.data, seed=config.seed,
+                         model=config.model, init=config.init, warn=warn, imports=imports, init_from=config.init_from)
+
+
+def with_capture(config: RunConfig, warn: Callable[[str], None] = lambda message: None) -> RunConfig:
+    """`config` with the stages' capture and the model's modules, for a caller of `launch.launch`
+    that did not run `prepare` (the Python API's lower level): the launcher's checks (`preflight`,
+    from the capture cache where it holds this run) once here, rather than each worker capturing
+    the model itself."""
+    if config.capture is not None:
+        return config
+    plan = Plan.load(config.plan_path)
+    checked = _checked(plan, config, resolved(plan, config).name, warn, lambda modules: None)
+    return dataclasses.replace(config, capture=checked.capture, modules=checked.modules)
 
 
 def check_warmup(config: RunConfig) -> None:

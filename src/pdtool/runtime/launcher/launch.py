@@ -63,7 +63,9 @@ def launch(config: RunConfig, workers: int, nodes: Nodes = Nodes(), verbose: boo
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from .job import with_capture
 
+    config = with_capture(config, warn)  # (`job.prepare` made it already for pd train)
     per_node = nodes.nproc_per_node or workers // nodes.nnodes
     if per_node * nodes.nnodes != workers:
         raise LaunchError(f"the plan needs {workers} workers but {nodes.nnodes} machines x {per_node} workers "

@@ -137,7 +137,7 @@ def _build(config: RunConfig, plan: Plan, rank: int, device: torch.device) -> _B
 
     bundle, on_meta = build_model(plan.profile.model, config.model, config.seed, config.init)
     source = load_source(config.data, bundle, plan.profile.batch_size, config.seed)
-    capture = config.capture or _capture_here(plan, bundle, source, config, on_meta)
+    capture = config.capture  # the launcher's (`launcher.job.with_capture`)
     weights = None
     if config.init_from:
         from ...model.weights import WeightFiles
@@ -178,15 +178,6 @@ def _evaluation(config: RunConfig, plan: Plan, schedule, bundle, stage_index: in
         source = dataset_source(held_out(config.data), plan.profile.batch_size, config.seed, name="the held-out split",
                                 keywords=bundle.keywords)
     return evaluation.Evaluation(found, config.eval_batches, schedule.minibatches, source)
-
-
-def _capture_here(plan: Plan, bundle, source, config: RunConfig, on_meta: bool):
-    """The capture the launcher makes (`runtime.launcher.preflight`), for a worker started without one."""
-    from ...model.capture import cut
-    from ...model.dryrun import described
-
-    inputs, target = source.batch(0)
-    return described(cut(plan, bundle), bundle, inputs, target, config.data, config.seed, on_meta)
 
 
 def _join_group(config: RunConfig, placement: Placement, store, rank: int, world: int) -> None:
