@@ -82,12 +82,27 @@ def check_data(capture: Capture, stages_on: Callable[[], list[nn.Module]], model
     (the message specs per boundary and the target's, the loss). `stages_on()` gives the stage
     modules bound to `model` on the CPU. Raises what the model raises. The inputs' sizes are
     static (a symbol for each would cost its source location: 0.4 s of the first call in a
-    process instead of 0.06 s); the shape environment is there for sizes the data decides."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    process instead of 0.06 s). A model whose sizes the data decides (`nonzero`, `.item()`: a
+    mixture of experts' routing) runs again with a shape environment for those, which imports
+    torch._dynamo (2.7 s of a core, which `lazy_dynamo` spares every other launch)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
+    try:
+        return _fake_run(capture, stages_on, inputs, target, loss_fn, dynamic=False)
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        return _fake_run(capture, stages_on, inputs, target, loss_fn, dynamic=True)
+
+
+def _fake_run(capture: Capture, stages_on, inputs, target, loss_fn, dynamic: bool):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    shapes = {}
+    if dynamic:
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        shapes = {"shape_env": ShapeEnv()}
     modules = stages_on()
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+    mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True, **shapes)
     specs = []
     with mode, torch.no_grad():
         values = dict(zip(capture.stages[0].inputs, (mode.from_tensor(t) for t in inputs)))
