@@ -10,7 +10,9 @@ yet). `install()` puts a module in dynamo's place that answers those, and import
 torch._dynamo the first time anything else is asked of it (an attribute, `from torch._dynamo
 import X`, a submodule; torch.export does), which from then on serves every caller
 (`torch._dynamo` is looked up on each use). A function `disable`d before that calls the real
-`disable(fn)` from then on.
+`disable(fn)` from then on. `torch._dynamo.config` (dynamo's settings: a file of its own, which
+torch's fake tensors read when they are made) is the real one, loaded when first read, without
+the rest of dynamo.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import sys
 import types
 
 NAME = "torch._dynamo"
+CONFIG = NAME + ".config"
 
 
 def _graph_break(msg: str = "") -> None:
@@ -126,6 +129,12 @@ def install() -> None:
         return
     standin = _Standin(NAME, __doc__)
     standin.__spec__, standin.__file__ = spec, spec.origin  # inspect.getmodule asks every module for __file__
+    config = importlib.machinery.PathFinder.find_spec(CONFIG, spec.submodule_search_locations)
+    if config is not None:  # dynamo's settings, which torch's fake tensors read: its own file, run when first read
+        config.loader = importlib.util.LazyLoader(config.loader)
+        standin.config = importlib.util.module_from_spec(config)
+        config.loader.exec_module(standin.config)
+        sys.modules[CONFIG] = standin.config  # the real package imports this one, if it comes
     sys.meta_path.insert(0, _Finder())
     sys.modules[NAME] = standin
     if "torch" in sys.modules:

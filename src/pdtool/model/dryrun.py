@@ -105,24 +105,24 @@ def _fake_run(capture: Capture, stages_on, inputs, target, loss_fn, dynamic: boo
     mode = FakeTensorMode(allow_non_fake_inputs=True, static_shapes=True, **shapes)
     specs = []
     with mode, torch.no_grad():
-        values = dict(zip(capture.stages[0].inputs, (mode.from_tensor(t) for t in inputs)))
+        values = dict(zip(capture.stages[0].inputs, (_fake(t) for t in inputs)))
         for info, module in zip(capture.stages, modules):
-            tensors = {own: _fake(mode, t) for own, t in
+            tensors = {own: _fake(t) for own, t in
                        list(module.named_parameters()) + list(module.named_buffers())}
             values = torch.func.functional_call(module, tensors, (values,))
             if info.index < len(capture.stages) - 1:
                 specs.append(tuple((n, tuple(int(d) for d in values[n].shape), _dtype(values[n].dtype))
                                    for n in info.outputs))
-        loss = loss_fn(values[OUTPUT], mode.from_tensor(target) if isinstance(target, torch.Tensor) else target)
+        loss = loss_fn(values[OUTPUT], _fake(target) if isinstance(target, torch.Tensor) else target)
     specs.append(((("target", tuple(target.shape), _dtype(target.dtype)),) if isinstance(target, torch.Tensor)
                   else ()))
     return tuple(specs), loss
 
 
-def _fake(mode, tensor: torch.Tensor):
-    if tensor.device.type == "meta":
-        return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")  # inside the mode: a fake CPU tensor
-    return mode.from_tensor(tensor)
+def _fake(tensor: torch.Tensor):
+    """Inside the mode: a fake CPU tensor of `tensor`'s shape, strides and dtype (`from_tensor` would
+    import torch._dynamo for a name of it)."""
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
 
 
 def _dtype(dtype: torch.dtype) -> str:
