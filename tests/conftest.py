@@ -22,6 +22,16 @@ atexit.register(shutil.rmtree, _CACHE, True)
 # the benches the tests run write no result file into bench/results/ (bench/record.py)
 os.environ["PDTOOL_BENCH_RESULTS"] = "off"
 
+# pytest keeps the test modules it rewrote for its assertion messages in __pycache__, unless Python
+# writes no bytecode (PYTHONDONTWRITEBYTECODE): then every test process rewrote all of them again,
+# about 7 s of a core each (`make test` starts four). Kept while the tests are collected.
+_WRITE_BYTECODE = sys.dont_write_bytecode
+sys.dont_write_bytecode = False
+
+
+def pytest_collection_finish(session):
+    sys.dont_write_bytecode = _WRITE_BYTECODE
+
 
 def pytest_collection_modifyitems(config, items):
     dist = os.path.join(HERE, "dist") + os.sep
