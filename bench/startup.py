@@ -7,12 +7,14 @@ torch.export), both 124M parameters with 128-token sequences, on straight pipeli
 local CPU workers (`make_plan(..., straight=True)` for `Nx10GB/s`), 2 steps in the plan's mode
 (`pipedream` for the zoo GPT; `2bw` for Hugging Face's GPT-2, whose head is tied to its embedding):
 
-- **before**: what `pd train` did until issue 23, and still does with `--init factory` when a
-  worker is given no capture: the launcher builds the whole model and runs a minibatch through
-  it; every worker builds the whole model with the factory's weights, captures it itself
-  (torch.fx or torch.export) and cuts its stage out of it; the workers' forkserver starts when
-  they are launched, with torch and pdtool's worker modules imported (each worker imports the
-  model's modules itself), as it did then;
+- **before**: as near what `pd train` did until issue 23 as today's code goes (`--init factory`):
+  the launcher builds the whole model with the factory's weights; every worker builds the whole
+  model with them too and cuts its stage out of it; the workers' forkserver starts when they are
+  launched, with torch and pdtool's worker modules imported (each worker imports the model's
+  modules itself), as it did then. Until 2026-12-05 every worker also captured the model
+  itself (torch.fx or torch.export), which no worker does any more (`launch` captures once when
+  its caller has not: `runtime.launcher.job.with_capture`): rows from before then
+  (bench/results/startup_cpu2_2026-12-03.md) include that;
 - **after**: `pd train` today: the model waits on `meta` everywhere (`model.build`), the
   launcher captures the stages once and checks the first minibatch on fake tensors
   (`model.capture`, `model.dryrun`), and each worker decodes its own stage's program and gives
@@ -41,7 +43,6 @@ set of a worker over the whole run (training included), "launcher RSS" the row p
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -93,8 +94,7 @@ def _row(plan_path: str, way: str, workers: int) -> dict:
     job = prepare(plan, config, imports=(lambda modules: None) if way == "before" else
                   lambda modules: forked.warm(config.device, workers, modules))  # as pd train
     checked = time.time()
-    config = job.config if way != "before" else dataclasses.replace(job.config, capture=None)  # workers capture
-    reports = launch(config, len(plan.used_ranks))
+    reports = launch(job.config, len(plan.used_ranks))
     first = max(end for report in reports.values() for action, _, end in report.events if action == "0B0")
     return {"stages": len(plan.stages), "first_s": first - START, "checks_s": checked - START,
             "started_s": min(r.startup["began"] for r in reports.values()) - START,

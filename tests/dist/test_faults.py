@@ -174,7 +174,11 @@ def test_a_worker_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
     while not (broken / "step-00000010" / "manifest.json").exists():  # 50 steps before its end
         assert process.poll() is None and time.monotonic() < deadline, output_of(process)
         time.sleep(0.05)
-    os.kill(workers_of(process.pid)[-1], signal.SIGKILL)
+    os.killpg(process.pid, signal.SIGSTOP)  # the job stands still while its worker is found: it cannot end first
+    try:
+        os.kill(workers_of(process.pid)[-1], signal.SIGKILL)
+    finally:
+        os.killpg(process.pid, signal.SIGCONT)
     _, lines = finish(process, 10)
     assert process.returncode == 1 and len(lines) == 1 and "worker rank 1 failed" in lines[0], lines
     assert latest_complete(broken) is not None
