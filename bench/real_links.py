@@ -77,14 +77,17 @@ RUNS = 3  # each plan is trained this often; the fastest run counts (the machine
 def smoke() -> None:
     """`--smoke`: one link, tiny models, one run a plan, an accuracy any epoch reaches."""
     global BANDWIDTHS, RUNS, TARGET_ACCURACY, THROUGHPUT_S, SPEED_MODELS, SPEED_CONFIGS, ACCURACY_CONFIGS, REPEATS
+    global LATENCY_ROUNDS
     BANDWIDTHS, RUNS, TARGET_ACCURACY, THROUGHPUT_S, SPEED_MODELS = ["1Gbit"], 1, 0.05, 1, ("fc",)
+    LATENCY_ROUNDS = 5
     # the straight and data-parallel rows (speed and time to accuracy) run the same code as pd plan's
-    SPEED_CONFIGS, ACCURACY_CONFIGS, REPEATS = ("pd plan",), ("pd plan",), 3
+    SPEED_CONFIGS, ACCURACY_CONFIGS, REPEATS = ("pd plan",), ("pd plan",), 1
     MODELS["fc"] = ("pdtool.zoo:mlp", ["in_features=64", "hidden=32", "depth=2", "classes=10"], 16)
     MODELS["conv"] = ("pdtool.zoo:convnet", ["channels=4", "depth=2", "image_size=16", "classes=10"], 8)
 
 
 THROUGHPUT_S = 3  # seconds a link's rate is measured
+LATENCY_ROUNDS = 40  # all-reduces timed for a link's latency (`links.collective_latency`)
 SPEED_CONFIGS = tuple(CONFIGS)  # the configurations of the speed rows
 ACCURACY_CONFIGS = ("data parallel", "straight", "pd plan")  # the configurations timed to the target accuracy
 REPEATS = 20  # pd profile --repeats
@@ -370,7 +373,7 @@ class Link:
 
 def measured_link(machines, bandwidth: str) -> Link:
     rate = links.throughput(machines[0], machines[1], seconds=THROUGHPUT_S, bandwidth=bandwidth, both_ways=True)
-    return Link(rate, links.collective_latency(machines[0], machines[1]))
+    return Link(rate, links.collective_latency(machines[0], machines[1], rounds=LATENCY_ROUNDS))
 
 
 def _precision(out: Path) -> list[dict]:
