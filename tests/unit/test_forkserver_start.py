@@ -83,9 +83,14 @@ def test_a_later_launch_forks_its_workers_with_its_installed_modules_and_its_own
     experiment folder's; and it forgets the first launch's `marked` (another folder's file of
     that name), so each worker imports the second launch's own."""
     other = tmp_path / "other"
-    other.mkdir()
+    (other / "exp").mkdir(parents=True)
     (other / "marked.py").write_text("import os\nwith open(os.environ['MARKS'], 'a') as f:\n"
                                      "    f.write(f'{os.getpid()} -1\\n')\n")  # -1: the other folder's file
+    (tmp_path / "exp").mkdir()
+    for folder in (tmp_path, other):  # a package of the same name in each folder: its module says which
+        (folder / "exp" / "__init__.py").write_text("")
+        (folder / "exp" / "model.py").write_text(f"import os\nwith open(os.environ['MARKS'], 'a') as f:\n"
+                                                 f"    f.write(f'{{os.getpid()}} {'-2' if folder == other else '2'}\\n')\n")
     body = f"""
     import importlib, pathlib
     from pdtool.consent import import_path
@@ -93,7 +98,7 @@ def test_a_later_launch_forks_its_workers_with_its_installed_modules_and_its_own
 
     def launch(modules):
         assert forked.start_method("cpu", 2, modules) == forked.FORKSERVER
-        workers = [context.Process(target=importlib.import_module, args=("marked",)) for _ in range(2)]
+        workers = [context.Process(target=importlib.import_module, args=(name,)) for name in ("marked", "exp.model")]
         for worker in workers:
             worker.start()
         for worker in workers:
@@ -101,16 +106,16 @@ def test_a_later_launch_forks_its_workers_with_its_installed_modules_and_its_own
         return [worker.pid for worker in workers]
 
     sys.path.remove("")
-    forked.warm("cpu", 2, ("marked",))
+    forked.warm("cpu", 2, ("marked", "exp.model"))
     import_path()
-    import marked
-    first = launch(("marked",))  # the forkserver imported this folder's marked.py: the workers have it
+    import marked, exp.model
+    first = launch(("marked", "exp.model"))  # the forkserver imported this folder's modules: the workers have them
     os.chdir({str(other)!r})
     sys.path.remove({str(tmp_path)!r})
-    del sys.modules["marked"]
+    del sys.modules["marked"], sys.modules["exp.model"], sys.modules["exp"]
     import_path()
-    import marked
-    second = launch(("marked", "_codecs_jp"))
+    import marked, exp.model
+    second = launch(("marked", "exp.model", "_codecs_jp"))
     held = pathlib.Path(f"/proc/{{server}}/maps").read_text()
     print(json.dumps({{"first": first, "second": second, "codecs": "_codecs_jp" in held}}))
     """
@@ -123,8 +128,12 @@ def test_a_later_launch_forks_its_workers_with_its_installed_modules_and_its_own
     marks = [(int(pid), when) for pid, when in zip(lines[::2], lines[1::2])]
     # the first folder's marked.py: the launcher and the forkserver; the other folder's: the launcher and each
     # worker of the second launch (the forkserver forgot the first one, and imports no experiment folder's module)
-    assert sorted(pid for pid, when in marks if when != "-1") == sorted([started["launcher"], started["forkserver"]])
-    assert sorted(pid for pid, when in marks if when == "-1") == sorted([started["launcher"], *ended["second"]])
+    assert sorted(pid for pid, when in marks if when not in ("-1", "2", "-2")) == sorted([started["launcher"],
+                                                                                        started["forkserver"]])
+    assert sorted(pid for pid, when in marks if when == "2") == sorted([started["launcher"], started["forkserver"]])
+    assert sorted(pid for pid, when in marks if when == "-1") == sorted([started["launcher"], ended["second"][0]])
+    # the other folder's exp/model.py: the forkserver forgot the first folder's whole package `exp`
+    assert sorted(pid for pid, when in marks if when == "-2") == sorted([started["launcher"], ended["second"][1]])
 
 
 def test_a_forkserver_never_told_ends_with_its_launcher(tmp_path):

@@ -108,7 +108,19 @@ def refresh(path: str, seen: dict) -> None:
                 continue
         held = getattr(sys.modules.get(name), "__file__", None)
         if wanted is not None and held is not None and not _same(held, wanted):
-            del sys.modules[name]  # another folder's module of that name: each worker imports the launcher's
+            _forget(name, held)  # another folder's module of that name: each worker imports the launcher's
+
+
+def _forget(name: str, held: str) -> None:
+    """Take module `name`, held from file `held`, out of this process; when it is not an installed
+    package's, its whole top-level package with it (`exp.model` of another folder came with that
+    folder's `exp`, whose path would find its `model` again)."""
+    if _installed(held):
+        del sys.modules[name]
+        return
+    top = name.partition(".")[0]
+    for loaded in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+        del sys.modules[loaded]
 
 
 def _installed(file: str) -> bool:
