@@ -191,3 +191,26 @@ def test_a_temp_folder_too_long_for_a_socket_path_still_starts_the_forkserver(tm
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith("/tmp/pymp-")
+
+
+@pytest.mark.slow
+def test_a_forkserver_started_for_a_launch_imports_a_later_launchs_installed_modules(tmp_path):
+    """`launch` (the Python API, the test suite) readies the forkserver with `start_method`, not
+    `start_early`: it starts it there, told where the modules file is, so a later launch's modules
+    of installed packages are imported before its workers fork (a review found it started by torch's
+    launcher instead, which never told it)."""
+    code = textwrap.dedent("""
+        import multiprocessing, os, pathlib
+        from multiprocessing import forkserver
+        from pdtool.runtime.launcher import forked
+        assert forked.start_method("cpu", 1) == forked.FORKSERVER  # the first launch
+        server = forkserver._forkserver._forkserver_pid
+        assert forked.start_method("cpu", 1, ("_codecs_kr",)) == forked.FORKSERVER  # a later one
+        worker = multiprocessing.get_context("forkserver").Process(target=os.getpid)
+        worker.start()
+        worker.join(60)
+        print(server is not None and "_codecs_kr" in pathlib.Path(f"/proc/{server}/maps").read_text())
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "True"

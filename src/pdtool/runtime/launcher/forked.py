@@ -69,14 +69,16 @@ PRELOAD = "pdtool.runtime.worker.preload"
 def start_method(device: str, local_workers: int, modules: tuple[str, ...] = ()) -> str:
     """How the workers start: from the forkserver (`FORKSERVER`) when they compute on the CPU, else
     spawned (a forked process cannot use CUDA once its parent has touched it), and the forkserver
-    is readied (`_preload`, with `modules` besides the worker's own; one started early has heard
-    its modules: `tell`)."""
+    is readied (`_preload`, with `modules` besides the worker's own; told them: `tell`) and started
+    here unless it runs (`_ensure_running`: with the file it reads before each fork, which a
+    forkserver that torch's launcher started would not know)."""
     from ..device import choose
 
     if choose(device, 0, local_workers).device.type != "cpu":
         return SPAWN
     _preload(modules)
     tell(modules)
+    _ensure_running()
     return FORKSERVER
 
 
