@@ -120,7 +120,9 @@ def _forget(name: str, held: str) -> None:
         return
     top = name.partition(".")[0]
     for loaded in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
-        del sys.modules[loaded]
+        file = getattr(sys.modules[loaded], "__file__", None)
+        if loaded == name or (file is not None and not _installed(file)):  # a namespace shared with installed
+            del sys.modules[loaded]                                          # packages keeps those
 
 
 def _installed(file: str) -> bool:
