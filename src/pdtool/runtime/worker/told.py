@@ -104,7 +104,7 @@ def refresh(path: str, seen: dict) -> None:
                 continue
             try:
                 importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - a worker imports it again, and reports what fails there
+            except (Exception, SystemExit):  # noqa: BLE001 - a worker imports it again, and reports what fails there
                 continue
         held = getattr(sys.modules.get(name), "__file__", None)
         if wanted is not None and held is not None and not _same(held, wanted):
