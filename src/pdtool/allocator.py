@@ -18,7 +18,6 @@ workers so.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -29,10 +28,8 @@ _RELEASE = 1024 * 1024         # PDTOOL_MALLOC=release: both thresholds, so that
 
 def keep_freed_memory() -> bool:
     """Set glibc's thresholds; False where there is no glibc `mallopt`."""
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on (find_library runs ldconfig)
     except (OSError, AttributeError, TypeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
