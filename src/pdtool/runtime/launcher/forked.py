@@ -28,7 +28,7 @@ def _workers() -> list[int]:
             continue
         if b"spawn_main" in cmdline:
             found.append(child)
-        elif _FORKSERVER in cmdline:
+        elif _FORKSERVER in cmdline or child == _forked_server():
             found.extend(_children(child))
     return found
 
@@ -48,7 +48,14 @@ def worker_states() -> dict[int, str]:
 
 
 _FORKSERVER = b"multiprocessing.forkserver"
-"""In the command line of the forkserver that starts the workers (and of the workers it forks)."""
+"""In the command line of the forkserver that starts the workers (and of the workers it forks), unless
+it is a fork of this process (`_fork_forkserver`)."""
+
+
+def _forked_server() -> int | None:
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver._forkserver_pid
 
 
 def _children(pid: int | str) -> list[int]:
@@ -165,9 +172,9 @@ _AWAITING: list[str] = []
 
 
 def start_early(config, local_workers: int) -> None:
-    """Start the workers' forkserver first thing, before this process imports torch, when the job
-    surely runs on the CPU: it imports torch and the worker's modules (`PRELOAD`) while the
-    launcher imports torch and checks the plan, then waits to be told the model's modules
+    """Start the workers' forkserver first thing when the job surely runs on the CPU, as a fork of this
+    process once it has imported torch (`_fork_forkserver`; a process of its own where that cannot be):
+    it imports the worker's modules (`PRELOAD`) while the launcher checks the plan, then waits to be told the model's modules
     (`worker.preload_model`, `tell`) and imports them once: as soon as the plan's model passed
     consent, from the launcher's capture cache when it holds this run (`capture_cache`: a run of
     the same plan, model and folder named them), else once the launcher has built the model (`warm`). The
@@ -180,7 +187,6 @@ def start_early(config, local_workers: int) -> None:
     if sys.version_info >= (3, 14):  # the default start method there: a factory's own pool would wait on it too
         return
     from ... import lazy_dynamo
-    from ..worker.preload_model import LAZY_VARIABLE
 
     _PRELOADED.insert(0, "pdtool.runtime.worker.preload_model")  # first: it imports `PRELOAD` itself, then waits
     _preload()
@@ -190,14 +196,88 @@ def start_early(config, local_workers: int) -> None:
     from .scratch import mark
 
     mark(util.get_temp_dir())  # a launcher killed before its exit handler leaves it: the next launch sweeps it
-    os.environ[LAZY_VARIABLE] = "1" if lazy_dynamo.installed() else ""
-    try:
-        started = _ensure_running()
-    finally:
-        del os.environ[LAZY_VARIABLE]
+    if _forks_its_server():
+        started = _fork_forkserver(_modules_file(), lazy_dynamo.installed())
+    else:  # a process of its own, told as a fork would be
+        from ..worker.preload_model import LAZY_VARIABLE
+
+        os.environ[LAZY_VARIABLE] = "1" if lazy_dynamo.installed() else ""
+        try:
+            started = _ensure_running()
+        finally:
+            del os.environ[LAZY_VARIABLE]
     if not started:
         return
     _AWAITING.append(_modules_file())
+
+
+def _forks_its_server() -> bool:
+    """Whether multiprocessing's forkserver is the one `_fork_forkserver` knows how to run: its `main`
+    with these parameters and no others (a later Python's authenticates its clients: a process of its
+    own there)."""
+    import inspect
+    from multiprocessing import forkserver
+
+    try:
+        return list(inspect.signature(forkserver.main).parameters) == [
+            "listener_fd", "alive_r", "preload", "main_path", "sys_path"]
+    except (TypeError, ValueError):
+        return False
+
+
+def _fork_forkserver(path: str, lazy: bool) -> bool:
+    """Start multiprocessing's forkserver as a fork of this process once it has imported torch (which
+    it imports next anyway) and nothing else of the run: the forkserver then imports only the worker's
+    modules and the model's (`worker.preload_model.serve`), not torch again (about 1.9 s of CPU for a
+    process of its own). Nothing of this process's run exists yet (no thread but the ones importing
+    torch starts, as in any forkserver; no file, lock or handler of the run): the child keeps its
+    signals' defaults and ends with os._exit, running none of this process's exit handlers."""
+    import signal
+    import socket
+    from multiprocessing import connection, forkserver
+
+    import torch  # noqa: F401 - imported once, here, for both processes
+
+    from ..worker import preload_model, told
+
+    server = forkserver._forkserver
+    try:
+        listener = socket.socket(socket.AF_UNIX)
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+    except OSError:  # e.g. a temp folder whose path is too long for a socket: the launch says so itself
+        return False
+    alive_r, alive_w = os.pipe()
+    launcher = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the forkserver
+        code = 0
+        try:
+            os.close(alive_w)
+            for number in signal.valid_signals():
+                try:
+                    if callable(signal.getsignal(number)) and number != signal.SIGINT:
+                        signal.signal(number, signal.SIG_DFL)
+                except (OSError, ValueError):
+                    pass
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            os.environ[told.VARIABLE] = f"{launcher}:{path}"
+            preload_model.serve(launcher, path, lazy)
+            forkserver.main(listener.fileno(), alive_r, [])
+        except SystemExit:
+            pass
+        except BaseException:  # noqa: BLE001 - the launcher sees its workers never start, and says so
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(alive_r)
+    listener.close()
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    return True
 
 
 def tell(modules: tuple[str, ...] = ()) -> None:

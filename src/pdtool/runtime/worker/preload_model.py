@@ -3,7 +3,7 @@
 as `lazy_dynamo`'s stand-in where the launcher runs with it: `LAZY_VARIABLE`), then
 the modules the model's classes come from, which the launcher names only once it has imported
 them with the user's consent (or a run of the same plan, model and folder did: `capture_cache`).
-The forkserver imports torch while the launcher does and builds the model; it forks no worker
+The forkserver, a fork of the launcher once it imported torch (`forked._fork_forkserver`), imports the rest while the launcher builds the model; it forks no worker
 before this module is done. The launcher names the modules in a JSON file (`worker.told`), at the
 path in `told.VARIABLE`, always before it forks a worker. A launcher that ends first
 takes the forkserver along at once (a parent-death signal, on Linux), so nothing it started holds
@@ -57,18 +57,23 @@ def _await(launcher: int, path: str) -> None:
             pass
 
 
+def serve(launcher: int, path: str, lazy: bool) -> None:
+    """Ready this process to fork the workers of `launcher`: end with it, import the worker's modules
+    (`preload`; `lazy_dynamo`'s stand-in first when `lazy`), then those the file at `path` names."""
+    _end_with(launcher)
+    # a Ctrl-C in the terminal reaches this process group: pd says one line, this process says nothing (the
+    # launcher's end ends it); the forkserver hands its workers the handler it finds after this, so it is put back
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        if lazy:
+            importlib.import_module("pdtool.lazy_dynamo").install()
+        importlib.import_module("pdtool.runtime.worker.preload")
+        _await(launcher, path)
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
+
+
 _told = os.environ.get(told.VARIABLE, "")  # `preload` takes it out: a worker forked from here is told nothing
 _lazy = os.environ.pop(LAZY_VARIABLE, "") == "1"
 if _told:
-    _launcher, _, _path = _told.partition(":")
-    _end_with(int(_launcher))
-    # a Ctrl-C in the terminal reaches this process group: pd says one line, this process says nothing (the
-    # launcher's end ends it); the forkserver hands its workers the handler it finds after this, so it is put back
-    _interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        if _lazy:
-            importlib.import_module("pdtool.lazy_dynamo").install()
-        importlib.import_module("pdtool.runtime.worker.preload")
-        _await(int(_launcher), _path)
-    finally:
-        signal.signal(signal.SIGINT, _interrupt)
+    serve(int(_told.partition(":")[0]), _told.partition(":")[2], _lazy)
