@@ -214,3 +214,23 @@ def test_a_forkserver_started_for_a_launch_imports_a_later_launchs_installed_mod
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-1] == "True"
+
+
+def test_a_forkserver_runs_no_module_of_a_folder_that_shadows_a_told_installed_one(tmp_path, monkeypatch):
+    """`told.refresh` imports a told module of an installed package only when its own sys.path finds that file:
+    an earlier launch's folder holding a module of the same name is never run in the forkserver."""
+    from pdtool.runtime.worker import told
+
+    import sysconfig
+    installed = os.path.join(sysconfig.get_paths()["stdlib"], "colorsys.py")
+    assert os.path.exists(installed)
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)  # matplotlib imports it; put back after
+    (tmp_path / "colorsys.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    told_file = tmp_path / told.FILE
+    told_file.write_text(json.dumps({"path": sys.path, "modules": ["colorsys"], "files": {"colorsys": installed}}))
+    try:
+        told.refresh(str(told_file), {})
+        assert not (tmp_path / "ran").exists() and "colorsys" not in sys.modules
+    finally:
+        sys.modules.pop("colorsys", None)

@@ -102,6 +102,9 @@ def refresh(path: str, seen: dict) -> None:
         if name not in sys.modules:
             if wanted is None or not _installed(wanted):
                 continue
+            found = _file_of(name)  # along this process's sys.path (an earlier launch's folder may shadow it)
+            if found is None or not _same(found, wanted):
+                continue  # not the launcher's module: its workers import the launcher's themselves
             try:
                 importlib.import_module(name)
             except (Exception, SystemExit):  # noqa: BLE001 - a worker imports it again, and reports what fails there
