@@ -9,7 +9,8 @@ spare), planned from the second as a straight
 4-stage pipeline (2 with --smoke) for `4x10GB/s` (`pd plan --straight`) and trained 2 steps of `flush` with 4
 microbatches a step, plain SGD (no momentum: an optimizer state would add a copy of each stage,
 and `flush` stashes no weight versions), on 4 local CPU workers (`pd train`, in-process calls).
-Every process runs in a fresh Python process of its own; its peak resident set is VmHWM from
+Every process runs in a fresh Python process of its own (with --smoke, whose figures mean nothing, a
+fork of the bench's, which imported torch once); its peak resident set is VmHWM from
 /proc/self/status when it ends (a worker's is `WorkerReport.memory["peak"]`, the same figure).
 
 Then the same plan trained 2 steps with AdamW and a checkpoint after each step (what a real run
@@ -77,16 +78,14 @@ def _torchrun(plan_path: str, checkpoints: str) -> dict[str, int]:
 
 
 def _train(plan_path: str, checkpoints: str | None = None) -> None:
-    """pd train's checks and workers in this process (as the CLI calls them); prints the losses,
-    every worker's peak (and what the plan gives it) and this launcher's. `checkpoints`: the
-    recipe run instead, AdamW with a checkpoint after each step into that folder."""
-    import dataclasses
-
+    """pd train's launcher in this process, called as the CLI calls it (`runtime.launcher.train.train`:
+    its workers' forkserver forked first, then the checks and the workers); prints the losses, every
+    worker's peak (and what the plan gives it) and this launcher's. `checkpoints`: the recipe run
+    instead, AdamW with a checkpoint after each step into that folder."""
     from pdtool.artifacts.plan import Plan
     from pdtool.sim.prediction import measured_beyond, planned_for_run
-    from pdtool.runtime.launcher.job import prepare
-    from pdtool.runtime.launcher.session import run
-    from pdtool.runtime.run import OptimizerConfig, RunConfig
+    from pdtool.runtime.launcher.train import train
+    from pdtool.runtime.run import Nodes, OptimizerConfig, RunConfig
 
     plan = Plan.load(plan_path)
     optimizer = (
@@ -97,8 +96,7 @@ def _train(plan_path: str, checkpoints: str | None = None) -> None:
     config = RunConfig(plan_path=plan_path, steps=2, mode="flush", group=4, progress=False, device="cpu",
                        optimizer=optimizer, timeout_s=300, checkpoint_dir=checkpoints,
                        checkpoint_every=1 if checkpoints else 0)
-    job = prepare(plan, config)
-    result = run(dataclasses.replace(job.config))
+    result, _ = train(plan, config, where=None, nodes=Nodes())
     planned = planned_for_run(plan, config, result.reports.values())
     print(json.dumps({"losses": {str(b): loss for b, loss in sorted(result.losses.items())},
                       "beyond": {str(r): measured_beyond(rep.memory) for r, rep in sorted(result.reports.items())},
@@ -145,14 +143,57 @@ def _agreement(whole_path: str, layers_path: str) -> str:
 
 
 def _child(*args: str) -> dict:
+    """Run one measured process (`--as ROLE ...`): a fresh Python, or with --smoke a fork of this
+    one (`_forked`); the JSON it printed last."""
+    if FORK_CHILDREN:
+        return _forked(*args)
     out = subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+FORK_CHILDREN = False  # --smoke: its figures mean nothing, and a fresh Python a process costs 2 CPU-s of imports
+
+
+def _forked(*args: str) -> dict:
+    """`_child` as a fork of this process, which has imported torch and pdtool's launcher once
+    (`_preimport`); what it prints goes to a file, read once it has ended."""
+    import multiprocessing
+
+    with tempfile.NamedTemporaryFile("r") as out:
+        child = multiprocessing.get_context("fork").Process(target=_role_into, args=(list(args[1:]), out.name))
+        child.start()
+        child.join()
+        if child.exitcode:
+            raise SystemExit(f"big_model {' '.join(args)} failed (exit {child.exitcode})")
+        return json.loads(out.read().strip().splitlines()[-1])
+
+
+def _role_into(argv: list[str], path: str) -> None:
+    with open(path, "w") as out:
+        sys.stdout = out
+        try:
+            _role(argv)
+        finally:
+            sys.stdout = sys.__stdout__
+
+
+def _preimport() -> None:
+    """What the forked children use, imported once before the first fork."""
+    import torch  # noqa: F401
+
+    import pdtool.cli  # noqa: F401
+    import pdtool.runtime.launcher.train  # noqa: F401
+
+
+def _role(argv: list[str]) -> None:
+    """Act as one measured process: `ROLE ARGS...` (pd, train or reference)."""
+    role, rest = argv[0], argv[1:]
+    {"pd": lambda: _pd(rest), "train": lambda: _train(*rest), "reference": lambda: _reference(rest[0])}[role]()
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--as"]:  # one of the processes measured (_child)
-        role, rest = sys.argv[2], sys.argv[3:]
-        {"pd": lambda: _pd(rest), "train": lambda: _train(*rest), "reference": lambda: _reference(rest[0])}[role]()
+        _role(sys.argv[2:])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--in-features", type=int, default=4096)
@@ -161,9 +202,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: that it runs to its end (the tests run it), not its figures")
     args = parser.parse_args()
     if args.smoke:
-        global WORKERS
+        global WORKERS, FORK_CHILDREN
         args.in_features, args.hidden, args.depth = 64, 64, 4
-        WORKERS = 2
+        WORKERS, FORK_CHILDREN = 2, True
+        _preimport()
     kwargs = dict(in_features=args.in_features, hidden=args.hidden, depth=args.depth, classes=10)
     params = args.in_features * args.hidden + args.hidden + (args.depth - 1) * (args.hidden ** 2 + args.hidden) \
         + args.hidden * 10 + 10
