@@ -27,8 +27,7 @@ from pdtool.targets.torch_stage import check_covered, stage_module
 pytestmark = pytest.mark.workers
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "examples" / "pipelining"))
-from train_exported import pipeline  # noqa: E402  the docs' example (docs/export-plan.md)
+sys.path.insert(0, str(ROOT / "examples" / "pipelining"))  # train_exported: the docs' example (docs/export-plan.md)
 
 LLAMA = ModelRef("pdtool.zoo:llama", {"vocab": 64, "seq_len": 8, "dim": 16, "layers": 3, "heads": 2, "kv_heads": 1,
                                       "hidden": 32})
@@ -37,6 +36,8 @@ STEPS, GROUP = 2, 4
 
 def _torch_rank(rank: int, world: int, port: int, exported: dict, folder: str, results) -> None:
     """One rank of torch.distributed.pipelining running the export: the weights of its stages by name."""
+    from train_exported import pipeline  # here: torch.distributed.pipelining costs every test process 1 s to import
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     bundle = initial_model(LLAMA, 0)  # pd train's initial weights (the initialization rule, seed 0)
