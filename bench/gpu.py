@@ -102,6 +102,9 @@ def main() -> None:
 
     import torch
 
+    from pdtool.runtime.launcher import forked
+
+    forked.start_early(args.device, 1)  # the workers' forkserver, forked now as pd train forks it (before any torch work)
     from pdtool.artifacts.plan import Plan
     from pdtool.artifacts.profile import Profile
     from pdtool.cli import cli

@@ -53,6 +53,9 @@ def main() -> None:
         args.batch, args.hidden, args.depth, args.steps = 64, 32, 4, 6
     # the workers' allocator returns freed blocks, so that their resident sets follow the tensors they hold
     os.environ["PDTOOL_MALLOC"] = "release"
+    from pdtool.runtime.launcher import forked
+
+    forked.start_early("cpu", 4)  # the workers' forkserver, forked now as pd train forks it (before any torch work)
 
     from pdtool.artifacts.plan import Plan, compact_ranges
     from pdtool.cli import cli

@@ -57,6 +57,9 @@ def main() -> None:
     if args.smoke:
         args.batch, args.hidden, args.depth, args.steps = 8, 64, 2, 4
     os.environ["PDTOOL_MALLOC"] = "release"
+    from pdtool.runtime.launcher import forked
+
+    forked.start_early("cpu", 2)  # the workers' forkserver, forked now as pd train forks it (before any torch work)
 
     from pdtool.artifacts.plan import Plan
     from pdtool.cli import cli

@@ -86,7 +86,7 @@ def _row(plan_path: str, way: str, workers: int) -> dict:
     config = RunConfig(plan_path=plan_path, steps=2, progress=False, device="cpu", timeout_s=120,
                        init="factory" if way == "before" else "rule")
     if way != "before":  # before issue 23 the forkserver started at the launch, with torch and pdtool's modules
-        forked.start_early(config, workers)  # before torch is imported, as pd train does
+        forked.start_early(config.device, workers)  # before torch is imported, as pd train does
     from pdtool.runtime.launcher.job import prepare
     from pdtool.runtime.launcher.launch import launch
     from pdtool.runtime.worker.memory import peak_resident_bytes

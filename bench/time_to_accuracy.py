@@ -48,7 +48,7 @@ from pdtool.artifacts.plan import Plan
 from pdtool.planner import make_plan
 from pdtool.artifacts.profile import ModelRef
 from pdtool.profiler import profile_model
-from pdtool.runtime.launcher import session
+from pdtool.runtime.launcher import forked, session
 from pdtool.runtime.optimizers import build_optimizer
 from pdtool.runtime.run import OptimizerConfig, RunConfig, checked_run
 from pdtool.schedule import rules
@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--no-single", dest="single", action="store_false", help="skip the one-process runs")
     parser.add_argument("--plot", default=str(Path(__file__).parent / "results" / "time_to_accuracy.png"))
     args = parser.parse_args()
+    forked.start_early("cpu", args.workers)  # the workers' forkserver, forked now as pd train forks it (before any torch work)
 
     ref = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": args.hidden, "depth": args.depth, "classes": 10})
     optimizer = OptimizerConfig(name="sgd", lr=args.lr, momentum=args.momentum, weight_decay=0.0)

@@ -14,12 +14,10 @@ import pytest
 
 LAUNCHER = textwrap.dedent("""
     import json, multiprocessing, os, sys, time
-    from types import SimpleNamespace
     from multiprocessing import forkserver
     from pdtool.runtime.launcher import forked
 
-    config = SimpleNamespace(device="cpu", data="synthetic", model=None, init="rule")
-    forked.start_early(config, 2)
+    forked.start_early("cpu", 2)
     server = forkserver._forkserver._forkserver_pid
     print(json.dumps({{"launcher": os.getpid(), "forkserver": server}}), flush=True)
 """) + "{body}"

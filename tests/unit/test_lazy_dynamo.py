@@ -79,13 +79,12 @@ def test_a_training_step_runs_without_dynamo_and_anything_else_gets_the_real_one
 
 FORKSERVER = textwrap.dedent("""
     import multiprocessing, os, sys
-    from types import SimpleNamespace
     from pdtool import lazy_dynamo
     from pdtool.runtime.launcher import forked
 
     if sys.argv[1] == "pd":  # pd's own process (`cli.main`) runs with the stand-in
         lazy_dynamo.install()
-    forked.start_early(SimpleNamespace(device="cpu", data="synthetic", model=None, init="rule"), 1)
+    forked.start_early("cpu", 1)
     forked.tell(())
     worker = multiprocessing.get_context("forkserver").Process(target=exec, args=(
         "import sys; print(type(sys.modules['torch._dynamo']).__name__, 'sympy' in sys.modules, flush=True)",))

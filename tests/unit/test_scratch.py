@@ -120,9 +120,9 @@ def test_what_pdtool_did_not_make_is_kept(temp):
                                         "pdtool-workers-8-link", "pdtool-workers-9-noowner", "pdtool-workers-abc"]
 
 
-STARTED_EARLY = ("import os, signal; from types import SimpleNamespace; from multiprocessing import util; "
+STARTED_EARLY = ("import os, signal; from multiprocessing import util; "
                  "from pdtool.runtime.launcher import forked; "
-                 "forked.start_early(SimpleNamespace(device='cpu', data='synthetic', model=None, init='rule'), 2); "
+                 "forked.start_early('cpu', 2); "
                  "print(util.get_temp_dir(), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
 
 

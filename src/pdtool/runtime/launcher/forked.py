@@ -171,7 +171,7 @@ _AWAITING: list[str] = []
 """The file a forkserver started early (`start_early`) waits for, until it is told (`tell`)."""
 
 
-def start_early(config, local_workers: int) -> None:
+def start_early(device: str, local_workers: int) -> None:
     """Start the workers' forkserver first thing when the job surely runs on the CPU, as a fork of this
     process once it has imported torch (`_fork_forkserver`; a process of its own where that cannot be):
     it imports the worker's modules (`PRELOAD`) while the launcher checks the plan, then waits to be told the model's modules
@@ -182,7 +182,7 @@ def start_early(config, local_workers: int) -> None:
     takes it along."""
     from multiprocessing import forkserver, resource_tracker, util
 
-    if not _surely_cpu(config.device) or local_workers < 1 or forkserver._forkserver._forkserver_pid is not None:
+    if not _surely_cpu(device) or local_workers < 1 or forkserver._forkserver._forkserver_pid is not None:
         return
     if sys.version_info >= (3, 14):  # the default start method there: a factory's own pool would wait on it too
         return

@@ -24,7 +24,7 @@ def train(plan: Plan, config: RunConfig, *, where: Place | None, nodes: Nodes, e
     from . import forked
 
     local = nodes.nproc_per_node or len(plan.used_ranks) // nodes.nnodes
-    forked.start_early(config, local)  # first: it imports torch and forks the forkserver before anything of the run exists
+    forked.start_early(config.device, local)  # first: it imports torch and forks the forkserver before anything of the run exists
     from . import session
     from .job import prepare
 
