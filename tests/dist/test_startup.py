@@ -87,12 +87,17 @@ def test_a_signal_while_pd_imports_a_hanging_factory_is_one_line(tmp_path, comma
     data = json.loads(path.read_text())
     data["profile"]["model"]["spec"] = "hanging:build"
     path.write_text(json.dumps(data))
-    (tmp_path / "hanging.py").write_text(HANGS[hang] + "def build(**kwargs):\n    pass\n")
+    # the factory's module says it is being imported (a file), then hangs
+    (tmp_path / "hanging.py").write_text("open('importing', 'w').close()\n" + HANGS[hang] + "def build(**kwargs):\n    pass\n")
     args = {"train": ["train", str(path), "--quiet"], "profile": ["profile", "-m", "hanging:build", "-o", "h.json"]}
     process = subprocess.Popen([PD, *args[command]], cwd=tmp_path, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    time.sleep(3)  # importing hanging.py
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "importing").exists():  # pd imports torch and pdtool first
+        assert process.poll() is None and time.monotonic() < deadline, output_of(process)
+        time.sleep(0.05)
+    time.sleep(0.2)  # inside its sleep
     assert process.poll() is None
     took, err = ended_after(process, lambda: process.send_signal(sig))
     lines = [line for line in err.strip().splitlines() if not line.startswith("pd: importing")]
