@@ -42,6 +42,7 @@ The model (all times in ms):
 from __future__ import annotations
 
 from collections import deque
+from functools import lru_cache
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -263,15 +264,29 @@ def simulate(plan: Plan, mode: str | None = None, minibatches: int | None = None
     mode, group = run.name, run.group
     if minibatches is None:  # a bad group is reported by the schedule's checks, not here
         minibatches = default_minibatches(sum(replicas), group if isinstance(group, int) and group >= 1 else 1)
-    schedule = generate(mode, replicas, minibatches, group, placement=placement or plan.placement)
-    return simulate_schedule(plan, schedule)
+    schedule, ops = lowered(mode, replicas, minibatches, group, tuple(placement or plan.placement),
+                            plan.reduces_each(mode))
+    return _simulated(_Run(plan, schedule, ops))
 
 
 def simulate_schedule(plan: Plan, schedule: Schedule) -> SimResult:
     """Simulate a given `schedule` (its stages and placement the plan's) on the plan's costs."""
-    run = _Run(plan, schedule)
+    return _simulated(_Run(plan, schedule, lower(schedule, reduce_each=plan.reduces_each(schedule.mode)).workers))
+
+
+def _simulated(run: "_Run") -> SimResult:
     run.go()
     return run.result()
+
+
+@lru_cache(maxsize=32)
+def lowered(mode: str, replicas: tuple[int, ...], minibatches: int, group: int | None, placement: tuple[int, ...],
+            reduce_each: tuple[int, ...]) -> tuple[Schedule, tuple[tuple[Op, ...], ...]]:
+    """The schedule `generate` makes for these arguments and every worker's ops (`schedule.lower`),
+    kept for the next simulation of the same shape (both are immutable): the planner simulates the
+    same replicas, mode and minibatches for many candidates, plans and families, on other costs."""
+    schedule = generate(mode, replicas, minibatches, group, placement=placement)
+    return schedule, lower(schedule, reduce_each=reduce_each).workers
 
 
 def worker_rank(plan: Plan, schedule: Schedule, worker: int) -> int:
@@ -313,9 +328,9 @@ class _Run:
     """The state of one simulation; `go` advances every worker through its lowered ops
     (`schedule.lower`) as far as its inputs allow."""
 
-    def __init__(self, plan: Plan, schedule: Schedule):
+    def __init__(self, plan: Plan, schedule: Schedule, ops: tuple[tuple[Op, ...], ...]):
         self.plan, self.schedule = plan, schedule
-        self.ops = lower(schedule, reduce_each=plan.reduces_each(schedule.mode)).workers
+        self.ops = ops  # every worker's lowered ops (`schedule.lower`)
         n = len(schedule.workers)
         self.ranks = [worker_rank(plan, schedule, w) for w in range(n)]  # schedule rank -> plan rank
         self.allreduce = [allreduce_ms(plan, s, schedule.mode) for s in range(len(plan.stages))]
@@ -394,8 +409,12 @@ class _Run:
         self.peak_held[worker] = max(self.peak_held[worker], self.held[worker])
         held = self.stage_held[worker]
         held[stage] += change
-        now = sum(_stashed(self.plan.stages[s], count) for s, count in held.items())
-        self.peak_bytes[worker] = max(self.peak_bytes[worker], now)
+        if len(held) == 1:  # one stage a worker (most plans): no sum over its stages
+            now = _stashed(self.plan.stages[stage], held[stage])
+        else:
+            now = sum(_stashed(self.plan.stages[s], count) for s, count in held.items())
+        if now > self.peak_bytes[worker]:
+            self.peak_bytes[worker] = now
 
     def _copy_ms(self, size: int) -> float:
         """CPU ms that a message of `size` bytes costs one of its ends (the profile's host cost)."""

@@ -45,10 +45,9 @@ from typing import Sequence
 import numpy as np
 
 from ..artifacts.plan import MS_PER_S, Plan
-from ..schedule import generate
-from ..schedule.lower import ACTIVATION, COLLECTIVES, collective_key, lower, message
+from ..schedule.lower import ACTIVATION, COLLECTIVES, collective_key, message
 from ..schedule.modes import ONE_F_ONE_B, rules, warmup_forwards
-from .simulate import MIB, allreduce_ms, backward_reduce_ms, link_bandwidth, link_latency, worker_rank
+from .simulate import MIB, allreduce_ms, backward_reduce_ms, link_bandwidth, link_latency, lowered, worker_rank
 
 MAX_NODES = 400_000
 """Largest period graph computed (about 2 s here); beyond, the planner simulates instead."""
@@ -445,8 +444,7 @@ class _FlushBatch:
         ranks = [s.ranks[::g] for s in self.stages]
         self.took = [allreduce_ms(plan, s, mode) for s in range(len(self.stages))]
         self.reduce = [backward_reduce_ms(plan, s, mode) for s in range(len(self.stages))]
-        schedule = generate(mode, tuple(reduced), group, group, placement=placement)
-        self.workers = lower(schedule, reduce_each=plan.reduces_each(mode)).workers
+        schedule, self.workers = lowered(mode, tuple(reduced), group, group, tuple(placement), plan.reduces_each(mode))
         if placement:
             self.plan_rank = [worker_rank(plan, schedule, w) for w in range(len(self.workers))]
         else:
