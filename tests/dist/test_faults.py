@@ -259,3 +259,19 @@ def test_a_full_disk_under_an_output_is_one_line_and_leaves_the_old_file(tmp_pat
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1 and "No space left on device" in lines[0], lines
     assert out.read_text() == "an earlier plan\n" and not list(small_disk.glob("*.tmp"))
+
+
+def test_a_launch_from_a_process_that_computed_on_several_threads_trains(tmp_path):
+    """A process whose torch ran a parallel region on several threads (a notebook, a bench, a test run
+    without pytest-xdist) and then launches in-process: its workers' forkserver must not be a fork of it
+    (libgomp's pool does not survive a fork; the workers waited forever in their first multi-threaded op,
+    and the job ended at --timeout), so `forked.start_early` starts one of its own (`_fork_is_safe`)."""
+    _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
+    script = (f"import sys, torch\ntorch.set_num_threads(2)\nx = torch.randn(256, 256)\nfor _ in range(20): x = "
+              f"(x @ x).tanh()\nx.log_softmax(-1)\nfrom pdtool.cli import cli\nsys.argv = ['pd', 'train', "
+              f"{str(path)!r}, '--steps', '2', '--threads', '2', '--timeout', '15', '--quiet']\ncli()\n")
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PDTOOL_CACHE_DIR="off"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "time per minibatch" in done.stdout and time.monotonic() - began < 15, (done.stdout, time.monotonic() - began)

@@ -173,7 +173,8 @@ _AWAITING: list[str] = []
 
 def start_early(device: str, local_workers: int) -> None:
     """Start the workers' forkserver first thing when the job surely runs on the CPU, as a fork of this
-    process once it has imported torch (`_fork_forkserver`; a process of its own where that cannot be):
+    process once it has imported torch (`_fork_forkserver`; a process of its own where that cannot be or
+    is not safe: `_fork_is_safe`):
     it imports the worker's modules (`PRELOAD`) while the launcher checks the plan, then waits to be told the model's modules
     (`worker.preload_model`, `tell`) and imports them once: as soon as the plan's model passed
     consent, from the launcher's capture cache when it holds this run (`capture_cache`: a run of
@@ -196,7 +197,7 @@ def start_early(device: str, local_workers: int) -> None:
     from .scratch import mark
 
     mark(util.get_temp_dir())  # a launcher killed before its exit handler leaves it: the next launch sweeps it
-    if _forks_its_server():
+    if _forks_its_server() and _fork_is_safe():
         started = _fork_forkserver(_modules_file(), lazy_dynamo.installed())
     else:  # a process of its own, told as a fork would be
         from ..worker.preload_model import LAZY_VARIABLE
@@ -223,6 +224,23 @@ def _forks_its_server() -> bool:
             "listener_fd", "alive_r", "preload", "main_path", "sys_path"]
     except (TypeError, ValueError):
         return False
+
+
+def _fork_is_safe() -> bool:
+    """Whether a fork of this process makes a forkserver whose workers can compute on several threads:
+    torch is not imported yet (`pd train`: `_fork_forkserver` imports it and forks at once), or no thread
+    has started beyond Python's own and the one importing torch starts. Once torch's intra-op thread
+    pool (libgomp's) has run a parallel region, a forked child waits forever at its next one (a library
+    or test process that computed before it launched); such a process starts a forkserver of its own."""
+    import threading
+
+    if "torch" not in sys.modules:
+        return True
+    try:
+        tasks = len(os.listdir("/proc/self/task"))
+    except OSError:
+        return False
+    return tasks <= threading.active_count() + 1
 
 
 def _fork_forkserver(path: str, lazy: bool) -> bool:
