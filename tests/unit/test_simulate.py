@@ -267,6 +267,9 @@ def test_every_action_runs_once_without_overlap_and_after_its_inputs(mode, repli
     acting = sum(result.busy_ms.values()) + sum(e.end_ms - e.start_ms for e in result.events if e.kind == "U")
     assert result.bubble_fraction == pytest.approx(1 - acting / (len(result.busy_ms) * result.makespan_ms))
     assert set(result.peak_versions) == set(result.peak_in_flight) == {r for rs in ranks for r in rs}
+    # without its events and transfers (the planner's ranking), every figure is the same
+    assert simulate(plan, events=False) == dataclasses.replace(result, events=(), transfers=())
+    assert result.events and result.transfers
 
 
 # ----- defaults and errors -----------------------------------------------------------------------

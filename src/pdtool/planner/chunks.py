@@ -118,7 +118,7 @@ def _check_memory(plan: Plan, cluster: Cluster, optimizer_slots: int) -> None:
     from ..memory import memory_model
     from ..sim.simulate import simulate
 
-    result = simulate(plan)
+    result = simulate(plan, events=False)
     needs = memory_model(cluster.memory, optimizer_slots, plan.profile.precision, plan.mode).per_worker(plan, result)
     rank = max(needs, key=needs.get)
     if needs[rank] > cluster.memory:

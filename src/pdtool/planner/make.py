@@ -274,7 +274,7 @@ def _mode_memory(plan: Plan, optimizer_slots: int, memory: Memory | None, short:
     from a run of two groups (or two passes of the workers), where every worker reaches its peak."""
     run = plan.run()
     most = 2 * max(run.group, plan.workers)
-    result = simulator.simulate(plan, minibatches=-(-most // run.group) * run.group if short else None)
+    result = simulator.simulate(plan, minibatches=-(-most // run.group) * run.group if short else None, events=False)
     model = memory_model(None, optimizer_slots, plan.profile.precision, plan.mode)
     need = model.per_worker(plan, result)
     stages = tuple(dataclasses.replace(s, memory_bytes=max(need[r] for r in s.ranks)) for s in plan.stages)
@@ -450,7 +450,7 @@ def _with_simulation(plan: Plan, most: int = SIMULATED_MINIBATCHES, steady: bool
     group = plan.run().group
     most = min(most, SIMULATED_MINIBATCHES)
     minibatches = min(simulator.default_minibatches(plan.workers, group), max(most // group, 1) * group)
-    result = simulator.simulate(plan, minibatches=minibatches, group=None if group == 1 else group)
+    result = simulator.simulate(plan, minibatches=minibatches, group=None if group == 1 else group, events=False)
     return dataclasses.replace(plan, predicted=dataclasses.replace(
         plan.predicted, simulated_ms=result.time_per_minibatch_ms, simulated_bubble=result.bubble_fraction,
         simulated_minibatches=result.minibatches))

@@ -17,7 +17,7 @@ def expected_ms(plan: Plan, mode: str | None, group: int | None) -> tuple[float 
     if mode not in (None, plan.mode) or group is not None:
         from .simulate import simulate
 
-        simulated = simulate(plan, mode=mode, group=group).time_per_minibatch_ms
+        simulated = simulate(plan, mode=mode, group=group, events=False).time_per_minibatch_ms
     return simulated, plan.predicted.time_ms
 
 
@@ -80,7 +80,7 @@ def planned_memory(plan: Plan, mode: str | None, group: int | None, optimizer: s
     from ..memory import OPTIMIZER_SLOTS, memory_model
     from .simulate import simulate
 
-    result = simulate(plan, mode=mode, group=group)
+    result = simulate(plan, mode=mode, group=group, events=False)
     slots = OPTIMIZER_SLOTS.get(optimizer, 2)  # a factory: as Adam
     models = {ring: memory_model(None, slots, precision, mode or plan.mode, weight_decay > 0, optimizer == "adamw",
                                  rings=ring) for ring in (True, False)}

@@ -247,7 +247,7 @@ def steady_state_ms(completions: dict[int, float], minibatches: int, period: int
 
 
 def simulate(plan: Plan, mode: str | None = None, minibatches: int | None = None,
-             group: int | None = None, placement: Sequence[int] = ()) -> SimResult:
+             group: int | None = None, placement: Sequence[int] = (), events: bool = True) -> SimResult:
     """Simulate `minibatches` minibatches of `plan` under schedule `mode` (default: the plan's).
 
     `group` is the microbatches per step of 2bw, flush and gpipe (default: the schedule's
@@ -258,25 +258,29 @@ def simulate(plan: Plan, mode: str | None = None, minibatches: int | None = None
     `placement` (a mode of several stages per worker, `schedule.placement`; default: the plan's):
     the worker of each stage; worker w then sits at the plan rank of its first stage (its links
     are that rank's).
+
+    `events` False: the result without its `events` and `transfers` (the planner ranks thousands of
+    simulations by their figures alone); every figure is the same.
     """
     replicas = tuple(s.replicas for s in plan.stages)
     run = plan.run(mode, group)
     mode, group = run.name, run.group
     if minibatches is None:  # a bad group is reported by the schedule's checks, not here
         minibatches = default_minibatches(sum(replicas), group if isinstance(group, int) and group >= 1 else 1)
-    schedule, ops = lowered(mode, replicas, minibatches, group, tuple(placement or plan.placement),
-                            plan.reduces_each(mode))
-    return _simulated(_Run(plan, schedule, ops))
+    schedule, ops, keys = _program(mode, replicas, minibatches, group, tuple(placement or plan.placement),
+                                   plan.reduces_each(mode))
+    return _simulated(_Run(plan, schedule, ops, keys), events)
 
 
 def simulate_schedule(plan: Plan, schedule: Schedule) -> SimResult:
     """Simulate a given `schedule` (its stages and placement the plan's) on the plan's costs."""
-    return _simulated(_Run(plan, schedule, lower(schedule, reduce_each=plan.reduces_each(schedule.mode)).workers))
+    ops = lower(schedule, reduce_each=plan.reduces_each(schedule.mode)).workers
+    return _simulated(_Run(plan, schedule, ops, _message_keys(ops)), True)
 
 
-def _simulated(run: "_Run") -> SimResult:
+def _simulated(run: "_Run", events: bool) -> SimResult:
     run.go()
-    return run.result()
+    return run.result(events)
 
 
 @lru_cache(maxsize=32)
@@ -287,6 +291,20 @@ def lowered(mode: str, replicas: tuple[int, ...], minibatches: int, group: int |
     same replicas, mode and minibatches for many candidates, plans and families, on other costs."""
     schedule = generate(mode, replicas, minibatches, group, placement=placement)
     return schedule, lower(schedule, reduce_each=reduce_each).workers
+
+
+@lru_cache(maxsize=32)
+def _program(mode: str, replicas: tuple[int, ...], minibatches: int, group: int | None, placement: tuple[int, ...],
+             reduce_each: tuple[int, ...]):
+    """`lowered`, and the key of every send's and recv's message (`_message_keys`), kept alike."""
+    schedule, ops = lowered(mode, replicas, minibatches, group, placement, reduce_each)
+    return schedule, ops, _message_keys(ops)
+
+
+def _message_keys(ops: tuple[tuple[Op, ...], ...]) -> tuple[tuple[tuple | None, ...], ...]:
+    """keys[w][i]: the message (`lower.message`) of worker w's op i where it sends or receives one."""
+    return tuple(tuple(message(op, worker) if op.kind in ("send", "recv") else None for op in worker_ops)
+                 for worker, worker_ops in enumerate(ops))
 
 
 def worker_rank(plan: Plan, schedule: Schedule, worker: int) -> int:
@@ -328,9 +346,10 @@ class _Run:
     """The state of one simulation; `go` advances every worker through its lowered ops
     (`schedule.lower`) as far as its inputs allow."""
 
-    def __init__(self, plan: Plan, schedule: Schedule, ops: tuple[tuple[Op, ...], ...]):
+    def __init__(self, plan: Plan, schedule: Schedule, ops: tuple[tuple[Op, ...], ...], keys):
         self.plan, self.schedule = plan, schedule
         self.ops = ops  # every worker's lowered ops (`schedule.lower`)
+        self.keys = keys  # the message of each of them that sends or receives one (`_message_keys`)
         n = len(schedule.workers)
         self.ranks = [worker_rank(plan, schedule, w) for w in range(n)]  # schedule rank -> plan rank
         self.allreduce = [allreduce_ms(plan, s, schedule.mode) for s in range(len(plan.stages))]
@@ -347,8 +366,9 @@ class _Run:
         self.link_free: dict[tuple[int, int], float] = {}     # (src, dst) schedule ranks: link idle from
         self.links: dict[tuple[int, int], tuple[float, float]] = {}  # (src, dst) plan ranks: `_link`
         self.waiting: dict[tuple, dict[int, float]] = {}      # (collective key, k): worker -> arrival
-        self.events: list[tuple[float, int, int, SimEvent]] = []
-        self.transfers: list[SimTransfer] = []
+        self.events: list[tuple[float, int, int, float]] = []  # (start, worker, action index, end) of each action
+        self.transfers: list[tuple[float, int, int, int, int, int, float]] = []  # (start, src, dst, worker, action
+        # index, bytes, end) of each message that moves bytes
         self.todo: deque[int] = deque(range(n))
         self.queued = set(range(n))
 
@@ -369,28 +389,23 @@ class _Run:
             self.queued.add(worker)
             self.todo.append(worker)
 
-    def _record(self, worker: int, op: Op, start: float, end: float) -> None:
-        action = self.schedule.workers[worker][op.at]
-        event = SimEvent(rank=self.ranks[worker], name=str(action), kind=action.kind, stage=action.stage,
-                         minibatch=action.minibatch, start_ms=start, end_ms=end)
-        self.events.append((start, worker, op.at, event))
-
     def _step(self, worker: int) -> bool:
         """Run `worker`'s next op if it can start; False if it must wait for another worker."""
-        op = self.ops[worker][self.next[worker]]
+        index = self.next[worker]
+        op = self.ops[worker][index]
         s = self.plan.stages[op.stage]
         if op.kind in COLLECTIVES:
             return self._collective(worker, op)
         if op.kind == "recv":
-            key = message(op, worker)
+            key = self.keys[worker][index]
             if key not in self.arrived:
                 return False
             self.free[worker] = max(self.free[worker] + self._copy_ms(_message_bytes(op, s)), self.arrived.pop(key))
         elif op.kind == "send":
-            self._send(worker, op, _message_bytes(op, s))
+            self._send(worker, op, _message_bytes(op, s), self.keys[worker][index])
         elif op.kind == "step":
             start, end = self.began[worker], self.free[worker] + s.step_ms
-            self._record(worker, op, start, end)
+            self.events.append((start, worker, op.at, end))
             self.free[worker] = end
         else:
             start = self.free[worker]
@@ -398,7 +413,7 @@ class _Run:
             change = 1 if op.kind == "F" else -1 if op.kind == "W" or op.weights else 0
             if change:
                 self._hold(worker, op.stage, change)
-            self._record(worker, op, start, end)
+            self.events.append((start, worker, op.at, end))
             self.free[worker] = end
         self.next[worker] += 1
         return True
@@ -420,7 +435,7 @@ class _Run:
         """CPU ms that a message of `size` bytes costs one of its ends (the profile's host cost)."""
         return size / MIB * self.plan.profile.message_ms_per_mib
 
-    def _send(self, worker: int, op: Op, size: int) -> None:
+    def _send(self, worker: int, op: Op, size: int, key: tuple) -> None:
         """Queue a message on its directed link, FIFO, from when its worker is free; the worker
         computes on after writing it (`_copy_ms`)."""
         dst = op.peer
@@ -433,9 +448,8 @@ class _Run:
         end = max(start + size * ms_per_byte, written)
         self.link_free[link] = end
         if size:
-            name = str(self.schedule.workers[worker][op.at])
-            self.transfers.append(SimTransfer(src=src, dst=to, name=name, bytes=size, start_ms=start, end_ms=end))
-        self.arrived[message(op, worker)] = end + latency_ms
+            self.transfers.append((start, src, to, worker, op.at, size, end))
+        self.arrived[key] = end + latency_ms
         self._wake(dst)
 
     def _link(self, src: int, to: int) -> tuple[float, float]:
@@ -470,22 +484,26 @@ class _Run:
                 self._wake(member)
         return True
 
-    def result(self) -> SimResult:
-        plan, schedule = self.plan, self.schedule
-        events = tuple(e for *_, e in sorted(self.events, key=lambda item: item[:3]))
-        first = min((e.start_ms for e in events), default=0.0)
-        makespan = max((e.end_ms for e in events), default=0.0) - first
-        busy = {rank: 0.0 for rank in self.ranks}
-        for e in events:
-            if e.kind != "U":
-                busy[e.rank] += e.end_ms - e.start_ms
-        workers = len(self.ranks)
-        acting = sum(busy.values()) + sum(e.end_ms - e.start_ms for e in events if e.kind == "U")
-        bubble = max(0.0, 1 - acting / (workers * makespan)) if makespan > 0 else 0.0
+    def result(self, detail: bool = True) -> SimResult:
+        """The figures of the run; with `detail`, its events and transfers too."""
+        plan, schedule, ranks, actions = self.plan, self.schedule, self.ranks, self.schedule.workers
+        records = sorted(self.events, key=lambda item: item[:3])  # by start, worker, action
+        first = min((start for start, *_ in records), default=0.0)
+        makespan = max((end for *_, end in records), default=0.0) - first
+        busy = {rank: 0.0 for rank in ranks}
+        steps = []  # the U actions' times, in the order of the events
         completions: dict[int, float] = {}  # stage 0's minibatches: the end of their last backward part
-        for e in events:
-            if e.kind in ("B", "W") and e.stage == 0:
-                completions[e.minibatch] = max(completions.get(e.minibatch, 0.0), e.end_ms)
+        for start, worker, at, end in records:
+            action = actions[worker][at]
+            if action.kind == "U":
+                steps.append(end - start)
+                continue
+            busy[ranks[worker]] += end - start
+            if action.stage == 0 and action.kind != "F":
+                completions[action.minibatch] = max(completions.get(action.minibatch, 0.0), end)
+        workers = len(ranks)
+        acting = sum(busy.values()) + sum(steps)
+        bubble = max(0.0, 1 - acting / (workers * makespan)) if makespan > 0 else 0.0
         tail = 0 if schedule.rules.flushes else max(stash_depth(schedule, s) * r for s, r in enumerate(schedule.replicas))
         per_minibatch = steady_state_ms(completions, schedule.minibatches, step_group(schedule, 0), tail, first)
         versions = peak_versions(schedule)
@@ -497,5 +515,16 @@ class _Run:
             samples_per_s=plan.profile.batch_size / (per_minibatch / MS_PER_S) if per_minibatch > 0 else 0.0,
             bubble_fraction=bubble, busy_ms=busy,
             peak_versions={self.ranks[w]: versions[w] for w in range(workers)},
-            peak_in_flight=in_flight, peak_activation_bytes=activations, events=events,
-            transfers=tuple(sorted(self.transfers, key=lambda t: (t.start_ms, t.src, t.dst))))
+            peak_in_flight=in_flight, peak_activation_bytes=activations,
+            events=self._events(records) if detail else (), transfers=self._transfers() if detail else ())
+
+    def _events(self, records) -> tuple[SimEvent, ...]:
+        actions = self.schedule.workers
+        return tuple(SimEvent(rank=self.ranks[worker], name=str(action), kind=action.kind, stage=action.stage,
+                              minibatch=action.minibatch, start_ms=start, end_ms=end)
+                     for start, worker, at, end in records for action in (actions[worker][at],))
+
+    def _transfers(self) -> tuple[SimTransfer, ...]:
+        actions = self.schedule.workers
+        return tuple(SimTransfer(src=src, dst=dst, name=str(actions[worker][at]), bytes=size, start_ms=start, end_ms=end)
+                     for start, src, dst, worker, at, size, end in sorted(self.transfers, key=lambda t: t[:3]))

@@ -205,4 +205,4 @@ def _schedule(mode: str, target: str) -> str:
 def _simulated(plan: Plan, mode: str, group: int) -> float:
     from ..sim.simulate import simulate
 
-    return simulate(plan, mode=mode, group=group).time_per_minibatch_ms
+    return simulate(plan, mode=mode, group=group, events=False).time_per_minibatch_ms

@@ -188,7 +188,7 @@ def check_memory(plan: Plan, config: RunConfig, run: Run, unsharding: bool = Fal
     from ...sim.simulate import simulate
     from ...units import format_bytes
 
-    result = simulate(plan, mode=run.name, group=config.group)
+    result = simulate(plan, mode=run.name, group=config.group, events=False)
     needs = memory_model(limit, config.optimizer.state_slots, config.precision or plan.profile.precision, run.name,
                          config.optimizer.weight_decay > 0, config.optimizer.name == "adamw").per_worker(plan, result)
     rank = max(needs, key=needs.get)
