@@ -229,18 +229,17 @@ def _forks_its_server() -> bool:
 def _fork_is_safe() -> bool:
     """Whether a fork of this process makes a forkserver whose workers can compute on several threads:
     torch is not imported yet (`pd train`: `_fork_forkserver` imports it and forks at once), or no thread
-    has started beyond Python's own and the one importing torch starts. Once torch's intra-op thread
-    pool (libgomp's) has run a parallel region, a forked child waits forever at its next one (a library
-    or test process that computed before it launched); such a process starts a forkserver of its own."""
-    import threading
-
+    has started beyond those running Python and the one importing torch starts. Once torch's intra-op
+    thread pool (libgomp's, threads that run no Python) has run a parallel region, a forked child waits
+    forever at its next one (a library or test process that computed before it launched); such a
+    process starts a forkserver of its own."""
     if "torch" not in sys.modules:
         return True
     try:
         tasks = len(os.listdir("/proc/self/task"))
     except OSError:
         return False
-    return tasks <= threading.active_count() + 1
+    return tasks <= len(sys._current_frames()) + 1
 
 
 def _fork_forkserver(path: str, lazy: bool) -> bool:
