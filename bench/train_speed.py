@@ -93,6 +93,7 @@ from pdtool.profiler import profile_model
 from pdtool.runtime.run import OptimizerConfig
 from pdtool.runtime.worker import shm
 from pdtool.runtime.worker.comm import BoundaryTensor, layout
+from pdtool.runtime.launcher import forked
 from pdtool.runtime.launcher.forked import PRELOAD
 from pdtool.runtime.launcher.launch import launch
 from pdtool.model.stages import PositionalStage, plan_stages
@@ -466,8 +467,9 @@ def _round_trips(rank: int, rounds: int, send, recv) -> float:
     return statistics.median(times[20:]) / 2
 
 
-def overhead_rows(m: int, warmup: int, minibatches: int, repeats: int = 10) -> list[tuple[str, bool, str]]:
-    """The overhead rows (module docstring) printed as a table; returns their targets."""
+def overhead_rows(m: int, warmup: int, minibatches: int, repeats: int = 10,
+                  modes: tuple[str, ...] = MODES_RUN) -> list[tuple[str, bool, str]]:
+    """The overhead rows (module docstring) of pdtool's `modes` printed as a table; returns their targets."""
     ref = ModelRef("pdtool.zoo:mlp", TINY)
     _say("overhead rows: profiling the 128-wide MLP, timing a message")
     profile = profile_model(ref, batch_size=TINY_BATCH, repeats=2 * repeats, warmup=5)
@@ -481,7 +483,7 @@ def overhead_rows(m: int, warmup: int, minibatches: int, repeats: int = 10) -> l
     if any(len(plan.stages) != 2 for plan in plans.values()):
         raise SystemExit("train_speed: the overhead rows need a 2-stage plan of the 128-wide MLP")
     free = dataclasses.replace(plans[default], cluster=parse_cluster("2x10GB/s"))  # messages without latency
-    contenders = [(f"pdtool {mode}", mode, default) for mode in MODES_RUN]
+    contenders = [(f"pdtool {mode}", mode, default) for mode in modes]
     if default != "process-group":
         contenders.append(("pdtool flush, --transport process-group", "flush", "process-group"))
     rows = []
@@ -594,6 +596,9 @@ def main() -> None:
                         help="run one part: the main table, the overhead rows or the chunk rows")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few minibatches: that it runs, not its figures")
     args = parser.parse_args()
+    # the workers' forkserver, forked now as pd train forks it (before any torch work), with the contenders' modules
+    forked.start_early("cpu", 2)
+    forked.warm("cpu", 2, tuple(FORKED[1:]))
     if args.smoke:
         args.batch, args.hidden, args.in_features, args.microbatches, args.minibatches, args.warmup = 32, 64, 96, 2, 4, 2
     repeats = 2 if args.smoke else 10
@@ -718,7 +723,8 @@ def main() -> None:
         ]
     measured = all(ms > 0 for ms in rows.values())
     if args.only != "main":
-        checks += overhead_rows(m, args.warmup, args.minibatches, repeats)
+        checks += overhead_rows(m, args.warmup, args.minibatches, repeats,
+                                modes=("flush",) if args.smoke else MODES_RUN)  # the smoke: each kind of row once
         checks += chunk_rows(profile, ref, args.batch, chunk_m, bandwidth=args.bandwidth, **chunk_runs)
     _verdicts(checks, measured)
 
