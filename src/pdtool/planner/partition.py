@@ -145,6 +145,7 @@ class Solver:
         self._bounds: dict[tuple[int, int], tuple] = {}  # `CostModel.stage_bound` by (replicas, level)
         self._top_rows: dict[tuple, tuple] = {}  # `_tracked_row` of the top level
         self._pipelines: dict[tuple, Pipeline | None] = {}  # `_reconstruct`'s answers: candidates share stages
+        self._js: dict[int, np.ndarray] = {}  # `_targets`
 
     # ----- public --------------------------------------------------------------------------
     def solve(self) -> Pipeline | None:
@@ -303,25 +304,29 @@ class Solver:
         S = len(prev)
         if a + 2 >= S:
             return
-        j = np.arange(a + 2, S)
+        j = self._targets(a)
         lo, hi = self._band(table, suffix_min, level, a, m, r, j)
-        if np.maximum(hi - lo + 1, 0).sum() > _GUESS_WIDTH * len(j):
+        width = np.maximum(hi - lo + 1, 0)
+        if width.sum() > _GUESS_WIDTH * len(j):
             # wide bands: the time known so far is poor; try the even splits first, then narrow
             self._relax_guesses(table=table, choices=choices, prev=prev, stage=stage, a=a, m=m, r=r, j=j)
             lo, hi = self._band(table, suffix_min, level, a, m, r, j)
-        width = np.maximum(hi - lo + 1, 0)
-        keep = np.nonzero(width > 0)[0]
+            width = np.maximum(hi - lo + 1, 0)
+        keep = np.flatnonzero(width)
         if len(keep) == 0:
             return
-        j, lo, width = j[keep], lo[keep], width[keep]
+        if len(keep) < len(j):
+            j, lo, width = j[keep], lo[keep], width[keep]
         cumulative = width.cumsum()
         starts = cumulative - width
         k = (lo - starts).repeat(width) + np.arange(int(cumulative[-1]))
         values = np.maximum(prev[k], stage[k, j.repeat(width)])
         best = np.minimum.reduceat(values, starts)
         better = best < table[m, j]
-        table[m, j] = np.where(better, best, table[m, j])
-        if choices is not None and better.any():
+        if not better.any():
+            return
+        table[m, j[better]] = best[better]
+        if choices is not None:
             segment = np.repeat(np.arange(len(j)), width)
             hits = np.nonzero(values == best[segment])[0]
             first_hit = hits[np.unique(segment[hits], return_index=True)[1]]
@@ -334,7 +339,7 @@ class Solver:
         time known for j (see `_relax`). `suffix_min`: the prefix times' suffix minima over
         k = a + 1 .. S - 2 (they do not decrease with k)."""
         known = table[m, a + 2:] * (1.0 + 1e-9)  # a little slack against rounding in the bounds
-        hi = np.minimum(a + suffix_min.searchsorted(known, side="left"), j - 1)
+        hi = np.minimum(a + suffix_min.searchsorted(known, side="left"), j - 1)  # j: every state from a + 2
         # the stage side: alpha * C(k, j) (+ or max) beta * P(k, j) < known, solved on the totals
         # (the params part only when the params totals are sorted too; it is only pruning)
         bound = (r, level)
@@ -346,12 +351,20 @@ class Solver:
         alpha, beta, additive, mixed = self._bounds[bound]
         compute, params = self.states.compute, self.states.params
         if mixed is not None:
-            lo = mixed.searchsorted(mixed[j] - known, side="right")
+            lo = mixed.searchsorted(mixed[a + 2:] - known, side="right")
         else:
-            lo = compute.searchsorted(compute[j] - known / alpha, side="right")
+            lo = compute.searchsorted(compute[a + 2:] - known / alpha, side="right")
             if beta > 0 and not additive and self._params_sorted:
-                lo = np.maximum(lo, params.searchsorted(params[j] - known / beta, side="right"))
+                lo = np.maximum(lo, params.searchsorted(params[a + 2:] - known / beta, side="right"))
         return np.maximum(lo, a + 1), hi
+
+    def _targets(self, a: int) -> np.ndarray:
+        """The states a + 2 .. S - 1 (`_relax`'s j), made once per a (read only)."""
+        found = self._js.get(a)
+        if found is None:
+            found = self._js[a] = np.arange(a + 2, self.S)
+            found.flags.writeable = False
+        return found
 
     def _relax_guesses(self, *, table, choices, prev, stage, a, m, r, j) -> None:
         """Try, for every j, the states that split the compute from a to j evenly between the
