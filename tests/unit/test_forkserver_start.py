@@ -134,6 +134,7 @@ def test_a_later_launch_forks_its_workers_with_its_installed_modules_and_its_own
     assert sorted(pid for pid, when in marks if when == "-2") == sorted([started["launcher"], ended["second"][1]])
 
 
+@pytest.mark.slow  # a fresh Python that imports torch (tests/README.md)
 def test_a_forkserver_never_told_ends_with_its_launcher(tmp_path):
     run = _launcher(tmp_path, "time.sleep(0.5)  # then ends (e.g. refused by its checks) without naming modules")
     out, err = run.communicate(timeout=120)
@@ -154,6 +155,7 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+@pytest.mark.slow  # a fresh Python that imports torch (tests/README.md)
 def test_a_ctrl_c_while_the_launcher_checks_is_not_the_forkservers_to_report(tmp_path):
     """A Ctrl-C reaches the terminal's whole process group: the forkserver, still importing or
     waiting to be told, says nothing (pd says the one line) and ends with its launcher."""
