@@ -20,7 +20,7 @@ install: $(STAMP)
 # Left out of the install's compileall (7 s of its 24 on 2 cores): the installed packages' own tests, pip, and
 # transformers' model families other than those pdtool's zoo, examples and tests build. Any of them still imports
 # (compiled as it is imported).
-NEVER_IMPORTED = /(tests|pip)/|/transformers/models/(?!(auto|bert|deberta|deberta_v2|encoder_decoder|gemma2|gpt2|llama|mamba|mistral|mixtral|qwen2|t5|vit)/)
+NEVER_IMPORTED = /(tests|pip)/|/transformers/models/(?!(auto|bert|deberta|deberta_v2|encoder_decoder|gemma2|gpt2|llama|mamba|mistral|mixtral|qwen2|t5|vit)/|__init__\.py$$)
 
 $(STAMP): setup.cfg pyproject.toml Makefile  # Makefile: the extras it installs
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
