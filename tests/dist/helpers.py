@@ -1,5 +1,7 @@
 """Shared set-up for the distributed tests: small plans with chosen splits, and oracles."""
 import dataclasses
+import functools
+import json
 
 import torch
 
@@ -20,9 +22,21 @@ MLP = ModelRef("pdtool.zoo:mlp", {"in_features": 12, "hidden": 8, "depth": 3, "c
 SGD = OptimizerConfig(name="sgd", lr=0.05, momentum=0.9, weight_decay=0.0)
 
 
+def profiled(ref, batch_size):
+    """`ref` profiled once (1 repeat) per test process: the plans of the tests split its layers,
+    whose times they do not read (a Profile is frozen). Capturing a transformers model takes a
+    second or two; the MLP is profiled by a hundred tests."""
+    return _profiled(ref.spec, json.dumps(ref.kwargs, sort_keys=True), batch_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _profiled(spec, kwargs, batch_size):
+    return profile_model(ModelRef(spec, json.loads(kwargs)), batch_size=batch_size, repeats=1, warmup=0)
+
+
 def plan_with(tmp_path, split, mode="pipedream", ref=MLP, batch_size=4, name="p.plan.json"):
     """A plan of `ref` whose stages are `split`: [((first, last), replicas), ...]; saved in tmp_path."""
-    profile = profile_model(ref, batch_size=batch_size, repeats=1, warmup=0)
+    profile = profiled(ref, batch_size)
     workers = sum(r for _, r in split)
     plan = make_plan(profile, parse_cluster(f"{workers}x1GB/s"), simulate=False)
     template = plan.stages[0]

@@ -6,15 +6,13 @@ resumes under another plan, and every number is checked against an oracle:
 `flush` against one process's gradient accumulation, `pipedream`/`2bw` against the reference
 executor. Skipped where `transformers` is not installed (`pip install -e '.[hf]'`)."""
 import dataclasses
-import functools
-import json
 
 import pytest
 import torch
 
 pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
-from helpers import assert_same_run, config_for, gradient_accumulation, merged, plan_with, reference  # noqa: E402
+from helpers import assert_same_run, config_for, gradient_accumulation, merged, plan_with, profiled, reference  # noqa: E402
 
 from pdtool.artifacts.plan import Plan  # noqa: E402
 from pdtool.artifacts.profile import ModelRef  # noqa: E402
@@ -30,17 +28,13 @@ LLAMA = ModelRef("pdtool.zoo.hf:llama", dict(TINY, hidden=16, heads=4, kv_heads=
 TOLERANCE = dict(rel=1e-4, weight_tolerance=1e-5)
 
 
-@functools.lru_cache(maxsize=None)
-def _layer_names(spec: str, kwargs: str) -> list[str]:
-    from pdtool.profiler import profile_model
-
-    return [layer.name for layer in profile_model(ModelRef(spec, json.loads(kwargs)), batch_size=2, repeats=1,
-                                                  warmup=0).layers]
+def _layer_names(ref: ModelRef) -> list[str]:
+    return [layer.name for layer in profiled(ref, batch_size=2).layers]
 
 
 def cuts(tmp_path, ref, starts, replicas=None, mode="flush", name="p.plan.json"):
     """A plan of `ref` whose stages start at the layers named in `starts` (stage 0 at layer 0)."""
-    names = _layer_names(ref.spec, json.dumps(ref.kwargs, sort_keys=True))
+    names = _layer_names(ref)
     bounds = [0] + [names.index(s) for s in starts] + [len(names)]
     replicas = replicas or [1] * (len(bounds) - 1)
     return plan_with(tmp_path, [((a, b - 1), r) for a, b, r in zip(bounds, bounds[1:], replicas)], mode=mode,
@@ -159,7 +153,7 @@ def test_every_family_trains_by_the_initialization_rule_in_fp32_and_bf16(tmp_pat
     bf16's tolerance of one process's autocast, and not what fp32 computes. Mixtral's experts are counted by `histc` on the CPU's
     branch of transformers' code: captured on fake CPU tensors, not on `meta`."""
     ref = FAMILIES[family]
-    names = _layer_names(ref.spec, json.dumps(ref.kwargs, sort_keys=True))
+    names = _layer_names(ref)
     starts = CUTS.get(family, [names[len(names) // 2]])
     plan, path = cuts(tmp_path, ref, starts)
     assert len(plan.stages) == len(starts) + 1
@@ -181,7 +175,7 @@ def test_every_family_trains_by_the_initialization_rule_in_fp32_and_bf16(tmp_pat
 def test_a_4_stage_bf16_llama_with_keyword_inputs_and_labels_trains(tmp_path):
     """Issue 35 item 7: the newcomer's case, `{input_ids, labels}` and the model's own loss, 4 stages, bf16."""
     ref = ModelRef("pdtool.zoo.hf:llama", dict(TINY, hidden=16, heads=4, kv_heads=2, layers=2, labels=True))
-    names = _layer_names(ref.spec, json.dumps(ref.kwargs, sort_keys=True))
+    names = _layer_names(ref)
     plan, path = cuts(tmp_path, ref, [names[len(names) * k // 4] for k in (1, 2, 3)])
     config = captured(path, steps=2, group=2, precision="bf16")
     losses, weights = merged(launch(config, len(plan.used_ranks)))

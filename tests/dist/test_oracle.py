@@ -5,10 +5,9 @@ process) and against the schedule's bound on stashed weight versions: one run, b
 import pytest
 import torch
 
-from helpers import MLP, SGD, config_for, merged, plan_with, reference
+from helpers import MLP, SGD, config_for, merged, plan_with, profiled, reference
 from oracle import expected_run, versions_seen
 
-from pdtool.profiler import profile_model
 from pdtool.runtime.launcher.launch import launch
 from pdtool.runtime.run import make_schedule
 from pdtool.schedule import peak_versions
@@ -31,7 +30,7 @@ def test_asynchronous_modes_equal_the_readme_oracle(tmp_path, mode, split):
     config = config_for(path, steps=steps, group=group)
     reports = launch(config, len(plan.used_ranks))
     losses, weights = merged(reports)
-    profile = profile_model(MLP, batch_size=4, repeats=1, warmup=0)  # for the layer names
+    profile = profiled(MLP, batch_size=4)  # for the layer names
     expected_losses, expected_weights = expected_run(plan, profile, MLP, steps, seed=0, lr=SGD.lr, momentum=SGD.momentum,
                                                      group=group or 1)
     assert losses == pytest.approx(expected_losses, rel=1e-5)
