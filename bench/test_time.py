@@ -5,7 +5,9 @@ of 8 minutes and 60 seconds on the 2-core development machine.
 The repository is cloned into a temporary folder (its committed state: commit first), then
 `make test` runs there (creating its virtual environment; pip's cache makes the install a
 download-free one after the first time on a machine), then `make test-fast` in the same clone.
-Each is timed by the wall clock; pytest's own summary line is kept beside it.
+Each is timed by the wall clock; pytest's own summary line is kept beside it. Before and after,
+the machine's speed of the moment: the fastest of 3 `python -c "import torch"` (most of the
+suite's CPU is processes starting and importing torch), so that runs of other hours compare.
 
     python bench/test_time.py           # about 10 minutes here
 """
@@ -39,6 +41,16 @@ def _timed(command: list[str], cwd: Path) -> tuple[float, int, list[str], list[s
     return took, done.returncode, summaries, slowest
 
 
+def _probe() -> float:
+    """Seconds the fastest of 3 fresh Pythons takes to import torch (this Python's)."""
+    times = []
+    for _ in range(3):
+        began = time.monotonic()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        times.append(time.monotonic() - began)
+    return min(times)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="clone and list the targets only (the tests' run)")
@@ -52,6 +64,7 @@ def main() -> int:
             print("smoke: cloned, make test and test-fast resolve")
             return 0
         print(f"commit {commit}, fresh clone; {os.cpu_count()} cores")
+        before = _probe()
         print("| command | wall time | budget | within | pytest |")
         print("|---|---|---|---|---|")
         failed, slowest = 0, []
@@ -63,6 +76,7 @@ def main() -> int:
             print(f"| `{name}` | {minutes} min {seconds:02d} s | {BUDGETS[name] // 60} min {BUDGETS[name] % 60:02d} s "
                   f"| {within} | {'; '.join(summaries) or f'exit {code}'} |", flush=True)
             failed |= code
+        print(f"\nmachine speed, `python -c 'import torch'` (fastest of 3): {before:.2f} s before, {_probe():.2f} s after")
         if slowest:
             print("\nthe slowest tests of make test's second run, the workers tier and the slow tests "
                   "(`make test` prints them):")
