@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 from helpers import plan_with
 
 import pdtool
+from pdtool.cli import cli
 from pdtool.artifacts.checkpoint import latest_complete, load_checkpoint, read_manifest
 from pdtool.artifacts.profile import ModelRef
 
@@ -80,10 +82,9 @@ def local(tmp_path_factory):
     """A flush plan of 2 workers trained by pd train's own launcher: (plan, its checkpoints, its metrics)."""
     folder = tmp_path_factory.mktemp("local")
     _, plan = plan_with(folder, [((0, 1), 1), ((2, 3), 1)], mode="flush")
-    [(code, _, lines)] = finish([subprocess.Popen(
-        [PD, "train", str(plan), *TRAIN, "--checkpoint-dir", "ckpt", "--metrics", "m.csv", "--launcher", "local"],
-        cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment())])
-    assert code == 0, lines
+    done = CliRunner().invoke(cli, ["train", str(plan), *TRAIN, "--checkpoint-dir", str(folder / "ckpt"), "--metrics",
+                                    str(folder / "m.csv"), "--launcher", "local"])  # in this process
+    assert done.exit_code == 0, done.output
     return plan, folder / "ckpt", (folder / "m.csv").read_text()
 
 

@@ -10,10 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from helpers import plan_with
 
 from pdtool.artifacts.profile import ModelRef
+from pdtool.cli import cli
 
 PD = str(Path(sys.executable).parent / "pd")
 DIGITS = ModelRef("pdtool.zoo:mlp", {"in_features": 64, "hidden": 16, "depth": 2, "classes": 10})
@@ -157,10 +159,6 @@ def test_pd_trains_forkserver_is_a_fork_of_its_launcher(tmp_path):
 def test_a_port_in_use_is_one_line(tmp_path):
     import socket
 
-    from click.testing import CliRunner
-
-    from pdtool.cli import cli
-
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 3), 1)])
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -184,7 +182,8 @@ def test_a_worker_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
     _, path = plan_with(tmp_path, [((0, 1), 1), ((2, 2), 1)], ref=DIGITS, batch_size=32, mode="flush")
     args = ["train", str(path), "--data", "digits", "--steps", "60", "--quiet", "--checkpoint-every", "1"]
     whole, broken = tmp_path / "whole", tmp_path / "broken"
-    subprocess.run([PD, *args, "--checkpoint-dir", str(whole)], check=True, capture_output=True)
+    done = CliRunner().invoke(cli, [*args, "--checkpoint-dir", str(whole)])  # in this process: its forkserver serves
+    assert done.exit_code == 0, done.output
     process = subprocess.Popen([PD, *args, "--checkpoint-dir", str(broken)], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 60
@@ -199,8 +198,8 @@ def test_a_worker_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
     _, lines = finish(process, 10)
     assert process.returncode == 1 and len(lines) == 1 and "worker rank 1 failed" in lines[0], lines
     assert latest_complete(broken) is not None
-    resumed = subprocess.run([PD, *args, "--checkpoint-dir", str(broken), "--resume"], capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
+    resumed = CliRunner().invoke(cli, [*args, "--checkpoint-dir", str(broken), "--resume"])
+    assert resumed.exit_code == 0, resumed.output
     _, expected, _ = load_checkpoint(whole / "step-00000060")
     _, got, _ = load_checkpoint(broken / "step-00000060")
     assert expected.keys() == got.keys()
@@ -236,11 +235,10 @@ def test_a_full_disk_stops_the_job_with_one_line_and_keeps_the_checkpoints(tmp_p
     fill(small_disk, 64 * 1024)  # room for a few checkpoints of this tiny model, not for 400
     ckpt = small_disk / "ckpt"
     began = time.monotonic()
-    run = subprocess.run([PD, "train", str(path), "--data", "digits", "--steps", "400", "--quiet",
-                          "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"],
-                         capture_output=True, text=True, timeout=120)
+    run = CliRunner().invoke(cli, ["train", str(path), "--data", "digits", "--steps", "400", "--quiet",
+                                   "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"])
     lines = run.stderr.strip().splitlines()
-    assert run.returncode == 1 and len(lines) == 1 and "No space left on device" in lines[0], lines
+    assert run.exit_code == 1 and len(lines) == 1 and "No space left on device" in lines[0], lines
     assert time.monotonic() - began < 60
     last = latest_complete(ckpt)
     assert last is not None and verify_checkpoint(last).step >= 1  # what was written before is intact
