@@ -108,7 +108,8 @@ def joint_table(cases=JOINT_CASES) -> None:
     worker, planned alone at one group, ranked by steady states): wall time, the pick, and each
     family's time per minibatch (or - where it has no plan). Targets: 30 s at 100 layers x 64
     workers, 5 minutes at 1000 x 4096."""
-    from pdtool.planner.search import families, search, synchronous_modes
+    from pdtool.planner.search import families, search
+    from pdtool.schedule.modes import synchronous_modes
 
     labels = [f.label for f in families(synchronous_modes(), None)]
     print("| layers | workers | pd plan --mode auto s | group | pick | pick ms | " + " | ".join(labels) + " |")
@@ -136,7 +137,8 @@ def joint_check_table(cases=SHIPPED_CASES) -> None:
     simulation of its finalists up to 64 workers), and whether the pick is no slower than the
     best of them (within the 2% by which the steady state may differ from the simulation)."""
     from pdtool.planner.chunks import make_chunked_plan
-    from pdtool.planner.search import search, synchronous_modes
+    from pdtool.planner.search import search
+    from pdtool.schedule.modes import synchronous_modes
     from pdtool.errors import PlanError
 
     print("| profile | cluster | group | pick | pick ms | best family alone | its ms | pick <= best (2%) | "

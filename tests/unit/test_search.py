@@ -13,7 +13,8 @@ from pdtool.cli import cli
 from pdtool.errors import ArtifactError, PlanError
 from pdtool.planner import make_plan
 from pdtool.planner.chunks import make_chunked_plan
-from pdtool.planner.search import Family, families, search, synchronous_modes, table
+from pdtool.planner.search import Family, families, search, table
+from pdtool.schedule.modes import synchronous_modes
 from pdtool.sim.steady import steady_state
 
 ROOT = Path(__file__).resolve().parents[2]

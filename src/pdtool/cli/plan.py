@@ -7,8 +7,8 @@ from ..artifacts.plan import COST_MODELS, RECOMPUTE, SHARDS
 from ..errors import PlanError
 from ..jsonio import check_writable
 from ..runtime.recipe import OPTIMIZERS
-from ..planner.search import AUTO_CHUNKS, synchronous_modes
-from ..schedule.modes import DEFAULT, DEFAULT_CHUNKED, DEFAULT_TIED, TABLE, chunked_modes, listed
+from ..schedule.modes import (AUTO_CHUNKS, DEFAULT, DEFAULT_CHUNKED, DEFAULT_TIED, TABLE, chunked_modes, listed,
+                              synchronous_modes)
 from .settings import GroupedCommand
 from .group import Count, CountOrAuto, _count, _examples, cli
 
@@ -151,7 +151,7 @@ def plan(profile_path, cluster_spec, memory, straight, data_parallel, cost_model
 
 
 def _modes(value: str | None) -> tuple[str, ...] | None:
-    """--mode: one mode, a comma-separated list, or auto (`planner.search.synchronous_modes`)."""
+    """--mode: one mode, a comma-separated list, or auto (`schedule.modes.synchronous_modes`)."""
     if value is None:
         return None
     if value == "auto":

@@ -31,16 +31,7 @@ from ..artifacts.cluster import Cluster
 from ..artifacts.plan import Plan
 from ..artifacts.profile import Profile
 from ..errors import PlanError
-from ..schedule.modes import GROUP, TABLE, listed, rules
-
-AUTO_CHUNKS = (1, 2, 4)
-"""`--virtual-stages auto`: the chunks per worker tried, where a mode's placement allows them."""
-
-
-def synchronous_modes() -> tuple[str, ...]:
-    """`--mode auto`: every mode that steps once per group after a flush (the weights of one
-    process accumulating the group), in table order."""
-    return tuple(m.name for m in TABLE.values() if m.steps == GROUP and m.flushes)
+from ..schedule.modes import AUTO_CHUNKS, listed, rules
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,16 @@ def chunked_modes() -> tuple[str, ...]:
     return tuple(m.name for m in TABLE.values() if m.placement is not None)
 
 
+AUTO_CHUNKS = (1, 2, 4)
+"""`pd plan --virtual-stages auto`: the chunks per worker tried, where a mode's placement allows them."""
+
+
+def synchronous_modes() -> tuple[str, ...]:
+    """`pd plan --mode auto`: every mode that steps once per group after a flush (the weights of one
+    process accumulating the group), in table order."""
+    return tuple(m.name for m in TABLE.values() if m.steps == GROUP and m.flushes)
+
+
 def modes_where(**fields) -> tuple[str, ...]:
     """The offered modes (as `MODES`) whose rows have the given field values, in table order:
     `modes_where(ties=True)`."""
