@@ -126,7 +126,7 @@ def test_a_failed_check_is_the_same_line_on_every_rank_before_any_worker_starts(
 
 def test_sigterm_ends_every_process_with_one_line_and_keeps_the_checkpoints(local, tmp_path):
     plan, _, _ = local
-    processes = srun(plan, ["--steps", "400", "--checkpoint-every", "20", "--quiet", "--checkpoint-dir", "ckpt"],
+    processes = srun(plan, ["--steps", "4000", "--checkpoint-every", "20", "--quiet", "--checkpoint-dir", "ckpt"],
                      tmp_path)
     deadline = time.monotonic() + 60
     while not (tmp_path / "ckpt" / "step-00000020" / "manifest.json").exists() and time.monotonic() < deadline:
