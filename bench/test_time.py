@@ -41,14 +41,15 @@ def _timed(command: list[str], cwd: Path) -> tuple[float, int, list[str], list[s
     return took, done.returncode, summaries, slowest
 
 
-def _probe() -> float:
-    """Seconds the fastest of 3 fresh Pythons takes to import torch (this Python's)."""
+def _probe() -> str:
+    """Seconds the fastest of 3 fresh Pythons takes to import torch (this Python's), as printed."""
     times = []
     for _ in range(3):
         began = time.monotonic()
-        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        if subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode:
+            return "- (this Python has no torch: run the bench with the venv's)"
         times.append(time.monotonic() - began)
-    return min(times)
+    return f"{min(times):.2f} s"
 
 
 def main() -> int:
@@ -76,7 +77,7 @@ def main() -> int:
             print(f"| `{name}` | {minutes} min {seconds:02d} s | {BUDGETS[name] // 60} min {BUDGETS[name] % 60:02d} s "
                   f"| {within} | {'; '.join(summaries) or f'exit {code}'} |", flush=True)
             failed |= code
-        print(f"\nmachine speed, `python -c 'import torch'` (fastest of 3): {before:.2f} s before, {_probe():.2f} s after")
+        print(f"\nmachine speed, `python -c 'import torch'` (fastest of 3): {before} before, {_probe()} after")
         if slowest:
             print("\nthe slowest tests of make test's second run, the workers tier and the slow tests "
                   "(`make test` prints them):")
