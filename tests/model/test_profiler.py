@@ -309,3 +309,23 @@ def test_recording_what_a_layer_saves_keeps_none_of_it():
     weight = weakref.ref(layer[0].weight)
     del layer
     assert weight() is None
+
+
+def test_a_weight_versions_copy_is_timed_per_mib_on_a_sample_of_the_parameters(monkeypatch):
+    """`measure_copy`: ms per MiB of cloning the parameters (weight stashing's copy), timed on
+    the sample `measure_reduce` takes; 0 without parameters, and a real copy costs something."""
+    import time
+
+    from torch import nn
+
+    from pdtool.profiler import timing
+
+    ticks = iter(range(10_000))
+    clock = lambda: next(ticks) * 1e-3  # every timed interval is 1 ms
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))  # 2 x (1 MiB + 2 KiB)
+    monkeypatch.setattr(timing, "REDUCE_SAMPLE_BYTES", 2 ** 20)  # the first weight fills the sample
+    assert timing.measure_copy(model, repeats=3, warmup=1, clock=clock) == pytest.approx(1.0)
+    monkeypatch.setattr(timing, "REDUCE_SAMPLE_BYTES", 10 ** 9)  # all of it: 1 ms for 2 MiB + 4 KiB
+    assert timing.measure_copy(model, repeats=3, warmup=1, clock=clock) == pytest.approx(2 ** 20 / (2 * 2 ** 20 + 4096))
+    assert timing.measure_copy(nn.ReLU(), repeats=3, warmup=1, clock=clock) == 0.0
+    assert 0 < timing.measure_copy(model, repeats=3, warmup=1, clock=time.perf_counter) < 50

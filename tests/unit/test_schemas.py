@@ -21,7 +21,8 @@ def written(profile_path, message_ms_per_mib=None):
     profile = Profile.load(profile_path)
     if message_ms_per_mib is not None:  # and what a layer-by-layer profile writes besides
         first = dataclasses.replace(profile.layers[0], same_as=0, saved_bytes=profile.layers[0].act_bytes)
-        profile = dataclasses.replace(profile, message_ms_per_mib=message_ms_per_mib, measured="layers", precision="bf16",
+        profile = dataclasses.replace(profile, message_ms_per_mib=message_ms_per_mib, copy_ms_per_mib=0.1,
+                                      measured="layers", precision="bf16",
                                       classes={"blocks": "ModuleList"},
                                       layers=(first,) + profile.layers[1:])
     measured = message_ms_per_mib is not None

@@ -1,6 +1,7 @@
 """The simulator: bubbles, steady state, replicas, transfers, memory, invariants, trace."""
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -9,8 +10,9 @@ from pdtool.planner.costmodel import Memory
 from pdtool.errors import ScheduleError
 from pdtool.artifacts.plan import Plan, PlanStage, Prediction, ProfileRef
 from pdtool.planner import make_plan
-from pdtool.schedule import MODES, default_group, generate, peak_versions
+from pdtool.schedule import MODES, copies_per_step, default_group, generate, peak_versions, stash_copies
 from pdtool.sim.simulate import allreduce_ms, default_minibatches, link_bandwidth, link_latency, simulate, steady_state_ms
+from pdtool.sim.steady import steady_state
 from pdtool.views.trace import chrome_trace, write_trace
 from test_plan import chain_profile
 
@@ -353,3 +355,39 @@ def test_the_parting_levels_of_a_rank_set_are_those_of_its_pairs():
         ranks = rng.sample(range(24), rng.randint(2, 6))
         pairs = {id(_parting_level(plan, x, y)) for x in ranks for y in ranks if x != y}
         assert {id(level) for level in _parting_levels(plan, ranks)} == pairs, ranks
+
+
+def test_weight_stashings_copies_are_charged_to_the_steps_before_which_the_runtime_copies():
+    """A stage that holds a minibatch across its step (pipedream's stage 0 of 2) copies its
+    weights once per step, the last stage never (its minibatches are done before their step), the
+    flushing modes never: the profile's `copy_ms_per_mib` times the stage's parameters, added to
+    the step; the steady state agrees."""
+    mib = 2 ** 20
+    plan = make([(1.0, 2.0, 1, 4 * mib), (1.0, 2.0, 1, 4 * mib)])
+    copying = dataclasses.replace(plan, profile=dataclasses.replace(plan.profile, copy_ms_per_mib=0.125))
+    before = simulate(plan, minibatches=200)
+    after = simulate(copying, minibatches=200)
+    assert after.time_per_minibatch_ms == pytest.approx(before.time_per_minibatch_ms + 4 * 0.125)  # stage 0's copy
+    steps = {rank: sorted({round(e.end_ms - e.start_ms, 6) for e in after.events[200:-200] if e.kind == "U" and
+                           e.rank == rank}) for rank in (0, 1)}
+    assert steps == {0: [0.5], 1: [0.0]}
+    assert steady_state(copying).time_per_minibatch_ms == pytest.approx(after.time_per_minibatch_ms, rel=1e-3)
+    assert simulate(copying, "flush", minibatches=64, group=8).time_per_minibatch_ms == pytest.approx(
+        simulate(plan, "flush", minibatches=64, group=8).time_per_minibatch_ms)
+
+
+@pytest.mark.parametrize("mode", ["pipedream", "vsync", "2bw", "flush"])
+@pytest.mark.parametrize("replicas", [(1,), (1, 1), (1, 1, 1, 1), (2, 1), (1, 2), (3, 1, 2), (8, 6, 2)])
+def test_the_steady_states_copies_per_step_are_the_schedules(mode, replicas):
+    """`copies_per_step` (the steady state's rule) against `stash_copies` (what the runtime copies
+    and the simulator charges) on a long schedule: the same share of every stage's steps, up to
+    the warm-up and drain."""
+    whole = math.lcm(*replicas)  # every replica steps after whole minibatches of its own
+    group = -(-default_group(replicas) // whole) * whole if mode == "2bw" else 8 if mode == "flush" else None
+    schedule = generate(mode, replicas, 96 * max(replicas), group=group)
+    table = schedule.versions()
+    for stage in range(len(replicas)):
+        actions = schedule.workers[schedule.rank(stage, 0)]
+        steps = sum(1 for a in actions if a.kind == "U" and a.stage == stage)
+        copies = len(stash_copies(table, actions, stage))
+        assert abs(copies - copies_per_step(mode, replicas, stage) * steps) <= len(replicas) + 1, (stage, copies, steps)

@@ -269,7 +269,8 @@ class Prediction:
 @dataclass(frozen=True, kw_only=True)
 class ProfileRef:
     """What the plan needs of its profile: identity, how to rebuild the model's layers, and the
-    host's cost of a message (`message_ms_per_mib`, the profile's: charged by the simulator)."""
+    host's cost of a message and of a weight version's copy (`message_ms_per_mib`, `copy_ms_per_mib`, the
+    profile's: charged by the simulator)."""
 
     sha256: str = field(Str())
     fingerprint: str = field(Str())
@@ -286,6 +287,8 @@ class ProfileRef:
                                               doc="the profile's summed layer times over a measured step")
     message_ms_per_mib: float = field(Num(), 0.0, omit=0.0, doc="CPU ms that one MiB of a message costs its "
                                       "sender and, again, its receiver (the profile's)")
+    copy_ms_per_mib: float = field(Num(), 0.0, omit=0.0, doc="ms that copying one MiB of parameters costs a "
+                                   "worker: each weight version weight stashing keeps (the profile's; 0: not priced)")
     precision: str = field(Str(PRECISIONS), "fp32", omit="fp32", doc="what the profile computed in: pd train's "
                            "default --precision")
 

@@ -171,6 +171,9 @@ class Profile(Artifact):
     data_ms: float = field(Num(), 0.0)
     reduce_ms: float = field(Num(), 0.0)
     message_ms_per_mib: float = field(Num(), 0.0, omit=0.0)
+    copy_ms_per_mib: float = field(Num(), 0.0, omit=0.0, doc="ms that copying one MiB of parameters costs a worker "
+                                   "(a weight version kept by weight stashing; 0 when not measured: profiles made "
+                                   "before it was, which then price no copy)")
     precision: str = field(Str(PRECISIONS), "fp32", omit="fp32", doc="what the layers computed in (autocast; "
                            "weights fp32) and the messages' floating dtype: act_bytes count that")
     measured: str = field(Str(("step", "layers")), "step", omit="step", doc="step: step_ms is a timed whole "
@@ -265,7 +268,8 @@ def _validate(p: Profile, source: str) -> None:
         if layer.wgrad_ms is not None and not 0 <= layer.wgrad_ms <= layer.bwd_ms:
             top.fail(f"wgrad_ms {layer.wgrad_ms} is outside 0..bwd_ms ({layer.bwd_ms})",
                      "the weight gradients are a part of the backward; fix it or remove it", where)
-    for field_name in ("step_ms", "step_ms_spread", "update_ms", "data_ms", "reduce_ms", "message_ms_per_mib"):
+    for field_name in ("step_ms", "step_ms_spread", "update_ms", "data_ms", "reduce_ms", "message_ms_per_mib",
+                       "copy_ms_per_mib"):
         if getattr(p, field_name) < 0:
             top.fail(f"is negative ({getattr(p, field_name)})", "fix the value", field_name)
     count = len(p.layers)

@@ -373,7 +373,7 @@ def _as_plan(search: _Search, pipeline: Pipeline, solver: Solver) -> Plan:
                      batch_size=profile.batch_size, layers=len(profile.layers), method=profile.method,
                      granularity=profile.granularity, depth=profile.depth, split=profile.split, device=profile.device,
                      layer_sum_over_step=profile.layer_sum_over_step, message_ms_per_mib=profile.message_ms_per_mib,
-                     precision=profile.precision)
+                     copy_ms_per_mib=profile.copy_ms_per_mib, precision=profile.precision)
     plan = Plan(profile=ref, cluster=cluster, cost_model=search.cost_model, straight=search.straight,
                 mode=mode or DEFAULT, stages=tuple(stages), groups=tuple(groups), predicted=prediction,
                 command=search.command, profile_file=search.profile_file,

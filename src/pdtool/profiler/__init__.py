@@ -26,8 +26,8 @@ from ..artifacts.profile import Layer, ModelRef, Profile
 from .fx_measure import LayerCost, measure_split
 from ..model.layergraph import TRACERS, LayerGraph, Untraceable, capture
 from .modules import measure_modules
-from .timing import (Clock, computing_in, measure_data, measure_message, measure_reduce, measure_update, step_samples,
-                     summarize)
+from .timing import (Clock, computing_in, measure_copy, measure_data, measure_message, measure_reduce, measure_update,
+                     step_samples, summarize)
 
 METHODS = ("auto",) + TRACERS + ("modules",)
 
@@ -134,17 +134,13 @@ def _profile_whole(request: ProfileRequest) -> Profile:
         late = step_samples(module, inputs, target, bundle.loss_fn, repeats=repeats, warmup=warmup, clock=clock)
     step_ms, step_spread = summarize(early + late)
     update_ms = measure_update(module, inputs, target, bundle.loss_fn, repeats=repeats, warmup=warmup, clock=clock)
-    reduce_ms = measure_reduce(module, repeats=repeats, warmup=warmup, clock=clock)
-    # GPU workers' messages go through NCCL, device to device: no host copies to charge
-    message_ms = 0.0 if dev.type == "cuda" else measure_message(repeats=repeats, warmup=warmup)
-    data_ms = measure_data(lambda: bundle.batch(size, ref.spec), repeats=repeats, warmup=warmup, clock=clock)
     return Profile(
         model=ref, batch_size=size, inputs=tensor_specs(inputs), device=_device_name(dev),
         torch_version=torch.__version__, fingerprint=fingerprint(module), method=timed.method, shared=timed.shared,
         split="graph" if timed.method in TRACERS else "children" if isinstance(module, nn.Sequential) else "none",
         granularity=request.granularity, depth=request.depth, repeats=repeats, step_ms=step_ms,
         step_ms_spread=step_spread, layers=tuple(timed.layers), edges=tuple(timed.edges), update_ms=update_ms,
-        data_ms=data_ms, reduce_ms=reduce_ms, message_ms_per_mib=message_ms, precision=precision,
+        precision=precision, **_memory_costs(module, lambda: bundle.batch(size, ref.spec), dev, repeats, warmup, clock),
         classes=module_classes(module, [layer.name for layer in timed.layers]),
     )
 
@@ -236,16 +232,13 @@ def _profile_layerwise(request: ProfileRequest, bundle) -> Profile:
     planned = {name for group in graph.groups for name in group.params}
     _warn_unused(module, planned, warn)
     progress("timing all-reduce work, messages and data")
-    reduce_ms = measure_reduce(module, repeats=repeats, warmup=warmup, clock=clock)
-    message_ms = 0.0 if dev.type == "cuda" else measure_message(repeats=repeats, warmup=warmup)
-    data_ms = measure_data(lambda: bundle.batch(size, ref.spec), repeats=repeats, warmup=warmup, clock=clock)
     return Profile(
         model=ref, batch_size=size, inputs=tensor_specs(inputs), device=_device_name(dev),
         torch_version=torch.__version__, fingerprint=fingerprint(module), method=tracer,
         shared=tuple(sorted(graph.shared.items())), split="graph", granularity=granularity, depth=depth,
         repeats=repeats, step_ms=sum(layer.fwd_ms + layer.bwd_ms for layer in layers), step_ms_spread=0.0,
-        layers=tuple(layers), edges=tuple(graph.edges), update_ms=update_ms, data_ms=data_ms, reduce_ms=reduce_ms,
-        message_ms_per_mib=message_ms, measured="layers",
+        layers=tuple(layers), edges=tuple(graph.edges), update_ms=update_ms, measured="layers",
+        **_memory_costs(module, lambda: bundle.batch(size, ref.spec), dev, repeats, warmup, clock),
         classes=module_classes(module, [layer.name for layer in layers]),
     )
 
@@ -327,6 +320,16 @@ def _device(name: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ProfileError(f"device {name!r} is not supported; use cpu or cuda")
     return dev
+
+
+def _memory_costs(module: nn.Module, make_batch, dev: torch.device, repeats: int, warmup: int, clock: Clock) -> dict:
+    """The profile's costs beside the layers' compute: a worker's own work in an all-reduce, a
+    weight version's copy, a message's host copies (none on GPUs: NCCL moves them device to
+    device), making a minibatch."""
+    return dict(reduce_ms=measure_reduce(module, repeats=repeats, warmup=warmup, clock=clock),
+                copy_ms_per_mib=measure_copy(module, repeats=repeats, warmup=warmup, clock=clock),
+                message_ms_per_mib=0.0 if dev.type == "cuda" else measure_message(repeats=repeats, warmup=warmup),
+                data_ms=measure_data(make_batch, repeats=repeats, warmup=warmup, clock=clock))
 
 
 def _device_name(dev: torch.device) -> str:

@@ -179,24 +179,30 @@ def time_sgd_steps(params: list[torch.Tensor], *, repeats: int, warmup: int, clo
 REDUCE_SAMPLE_BYTES = 64 * 2 ** 20  # measure_reduce times at most this many bytes of gradients
 
 
-def measure_reduce(module: nn.Module, *, repeats: int, warmup: int, clock: Clock) -> float:
-    """Median ms of a worker's own work in one all-reduce of all of `module`'s gradients, as the
-    runtime does it: flatten them into one buffer, add a peer's buffer, divide by the count.
-
-    Passes over memory, linear in the bytes: a large model is timed on its first parameters up
-    to `REDUCE_SAMPLE_BYTES` and the time scaled to all of them. The parameters stand in for
-    their gradients (same shapes, nothing computed); a parameter waiting on `meta` (a model
-    profiled layer by layer) is stood for by a tensor of ones, only within the sample."""
+def _parameter_sample(module: nn.Module) -> tuple[list[torch.Tensor], int, int]:
+    """(`module`'s first parameters, flattened, up to `REDUCE_SAMPLE_BYTES`; their bytes; all its
+    parameters' bytes). A parameter waiting on `meta` (a model profiled layer by layer) is stood
+    for by a tensor of ones, only within the sample."""
     params = [p.detach() for p in module.parameters() if p.requires_grad]
-    total = sum(p.numel() * p.element_size() for p in params)
-    if not total:
-        return 0.0
     sample, taken = [], 0
     for p in params:
         if taken >= REDUCE_SAMPLE_BYTES:
             break
         sample.append((torch.ones(p.shape, dtype=p.dtype) if p.device.type == "meta" else p).reshape(-1))
         taken += p.numel() * p.element_size()
+    return sample, taken, sum(p.numel() * p.element_size() for p in params)
+
+
+def measure_reduce(module: nn.Module, *, repeats: int, warmup: int, clock: Clock) -> float:
+    """Median ms of a worker's own work in one all-reduce of all of `module`'s gradients, as the
+    runtime does it: flatten them into one buffer, add a peer's buffer, divide by the count.
+
+    Passes over memory, linear in the bytes: a large model is timed on its first parameters up
+    to `REDUCE_SAMPLE_BYTES` and the time scaled to all of them. The parameters stand in for
+    their gradients (same shapes, nothing computed)."""
+    sample, taken, total = _parameter_sample(module)
+    if not total:
+        return 0.0
     flat = torch.empty(sum(p.numel() for p in sample), dtype=sample[0].dtype, device=sample[0].device)
     peer = torch.ones_like(flat)
     samples = []
@@ -209,6 +215,24 @@ def measure_reduce(module: nn.Module, *, repeats: int, warmup: int, clock: Clock
         if round_ >= warmup:
             samples.append(end - start)
     return summarize(samples)[0] * total / taken
+
+
+def measure_copy(module: nn.Module, *, repeats: int, warmup: int, clock: Clock) -> float:
+    """Median ms per MiB of copying `module`'s parameters as a worker keeps a weight version
+    (weight stashing: a `clone` of each, the last version's memory freed before the next), timed
+    on its first parameters up to `REDUCE_SAMPLE_BYTES`; 0 for a module without parameters."""
+    sample, taken, _ = _parameter_sample(module)
+    if not taken:
+        return 0.0
+    samples = []
+    for round_ in range(warmup + repeats):
+        start = clock()
+        copies = [p.clone() for p in sample]
+        end = clock()
+        del copies
+        if round_ >= warmup:
+            samples.append(end - start)
+    return summarize(samples)[0] / (taken / 2 ** 20)
 
 
 MESSAGE_SAMPLE_BYTES = 16 * 2 ** 20  # measure_message sends this many bytes per repeat

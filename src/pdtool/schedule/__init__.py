@@ -17,9 +17,9 @@ with each backward split in two, the weight gradients filling the drain: ZB-H1, 
 The package's modules, all pure standard library:
 - `modes`: the mode table (`TABLE`, one `Mode` row of rules per mode; `MODES`, its keys; `rules`),
   `resolve` (a run's effective mode, group and minibatches per step), and the rules that need
-  only plain values (`warmup_forwards`, `weight_lag`, `default_group`, `checkpoint_unit`);
+  only plain values (`warmup_forwards`, `weight_lag`, `copies_per_step`, `default_group`, `checkpoint_unit`);
 - `core`: `Action`, `Schedule` (ranks, text form, `versions`), the rules that need a schedule
-  (`step_group`, `steps`, `stash_depth`) and `peak_versions`;
+  (`step_group`, `steps`, `stash_depth`), `peak_versions` and `stash_copies`;
 - `generator`: `generate`, the schedule of each mode;
 - `lower`: `lower`, every worker's ops with their communication made explicit (`Op`): what
   the runtime, the simulator and the validator read;
@@ -29,11 +29,11 @@ Import the names from here.
 from .check import validate
 from .core import (
     ASYNC_MODES, FLUSH_MODES, KINDS, SPLIT_MODES, TIE_MODES, Action, Schedule, check_parameters, peak_versions,
-    stash_depth, step_group, steps,
+    stash_copies, stash_depth, step_group, steps,
 )
 from .modes import (
-    DEFAULT, DEFAULT_TIED, MODES, TABLE, Mode, Run, checkpoint_unit, default_group, listed, modes_where, resolve,
-    rules, warmup_forwards,
+    DEFAULT, DEFAULT_TIED, MODES, TABLE, Mode, Run, checkpoint_unit, copies_per_step, default_group, listed,
+    modes_where, resolve, rules, warmup_forwards,
 )
 from .generator import generate
 from .lower import ACTIVATION, GRADIENT, Lowered, Op, lower

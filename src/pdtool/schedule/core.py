@@ -315,6 +315,24 @@ def peak_versions(schedule: Schedule) -> dict[int, int]:
             for rank, actions in enumerate(schedule.workers)}
 
 
+def stash_copies(table: dict[tuple[str, int, int], int], actions: Sequence[Action], stage: int) -> dict[int, int]:
+    """Weight stashing's copies of `stage` on one worker whose actions are `actions` (in order;
+    `table` is `Schedule.versions()`): version -> the index in `actions` of the step (U) that
+    replaces it, for every version some action of the stage uses after that step. The worker
+    copies the live weights once for each (before the step, or when a forward first needs them);
+    a version whose every use comes before its step runs on the live weights themselves."""
+    steps_at: list[int] = []
+    last_use: dict[int, int] = {}
+    for index, action in enumerate(actions):
+        if action.stage != stage:
+            continue
+        if action.kind == "U":
+            steps_at.append(index)
+        else:
+            last_use[table[(action.kind, action.stage, action.minibatch)]] = index
+    return {v: steps_at[v] for v, last in last_use.items() if v < len(steps_at) and last > steps_at[v]}
+
+
 def _peak(table: dict[tuple[str, int, int], int], actions: list[Action]) -> int:
     """The most versions of one stage that its actions on one worker (in order) hold at once."""
     created = [0]  # created[v]: the point (actions done) from which version v exists

@@ -225,6 +225,24 @@ def warmup_forwards(replicas: Sequence[int], stage: int, mode: str | None = None
     return base * (rules(mode).warmup if mode is not None else 1)
 
 
+def copies_per_step(mode: str, replicas: Sequence[int], stage: int) -> float:
+    """How many copies of its weights a worker of `stage` makes per step, in the long run
+    (weight stashing keeps a version some action uses after the step that replaces it; exactly:
+    `core.stash_copies` of a schedule). The flushing modes never copy. NEWEST (pipedream): every
+    step of a stage that holds minibatches across it (1F1B's warm-up forwards), none on the last.
+    VERTICAL (vsync): one copy per version stage 0 makes, r_s / r_0 of a stage's steps (at most
+    all). ENTRY (2bw): every step, on every stage (a batch runs on the version it entered with).
+    None on a single stage (data parallelism: every minibatch's backward comes before the step)."""
+    rule = rules(mode)
+    if rule.flushes or len(replicas) == 1:
+        return 0.0
+    if rule.version == VERTICAL:
+        return min(1.0, replicas[stage] / replicas[0])
+    if rule.version == ENTRY:
+        return 1.0
+    return 1.0 if warmup_forwards(replicas, stage) > 0 else 0.0
+
+
 def weight_lag(replicas: Sequence[int], stage: int, mode: str) -> int:
     """How many backwards a worker of `stage` runs before its first W in a mode that splits
     them (then one W after each B, and the rest at the end): the mode's `lag` times the stage's

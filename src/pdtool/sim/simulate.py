@@ -38,6 +38,10 @@ The model (all times in ms):
   (compute + all-reduce) / r per minibatch here, where the planner's default cost model charges
   max(compute, all-reduce) / r: the simulator is the pessimistic side of that comparison.
   All-reduces use links of their own, not those of pipeline messages.
+- Weight copies. Where a later action still uses the version a step replaces (weight stashing:
+  pipedream, vsync and 2bw on every stage that holds a minibatch across its step), the worker
+  copies its stage's parameters before the step (`schedule.stash_copies`, what the runtime's
+  `VersionStore` copies): their bytes at the profile's `copy_ms_per_mib`, added to the step.
 """
 from __future__ import annotations
 
@@ -48,7 +52,7 @@ from typing import Sequence
 
 from ..errors import ScheduleError
 from ..artifacts.plan import MS_PER_S, SYNC_SCALE, Plan
-from ..schedule import Schedule, generate, peak_versions, stash_depth, step_group
+from ..schedule import Schedule, generate, peak_versions, stash_copies, stash_depth, step_group
 from ..schedule.lower import ACTIVATION, COLLECTIVES, Op, collective_key, lower, message
 
 MIB = 2 ** 20
@@ -342,6 +346,20 @@ def _message_bytes(op: Op, s) -> int:
     return s.out_bytes if (op.direction == ACTIVATION) == leaving else s.in_bytes
 
 
+def _stash_copy_ms(plan: Plan, schedule: Schedule) -> dict[tuple[int, int], float]:
+    """(worker, index of one of its U actions) -> ms of the weight copy the worker makes before
+    that step (`stash_copies`: a later action still needs the version it replaces), the stage's
+    parameters at the profile's `copy_ms_per_mib`. None in the flushing modes, whose versions are
+    all done with before their step."""
+    per_mib = plan.profile.copy_ms_per_mib
+    if not per_mib or schedule.rules.flushes:
+        return {}
+    table = schedule.versions()
+    return {(worker, index): plan.stages[stage].param_bytes / MIB * per_mib
+            for worker, actions in enumerate(schedule.workers) for stage in schedule.stages_of(worker)
+            for index in stash_copies(table, actions, stage).values()}
+
+
 class _Run:
     """The state of one simulation; `go` advances every worker through its lowered ops
     (`schedule.lower`) as far as its inputs allow."""
@@ -371,6 +389,7 @@ class _Run:
         # index, bytes, end) of each message that moves bytes
         self.todo: deque[int] = deque(range(n))
         self.queued = set(range(n))
+        self.copies = _stash_copy_ms(plan, schedule)  # (worker, action index of a U) -> its weight copy's ms
 
     def go(self) -> None:
         while self.todo:
@@ -404,7 +423,7 @@ class _Run:
         elif op.kind == "send":
             self._send(worker, op, _message_bytes(op, s), self.keys[worker][index])
         elif op.kind == "step":
-            start, end = self.began[worker], self.free[worker] + s.step_ms
+            start, end = self.began[worker], self.free[worker] + s.step_ms + self.copies.get((worker, op.at), 0.0)
             self.events.append((start, worker, op.at, end))
             self.free[worker] = end
         else:

@@ -13,7 +13,9 @@ and Quadrat, "Synchronization and Linearity", 1992), which Howard's policy itera
 few passes over the arcs (Cochet-Terrasson, Cohen, Gaubert, McGettrick and Quadrat, 1998). The
 graph's nodes follow `_Run` rule for rule (`simulate`'s module doc): receives pay their copy
 unless the message came later, sends pay theirs and occupy their link in the order sent, a
-replicated stage's step starts when its last replica arrives and lasts `allreduce_ms`.
+replicated stage's step starts when its last replica arrives and lasts `allreduce_ms`, and a
+step is longer by the weight copies it makes on average (`copies_per_step`), which the
+simulator charges one by one.
 
 One period covers L minibatches, L the least common multiple of the stages' replicas (each
 worker of stage s runs L / r_s of them). Replicas that share a factor g (g divides every stage's
@@ -46,7 +48,7 @@ import numpy as np
 
 from ..artifacts.plan import MS_PER_S, Plan
 from ..schedule.lower import ACTIVATION, COLLECTIVES, collective_key, message
-from ..schedule.modes import ONE_F_ONE_B, rules, warmup_forwards
+from ..schedule.modes import ONE_F_ONE_B, copies_per_step, rules, warmup_forwards
 from .simulate import MIB, allreduce_ms, backward_reduce_ms, link_bandwidth, link_latency, lowered, worker_rank
 
 MAX_NODES = 400_000
@@ -146,7 +148,9 @@ def _one_period(plan: Plan, mode: str | None, group: int | None, placement: Sequ
         period = reduce(lambda a, b: a * b // math.gcd(a, b), reduced + [steps])
         if len(replicas) * period * 12 > MAX_NODES:
             return None
-        acting = _build(plan, g, reduced, period, graph, steps, run.mode.per_round)
+        copies = [(copies_per_step(run.name, replicas, s), stage.param_bytes / MIB * plan.profile.copy_ms_per_mib)
+                  for s, stage in enumerate(plan.stages)]
+        acting = _build(plan, g, reduced, period, graph, steps, run.mode.per_round, copies=copies)
     if acting is None:
         return None
     ratio = graph.max_cycle_ratio()
@@ -265,12 +269,14 @@ def _evaluate(parent: np.ndarray, weight: np.ndarray, tokens: np.ndarray):
 
 
 def _build(plan: Plan, g: int, reduced: list[int], period: int, graph: _Graph, group: int = 1,
-           per_round: bool = True) -> float | None:
+           per_round: bool = True, copies: Sequence[tuple[float, float]] = ()) -> float | None:
     """The period graph of a 1F1B schedule without flushes on sub-pipeline 0: every worker steps
     after each round of its stage's replicas (`per_round`: pipedream, vsync) or after every
-    `group` minibatches of the pipeline, `group / r_s` of its own (2bw); the acting time (compute and
-    steps) of its workers per period; None where an arc would point forward."""
-    period_graph = _OneFOneB(plan, g, reduced, period, graph)
+    `group` minibatches of the pipeline, `group / r_s` of its own (2bw), a weight copy of `copies[s]`
+    = (copies per step: `copies_per_step`, ms) added to that share of its steps, spread evenly as
+    the schedule spreads them (steps 0, 4, 8, ... at 0.25); the acting time
+    (compute and steps) of its workers per period; None where an arc would point forward."""
+    period_graph = _OneFOneB(plan, g, reduced, period, graph, copies)
     acting = period_graph.units(group, per_round)
     for s in range(len(plan.stages)):
         for i in range(reduced[s]):
@@ -285,9 +291,11 @@ class _OneFOneB:
     messages between them (`messages`), and each link carrying one message at a time in the
     order sent (`link_order`)."""
 
-    def __init__(self, plan: Plan, g: int, reduced: list[int], period: int, graph: _Graph):
+    def __init__(self, plan: Plan, g: int, reduced: list[int], period: int, graph: _Graph,
+                 copies: Sequence[tuple[float, float]] = ()):
         self.plan, self.graph, self.reduced = plan, graph, reduced
         self.stages = plan.stages
+        self.copies = list(copies) or [(0.0, 0.0)] * len(self.stages)
         self.last = len(self.stages) - 1
         self.per_mib = plan.profile.message_ms_per_mib
         self.ranks = [s.ranks[::g] for s in self.stages]
@@ -314,9 +322,14 @@ class _OneFOneB:
             every = 1 if per_round else group // self.reduced[s]  # own minibatches between two steps
             collective = [graph.node() if (u + 1) % every == 0 else None for u in range(self.unit_count[s])]
             reducing = [graph.node() for _ in range(self.unit_count[s])] if self.reduce[s] else None
+            share, copy_ms = self.copies[s]
+            # its k-th step in the period, with a copy where the schedule has one (at k = 0, 1, 2, 4, 5, 6, ... at 0.75)
+            step_ms = [stage.step_ms + copy_ms * (math.ceil((k + 1) * share - 1e-9) - math.ceil(k * share - 1e-9))
+                       for k in range(self.unit_count[s])]
             for i in range(self.reduced[s]):
                 previous = None
                 first = None
+                steps_done = 0
                 for u in range(self.unit_count[s]):
                     ops = {}
 
@@ -347,7 +360,7 @@ class _OneFOneB:
                         ops["AR"] = node = graph.node()
                         graph.arc(collective[u], node, self.took[s])
                         previous = node
-                        chain("U", stage.step_ms)
+                        chain("U", step_ms[steps_done])
                     if s > 0:
                         chain("ra", stage.in_bytes / MIB * self.per_mib)
                     before_send = chain("F", fwd)
@@ -355,8 +368,10 @@ class _OneFOneB:
                         chain("sa", stage.out_bytes / MIB * self.per_mib)
                         ops["sa_from"] = before_send
                     self.nodes[(s, i, u)] = ops
-                    acting += fwd + bwd + self.reduce[s] + (self.took[s] + stage.step_ms if collective[u] is not None
-                                                            else 0.0)
+                    if collective[u] is not None:
+                        acting += self.took[s] + step_ms[steps_done]
+                        steps_done += 1
+                    acting += fwd + bwd + self.reduce[s]
                 node, weight = first
                 graph.arc(previous, node, weight, 1)  # the next period's first op follows this one's last
         return acting

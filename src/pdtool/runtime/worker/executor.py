@@ -29,7 +29,7 @@ from torch.func import functional_call
 from ...model.data import derive_seed
 from ...precision import autocast, message_dtype
 from ...errors import LaunchError
-from ...schedule import Action, Schedule
+from ...schedule import Action, Schedule, stash_copies
 from ..run import OptimizerConfig
 from .gradient_shard import reached
 from .split_backward import ParameterNodes, input_gradients, weight_gradients
@@ -287,21 +287,11 @@ class VersionStore:
         self.uses: dict[int, int] = {}
         for v in self.version_of.values():
             self.uses[v] = self.uses.get(v, 0) + 1
-        self.live_ok = self._done_before_their_step(actions)
+        # the versions some action uses after the step that replaces them: copied (the simulator prices each copy)
+        self.copied = stash_copies(versions, actions, actions[0].stage) if actions else {}
         self.current = 0  # version of the live weights
         self.stashed: dict[int, dict[str, torch.Tensor]] = {}
         self.peak = 0     # most stashed versions held at once (live weights not counted)
-
-    def _done_before_their_step(self, actions: tuple[Action, ...]) -> set[int]:
-        """Versions whose every use comes before the step that replaces them."""
-        last_use: dict[int, int] = {}
-        steps: list[int] = []
-        for index, action in enumerate(actions):
-            if action.kind == "U":
-                steps.append(index)
-            else:
-                last_use[self.version_of[(action.kind, action.minibatch)]] = index
-        return {v for v, index in last_use.items() if v >= len(steps) or index < steps[v]}
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in zip(self.names, self.live)}
@@ -312,7 +302,7 @@ class VersionStore:
 
     def get(self, v: int) -> dict[str, torch.Tensor]:
         """The weights of version v by name: the live ones, or the copy kept of it."""
-        if v == self.current and v in self.live_ok:
+        if v == self.current and v not in self.copied:
             return dict(zip(self.names, self.live))
         if v not in self.stashed:
             if v != self.current:
