@@ -3,7 +3,7 @@ equal to one whole backward (runtime.worker.split_backward)."""
 import pytest
 import torch
 
-from pdtool.runtime.worker.split_backward import ParameterNodes, input_gradients, weight_gradients
+from pdtool.runtime.worker.split_backward import ParameterNodes, add_weight_gradients, input_gradients, weight_gradients
 
 
 def _model():
@@ -89,3 +89,26 @@ def test_an_addmm_that_scales_its_terms_takes_the_autograd_call():
     torch.testing.assert_close(found[0], expected[0])
     for got, want in zip(weight_gradients(pending), expected[1:]):
         torch.testing.assert_close(got, want)
+
+
+def test_the_weight_gradients_of_several_microbatches_add_up_in_place_in_the_weights_gradients(monkeypatch):
+    """`add_weight_gradients` over two microbatches: the weights' `.grad` equals two whole
+    backwards; a Linear weight's second gradient is added into the first (`addmm_`: no product
+    made apart, no temporary the size of the weight)."""
+    products = []
+    real_mm = torch.Tensor.mm
+    monkeypatch.setattr(torch.Tensor, "mm", lambda *a, **k: products.append(1) or real_mm(*a, **k))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4))
+    params = list(model.parameters())
+    xs = [torch.randn(7, 6, requires_grad=True) for _ in range(2)]
+    expected = [sum(g) for g in zip(*(torch.autograd.grad(model(x).square().sum(), params) for x in xs))]
+    made = []
+    for x in xs:
+        _, pending = input_gradients([model(x).square().sum()], [None], [x], params)
+        products.clear()
+        add_weight_gradients(pending, params)
+        made.append(len(products))
+    assert made == [2, 0]  # the two weights' products: made on the first microbatch, added into after
+    for p, want in zip(params, expected):
+        torch.testing.assert_close(p.grad, want)

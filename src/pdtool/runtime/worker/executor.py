@@ -32,7 +32,7 @@ from ...errors import LaunchError
 from ...schedule import Action, Schedule, stash_copies
 from ..run import OptimizerConfig
 from .gradient_shard import reached
-from .split_backward import ParameterNodes, input_gradients, weight_gradients
+from .split_backward import ParameterNodes, add_weight_gradients, input_gradients, weight_gradients
 from .stepper import Stepper
 
 
@@ -248,7 +248,7 @@ class StageWorker:
                     self.reducer.take(i, grad)
         elif pending is not None:
             # the live weights' (a stashed version's gradient too); sharded parameters: the gathered ones'
-            self._add_gradients(weight_gradients(pending), pending.params if self.parameters is not None else None)
+            add_weight_gradients(pending, pending.params if self.parameters is not None else self.live)
         self.weights.used(v)
         self.stepper.backwards += 1
 

@@ -105,12 +105,15 @@ def input_gradients(roots: list[torch.Tensor], seeds, inputs: list[torch.Tensor]
     return list(found), pending
 
 
-def weight_gradients(pending: Pending) -> list[torch.Tensor | None]:
+def weight_gradients(pending: Pending, into: list[torch.Tensor] | None = None) -> list[torch.Tensor | None]:
     """The gradients of `pending.params` (None where a parameter gets none), from the saved
-    gradients, without running the input part of any node again."""
+    gradients, without running the input part of any node again. With `into` (tensors in the
+    order of `pending.params`), a Linear layer's weight gradient goes straight into
+    `into[i].grad` where one is there (`addmm_`: no product made apart, no temporary the size of
+    the weight) and comes back as None; `add_weight_gradients` adds the rest."""
     grads: list[torch.Tensor | None] = [None] * len(pending.params)
     for indices, nodes, saved in pending.groups:
-        found = _linear_weight_gradients(nodes, saved, indices, pending.accumulators)
+        found = _linear_weight_gradients(nodes, saved, indices, pending.accumulators, into)
         if found is not None:
             for i, grad in found.items():
                 grads[i] = grad
@@ -145,10 +148,20 @@ def weight_gradients(pending: Pending) -> list[torch.Tensor | None]:
 _LINEAR_NODES = {"AddmmBackward0": ("_saved_mat1", 2, 0), "MmBackward0": ("_saved_self", 1, None)}
 
 
-def _linear_weight_gradients(nodes: list, saved: dict, indices: list[int], accumulators: dict) -> dict | None:
+def add_weight_gradients(pending: Pending, into: list[torch.Tensor]) -> None:
+    """Add the gradients of `pending.params` to the `.grad` of `into` (the same order): the W
+    of a split backward on the weights it trains."""
+    for target, grad in zip(into, weight_gradients(pending, into)):
+        if grad is not None:
+            target.grad = grad.detach() if target.grad is None else target.grad.add_(grad)
+
+
+def _linear_weight_gradients(nodes: list, saved: dict, indices: list[int], accumulators: dict,
+                             into: list[torch.Tensor] | None = None) -> dict | None:
     """{param index: gradient} of a group that is one Linear layer's weight (and bias), computed
-    from the node's saved input and the gradient saved before it; None where the group is
-    anything else (the autograd call then computes it)."""
+    from the node's saved input and the gradient saved before it (with `into`: a weight's added
+    to `into[i].grad` where there is one, and None); None where the group is anything else (the
+    autograd call then computes it)."""
     if len(nodes) != 1:
         return None
     node = nodes[0]
@@ -170,8 +183,16 @@ def _linear_weight_gradients(nodes: list, saved: dict, indices: list[int], accum
     if None in kinds:
         return None
     x = getattr(node, saved_input)
+    found = {}
     with torch.no_grad():  # the saved input may require grad (a stage's received activation): no graph here
-        return {i: grad.t().mm(x) if kind == "weight" else grad.sum(0) for i, kind in zip(indices, kinds)}
+        for i, kind in zip(indices, kinds):
+            held = None if into is None else into[i].grad
+            if held is not None and kind == "weight" and held.dtype == grad.dtype == x.dtype:
+                held.addmm_(grad.t(), x)
+                found[i] = None
+            else:
+                found[i] = grad.t().mm(x) if kind == "weight" else grad.sum(0)
+    return found
 
 
 def _closure(starts, parents) -> set:
