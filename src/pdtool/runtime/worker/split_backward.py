@@ -16,7 +16,9 @@ A Linear layer's node (AddmmBackward0 of bias + x @ W.t(), MmBackward0 without a
 group is just its weight and bias gets its W computed directly from what the node saved:
 gradient.t() @ x and gradient.sum(0), the same products the node would compute. An autograd
 call costs about 50 us of fixed work, a 128-wide layer's matmul a few; a stage of such layers
-would otherwise pay one call per layer in every W.
+would otherwise pay one call per layer in every W. Where the weight already holds a gradient
+(every microbatch of a group after the first), `add_weight_gradients` adds the product into it
+(`addmm_`) instead of making it apart and adding it: one pass over the weight's memory fewer.
 """
 from __future__ import annotations
 
