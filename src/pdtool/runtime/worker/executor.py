@@ -10,10 +10,14 @@ optimizer steps; the schedule says which version every forward and backward uses
 (`Schedule.versions`). A forward runs the stage with `torch.func.functional_call` on the
 tensors of its version (or, when that is the live weights, calls the module itself: swapping
 parameters in costs ~0.1 ms a forward on small layers), so autograd records exactly those
-tensors and the backward computes gradients for that version, however many steps the live weights have taken since (weight
-stashing without swapping `.data`). Versions are copies of the live weights, made lazily: the
-live weights are copied when a forward needs the current version, and before a step when a
-later action still needs the current version. A version is freed after its last use.
+tensors and the backward computes gradients for that version, however many steps the live weights have taken since
+(weight stashing). A version a later action needs after the step that replaces it is kept
+without copying at the forward: a forward on it runs on views of the live weights (`.data`),
+and before the step the live weights move to a copy of their storage (`p.data = p.data.clone()`,
+or a copy of the sharded optimizer's flat buffer), leaving the old storage to the version: one
+copy per kept version (`schedule.stash_copies`, which the simulator prices), made after the
+backwards that free older versions, so a worker holds the live weights and the versions in
+flight, as the memory model plans. A version is freed after its last use.
 
 **Gradients.** Each backward adds its parameter gradients to the live weights' `.grad` and is
 counted; the step (`stepper.Stepper`: the mean over the replicas, clipping, the learning rate,
@@ -33,6 +37,7 @@ from ...schedule import Action, Schedule, stash_copies
 from ..run import OptimizerConfig
 from .gradient_shard import reached
 from .split_backward import ParameterNodes, add_weight_gradients, input_gradients, weight_gradients
+from .optimizer_shard import ShardedOptimizer
 from .stepper import Stepper
 
 
@@ -70,6 +75,8 @@ class StageWorker:
         self.stepper = Stepper(stage=stage, schedule=schedule, names=self.names, live=self.live, weights=self.weights,
                                optimizer=optimizer, first=first, no_decay=no_decay, model_parameters=model_parameters,
                                precision=precision, sharded=sharded, replica=replica, parameters=parameters)
+        if isinstance(self.stepper.optimizer, ShardedOptimizer):  # the live weights view its flat buffers
+            self.weights.fresh_storage = self.stepper.optimizer.fresh_storage
         # --shard parameters (`parameter_shard`): `live` are this replica's shards; FSDP gathers what the graph uses
         self.parameters = parameters
         # minibatch -> (input leaves, outputs, version, weights); recomputing, (inputs, target, version, weights)
@@ -291,24 +298,35 @@ class VersionStore:
         self.copied = stash_copies(versions, actions, actions[0].stage) if actions else {}
         self.current = 0  # version of the live weights
         self.stashed: dict[int, dict[str, torch.Tensor]] = {}
+        self.sharing: int | None = None  # the version whose stash still shares the live weights' storage
         self.peak = 0     # most stashed versions held at once (live weights not counted)
+        # gives the live weights new storage (a copy of theirs), leaving the old to the views that hold it
+        self.fresh_storage: Callable[[], None] = self._fresh_storage
 
-    def _snapshot(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in zip(self.names, self.live)}
+    def _fresh_storage(self) -> None:
+        with torch.no_grad():
+            for p in self.live:
+                p.data = p.data.clone()
 
-    def _stash(self, v: int) -> None:
-        self.stashed[v] = self._snapshot()
-        self.peak = max(self.peak, len(self.stashed))
+    def _view(self) -> dict[str, torch.Tensor]:
+        """The live weights as a version of their own: views of their storage (no copy), which
+        `keep_current` leaves that storage to when the live weights step. `.data`, not `detach()`:
+        a view with a version counter of its own, which the live weights' in-place steps on their
+        new storage do not touch (autograd would take them for changes of what it saved)."""
+        return {n: p.data.requires_grad_(p.requires_grad) for n, p in zip(self.names, self.live)}
 
     def get(self, v: int) -> dict[str, torch.Tensor]:
-        """The weights of version v by name: the live ones, or the copy kept of it."""
+        """The weights of version v by name: the live ones, or the version kept of it. The current
+        version that a later action needs after the step is views of the live weights until the
+        step (`keep_current`), so that a forward on it copies nothing and the copy the step makes
+        comes after the backwards that free older versions."""
         if v == self.current and v not in self.copied:
             return dict(zip(self.names, self.live))
         if v not in self.stashed:
             if v != self.current:
                 raise LaunchError(f"weight version {v} was needed but not kept (live version {self.current}); the "
                                   "schedule is inconsistent")
-            self._stash(v)
+            self.stashed[v], self.sharing = self._view(), v
         return self.stashed[v]
 
     def used(self, v: int) -> None:
@@ -316,11 +334,20 @@ class VersionStore:
         self.uses[v] -= 1
         if self.uses[v] == 0:
             self.stashed.pop(v, None)
+            if self.sharing == v:
+                self.sharing = None
 
     def keep_current(self) -> None:
-        """Before the live weights change: keep a copy of their version if a later action needs it."""
-        if self.uses.get(self.current, 0) > 0 and self.current not in self.stashed:
-            self._stash(self.current)
+        """Before the live weights change: keep their version if a later action needs it. The
+        version keeps the live weights' storage (views of it; what a forward on it recorded) and
+        the live weights step on a copy: one copy per kept version, made here."""
+        if self.uses.get(self.current, 0) > 0:
+            if self.current not in self.stashed:
+                self.stashed[self.current], self.sharing = self._view(), self.current
+            if self.sharing == self.current:
+                self.fresh_storage()
+                self.sharing = None
+            self.peak = max(self.peak, len(self.stashed))  # every kept version now holds storage of its own
 
     def advance(self) -> None:
         """The live weights took a step: a new version, the old one's copy gone if nothing needs it."""

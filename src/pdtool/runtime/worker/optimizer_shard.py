@@ -69,6 +69,18 @@ class _Group:
                     self.pieces.append((p, a - offset, a, torch.nn.Parameter(self.buffer[a:b])))
                 offset += n
 
+    def fresh_storage(self) -> None:
+        """The weights and pieces onto a copy of the buffer, the old one left to whatever views
+        it (a kept weight version: `VersionStore.keep_current`)."""
+        with torch.no_grad():
+            self.buffer = self.buffer.clone()
+            offset = 0
+            for p in self.params:
+                p.data = self.buffer[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+            for _, _, start, piece in self.pieces:
+                piece.data = self.buffer[start:start + piece.numel()]
+
     def gather(self, gather: Gather, source: torch.Tensor | None = None) -> torch.Tensor:
         """`source` (laid out as the buffer; default: the weights' buffer) with every replica's
         slice from that replica, in place."""
@@ -133,6 +145,11 @@ class ShardedOptimizer:
             self.holds_state = True
             for group in self.layout:
                 group.gather(self._gather)
+
+    def fresh_storage(self) -> None:
+        """Every group's weights onto a copy of their buffer (`_Group.fresh_storage`)."""
+        for group in self.layout:
+            group.fresh_storage()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Let every gradient go: the pieces' views and the live weights' own (a sharded
