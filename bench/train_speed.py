@@ -61,7 +61,8 @@ beside torch's Schedule1F1B, whose messages go over gloo too.
 Then the chunk rows (issue 37): pdtool's interleaved, zbv and dualpipev against torch's
 ScheduleInterleaved1F1B, ScheduleZBVZeroBubble and ScheduleDualPipeV on the same plan (2 chunks on
 each of 2 workers, `make_chunked_plan`), with the prediction and the limit (the busiest worker's
-chunks' forward+backward measured alone).
+chunks' forward+backward measured alone). Each chunk row runs its two contenders and the stages
+alone `--rounds` times (3), alternated, and takes each one's fastest run (~1 minute a round).
 """
 from __future__ import annotations
 
@@ -522,12 +523,14 @@ def overhead_rows(m: int, warmup: int, minibatches: int, repeats: int = 10,
 
 
 def chunk_rows(profile, ref: ModelRef, batch: int, m: int, warmup: int, minibatches: int, bandwidth: str,
-               modes=tuple(CHUNKED_TORCH)) -> list[tuple[str, bool, str]]:
+               modes=tuple(CHUNKED_TORCH), rounds: int = 3) -> list[tuple[str, bool, str]]:
     """The chunk rows: pdtool's interleaved, zbv and dualpipev against torch's schedule of the same
     name on the same plan (`make_chunked_plan`: 2 chunks on each of 2 workers, the same layers,
     placement, microbatches and optimizer), each with its prediction (`simulate`) and the limit
-    (the busiest worker's chunks' forward+backward, measured alone). Prints a table; returns
-    its targets."""
+    (the busiest worker's chunks' forward+backward, measured alone). Each contender runs `rounds`
+    times, alternated with the other one and with the stages alone, and counts with its fastest
+    run: a slow spell of this VM (15-40% within minutes) then has to last a whole row to move
+    its ratio. Prints a table; returns its targets."""
     from pdtool.planner.chunks import make_chunked_plan
 
     rows = []
@@ -539,17 +542,23 @@ def chunk_rows(profile, ref: ModelRef, batch: int, m: int, warmup: int, minibatc
             path = Path(folder) / f"{mode}.plan.json"
             plan.save(path)
             setup = Setup(str(path), ref, batch, m, warmup, minibatches)
-            _say(f"chunk rows: {mode}: each stage alone")
-            alone = _stage_times(setup)
+            alone_runs, our_runs, their_runs = [], [], []
+            for r in range(1, rounds + 1):
+                _say(f"chunk rows: {mode}, round {r} of {rounds}: each stage alone")
+                alone_runs.append(_stage_times(setup))
+                _say(f"chunk rows: {mode}, round {r} of {rounds}: pdtool")
+                our_runs.append(_pdtool(setup, mode))
+                _say(f"chunk rows: {mode}, round {r} of {rounds}: torch {torch_name}")
+                their_runs.append(_spawn(_pipelining_chunks, setup, torch_name))
+            alone = [min(times) for times in zip(*alone_runs)]  # each stage's fastest
+            ours, _, actions, _ = min(our_runs, key=lambda run: run[0])
+            theirs = min(their_runs)
+            ratios = [t / o[0] for o, t in zip(our_runs, their_runs)]
             limit = max(sum(t for s, t in enumerate(alone) if plan.placement[s] == w) for w in (0, 1))
             profiled = max(sum(st.fwd_ms + st.bwd_ms for s, st in enumerate(plan.stages) if plan.placement[s] == w)
                            for w in (0, 1))
             predicted = simulate(plan, minibatches=max(minibatches, 8 * m)).time_per_minibatch_ms
-            _say(f"chunk rows: pdtool {mode}")
-            ours, _, actions, _ = _pdtool(setup, mode)
-            _say(f"chunk rows: torch {torch_name}")
-            theirs = _spawn(_pipelining_chunks, setup, torch_name)
-            rows.append((mode, torch_name, plan, ours, theirs, predicted, limit, limit / profiled, actions))
+            rows.append((mode, torch_name, plan, ours, theirs, predicted, limit, limit / profiled, actions, ratios))
     print(f"\nchunk rows: {ref.spec} {ref.kwargs}, microbatch {batch}, m = {m}, 2 workers x 2 chunks "
           f"(pd plan --virtual-stages 2 --mode M --group {m} on 2x{bandwidth}); both sides run the same stages "
           "(pdtool's `plan_stages`), placed as the plan places them")
@@ -557,7 +566,7 @@ def chunk_rows(profile, ref: ModelRef, batch: int, m: int, warmup: int, minibatc
           "speed-up | predicted ms | measured / predicted | at the machine's speed | share of the limit |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     checks = []
-    for mode, torch_name, plan, ours, theirs, predicted, limit, speed, _ in rows:
+    for mode, torch_name, plan, ours, theirs, predicted, limit, speed, *_ in rows:
         where = " / ".join(",".join(str(s) for s, w in enumerate(plan.placement) if w == worker) for worker in (0, 1))
         at_speed = ours / (predicted * speed)
         print(f"| {mode} | {where} | {ours:.1f} | {torch_name} | {theirs:.1f} | {theirs / ours:.2f}x | "
@@ -569,7 +578,9 @@ def chunk_rows(profile, ref: ModelRef, batch: int, m: int, warmup: int, minibatc
                     abs(at_speed - 1) <= 0.10, f"{at_speed:.2f}"),
                    (f"pdtool {mode} at 0.9 of the limit (the busiest worker's chunks alone)", limit / ours >= 0.9,
                     f"{limit / ours:.2f}")]
-    for mode, _, _, ours, *_, actions in rows:
+    print(f"each contender's fastest of {rounds} runs, alternated; the speed-up of each round (that round's "
+          "runs): " + "; ".join(f"{mode} {' / '.join(f'{r:.2f}x' for r in ratios)}" for mode, *_, ratios in rows))
+    for mode, _, _, ours, *_, actions, _ in rows:
         if any(sum(a.values()) for a in actions):
             parts = "; ".join(f"worker {w} F {a['F']:.1f} B {a['B']:.1f} W {a['W']:.1f} U {a['U']:.1f} rest "
                               f"{ours - sum(a.values()):.1f}" for w, a in enumerate(actions))
@@ -594,6 +605,8 @@ def main() -> None:
     parser.add_argument("--bandwidth", default="10GB/s", help="the link the plan is made for")
     parser.add_argument("--only", choices=("main", "overhead", "chunks"),
                         help="run one part: the main table, the overhead rows or the chunk rows")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="chunk rows: runs of each contender, alternated; each counts with its fastest")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few minibatches: that it runs, not its figures")
     args = parser.parse_args()
     # the workers' forkserver, forked now as pd train forks it (before any torch work), with the contenders' modules
@@ -617,7 +630,8 @@ def main() -> None:
     chunk_m = max(2 * m, 4)
     chunk_runs = dict(warmup=max(args.warmup, chunk_m) // chunk_m * chunk_m,
                       minibatches=max(args.minibatches, chunk_m) // chunk_m * chunk_m,
-                      modes=("zbv",) if args.smoke else tuple(CHUNKED_TORCH))  # the smoke: one V and split backward
+                      modes=("zbv",) if args.smoke else tuple(CHUNKED_TORCH),  # the smoke: one V and split backward
+                      rounds=1 if args.smoke else max(args.rounds, 1))
     if args.only == "chunks":
         _verdicts(chunk_rows(profile, ref, args.batch, chunk_m, bandwidth=args.bandwidth, **chunk_runs), True)
         return

@@ -91,6 +91,21 @@ def test_a_message_of_small_tensors_is_one_transfer_and_arrives_whole(monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(got, tensors)) and not sent
 
 
+def test_a_posted_receive_has_arrived_once_its_transfers_completed(monkeypatch):
+    done = []
+
+    class Work:
+        def is_completed(self):
+            return bool(done)
+
+    fake_routes(monkeypatch, FakeGroup([], recv=lambda tensors, src, tag: Work()))
+    link = comm.Link(torch.device("cpu"), window=2)
+    link.post_recv((comm.ACTIVATION, 3), 0, [comm.BoundaryTensor("x", (4, 8), torch.float32)], comm.ACTIVATION)
+    assert not link.arrived((comm.ACTIVATION, 3))
+    done.append(True)
+    assert link.arrived((comm.ACTIVATION, 3))
+
+
 @pytest.mark.parametrize("stages, rank, expected", [
     ([(0,), (1,), (2,)], 1, {(0, 0), (0, 1), (2, 0), (2, 1)}),
     ([(0, 1), (2,)], 2, {(0, 0), (0, 1), (1, 0), (1, 1)}),

@@ -50,6 +50,21 @@ def test_messages_come_back_equal_in_order_around_the_ring(tmp_path):
     assert sender.written == receiver.taken == 7
 
 
+def test_arrived_says_whether_the_next_message_is_in_the_ring(tmp_path):
+    sender, receiver = pair(tmp_path, slots=2)
+    assert not receiver.arrived()
+    sender.put(LAYOUT, message(0), 0, "w")
+    assert receiver.arrived()
+    receiver.take(LAYOUT, SPECS, 0, "w")
+    assert not receiver.arrived()
+    link = comm.Link(torch.device("cpu"), window=2, rings={(1, comm.ACTIVATION, True): receiver})
+    link.post_recv((comm.ACTIVATION, 1), 1, SPECS, comm.ACTIVATION)
+    assert not link.arrived((comm.ACTIVATION, 1))
+    sender.put(LAYOUT, message(1), 1, "w")
+    assert link.arrived((comm.ACTIVATION, 1))
+    assert_message(link.wait_recv((comm.ACTIVATION, 1)), 1)
+
+
 def test_a_taken_message_owns_its_memory_the_slot_can_be_reused(tmp_path):
     sender, receiver = pair(tmp_path, slots=1)
     sender.put(LAYOUT, message(0), 0, "w")

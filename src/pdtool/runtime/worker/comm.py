@@ -242,6 +242,13 @@ class Link:
             self._wait(work, f"the {_WHAT[key[0]]} of minibatch {key[1]} from rank {peer}", peer)
         return shape.unpack(buffer, alone, specs)
 
+    def arrived(self, key: tuple[int, int]) -> bool:
+        """Whether message `key` (posted) is here already: `wait_recv` would not wait for it."""
+        works, _, peer = self.pending[key]
+        if works is None:
+            return self.rings[(peer, key[0], True)].arrived()
+        return all(work.is_completed() for work in works)
+
     def send(self, tensors: list[torch.Tensor], peer: int, minibatch: int, direction: int) -> None:
         """Send without waiting; the tensors are kept alive until the transfer is confirmed."""
         ring = self.rings.get((peer, direction, False))

@@ -137,6 +137,10 @@ class Ring:
         self.written = k + 1
         self.counters[_WRITTEN] = self.written  # after the slot's bytes (x86 stores stay in order)
 
+    def arrived(self) -> bool:
+        """Whether the next message is in the ring already (taking it would not wait)."""
+        return int(self.counters[_WRITTEN]) > self.taken
+
     def take(self, layout, specs, minibatch: int, what: str) -> list[torch.Tensor]:
         """Wait for the next message, copy it out of its slot and free the slot."""
         k = self.taken
