@@ -62,7 +62,7 @@ Then the chunk rows (issue 37): pdtool's interleaved, zbv and dualpipev against 
 ScheduleInterleaved1F1B, ScheduleZBVZeroBubble and ScheduleDualPipeV on the same plan (2 chunks on
 each of 2 workers, `make_chunked_plan`), with the prediction and the limit (the busiest worker's
 chunks' forward+backward measured alone). Each chunk row runs its two contenders and the stages
-alone `--rounds` times (3), alternated, and takes each one's fastest run (~1 minute a round).
+alone `--rounds` times (3), alternated, and takes each one's median step (~1 minute a round).
 """
 from __future__ import annotations
 
@@ -171,18 +171,22 @@ def _entry(rank: int, fn, port: int, setup: Setup, queue, extra) -> None:
     os._exit(0)  # the result is sent: skip interpreter teardown, where a late C++ destructor can abort
 
 
-def _timed(setup: Setup, run_step, rank: int, queue) -> None:
-    """Warm-up steps, barrier, timed steps, barrier; rank 0 reports ms per minibatch."""
+def _timed(setup: Setup, run_step, rank: int, queue, per_step: bool = False) -> None:
+    """Warm-up steps, barrier, timed steps, barrier; rank 0 reports ms per minibatch (`per_step`:
+    of each step, from when its step calls returned; a schedule that drains every step ends its
+    steps there)."""
     steps = setup.warmup // setup.group
     for step in range(steps):
         run_step(step)
     dist.barrier()
-    start = time.perf_counter()
+    ends = [time.perf_counter()]
     for step in range(steps, steps + setup.minibatches // setup.group):
         run_step(step)
+        ends.append(time.perf_counter())
     dist.barrier()
     if rank == 0:
-        queue.put((time.perf_counter() - start) * 1e3 / setup.minibatches)
+        queue.put([(b - a) * 1e3 / setup.group for a, b in zip(ends, ends[1:])] if per_step else
+                  (time.perf_counter() - ends[0]) * 1e3 / setup.minibatches)
 
 
 # ----- is the machine free? -----------------------------------------------------------------
@@ -279,7 +283,7 @@ def _pipelining_chunks(rank: int, world: int, setup: Setup, queue, schedule_name
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    _timed(setup, run_step, rank, queue)
+    _timed(setup, run_step, rank, queue, per_step=True)
 
 
 # ----- DDP and one process ------------------------------------------------------------------
@@ -362,10 +366,11 @@ def _stages_at_once(rank: int, world: int, setup: Setup, queue) -> None:
 
 # ----- pdtool -------------------------------------------------------------------------------
 
-def _pdtool(setup: Setup, mode: str, transport: str = "auto") -> tuple[float, float, list[dict[str, float]], str]:
+def _pdtool(setup: Setup, mode: str, transport: str = "auto") -> tuple[float, float, list[dict[str, float]], str, list[float]]:
     """`pd train --mode mode`, as `launch` runs it: steady-state ms per minibatch, start-up s of one
     launch (its wall time less the workers' own), per rank the ms per minibatch spent inside F, B
-    and U actions (zeros where the reports carry no events), and how the time was measured.
+    and U actions (zeros where the reports carry no events), how the time was measured, and the
+    ms per minibatch of each timed step (empty where the reports do not tell).
 
     Where the last stage reports when each backward ended (`WorkerReport.finished`), one launch
     of warm-up + N minibatches is timed from the end of minibatch warm-up - 1 to the end of the
@@ -386,11 +391,15 @@ def _pdtool(setup: Setup, mode: str, transport: str = "auto") -> tuple[float, fl
 
     first, end = setup.warmup - 1, setup.warmup + setup.minibatches - 1
     reports, start_up = run(setup.warmup + setup.minibatches)
-    finished = getattr(reports[-1], "finished", None) or {}
+    finished = {b: t for r in reports for b, t in (getattr(r, "finished", None) or {}).items()}  # the last stage's worker
+    steps = []
     if first in finished and end in finished:
         window = (finished[first], finished[end])
         actions = [_action_seconds(r, window) for r in reports]
         ms, how = (window[1] - window[0]) * 1e3 / setup.minibatches, "last stage's backward end times (one launch)"
+        bounds = [finished.get(b) for b in range(first, end + 1, per_step)]
+        if None not in bounds:
+            steps = [(b - a) * 1e3 / per_step for a, b in zip(bounds, bounds[1:])]
     else:
         short, _ = run(setup.warmup)
         ms = (max(r.wall_s for r in reports) - max(r.wall_s for r in short)) * 1e3 / setup.minibatches
@@ -398,7 +407,7 @@ def _pdtool(setup: Setup, mode: str, transport: str = "auto") -> tuple[float, fl
                    for r, s in zip(reports, short)]
         how = "slope of the workers' wall_s between two launches"
     per_minibatch = [{k: v * 1e3 / setup.minibatches for k, v in a.items()} for a in actions]
-    return ms, start_up, per_minibatch, how
+    return ms, start_up, per_minibatch, how, steps
 
 
 def _measured_bubble(actions: list[dict[str, float]], ms: float) -> float:
@@ -528,9 +537,11 @@ def chunk_rows(profile, ref: ModelRef, batch: int, m: int, warmup: int, minibatc
     name on the same plan (`make_chunked_plan`: 2 chunks on each of 2 workers, the same layers,
     placement, microbatches and optimizer), each with its prediction (`simulate`) and the limit
     (the busiest worker's chunks' forward+backward, measured alone). Each contender runs `rounds`
-    times, alternated with the other one and with the stages alone, and counts with its fastest
-    run: a slow spell of this VM (15-40% within minutes) then has to last a whole row to move
-    its ratio. Prints a table; returns its targets."""
+    times, alternated with the other one and with the stages alone, and its time is the median
+    of all its timed steps (each step drains the pipeline: one group of microbatches): this VM's
+    speed moves 15-60% within seconds (a 1-thread matmul: 11.1-17.8 ms over 40 s), and a slow
+    spell then has to cover half of a contender's steps to move its figure. Prints a table;
+    returns its targets."""
     from pdtool.planner.chunks import make_chunked_plan
 
     rows = []
@@ -550,10 +561,11 @@ def chunk_rows(profile, ref: ModelRef, batch: int, m: int, warmup: int, minibatc
                 our_runs.append(_pdtool(setup, mode))
                 _say(f"chunk rows: {mode}, round {r} of {rounds}: torch {torch_name}")
                 their_runs.append(_spawn(_pipelining_chunks, setup, torch_name))
-            alone = [min(times) for times in zip(*alone_runs)]  # each stage's fastest
-            ours, _, actions, _ = min(our_runs, key=lambda run: run[0])
-            theirs = min(their_runs)
-            ratios = [t / o[0] for o, t in zip(our_runs, their_runs)]
+            alone = [statistics.median(times) for times in zip(*alone_runs)]
+            ours = statistics.median(step for run in our_runs for step in run[4] or [run[0]])
+            theirs = statistics.median(step for run in their_runs for step in run)
+            actions = min(our_runs, key=lambda run: abs(run[0] - ours))[2]  # the run nearest the median's
+            ratios = [statistics.median(t) / statistics.median(o[4] or [o[0]]) for o, t in zip(our_runs, their_runs)]
             limit = max(sum(t for s, t in enumerate(alone) if plan.placement[s] == w) for w in (0, 1))
             profiled = max(sum(st.fwd_ms + st.bwd_ms for s, st in enumerate(plan.stages) if plan.placement[s] == w)
                            for w in (0, 1))
@@ -578,8 +590,8 @@ def chunk_rows(profile, ref: ModelRef, batch: int, m: int, warmup: int, minibatc
                     abs(at_speed - 1) <= 0.10, f"{at_speed:.2f}"),
                    (f"pdtool {mode} at 0.9 of the limit (the busiest worker's chunks alone)", limit / ours >= 0.9,
                     f"{limit / ours:.2f}")]
-    print(f"each contender's fastest of {rounds} runs, alternated; the speed-up of each round (that round's "
-          "runs): " + "; ".join(f"{mode} {' / '.join(f'{r:.2f}x' for r in ratios)}" for mode, *_, ratios in rows))
+    print(f"each contender's time: the median step of {rounds} runs, alternated; the speed-up of each round (the "
+          "medians of that round's runs): " + "; ".join(f"{mode} {' / '.join(f'{r:.2f}x' for r in ratios)}" for mode, *_, ratios in rows))
     for mode, _, _, ours, *_, actions, _ in rows:
         if any(sum(a.values()) for a in actions):
             parts = "; ".join(f"worker {w} F {a['F']:.1f} B {a['B']:.1f} W {a['W']:.1f} U {a['U']:.1f} rest "
@@ -664,7 +676,7 @@ def main() -> None:
         measure("one process", lambda: _single(setup))
         for mode in MODES_RUN:
             gauge = max(_spawn(_stages_at_once, setup))
-            _, start_up[mode], actions[mode], how = measure(f"pdtool {mode}", lambda: _pdtool(setup, mode),
+            _, start_up[mode], actions[mode], how, _ = measure(f"pdtool {mode}", lambda: _pdtool(setup, mode),
                                                             lambda r: r[0])
             speed[f"pdtool {mode}"] = (gauge + max(_spawn(_stages_at_once, setup))) / 2 / max(stage_ms)
         for name in ("Schedule1F1B", "ScheduleGPipe", "ScheduleInterleavedZeroBubble"):
