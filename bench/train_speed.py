@@ -561,6 +561,8 @@ def chunk_rows(profile, ref: ModelRef, batch: int, m: int, warmup: int, minibatc
                 our_runs.append(_pdtool(setup, mode))
                 _say(f"chunk rows: {mode}, round {r} of {rounds}: torch {torch_name}")
                 their_runs.append(_spawn(_pipelining_chunks, setup, torch_name))
+            busiest = [max(sum(t for s, t in enumerate(times) if plan.placement[s] == w) for w in (0, 1))
+                       for times in alone_runs]  # the machine's speed, round by round
             alone = [statistics.median(times) for times in zip(*alone_runs)]
             ours = statistics.median(step for run in our_runs for step in run[4] or [run[0]])
             theirs = statistics.median(step for run in their_runs for step in run)
@@ -570,7 +572,8 @@ def chunk_rows(profile, ref: ModelRef, batch: int, m: int, warmup: int, minibatc
             profiled = max(sum(st.fwd_ms + st.bwd_ms for s, st in enumerate(plan.stages) if plan.placement[s] == w)
                            for w in (0, 1))
             predicted = simulate(plan, minibatches=max(minibatches, 8 * m)).time_per_minibatch_ms
-            rows.append((mode, torch_name, plan, ours, theirs, predicted, limit, limit / profiled, actions, ratios))
+            rows.append((mode, torch_name, plan, ours, theirs, predicted, limit, limit / profiled, actions,
+                         (ratios, busiest)))
     print(f"\nchunk rows: {ref.spec} {ref.kwargs}, microbatch {batch}, m = {m}, 2 workers x 2 chunks "
           f"(pd plan --virtual-stages 2 --mode M --group {m} on 2x{bandwidth}); both sides run the same stages "
           "(pdtool's `plan_stages`), placed as the plan places them")
@@ -591,7 +594,10 @@ def chunk_rows(profile, ref: ModelRef, batch: int, m: int, warmup: int, minibatc
                    (f"pdtool {mode} at 0.9 of the limit (the busiest worker's chunks alone)", limit / ours >= 0.9,
                     f"{limit / ours:.2f}")]
     print(f"each contender's time: the median step of {rounds} runs, alternated; the speed-up of each round (the "
-          "medians of that round's runs): " + "; ".join(f"{mode} {' / '.join(f'{r:.2f}x' for r in ratios)}" for mode, *_, ratios in rows))
+          "medians of that round's runs): " + "; ".join(f"{mode} {' / '.join(f'{r:.2f}x' for r in ratios)}"
+                                                        for mode, *_, (ratios, _) in rows)
+          + "; the busiest worker's chunks alone, round by round (this machine's drift): "
+          + "; ".join(f"{mode} {' / '.join(f'{t:.1f}' for t in busiest)} ms" for mode, *_, (_, busiest) in rows))
     for mode, _, _, ours, *_, actions, _ in rows:
         if any(sum(a.values()) for a in actions):
             parts = "; ".join(f"worker {w} F {a['F']:.1f} B {a['B']:.1f} W {a['W']:.1f} U {a['U']:.1f} rest "
