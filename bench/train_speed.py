@@ -63,7 +63,7 @@ ScheduleInterleaved1F1B, ScheduleZBVZeroBubble and ScheduleDualPipeV on the same
 each of 2 workers, `make_chunked_plan`), with the prediction and the limit (the busiest worker's
 chunks' forward+backward measured alone). Each chunk row runs its two contenders and the stages
 alone `--rounds` times (6; 4 steps timed a run), alternated: each contender's time is its median
-step, pdtool's speed-up the median of the rounds' paired ratios (~5 minutes in all).
+step, pdtool's speed-up the median of the rounds' paired ratios (~4 minutes in all).
 """
 from __future__ import annotations
 
